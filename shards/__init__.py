@@ -1,0 +1,33 @@
+"""The hidden-state cache: the contract between dflash-extract and dflash-train (format version 1)."""
+
+from .codec import decode_hidden, encode_hidden
+from .format import (
+    FORMAT_VERSION,
+    CacheConfig,
+    CacheFormatError,
+    TargetInfo,
+    bytes_per_shard,
+    shard_path,
+    tensor_specs,
+)
+from .loader import LoadedShard, ShardLoader
+from .manifest import read_manifest, rebuild_manifest, write_manifest
+from .order import epoch_shard_order
+from .reader import (
+    ShardError,
+    ShardInfo,
+    ShardReader,
+    allocate_shard_buffers,
+    list_shards,
+    load_target_head,
+    read_cache_config,
+)
+from .writer import SampleEntry, clean_partial_shards, create_cache, write_cache_config, write_shard
+
+__all__ = [
+    "FORMAT_VERSION", "CacheConfig", "CacheFormatError", "TargetInfo", "bytes_per_shard", "shard_path",
+    "tensor_specs", "decode_hidden", "encode_hidden", "LoadedShard", "ShardLoader", "read_manifest",
+    "rebuild_manifest", "write_manifest", "epoch_shard_order", "ShardError", "ShardInfo", "ShardReader",
+    "allocate_shard_buffers", "list_shards", "load_target_head", "read_cache_config", "SampleEntry",
+    "clean_partial_shards", "create_cache", "write_cache_config", "write_shard",
+]

@@ -1,0 +1,62 @@
+"""Durable writes: a file appears under its final name only when complete.
+
+Unique temporary name in the same directory, write, flush, fsync, os.replace, fsync the directory.
+A writer killed at any point leaves at most a `.tmp-*` file, which readers never look at.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+TMP_PREFIX = ".tmp-"
+
+
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
+    """Call write(f) on a temporary file, then make it appear as `path` in one step."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # Covers disk-full and KeyboardInterrupt alike: the final name never holds a partial file.
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(directory: str | Path) -> list[Path]:
+    """Delete temporary files left by killed writers; returns what was removed."""
+    removed = []
+    for p in Path(directory).glob(TMP_PREFIX + "*"):
+        try:
+            p.unlink()
+            removed.append(p)
+        except FileNotFoundError:
+            pass
+    return removed

@@ -1,0 +1,207 @@
+"""The cache format, version 1: the one place that says what a cache holds.
+
+A cache directory:
+
+    CACHE/
+      cache.json                 CacheConfig below (format version, target, taps, shapes, provenance)
+      target_head.safetensors    frozen target weights the drafter needs (TARGET_HEAD_TENSORS)
+      shards/b{batch:08d}.safetensors   one packed batch per file, every tensor of fixed shape
+      manifest.parquet           one row per sample (manifest.py); rebuildable from the shards
+
+Shard tensors (T = token_budget, K = number of taps, H = target hidden size, S = max_seqs, V = target_topk):
+
+    hidden               [T, K, H]   bf16, or fp8 e4m3 with hidden_scale [T, K] fp32 (per token, per tap)
+    input_ids            [T]         int32
+    position_ids         [T]         int32, restarting at 0 in every sequence, 0 on padding
+    loss_mask            [T]         uint8, 0 on padding
+    cu_seqlens           [S + 1]     int32, padded by repeating the total of real tokens
+    target_topk_ids      [T, V]      int32, only when V > 0
+    target_topk_logprobs [T, V]      bf16, only when V > 0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+FORMAT_VERSION = 1
+CACHE_CONFIG_FILE = "cache.json"
+TARGET_HEAD_FILE = "target_head.safetensors"
+MANIFEST_FILE = "manifest.parquet"
+SHARDS_DIR = "shards"
+STORAGE_DTYPES = ("bf16", "fp8")
+# Names inside target_head.safetensors. lm_head is always present (a copy of embed_tokens when tied).
+TARGET_HEAD_TENSORS = ("embed_tokens", "lm_head", "final_norm")
+# Largest finite float8 e4m3fn value; per-row scales map each row's amax onto it.
+FP8_E4M3_MAX = 448.0
+
+
+class CacheFormatError(ValueError):
+    """A cache file is missing, malformed or inconsistent; the message names the file."""
+
+
+@dataclass(kw_only=True)
+class TargetInfo:
+    """What identifies the target model whose hidden states a cache holds."""
+
+    name: str  # the checkpoint directory or model name, for humans
+    config_hash: str  # sha256 of the target's text config; equal hashes mean the same architecture
+    hidden_size: int  # H, width of every stored hidden state
+    num_layers: int  # decoder layers of the full target (taps index into these)
+    vocab_size: int  # rows of embed_tokens and lm_head
+    dtype: str  # dtype the target ran in, e.g. "bfloat16"
+
+
+@dataclass(kw_only=True)
+class CacheConfig:
+    """Everything a reader needs to validate and interpret a cache; stored as cache.json."""
+
+    target: TargetInfo
+    tap_layer_ids: list[int]  # tap j = output of decoder layer tap_layer_ids[j] (HF hidden_states[j+1])
+    token_budget: int  # T: tokens per shard, real plus padding
+    max_seqs: int  # S: most sequences packed into one shard
+    storage_dtype: str = "bf16"  # "bf16" or "fp8" (e4m3 with a per-token-per-tap fp32 scale)
+    target_topk: int = 0  # V: target's top-V next-token ids and log-probs stored per position; 0 = none
+    mask_token_id: int | None = None  # the drafter's MASK token id, when known at extraction
+    pad_token_id: int = 0  # token id written on padding positions
+    packing: dict[str, Any] = field(default_factory=dict)  # packing settings (long_seqs policy, ...)
+    dataset: dict[str, Any] = field(default_factory=dict)  # dataset identity (path, fingerprint, counts)
+    provenance: dict[str, Any] = field(default_factory=dict)  # git sha, versions, argv, time
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target, Mapping):
+            self.target = TargetInfo(**self.target)
+        if self.storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage_dtype must be one of {STORAGE_DTYPES}, got {self.storage_dtype!r}")
+        if self.token_budget <= 0:
+            raise ValueError(f"token_budget must be positive, got {self.token_budget}")
+        if self.max_seqs <= 0:
+            raise ValueError(f"max_seqs must be positive, got {self.max_seqs}")
+        if self.target_topk < 0:
+            raise ValueError(f"target_topk must be >= 0, got {self.target_topk}")
+        if not self.tap_layer_ids:
+            raise ValueError("tap_layer_ids must name at least one target layer")
+        bad = [i for i in self.tap_layer_ids if not 0 <= i < self.target.num_layers]
+        if bad:
+            raise ValueError(f"tap_layer_ids {bad} outside the target's {self.target.num_layers} layers")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.tap_layer_ids)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = CACHE_CONFIG_FILE) -> "CacheConfig":
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CacheFormatError(f"{source}: not valid JSON ({e})") from e
+        version = raw.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CacheFormatError(
+                f"{source}: cache format version {version!r}, this dflash-pipeline reads version "
+                f"{FORMAT_VERSION}; re-run dflash-extract with this version to rebuild the cache"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise CacheFormatError(f"{source}: unknown fields {unknown}")
+        try:
+            return cls(**raw)
+        except (TypeError, ValueError) as e:
+            raise CacheFormatError(f"{source}: {e}") from e
+
+    def identity(self) -> dict[str, Any]:
+        """The settings that must match for a resumed extraction to add to this cache."""
+        d = dataclasses.asdict(self)
+        d.pop("provenance")
+        return d
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def tensor_specs(cfg: CacheConfig) -> dict[str, TensorSpec]:
+    """Name -> fixed shape and dtype of every tensor in one shard of this cache."""
+    t, k, h = cfg.token_budget, cfg.num_taps, cfg.target.hidden_size
+    specs = {
+        "input_ids": TensorSpec((t,), torch.int32),
+        "position_ids": TensorSpec((t,), torch.int32),
+        "loss_mask": TensorSpec((t,), torch.uint8),
+        "cu_seqlens": TensorSpec((cfg.max_seqs + 1,), torch.int32),
+    }
+    if cfg.storage_dtype == "bf16":
+        specs["hidden"] = TensorSpec((t, k, h), torch.bfloat16)
+    else:
+        specs["hidden"] = TensorSpec((t, k, h), torch.float8_e4m3fn)
+        specs["hidden_scale"] = TensorSpec((t, k), torch.float32)
+    if cfg.target_topk > 0:
+        specs["target_topk_ids"] = TensorSpec((t, cfg.target_topk), torch.int32)
+        specs["target_topk_logprobs"] = TensorSpec((t, cfg.target_topk), torch.bfloat16)
+    return specs
+
+
+def bytes_per_shard(cfg: CacheConfig) -> int:
+    return sum(_numel(s.shape) * _itemsize(s.dtype) for s in tensor_specs(cfg).values())
+
+
+def shard_name(batch_id: int) -> str:
+    return f"b{batch_id:08d}.safetensors"
+
+
+def shard_path(cache_dir: str | Path, batch_id: int) -> Path:
+    return Path(cache_dir) / SHARDS_DIR / shard_name(batch_id)
+
+
+def batch_id_of(path: str | Path) -> int | None:
+    """The batch id encoded in a shard file name, or None for any other file."""
+    name = Path(path).name
+    if len(name) != len(shard_name(0)) or not name.startswith("b") or not name.endswith(".safetensors"):
+        return None
+    digits = name[1:9]
+    return int(digits) if digits.isdigit() else None
+
+
+def checksum(tensors: Mapping[str, Any]) -> str:
+    """crc32 over every tensor's name and raw bytes, in name order.
+
+    crc32 runs at ~3 GB/s here, so a 2.5 GB shard costs under a second in the writer thread, and it
+    catches any flipped byte or truncation of the data section.
+    """
+    crc = 0
+    for name in sorted(tensors):
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(raw_bytes(tensors[name]), crc)
+    return f"crc32:{crc:08x}"
+
+
+def raw_bytes(t: Any) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (or anything with the buffer protocol)."""
+    if isinstance(t, torch.Tensor):
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("raw_bytes needs a contiguous CPU tensor")
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t).cast("B")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

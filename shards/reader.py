@@ -1,0 +1,186 @@
+"""Reading a cache: validated, memory-mapped shards handed back as fixed-shape tensors.
+
+Every check raises ShardError (a CacheFormatError) whose message starts with the file's path, so a
+user can find the bad file; `verify` collects those messages for a whole cache.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .container import MappedContainer, read_header
+from .format import (
+    CACHE_CONFIG_FILE,
+    FORMAT_VERSION,
+    SHARDS_DIR,
+    TARGET_HEAD_FILE,
+    TARGET_HEAD_TENSORS,
+    CacheConfig,
+    CacheFormatError,
+    batch_id_of,
+    checksum,
+    shard_path,
+    tensor_specs,
+)
+from .writer import SampleEntry
+
+
+class ShardError(CacheFormatError):
+    """One shard is unreadable or inconsistent with cache.json."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """A shard's metadata, from its header alone."""
+
+    batch_id: int
+    path: Path
+    samples: list[SampleEntry]
+    num_tokens: int  # real (non-padding) tokens
+    checksum: str
+    file_bytes: int
+
+
+def read_cache_config(cache_dir: str | Path) -> CacheConfig:
+    path = Path(cache_dir) / CACHE_CONFIG_FILE
+    if not path.is_file():
+        raise CacheFormatError(f"{path}: not found; is {cache_dir} a cache written by dflash-extract?")
+    return CacheConfig.from_json(path.read_text(), source=str(path))
+
+
+def list_shards(cache_dir: str | Path) -> list[int]:
+    """Batch ids of the shard files present (complete by construction: temporaries are skipped)."""
+    shard_dir = Path(cache_dir) / SHARDS_DIR
+    if not shard_dir.is_dir():
+        return []
+    ids = (batch_id_of(p) for p in shard_dir.iterdir())
+    return sorted(i for i in ids if i is not None)
+
+
+def load_target_head(cache_dir: str | Path, verify_checksum: bool = True) -> dict[str, torch.Tensor]:
+    """embed_tokens [V, H], lm_head [V, H] and final_norm [H] of the target, as stored."""
+    path = Path(cache_dir) / TARGET_HEAD_FILE
+    if not path.is_file():
+        raise CacheFormatError(f"{path}: not found; re-run dflash-extract to rebuild the cache")
+    with MappedContainer(path) as c:
+        missing = [n for n in TARGET_HEAD_TENSORS if n not in c.header.entries]
+        if missing:
+            raise CacheFormatError(f"{path}: missing tensors {missing}")
+        head = {n: c.tensor(n).clone() for n in TARGET_HEAD_TENSORS}
+        stored = c.header.metadata.get("checksum")
+    if verify_checksum and stored != checksum(head):
+        raise CacheFormatError(f"{path}: checksum mismatch (stored {stored}, computed {checksum(head)})")
+    return head
+
+
+def allocate_shard_buffers(cfg: CacheConfig, pin_memory: bool = False) -> dict[str, torch.Tensor]:
+    """Host tensors of one shard's shapes, to be filled again and again by ShardReader.read."""
+    return {
+        name: torch.empty(spec.shape, dtype=spec.dtype, pin_memory=pin_memory)
+        for name, spec in tensor_specs(cfg).items()
+    }
+
+
+class ShardReader:
+    """Reads the shards of one cache, checking each against cache.json."""
+
+    def __init__(self, cache_dir: str | Path):
+        self.cache_dir = Path(cache_dir)
+        self.config = read_cache_config(self.cache_dir)
+        self.specs = tensor_specs(self.config)
+
+    def batch_ids(self) -> list[int]:
+        return list_shards(self.cache_dir)
+
+    def path(self, batch_id: int) -> Path:
+        return shard_path(self.cache_dir, batch_id)
+
+    def info(self, batch_id: int) -> ShardInfo:
+        """Header-level checks (version, names, shapes, dtypes, size, metadata); no data read."""
+        path = self.path(batch_id)
+        if not path.is_file():
+            raise ShardError(path, "missing")
+        try:
+            header = read_header(path)
+        except CacheFormatError as e:
+            raise ShardError(path, str(e).removeprefix(f"{path}: ")) from e
+        meta = header.metadata
+        if meta.get("format_version") != str(FORMAT_VERSION):
+            raise ShardError(
+                path, f"format version {meta.get('format_version')!r}, expected {FORMAT_VERSION}; "
+                "re-run dflash-extract to rebuild this shard"
+            )
+        if meta.get("batch_id") != str(batch_id):
+            raise ShardError(path, f"holds batch {meta.get('batch_id')!r}, its name says {batch_id}")
+        if set(header.entries) != set(self.specs):
+            raise ShardError(path, f"tensors {sorted(header.entries)}, cache.json expects {sorted(self.specs)}")
+        for name, spec in self.specs.items():
+            e = header.entries[name]
+            if e.shape != spec.shape or e.dtype != spec.dtype:
+                raise ShardError(path, f"tensor {name} is {e.shape} {e.dtype}, cache.json expects {spec.shape} {spec.dtype}")
+        try:
+            samples = [SampleEntry(str(s), int(o), int(n), int(m)) for s, o, n, m in json.loads(meta["samples"])]
+            num_tokens = int(meta["num_tokens"])
+            stored = meta["checksum"]
+        except (KeyError, ValueError, TypeError) as e:
+            raise ShardError(path, f"bad metadata ({e!r})") from e
+        return ShardInfo(batch_id, path, samples, num_tokens, stored, path.stat().st_size)
+
+    def read(
+        self,
+        batch_id: int,
+        out: dict[str, torch.Tensor] | None = None,
+        verify_checksum: bool = False,
+    ) -> tuple[dict[str, torch.Tensor], ShardInfo]:
+        """The shard's tensors, copied into `out` (e.g. pinned buffers) when given, else fresh tensors."""
+        info = self.info(batch_id)
+        with MappedContainer(info.path) as c:
+            views = {name: c.tensor(name) for name in self.specs}
+            if verify_checksum:
+                found = checksum(views)
+                if found != info.checksum:
+                    raise ShardError(info.path, f"checksum mismatch (stored {info.checksum}, computed {found}): corrupted")
+            if out is None:
+                tensors = {name: v.clone() for name, v in views.items()}
+            else:
+                for name, v in views.items():
+                    out[name].copy_(v)
+                tensors = out
+            del views
+        return tensors, info
+
+    def verify(self, batch_id: int) -> ShardInfo:
+        """Every check: header, shapes, checksum of all data, and packing consistency."""
+        tensors, info = self.read(batch_id, verify_checksum=True)
+        check_packing(info, tensors, self.config)
+        return info
+
+
+def check_packing(info: ShardInfo, tensors: dict[str, torch.Tensor], cfg: CacheConfig) -> None:
+    """The samples in the metadata agree with cu_seqlens, position ids and the loss mask."""
+    cu = tensors["cu_seqlens"].tolist()
+    n = len(info.samples)
+    lengths = [s.length for s in info.samples]
+    expected = [0]
+    for length in lengths:
+        expected.append(expected[-1] + length)
+    expected += [expected[-1]] * (cfg.max_seqs - n)
+    if n > cfg.max_seqs or cu != expected:
+        raise ShardError(info.path, "cu_seqlens disagree with the sample lengths in the metadata")
+    if expected[-1] != info.num_tokens or info.num_tokens > cfg.token_budget:
+        raise ShardError(info.path, f"num_tokens {info.num_tokens} disagrees with the samples ({expected[-1]})")
+    mask = tensors["loss_mask"]
+    for s in info.samples:
+        if int(mask[s.offset : s.offset + s.length].sum()) != s.loss_tokens:
+            raise ShardError(info.path, f"sample {s.sample_id}: loss_tokens disagrees with loss_mask")
+    if int(mask[info.num_tokens :].sum()) != 0:
+        raise ShardError(info.path, "loss_mask is nonzero on padding")

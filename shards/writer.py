@@ -1,0 +1,105 @@
+"""Writing a cache: its config, the target head and one durable, checksummed shard per packed batch."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from .container import write_container
+from .durable import atomic_write, atomic_write_text, remove_stale_temporaries
+from .format import (
+    CACHE_CONFIG_FILE,
+    FORMAT_VERSION,
+    SHARDS_DIR,
+    TARGET_HEAD_FILE,
+    TARGET_HEAD_TENSORS,
+    CacheConfig,
+    checksum,
+    shard_path,
+    tensor_specs,
+)
+
+
+@dataclass(frozen=True)
+class SampleEntry:
+    """Where one sample sits in its shard."""
+
+    sample_id: str
+    offset: int  # first token of the sample in the shard
+    length: int  # tokens of the sample in the shard (after any truncation)
+    loss_tokens: int  # supervised tokens (loss_mask == 1) of the sample
+
+
+def create_cache(cache_dir: str | Path, cfg: CacheConfig, target_head: Mapping[str, torch.Tensor]) -> None:
+    """Write cache.json and target_head.safetensors and make the shard directory.
+
+    cache.json is written last, so a directory with a cache.json always has its target head.
+    """
+    cache_dir = Path(cache_dir)
+    (cache_dir / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+    missing = [n for n in TARGET_HEAD_TENSORS if n not in target_head]
+    if missing:
+        raise ValueError(f"target head is missing {missing}; expected {list(TARGET_HEAD_TENSORS)}")
+    vocab, hidden = cfg.target.vocab_size, cfg.target.hidden_size
+    expected = {"embed_tokens": (vocab, hidden), "lm_head": (vocab, hidden), "final_norm": (hidden,)}
+    head = {}
+    for name, shape in expected.items():
+        t = target_head[name].detach().to("cpu").contiguous()
+        if tuple(t.shape) != shape:
+            raise ValueError(f"target head tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+        head[name] = t
+    meta = {"format_version": str(FORMAT_VERSION), "checksum": checksum(head)}
+    atomic_write(cache_dir / TARGET_HEAD_FILE, lambda f: write_container(f, head, meta))
+    write_cache_config(cache_dir, cfg)
+
+
+def write_cache_config(cache_dir: str | Path, cfg: CacheConfig) -> None:
+    atomic_write_text(Path(cache_dir) / CACHE_CONFIG_FILE, cfg.to_json())
+
+
+def write_shard(
+    cache_dir: str | Path,
+    cfg: CacheConfig,
+    batch_id: int,
+    tensors: Mapping[str, torch.Tensor],
+    samples: list[SampleEntry],
+) -> Path:
+    """Durably write one packed batch; it appears under its final name only when complete.
+
+    `tensors` must match tensor_specs(cfg) exactly (CPU tensors); hidden states already in the storage
+    encoding (codec.encode_hidden).
+    """
+    specs = tensor_specs(cfg)
+    if set(tensors) != set(specs):
+        raise ValueError(
+            f"batch {batch_id}: tensors {sorted(tensors)} do not match the cache's {sorted(specs)}"
+        )
+    for name, spec in specs.items():
+        t = tensors[name]
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            raise ValueError(
+                f"batch {batch_id}: tensor {name} is {tuple(t.shape)} {t.dtype}, "
+                f"the cache expects {spec.shape} {spec.dtype}"
+            )
+    host = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    metadata = {
+        "format_version": str(FORMAT_VERSION),
+        "batch_id": str(batch_id),
+        "storage_dtype": cfg.storage_dtype,
+        "num_tokens": str(sum(s.length for s in samples)),
+        "samples": json.dumps([[s.sample_id, s.offset, s.length, s.loss_tokens] for s in samples]),
+        "checksum": checksum(host),
+    }
+    path = shard_path(cache_dir, batch_id)
+    atomic_write(path, lambda f: write_container(f, host, metadata))
+    return path
+
+
+def clean_partial_shards(cache_dir: str | Path) -> int:
+    """Remove temporaries that killed writers left in the shard directory; returns how many."""
+    shard_dir = Path(cache_dir) / SHARDS_DIR
+    return len(remove_stale_temporaries(shard_dir)) if shard_dir.is_dir() else 0

@@ -1,0 +1,140 @@
+"""dflash-shards: inspect, verify and summarise a hidden-state cache."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from shards import CacheFormatError, ShardError, ShardReader, rebuild_manifest
+from shards.inspect import find_sample, summarize_cache, verify_cache
+
+
+def _emit(obj: object, as_json: bool, text: str) -> None:
+    click.echo(json.dumps(obj, indent=2) if as_json else text)
+
+
+def _gb(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Inspect, verify and summarise a dflash hidden-state cache (the output of dflash-extract).
+
+    \b
+    Examples:
+      dflash-shards info runs/cache            totals, padding efficiency, bytes on disk
+      dflash-shards verify runs/cache          read every shard; exit 1 listing bad files
+      dflash-shards show runs/cache doc-17     one sample's tokens and hidden-state stats
+    """
+
+
+@main.command()
+@click.argument("cache", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def info(cache: str, as_json: bool) -> None:
+    """Config, counts, tokens, padding efficiency and bytes on disk (headers only: fast)."""
+    s = _guard(summarize_cache, cache)
+    expected = f" of {s['num_shards_expected']} planned" if s["num_shards_expected"] is not None else ""
+    text = "\n".join([
+        f"cache            {s['cache']} (format v{s['format_version']})",
+        f"target           {s['target']} (hidden {s['hidden_size']}), taps {s['tap_layer_ids']}",
+        f"storage          {s['storage_dtype']}, target top-k {s['target_topk']}, "
+        f"{s['bytes_per_token'] / 1e3:.1f} KB/token",
+        f"packing          token budget {s['token_budget']}, max {s['max_seqs']} seqs/shard",
+        f"shards           {s['num_shards']}{expected}" + (f", {s['num_bad_shard_headers']} with bad headers" if s["num_bad_shard_headers"] else ""),
+        f"samples          {s['num_samples']}",
+        f"tokens           {s['num_tokens']} ({s['num_loss_tokens']} supervised)",
+        f"padding eff.     {100 * s['padding_efficiency']:.2f}%",
+        f"on disk          {_gb(s['bytes_on_disk'])}",
+    ])
+    _emit(s, as_json, text)
+
+
+@main.command(name="ls")
+@click.argument("cache", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def ls_(cache: str, as_json: bool) -> None:
+    """One line per shard: batch id, samples, real tokens, fill, size."""
+    reader = _guard(ShardReader, cache)
+    rows = []
+    for b in reader.batch_ids():
+        try:
+            i = reader.info(b)
+            rows.append({"batch_id": b, "file": i.path.name, "samples": len(i.samples), "tokens": i.num_tokens,
+                         "fill": i.num_tokens / reader.config.token_budget, "bytes": i.file_bytes, "error": None})
+        except ShardError as e:
+            rows.append({"batch_id": b, "file": e.path.name, "error": e.reason})
+    lines = [f"{'batch':>8}  {'samples':>7}  {'tokens':>8}  {'fill':>7}  {'size':>10}  file"]
+    for r in rows:
+        if r["error"]:
+            lines.append(f"{r['batch_id']:>8}  BAD: {r['error']}  {r['file']}")
+        else:
+            lines.append(f"{r['batch_id']:>8}  {r['samples']:>7}  {r['tokens']:>8}  {100 * r['fill']:>6.2f}%  {_gb(r['bytes']):>10}  {r['file']}")
+    _emit(rows, as_json, "\n".join(lines))
+
+
+@main.command()
+@click.argument("cache", type=click.Path(exists=True, file_okay=False))
+@click.option("--quarantine", is_flag=True, help="Move bad shards to CACHE/quarantine/ so a resumed dflash-extract rewrites them.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def verify(cache: str, quarantine: bool, as_json: bool) -> None:
+    """Read every shard in full: header, shapes, dtypes, checksum, packing; then the manifest.
+
+    Exit code 0 when everything verifies, 1 when anything is bad (each bad file is listed).
+    """
+    report = _guard(verify_cache, cache, quarantine=quarantine)
+    obj = {"ok": report.ok, "checked": report.checked, "bad": report.bad, "quarantined": report.quarantined}
+    lines = [f"checked {report.checked} shards: " + ("all good" if report.ok else f"{len(report.bad)} problems")]
+    lines += [f"BAD {b['file']}: {b['reason']}" for b in report.bad]
+    lines += [f"moved to {q}" for q in report.quarantined]
+    _emit(obj, as_json, "\n".join(lines))
+    sys.exit(0 if report.ok else 1)
+
+
+@main.command()
+@click.argument("cache", type=click.Path(exists=True, file_okay=False))
+@click.argument("sample_id")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def show(cache: str, sample_id: str, as_json: bool) -> None:
+    """A sample's tokens, loss mask and per-tap hidden-state statistics."""
+    try:
+        s = find_sample(cache, sample_id)
+    except KeyError as e:
+        raise click.ClickException(str(e.args[0])) from e
+    except CacheFormatError as e:
+        raise click.ClickException(str(e)) from e
+    lines = [
+        f"sample {s['sample_id']}: batch {s['batch_id']}, offset {s['offset']}, length {s['length']}, "
+        f"{s['loss_tokens']} supervised",
+        f"input_ids  {s['input_ids'][:64]}{' ...' if s['length'] > 64 else ''}",
+        f"loss_mask  {''.join(map(str, s['loss_mask'][:64]))}{' ...' if s['length'] > 64 else ''}",
+        f"{'layer':>6} {'mean':>10} {'std':>10} {'rms':>10} {'absmax':>10} finite",
+    ]
+    lines += [f"{t['layer']:>6} {t['mean']:>10.4f} {t['std']:>10.4f} {t['rms']:>10.4f} {t['absmax']:>10.4f} {t['finite']}" for t in s["hidden"]]
+    _emit(s, as_json, "\n".join(lines))
+
+
+@main.command()
+@click.argument("cache", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def index(cache: str, as_json: bool) -> None:
+    """Rebuild manifest.parquet from the shard headers."""
+    path = _guard(rebuild_manifest, cache)
+    _emit({"manifest": str(path)}, as_json, f"wrote {path}")
+
+
+def _guard(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except CacheFormatError as e:
+        raise click.ClickException(str(e)) from e
+
+
+if __name__ == "__main__":
+    main()
