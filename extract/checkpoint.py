@@ -1,0 +1,156 @@
+"""Read the target's weights from an HF checkpoint directory, one tensor at a time.
+
+Layouts: config.json plus model.safetensors, or sharded *.safetensors with
+model.safetensors.index.json. Names: the multimodal release (`Qwen3_5ForConditionalGeneration`)
+keeps the text decoder under `model.language_model.`, a text-only export under `model.`;
+`lm_head.weight` sits at the top in both and is absent when the embeddings are tied.
+`model.visual.*` (the ViT) and `mtp.*` (the multi-token-prediction head) are never read.
+
+Loading never holds the model twice in host memory: the model is built on the meta device and
+each tensor goes file -> host -> device before the next is read. A_log and dt_bias stay fp32:
+they feed exp() and softplus() of the decay.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# HF name of a parameter = prefix + our (text-model) name; lm_head.weight has no prefix.
+NAMING_PREFIXES = {"multimodal": "model.language_model.", "text": "model."}
+IGNORED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+FP32_PARAM_SUFFIXES = (".A_log", ".dt_bias")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def hf_name(local_name: str, naming: str) -> str:
+    """The checkpoint name of one of our parameters under `naming` ("multimodal" or "text")."""
+    if naming not in NAMING_PREFIXES:
+        raise ValueError(f"naming={naming!r}, expected one of {sorted(NAMING_PREFIXES)}")
+    if local_name == "lm_head.weight":
+        return local_name
+    return NAMING_PREFIXES[naming] + local_name
+
+
+def tensor_locations(ckpt_dir: str | Path) -> dict[str, Path]:
+    """HF tensor name -> safetensors file holding it (from the index, else from file headers)."""
+    ckpt_dir = Path(ckpt_dir)
+    index_path = ckpt_dir / INDEX_FILE
+    if index_path.is_file():
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index_path}: no 'weight_map' object")
+        missing = sorted({name for name in weight_map.values() if not (ckpt_dir / name).is_file()})
+        if missing:
+            raise FileNotFoundError(f"{index_path} names shard files that do not exist: {missing[:4]}")
+        return {name: ckpt_dir / file for name, file in weight_map.items()}
+    files = [ckpt_dir / SINGLE_FILE] if (ckpt_dir / SINGLE_FILE).is_file() else sorted(ckpt_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{ckpt_dir}: no {INDEX_FILE}, {SINGLE_FILE} or *.safetensors")
+    locations: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                locations[name] = path
+    return locations
+
+
+def detect_naming(names) -> str:
+    names = list(names)
+    if any(n.startswith(NAMING_PREFIXES["multimodal"]) for n in names):
+        return "multimodal"
+    if any(n.startswith(NAMING_PREFIXES["text"]) for n in names):
+        return "text"
+    raise ValueError(
+        f"checkpoint names carry neither {NAMING_PREFIXES['multimodal']!r} nor {NAMING_PREFIXES['text']!r} "
+        f"(first names: {sorted(names)[:4]})"
+    )
+
+
+def _source_name(local_name: str, naming: str, locations: dict[str, Path], tied: bool, ckpt_dir: Path) -> str:
+    name = hf_name(local_name, naming)
+    if local_name == "lm_head.weight" and (tied or name not in locations):
+        if not tied:
+            raise KeyError(
+                f"{ckpt_dir}: lm_head.weight is missing and config.json says tie_word_embeddings=false"
+            )
+        name = hf_name("embed_tokens.weight", naming)
+    if name not in locations:
+        raise KeyError(f"{ckpt_dir}: tensor {name!r} (for {local_name}) is not in the checkpoint")
+    return name
+
+
+def load_weights_into(model: nn.Module, ckpt_dir: str | Path, device: torch.device, dtype: torch.dtype) -> None:
+    """Stream every parameter of `model` (built on meta, HF text-model names) from `ckpt_dir`."""
+    ckpt_dir = Path(ckpt_dir)
+    locations = tensor_locations(ckpt_dir)
+    naming = detect_naming(locations)
+    tied = bool(model.config.tie_word_embeddings)
+    wanted = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+    by_file: dict[Path, list[tuple[str, str]]] = defaultdict(list)
+    for local in wanted:
+        source = _source_name(local, naming, locations, tied, ckpt_dir)
+        by_file[locations[source]].append((local, source))
+
+    loaded: dict[str, torch.Tensor] = {}
+    read_cache: dict[str, torch.Tensor] = {}  # only tied embeddings are read twice
+    for path, pairs in by_file.items():
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for local, source in pairs:
+                if source in read_cache:
+                    loaded[local] = read_cache[source]
+                    continue
+                expected = tuple(wanted[local].shape)
+                found = tuple(f.get_slice(source).get_shape())
+                if found != expected:
+                    raise ValueError(f"{path}: {source} has shape {found}, expected {expected} from config.json")
+                keep32 = local.endswith(FP32_PARAM_SUFFIXES)
+                tensor = f.get_tensor(source).to(device=device, dtype=torch.float32 if keep32 else dtype)
+                loaded[local] = tensor
+                if source.endswith("embed_tokens.weight") and tied:
+                    read_cache[source] = tensor
+    model.load_state_dict(loaded, strict=True, assign=True)
+    model.requires_grad_(False)
+    skipped = sum(1 for n in locations if n.startswith(IGNORED_PREFIXES))
+    logger.info(
+        "loaded %d tensors from %s (%s naming, %d files; %d vision/MTP tensors ignored; dtype %s)",
+        len(loaded), ckpt_dir, naming, len(by_file), skipped, dtype,
+    )
+
+
+def load_target_head(ckpt_dir: str | Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """{"embed_tokens": [V, H], "lm_head": [V, H], "norm": [H]} in their stored dtype.
+
+    With tied embeddings lm_head is a copy of embed_tokens (a separate tensor, so the pair can be
+    written to one safetensors file). `norm` is the zero-centred final norm's raw weight w (the
+    model applies 1 + w).
+    """
+    from extract.target_config import TargetConfig
+
+    ckpt_dir = Path(ckpt_dir)
+    cfg = TargetConfig.from_dir(ckpt_dir)
+    locations = tensor_locations(ckpt_dir)
+    naming = detect_naming(locations)
+    out: dict[str, torch.Tensor] = {}
+    for key, local in (("embed_tokens", "embed_tokens.weight"), ("lm_head", "lm_head.weight"), ("norm", "norm.weight")):
+        source = _source_name(local, naming, locations, cfg.tie_word_embeddings, ckpt_dir)
+        with safe_open(str(locations[source]), framework="pt", device="cpu") as f:
+            tensor = f.get_tensor(source)
+        out[key] = tensor.to(device)
+    if out["lm_head"].data_ptr() == out["embed_tokens"].data_ptr() or cfg.tie_word_embeddings:
+        out["lm_head"] = out["embed_tokens"].clone()
+    expected = {"embed_tokens": (cfg.vocab_size, cfg.hidden_size), "lm_head": (cfg.vocab_size, cfg.hidden_size),
+                "norm": (cfg.hidden_size,)}
+    for key, shape in expected.items():
+        if tuple(out[key].shape) != shape:
+            raise ValueError(f"{ckpt_dir}: {key} has shape {tuple(out[key].shape)}, expected {shape}")
+    return out

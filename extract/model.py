@@ -1,0 +1,304 @@
+"""The frozen target: a Qwen3.5-style hybrid text decoder over packed sequences (inference only).
+
+What is unusual about this model (exact math: shared/reference/qwen35-target.md section 2):
+- Two kinds of layer in a 3:1 layout: GatedDeltaNet (linear attention with a gated delta-rule
+  state) and gated full attention; both pre-norm, each followed by a SwiGLU MLP.
+- Every RMSNorm is zero-centred, y = norm(x) * (1 + w), computed in fp32, except the GatedDeltaNet
+  output norm: plain w, norm first, then a silu(z) gate.
+- Full attention: q_proj rows are per head [q_h | gate_h]; q/k RMSNorm per head before RoPE; RoPE
+  (NeoX rotate-half) on the first rotary_dim dims only; output * sigmoid(gate) before o_proj.
+- GatedDeltaNet: one causal depthwise conv + silu over [q | k | v] channels; value head h reads
+  q/k head h // ratio; log-decay g = -exp(A_log) * softplus(a + dt_bias) in fp32.
+Packed batches: tokens of several sequences lie end to end; `cu_seqlens` marks the boundaries and
+every op (conv, recurrence, attention) restarts at each one; position ids restart at 0.
+
+Public API: `TargetModel.from_pretrained`, `forward_packed`, `topk_next_tokens`.
+Parameter names equal HF's text-model names (model.language_model.* or model.* stripped), so
+the checkpoint mapping is one prefix (extract/checkpoint.py).
+
+Legend: T packed tokens, H hidden size, K taps, C conv channels (q|k|v), W conv width,
+Mk GDN q/k heads, Mv GDN value heads, Dk/Dv GDN head dims, Nq/Nkv attention heads, D attention
+head dim, R rotary dims, F MLP width, V vocab, k top-k.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from extract.kernels import KernelChoice, VarlenBatch, select_kernels
+from extract.target_config import TargetConfig
+
+logger = logging.getLogger(__name__)
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """y = x / rms(x) * (1 + w), in fp32, cast back to x's dtype (weight initialised to zeros)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """GatedDeltaNet output norm: plain weight, norm first, then silu(z) gate (HF rounding order)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, o_TMD: torch.Tensor, z_TMD: torch.Tensor) -> torch.Tensor:
+        o32 = o_TMD.float()
+        o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # HF rounds the normalised value to the activation dtype before the weight: keep that order.
+        y = self.weight * o32.to(o_TMD.dtype)
+        return (y * F.silu(z_TMD.float())).to(o_TMD.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: TargetConfig, kernels: KernelChoice):
+        super().__init__()
+        H, C = cfg.hidden_size, cfg.linear_conv_dim
+        self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.kernels = kernels
+        self.in_proj_qkv = nn.Linear(H, C, bias=False)
+        self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(H, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(H, self.num_v_heads, bias=False)
+        self.conv1d = nn.Module()  # HF names the depthwise conv weight conv1d.weight [C, 1, W]
+        self.conv1d.weight = nn.Parameter(torch.empty(C, 1, cfg.linear_conv_kernel_dim), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, H, bias=False)
+
+    def forward(self, x_TH: torch.Tensor, batch: VarlenBatch) -> torch.Tensor:
+        T = x_TH.shape[0]
+        qkv_TC = self.kernels.conv1d_silu(self.in_proj_qkv(x_TH), self.conv1d.weight.squeeze(1), batch)
+        q_TMK, k_TMK, v_TMV = torch.split(qkv_TC, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q_TMK = q_TMK.view(T, self.num_k_heads, self.head_k_dim)
+        k_TMK = k_TMK.view(T, self.num_k_heads, self.head_k_dim)
+        v_TMV = v_TMV.view(T, self.num_v_heads, self.head_v_dim)
+        beta_TM = self.in_proj_b(x_TH).sigmoid()
+        # Log-decay in fp32 (HF: in fp16 without .float() A could be -inf); g <= 0.
+        g_TM = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_TH).float() + self.dt_bias.float())
+        o_TMV = self.kernels.gated_delta_rule(q_TMK, k_TMK, v_TMV, g_TM, beta_TM, batch)
+        z_TMV = self.in_proj_z(x_TH).view(T, self.num_v_heads, self.head_v_dim)
+        y_TMV = self.norm(o_TMV.to(x_TH.dtype), z_TMV)
+        return self.out_proj(y_TMV.reshape(T, self.value_dim))
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: TargetConfig, kernels: KernelChoice):
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.rotary_dim = cfg.rotary_dim
+        self.scale = D ** -0.5  # tied to the head dim, not the rotary dim
+        self.kernels = kernels
+        self.q_proj = nn.Linear(H, self.num_heads * D * 2, bias=False)  # rows per head: [q_h | gate_h]
+        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=False)
+        self.q_norm = ZeroCentredRMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(D, cfg.rms_norm_eps)
+
+    def forward(self, x_TH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: VarlenBatch) -> torch.Tensor:
+        T, D = x_TH.shape[0], self.head_dim
+        qg_TN2D = self.q_proj(x_TH).view(T, self.num_heads, 2 * D)
+        q_TND, gate_TND = qg_TN2D[..., :D], qg_TN2D[..., D:]
+        q_TND = self.q_norm(q_TND)
+        k_TMD = self.k_norm(self.k_proj(x_TH).view(T, self.num_kv_heads, D))
+        v_TMD = self.v_proj(x_TH).view(T, self.num_kv_heads, D)
+        q_TND, k_TMD = apply_partial_rope(q_TND, rope), apply_partial_rope(k_TMD, rope)
+        o_TND = self.kernels.attention(q_TND, k_TMD, v_TMD, batch, self.scale)
+        o_TX = o_TND.reshape(T, -1) * torch.sigmoid(gate_TND.reshape(T, -1))
+        return self.o_proj(o_TX)
+
+
+def rope_cos_sin(position_ids_T: torch.Tensor, cfg: TargetConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, R] for NeoX RoPE on the first R dims; angles in fp32, cast like HF."""
+    R = cfg.rotary_dim
+    inv_freq_R2 = 1.0 / (cfg.rope_theta ** (torch.arange(0, R, 2, dtype=torch.float32, device=position_ids_T.device) / R))
+    freqs_TR2 = position_ids_T.float().unsqueeze(1) * inv_freq_R2
+    angles_TR = torch.cat([freqs_TR2, freqs_TR2], dim=-1)
+    return angles_TR.cos().to(dtype), angles_TR.sin().to(dtype)
+
+
+def apply_partial_rope(x_TND: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos_TR, sin_TR = rope
+    R = cos_TR.shape[-1]
+    x_rot, x_pass = x_TND[..., :R], x_TND[..., R:]
+    rotated = torch.cat([-x_rot[..., R // 2:], x_rot[..., : R // 2]], dim=-1)  # rotate_half
+    x_rot = x_rot * cos_TR.unsqueeze(1) + rotated * sin_TR.unsqueeze(1)
+    return torch.cat([x_rot, x_pass], dim=-1)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_TH)) * self.up_proj(x_TH))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig, layer_id: int, kernels: KernelChoice):
+        super().__init__()
+        self.is_full_attention = cfg.is_full_attention(layer_id)
+        if self.is_full_attention:
+            self.self_attn = GatedAttention(cfg, kernels)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, kernels)
+        self.mlp = SwiGLU(cfg)
+        self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h_TH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: VarlenBatch) -> torch.Tensor:
+        x_TH = self.input_layernorm(h_TH)
+        if self.is_full_attention:
+            h_TH = h_TH + self.self_attn(x_TH, rope, batch)
+        else:
+            h_TH = h_TH + self.linear_attn(x_TH, batch)
+        return h_TH + self.mlp(self.post_attention_layernorm(h_TH))
+
+
+class TargetModel(nn.Module):
+    """Layers 0..last_layer of the target (plus final norm and LM head when `with_head`)."""
+
+    def __init__(self, cfg: TargetConfig, kernels: KernelChoice, *, last_layer: int | None = None,
+                 with_head: bool = False):
+        super().__init__()
+        last = cfg.num_hidden_layers - 1 if last_layer is None else last_layer
+        if not 0 <= last < cfg.num_hidden_layers:
+            raise ValueError(f"last_layer={last_layer} is outside 0..{cfg.num_hidden_layers - 1}")
+        if with_head and last != cfg.num_hidden_layers - 1:
+            raise ValueError(
+                f"with_head=True needs every layer (last_layer={last_layer}, model has {cfg.num_hidden_layers})"
+            )
+        self.config = cfg
+        self.kernels = kernels
+        self.with_head = with_head
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, kernels) for i in range(last + 1))
+        if with_head:
+            self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head.weight.requires_grad_(False)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.bfloat16,
+        kernels: KernelChoice | None = None,
+        last_layer: int | None = None,
+        with_head: bool = False,
+    ) -> "TargetModel":
+        """Build on the meta device, then stream the checkpoint's tensors onto `device` one by one.
+
+        kernels: None selects them for `device` (raising on CUDA when a fast kernel is missing).
+        last_layer: the deepest layer to build (usually max(tap_layer_ids)); None = all.
+        with_head: also load the final norm and LM head (needed by `topk_next_tokens`).
+        """
+        from extract.checkpoint import load_weights_into
+
+        cfg = TargetConfig.from_dir(path)
+        device = torch.device(device)
+        if kernels is None:
+            kernels = select_kernels(device)
+        with torch.device("meta"):
+            model = cls(cfg, kernels, last_layer=last_layer, with_head=with_head)
+        load_weights_into(model, path, device=device, dtype=dtype)
+        return model.eval()
+
+    # ---- forward ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward_packed(
+        self,
+        input_ids_T: torch.Tensor,
+        position_ids_T: torch.Tensor,
+        cu_seqlens_N1: torch.Tensor,
+        tap_layer_ids: list[int],
+    ) -> torch.Tensor:
+        """hidden_TKH[:, j] = output of decoder layer tap_layer_ids[j] (HF hidden_states[j + 1]);
+        stops after the deepest tapped layer. cu_seqlens may be padded by repeating the total and
+        may end before T (the tail is treated as one more, isolated, sequence)."""
+        hidden_TKH, _ = self._run(input_ids_T, position_ids_T, cu_seqlens_N1, tap_layer_ids, to_end=False)
+        return hidden_TKH
+
+    @torch.inference_mode()
+    def topk_next_tokens(
+        self,
+        input_ids_T: torch.Tensor,
+        position_ids_T: torch.Tensor,
+        cu_seqlens_N1: torch.Tensor,
+        tap_layer_ids: list[int],
+        k: int,
+        chunk_tokens: int = 4096,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(hidden_TKH, topk_ids_Tk int32, topk_logprobs_Tk fp32): taps as forward_packed, plus the
+        target's top-k next-token log-probs from final norm + LM head, `chunk_tokens` rows at a time
+        (a full [T, V] logits tensor is never built)."""
+        if not self.with_head:
+            raise ValueError("topk_next_tokens needs the LM head: build with from_pretrained(..., with_head=True)")
+        if not 0 < k <= self.config.vocab_size:
+            raise ValueError(f"top-k k={k} must be in 1..vocab_size={self.config.vocab_size}")
+        if chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, found {chunk_tokens}")
+        hidden_TKH, last_TH = self._run(input_ids_T, position_ids_T, cu_seqlens_N1, tap_layer_ids, to_end=True)
+        T = last_TH.shape[0]
+        ids_Tk = torch.empty(T, k, dtype=torch.int32, device=last_TH.device)
+        logprobs_Tk = torch.empty(T, k, dtype=torch.float32, device=last_TH.device)
+        for start in range(0, T, chunk_tokens):
+            rows = slice(start, min(start + chunk_tokens, T))
+            logits_cV = self.lm_head(self.norm(last_TH[rows])).float()
+            logprobs_cV = torch.log_softmax(logits_cV, dim=-1)
+            top = torch.topk(logprobs_cV, k, dim=-1)
+            ids_Tk[rows] = top.indices.to(torch.int32)
+            logprobs_Tk[rows] = top.values
+        return hidden_TKH, ids_Tk, logprobs_Tk
+
+    def _run(self, input_ids_T, position_ids_T, cu_seqlens_N1, tap_layer_ids, to_end: bool):
+        taps = [int(i) for i in tap_layer_ids]
+        if not taps:
+            raise ValueError("tap_layer_ids is empty")
+        built = len(self.layers)
+        bad = [i for i in taps if not 0 <= i < built]
+        if bad:
+            raise ValueError(f"tap_layer_ids {bad} outside the built layers 0..{built - 1}")
+        if input_ids_T.ndim != 1 or position_ids_T.shape != input_ids_T.shape:
+            raise ValueError(
+                f"input_ids_T {tuple(input_ids_T.shape)} and position_ids_T {tuple(position_ids_T.shape)} "
+                f"must be equal 1-D shapes"
+            )
+        device = self.embed_tokens.weight.device
+        T = input_ids_T.shape[0]
+        batch = self.kernels.prepare(cu_seqlens_N1, T, device)
+        h_TH = self.embed_tokens(input_ids_T.to(device, non_blocking=True).long())
+        rope = rope_cos_sin(position_ids_T.to(device, non_blocking=True), self.config, h_TH.dtype)
+        hidden_TKH = torch.empty(T, len(taps), self.config.hidden_size, dtype=h_TH.dtype, device=device)
+        stop = built - 1 if to_end else max(taps)
+        for layer_id in range(stop + 1):
+            h_TH = self.layers[layer_id](h_TH, rope, batch)
+            for j, tap in enumerate(taps):
+                if tap == layer_id:
+                    hidden_TKH[:, j] = h_TH
+        return hidden_TKH, h_TH

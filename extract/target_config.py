@@ -1,0 +1,264 @@
+"""The target's architecture, read from its HF config.json.
+
+Qwen3.5-style hybrid decoders ship config.json in two layouts: the multimodal one
+(`Qwen3_5ForConditionalGeneration`, the text decoder under "text_config") and a plain text
+one (`Qwen3_5ForCausalLM` / `model_type: qwen3_5_text`). Both resolve to one `TargetConfig`,
+every size taken from the file; nothing here is specific to one model size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
+_LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class TargetConfig:
+    """Sizes of the target's text decoder (the vision tower and MTP head are never used)."""
+
+    hidden_size: int  # residual stream width H
+    num_hidden_layers: int  # decoder layers in the checkpoint
+    layer_types: tuple[str, ...]  # per layer: "linear_attention" (GatedDeltaNet) or "full_attention"
+    intermediate_size: int  # SwiGLU MLP width
+    vocab_size: int  # rows of embed_tokens / lm_head
+    rms_norm_eps: float  # eps of every RMSNorm (zero-centred and gated)
+    linear_num_key_heads: int  # GatedDeltaNet q/k heads
+    linear_num_value_heads: int  # GatedDeltaNet v heads (a multiple of the q/k heads: GVA)
+    linear_key_head_dim: int  # GatedDeltaNet q/k head dim
+    linear_value_head_dim: int  # GatedDeltaNet v head dim
+    linear_conv_kernel_dim: int  # depthwise causal conv width over the qkv channels
+    num_attention_heads: int  # full attention query heads
+    num_key_value_heads: int  # full attention kv heads (GQA)
+    head_dim: int  # full attention head dim
+    partial_rotary_factor: float  # fraction of head_dim that RoPE rotates (the leading dims)
+    rope_theta: float  # RoPE base
+    tie_word_embeddings: bool  # lm_head shares embed_tokens' weight
+
+    def __post_init__(self) -> None:
+        positive = (
+            "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
+            "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+            "linear_value_head_dim", "linear_conv_kernel_dim", "num_attention_heads",
+            "num_key_value_heads", "head_dim",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"TargetConfig.{name} must be a positive int, found {value!r}")
+        if not (0.0 < self.rms_norm_eps < 1.0):
+            raise ValueError(f"TargetConfig.rms_norm_eps must be in (0, 1), found {self.rms_norm_eps!r}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"TargetConfig.layer_types has {len(self.layer_types)} entries, "
+                f"expected num_hidden_layers={self.num_hidden_layers}"
+            )
+        bad = sorted({t for t in self.layer_types if t not in _LAYER_TYPES})
+        if bad:
+            raise ValueError(f"TargetConfig.layer_types holds unknown types {bad}, expected {_LAYER_TYPES}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"TargetConfig.linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads={self.linear_num_key_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"TargetConfig.num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if not (0.0 < self.partial_rotary_factor <= 1.0):
+            raise ValueError(
+                f"TargetConfig.partial_rotary_factor must be in (0, 1], found {self.partial_rotary_factor!r}"
+            )
+        if self.rotary_dim % 2 or self.rotary_dim == 0:
+            raise ValueError(
+                f"TargetConfig: rotary dim int(head_dim * partial_rotary_factor) = {self.rotary_dim} "
+                f"must be even and nonzero (head_dim={self.head_dim}, "
+                f"partial_rotary_factor={self.partial_rotary_factor})"
+            )
+        if self.rope_theta <= 0:
+            raise ValueError(f"TargetConfig.rope_theta must be positive, found {self.rope_theta!r}")
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        """Leading head dims that RoPE rotates (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the depthwise conv: [q | k | v] concatenated."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def is_full_attention(self, layer_id: int) -> bool:
+        return self.layer_types[layer_id] == FULL_ATTENTION
+
+    # ---- identity and taps ---------------------------------------------------------------
+    def fingerprint(self) -> str:
+        """sha256 of the resolved text-decoder fields, canonical JSON; stable across key order and
+        across fields that do not change the decoder's math (dtype, transformers_version, ...)."""
+        payload = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(payload.encode("ascii")).hexdigest()
+
+    def default_tap_layer_ids(self, num_taps: int) -> list[int]:
+        """DFlash's default taps: round(1 + i*(N-4)/(L-1)) for L taps over N layers (L == 1: N//2)."""
+        return default_tap_layer_ids(self.num_hidden_layers, num_taps)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["layer_types"] = list(self.layer_types)
+        return out
+
+    # ---- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, config: dict[str, Any], source: str = "config.json") -> "TargetConfig":
+        """Resolve a config.json dict (multimodal with "text_config", or plain text)."""
+        text = config.get("text_config", config)
+        if not isinstance(text, dict):
+            raise ValueError(f"{source}: text_config must be an object, found {type(text).__name__}")
+        return cls(**_resolve_text_fields(text, top=config, source=source))
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "TargetConfig":
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{config_path}: no config.json in the target checkpoint directory")
+        with open(config_path, encoding="utf-8") as f:
+            return cls.from_hf_dict(json.load(f), source=str(config_path))
+
+
+def default_tap_layer_ids(num_layers: int, num_taps: int) -> list[int]:
+    """DFlash's `build_target_layer_ids`: [1, 16, 31, 46, 61] for 64 layers and 5 taps."""
+    if num_taps <= 0:
+        raise ValueError(f"num_taps must be positive, found {num_taps}")
+    if num_layers < 4 and num_taps > 1:
+        raise ValueError(f"num_layers={num_layers} is too small for {num_taps} DFlash taps (needs >= 4)")
+    if num_taps == 1:
+        return [num_layers // 2]
+    span = num_layers - 4
+    return [int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps)]
+
+
+def _require(text: dict[str, Any], name: str, source: str) -> Any:
+    if name not in text or text[name] is None:
+        raise ValueError(f"{source}: text config lacks required field {name!r}")
+    return text[name]
+
+
+def _resolve_text_fields(text: dict[str, Any], top: dict[str, Any], source: str) -> dict[str, Any]:
+    num_layers = int(_require(text, "num_hidden_layers", source))
+    layer_types = text.get("layer_types")
+    if layer_types is None:
+        # HF Qwen3_5TextConfig: layer i is full attention iff (i + 1) % interval == 0.
+        interval = int(text.get("full_attention_interval", 4))
+        layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)]
+
+    rope = text.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"{source}: rope_parameters.rope_type={rope_type!r}, only 'default' is implemented")
+    rope_theta = rope.get("rope_theta", text.get("rope_theta"))
+    if rope_theta is None:
+        raise ValueError(f"{source}: neither rope_parameters.rope_theta nor rope_theta is set")
+    # HF defaults a missing partial_rotary_factor to 0.25 for backward compatibility; so do we.
+    partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+
+    act = text.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{source}: hidden_act={act!r}, only 'silu' is implemented")
+    if text.get("attention_bias", False):
+        raise ValueError(f"{source}: attention_bias=true is not implemented (Qwen3.5 has no biases)")
+    if not text.get("attn_output_gate", True):
+        raise ValueError(f"{source}: attn_output_gate=false is not implemented (Qwen3.5 gates attention)")
+
+    tie = text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
+    return dict(
+        hidden_size=int(_require(text, "hidden_size", source)),
+        num_hidden_layers=num_layers,
+        layer_types=tuple(layer_types),
+        intermediate_size=int(_require(text, "intermediate_size", source)),
+        vocab_size=int(_require(text, "vocab_size", source)),
+        rms_norm_eps=float(_require(text, "rms_norm_eps", source)),
+        linear_num_key_heads=int(_require(text, "linear_num_key_heads", source)),
+        linear_num_value_heads=int(_require(text, "linear_num_value_heads", source)),
+        linear_key_head_dim=int(_require(text, "linear_key_head_dim", source)),
+        linear_value_head_dim=int(_require(text, "linear_value_head_dim", source)),
+        linear_conv_kernel_dim=int(_require(text, "linear_conv_kernel_dim", source)),
+        num_attention_heads=int(_require(text, "num_attention_heads", source)),
+        num_key_value_heads=int(_require(text, "num_key_value_heads", source)),
+        head_dim=int(_require(text, "head_dim", source)),
+        partial_rotary_factor=float(partial),
+        rope_theta=float(rope_theta),
+        tie_word_embeddings=bool(tie),
+    )
+
+
+def tiny_config_dict(
+    *,
+    num_hidden_layers: int = 8,
+    hidden_size: int = 64,
+    linear_num_key_heads: int = 2,
+    linear_num_value_heads: int = 6,
+    partial_rotary_factor: float = 0.25,
+    tie_word_embeddings: bool = False,
+    vocab_size: int = 512,
+) -> dict[str, Any]:
+    """A tiny Qwen3.5 text config (plain layout, HF Qwen3_5TextConfig fields) for tests and demos.
+
+    Defaults mirror the 27B's structure at toy width: 3:1 layout, GVA ratio 3 (2 q/k x 6 v heads),
+    GQA 4:2, partial RoPE 0.25, untied embeddings.
+    """
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_hidden_layers,
+        "layer_types": [
+            FULL_ATTENTION if (i + 1) % 4 == 0 else LINEAR_ATTENTION for i in range(num_hidden_layers)
+        ],
+        "full_attention_interval": 4,
+        "intermediate_size": 2 * hidden_size + 32,
+        "vocab_size": vocab_size,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "linear_num_key_heads": linear_num_key_heads,
+        "linear_num_value_heads": linear_num_value_heads,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_output_gate": True,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": partial_rotary_factor,
+            "mrope_interleaved": True,
+            "mrope_section": [11, 11, 10],
+        },
+        "partial_rotary_factor": partial_rotary_factor,
+        "tie_word_embeddings": tie_word_embeddings,
+        "initializer_range": 0.02,
+        "use_cache": False,
+        "dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }

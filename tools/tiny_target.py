@@ -1,0 +1,182 @@
+"""Write a random-weight Qwen3.5-style checkpoint in the official layout (tests and demos).
+
+The directory looks like a real release: config.json (multimodal with "text_config" and a tiny
+"vision_config", or plain text) plus model.safetensors, or sharded model-0000i-of-0000n.safetensors
+with model.safetensors.index.json. Weights are random with scales that keep the model alive:
+zero-centred norms near identity, A_log and dt_bias in the ranges of released checkpoints, an LM
+head whose logits spread over several units so greedy decoding does not collapse to one token.
+
+    python -m tools.tiny_target OUT_DIR [--seed 0] [--naming multimodal|text] [--shard-max-bytes N]
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+from safetensors.torch import save_file
+
+from extract.checkpoint import INDEX_FILE, SINGLE_FILE, hf_name
+from extract.kernels import KernelChoice
+from extract.model import TargetModel
+from extract.target_config import TargetConfig, tiny_config_dict
+
+logger = logging.getLogger(__name__)
+
+NAMINGS = ("multimodal", "text")
+
+
+def _tiny_vision_config(out_hidden_size: int) -> dict[str, Any]:
+    """Smallest vision tower HF's Qwen3_5VisionConfig accepts; never used by extraction."""
+    return {
+        "model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 16, "intermediate_size": 32,
+        "num_heads": 2, "in_channels": 3, "patch_size": 4, "spatial_merge_size": 2,
+        "temporal_patch_size": 2, "out_hidden_size": out_hidden_size, "num_position_embeddings": 16,
+        "hidden_act": "gelu_pytorch_tanh", "initializer_range": 0.02,
+    }
+
+
+def _full_config(text: dict[str, Any], naming: str) -> dict[str, Any]:
+    if naming == "text":
+        return dict(text)
+    text = dict(text)
+    text.pop("architectures", None)
+    text["model_type"] = "qwen3_5_text"
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text,
+        "vision_config": _tiny_vision_config(text["hidden_size"]),
+        "tie_word_embeddings": text.get("tie_word_embeddings", False),
+        "image_token_id": text["vocab_size"] - 4, "video_token_id": text["vocab_size"] - 3,
+        "vision_start_token_id": text["vocab_size"] - 2, "vision_end_token_id": text["vocab_size"] - 1,
+    }
+
+
+def random_weights(cfg: TargetConfig, seed: int, device: torch.device | str = "cpu",
+                   with_head: bool = True) -> dict[str, torch.Tensor]:
+    """Our parameter name -> float32 tensor (on `device`) with scales that keep activations finite
+    and varied. with_head=False leaves out the final norm and LM head."""
+    with torch.device("meta"):
+        shapes = TargetModel(cfg, KernelChoice(gated_delta_backend="torch", conv_backend="torch", attention_backend="sdpa"),
+                             with_head=with_head)
+    device = torch.device(device)
+    gen = torch.Generator(device).manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, meta in sorted(shapes.named_parameters(remove_duplicate=False)):
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        out[name] = _init(name, tuple(meta.shape), cfg, gen, device)
+    return out
+
+
+def _init(name: str, shape: tuple[int, ...], cfg: TargetConfig, gen: torch.Generator, device) -> torch.Tensor:
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device) * std
+
+    def uniform(low: float, high: float) -> torch.Tensor:
+        return torch.empty(shape, device=device).uniform_(low, high, generator=gen)
+
+    if name == "embed_tokens.weight":
+        return normal(1.0)
+    if name == "lm_head.weight":
+        return normal(3.0 / math.sqrt(cfg.hidden_size))  # logits spread ~3 units: varied argmax
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0 + normal(0.1)  # plain weight: near one
+    if name.endswith("norm.weight"):
+        return normal(0.1)  # zero-centred (1 + w): near zero
+    if name.endswith("A_log"):
+        return uniform(1.0, 16.0).log()
+    if name.endswith("dt_bias"):
+        dt = uniform(math.log(1e-3), math.log(1e-1)).exp()
+        return dt + torch.log(-torch.expm1(-dt))  # inverse softplus: softplus(dt_bias) = dt
+    if name.endswith("conv1d.weight"):
+        return normal(1.0 / math.sqrt(shape[-1]))
+    fan_in = shape[-1]
+    # Residual-writing projections get half scale so the stream grows slowly over layers.
+    scale = 0.5 if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")) else 1.0
+    return normal(scale / math.sqrt(fan_in))
+
+
+def write_random_checkpoint(
+    out_dir: str | Path,
+    config_dict: dict[str, Any] | None = None,
+    seed: int = 0,
+    naming: str = "multimodal",
+    shard_max_bytes: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    with_mtp: bool = True,
+) -> Path:
+    """Write config.json + safetensors under `out_dir`; returns the directory.
+
+    config_dict: a plain text config (HF Qwen3_5TextConfig fields); default `tiny_config_dict()`.
+    naming: "multimodal" (model.language_model.*, multimodal config.json) or "text" (model.*).
+    shard_max_bytes: split into several files with an index once the total exceeds this.
+    dtype: storage dtype of every tensor except A_log (always fp32, as in the release).
+    with_mtp: also write a small mtp.* tensor, which loaders must skip (multimodal naming only).
+    """
+    if naming not in NAMINGS:
+        raise ValueError(f"naming={naming!r}, expected one of {NAMINGS}")
+    text = dict(config_dict) if config_dict is not None else tiny_config_dict()
+    full = _full_config(text, naming)
+    cfg = TargetConfig.from_hf_dict(full)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tensors: dict[str, torch.Tensor] = {}
+    for local, value in random_weights(cfg, seed).items():
+        tensors[hf_name(local, naming)] = value.to(torch.float32 if local.endswith("A_log") else dtype).contiguous()
+    if with_mtp and naming == "multimodal":
+        tensors["mtp.fc.weight"] = torch.zeros(cfg.hidden_size, 2 * cfg.hidden_size, dtype=dtype)
+
+    with open(out_dir / "config.json", "w", encoding="utf-8") as f:
+        json.dump(full, f, indent=2, sort_keys=True)
+    _write_shards(out_dir, tensors, shard_max_bytes)
+    logger.info("wrote a random %s-naming checkpoint to %s (seed %d, %d tensors)", naming, out_dir, seed, len(tensors))
+    return out_dir
+
+
+def _write_shards(out_dir: Path, tensors: dict[str, torch.Tensor], shard_max_bytes: int | None) -> None:
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if shard_max_bytes is None or total <= shard_max_bytes:
+        save_file(tensors, str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > shard_max_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = tensor
+        size += nbytes
+    weight_map = {}
+    for i, group in enumerate(groups):
+        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file(group, str(out_dir / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in group})
+    with open(out_dir / INDEX_FILE, "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+
+
+@click.command()
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seed", type=int, default=0, show_default=True, help="RNG seed of the random weights.")
+@click.option("--naming", type=click.Choice(NAMINGS), default="multimodal", show_default=True,
+              help="Checkpoint layout: multimodal release (model.language_model.*) or text-only (model.*).")
+@click.option("--shard-max-bytes", type=int, default=None,
+              help="Split the weights into files of at most this many bytes (default: one file).")
+@click.option("--tied/--untied", default=False, show_default=True, help="Tie lm_head to embed_tokens.")
+def main(out_dir: Path, seed: int, naming: str, shard_max_bytes: int | None, tied: bool) -> None:
+    """Write a tiny random Qwen3.5-style target checkpoint to OUT_DIR."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    write_random_checkpoint(out_dir, tiny_config_dict(tie_word_embeddings=tied), seed=seed, naming=naming,
+                            shard_max_bytes=shard_max_bytes)
+
+
+if __name__ == "__main__":
+    main()
