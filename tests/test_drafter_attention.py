@@ -1,0 +1,137 @@
+"""Block attention mask and backends (train/attention.py) against masks built with plain loops."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from train.attention import BlockAttentionLayout, block_attention, block_mask_dense
+
+
+def random_ranges(num_ctx: int, num_blocks: int, seed: int):
+    """Sorted anchors over random sequences; about one block in five is padding (seq_start == anchor)."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = sorted(set(torch.randint(1, num_ctx, (4,), generator=g).tolist()))
+    bounds = [0] + cuts + [num_ctx]
+    anchor = torch.sort(torch.randperm(num_ctx, generator=g)[:num_blocks]).values
+    seq_start = torch.tensor([max(b for b in bounds if b <= a) for a in anchor.tolist()])
+    pad = torch.rand(num_blocks, generator=g) < 0.2
+    return torch.where(pad, anchor, seq_start).int(), anchor.int()
+
+
+def loop_mask(seq_start, anchor, num_ctx, block_size):
+    nb = len(anchor)
+    rows = []
+    for q in range(nb * block_size):
+        n = q // block_size
+        row = []
+        for j in range(num_ctx + nb * block_size):
+            ctx = seq_start[n] <= j < anchor[n]
+            own = num_ctx + n * block_size <= j < num_ctx + (n + 1) * block_size
+            row.append(bool(ctx or own))
+        rows.append(row)
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dense_mask_matches_loops(seed):
+    num_ctx, nb, bs = 37, 6, 4
+    seq_start, anchor = random_ranges(num_ctx, nb, seed)
+    got = block_mask_dense(seq_start, anchor, num_ctx=num_ctx, block_size=bs)
+    assert torch.equal(got, loop_mask(seq_start.tolist(), anchor.tolist(), num_ctx, bs))
+
+
+def ordered_to_set(num, idx):
+    return {(i, int(idx[i, c])) for i in range(num.shape[0]) for c in range(int(num[i]))}
+
+
+@pytest.mark.parametrize("seed,num_ctx", [(0, 37), (1, 40), (2, 61)])
+def test_flex_block_mask_tiles_match_loops(seed, num_ctx):
+    nb, bs, tile = 8, 4, 8
+    seq_start, anchor = random_ranges(num_ctx, nb, seed)
+    layout = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", tile_size=tile)
+    layout.update(seq_start, anchor)
+    bm = layout.block_mask
+    dense = loop_mask(seq_start.tolist(), anchor.tolist(), num_ctx, bs)
+    nq, nkv = bm.kv_indices.shape[-2:]
+    partial = ordered_to_set(bm.kv_num_blocks[0, 0], bm.kv_indices[0, 0])
+    full = ordered_to_set(bm.full_kv_num_blocks[0, 0], bm.full_kv_indices[0, 0])
+    assert not partial & full
+    for i in range(nq):
+        for j in range(nkv):
+            tile_mask = dense[i * tile:(i + 1) * tile, j * tile:(j + 1) * tile]
+            ragged = tile_mask.shape[1] < tile
+            if (i, j) in full:
+                assert tile_mask.all() and not ragged, f"tile {(i, j)} marked full but not all visible"
+            elif tile_mask.any():
+                assert (i, j) in partial, f"tile {(i, j)} has visible keys but is skipped"
+            else:
+                assert (i, j) not in partial, f"tile {(i, j)} has no visible key but is visited"
+    # The backward pass walks the transpose: it must list the same tiles.
+    q_partial = {(i, j) for j, i in ordered_to_set(bm.q_num_blocks[0, 0], bm.q_indices[0, 0])}
+    q_full = {(i, j) for j, i in ordered_to_set(bm.full_q_num_blocks[0, 0], bm.full_q_indices[0, 0])}
+    assert q_partial == partial and q_full == full
+    # mask_mod, evaluated element-wise, is the same rule.
+    q_idx = torch.arange(nb * bs).view(-1, 1)
+    kv_idx = torch.arange(num_ctx + nb * bs).view(1, -1)
+    assert torch.equal(layout.mask_mod(0, 0, q_idx, kv_idx), dense)
+
+
+def test_update_reuses_tensors():
+    num_ctx, nb, bs = 40, 8, 4
+    layout = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", tile_size=8)
+    ptrs = [t.data_ptr() for t in (layout.block_mask.kv_indices, layout.block_mask.q_indices, layout.seq_start_N)]
+    for seed in range(2):
+        layout.update(*random_ranges(num_ctx, nb, seed))
+    assert ptrs == [t.data_ptr() for t in (layout.block_mask.kv_indices, layout.block_mask.q_indices,
+                                           layout.seq_start_N)]
+
+
+def attend_reference(q, k, v, mask):
+    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                          attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_eager_matches_sdpa_on_cpu():
+    num_ctx, nb, bs = 45, 8, 4
+    seq_start, anchor = random_ranges(num_ctx, nb, 5)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(nb * bs, 4, 8, generator=g)
+    k, v = torch.randn(2, num_ctx + nb * bs, 2, 8, generator=g)
+    dense = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs).update(seq_start, anchor)
+    flex = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", tile_size=8,
+                                compile_flex=False).update(seq_start, anchor)
+    ref = attend_reference(q, k, v, loop_mask(seq_start.tolist(), anchor.tolist(), num_ctx, bs))
+    with torch.no_grad():  # eager flex on CPU has no backward
+        for layout in (dense, flex):
+            diff = (block_attention(q, k, v, layout) - ref).abs().max().item()
+            assert diff < 1e-5, f"{layout.backend}: max abs diff {diff}"
+
+
+def test_flex_rejects_partial_query_tiles():
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockAttentionLayout(num_ctx=40, num_blocks=9, block_size=4, backend="flex", tile_size=8)
+
+
+@pytest.mark.gpu
+def test_flex_compiled_matches_dense_bf16_forward_backward():
+    device = "cuda"
+    num_ctx, nb, bs, heads, kv_heads, dim = 3000, 64, 16, 8, 2, 128
+    seq_start, anchor = random_ranges(num_ctx, nb, 7)
+    seq_start, anchor = seq_start.to(device), anchor.to(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(nb * bs, heads, dim, device=device, generator=g, dtype=torch.bfloat16)
+    k, v = torch.randn(2, num_ctx + nb * bs, kv_heads, dim, device=device, generator=g, dtype=torch.bfloat16)
+    grad_out = torch.randn_like(q)
+    flex = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", device=device)
+    flex.update(seq_start, anchor)
+    mask = block_mask_dense(seq_start, anchor, num_ctx=num_ctx, block_size=bs)
+    results = []
+    for fn in (lambda a, b, c: block_attention(a, b, c, flex),
+               lambda a, b, c: attend_reference(a.float(), b.float(), c.float(), mask)):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(grad_out.to(out.dtype))
+        results.append([out.float()] + [t.grad.float() for t in leaves])
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), *results):
+        diff = (got - ref).abs().max().item()
+        assert diff < 3e-2 * max(1.0, ref.abs().max().item()), f"{name}: max abs diff {diff}"

@@ -1,0 +1,57 @@
+"""Tiny packed batches and drafters shared by the drafter/loss/export tests (no tests here)."""
+from __future__ import annotations
+
+import torch
+
+from train.config import DrafterConfig
+from train.model import DFlashDrafter, TargetHead
+
+VOCAB = 97
+MASK_ID = 96
+
+
+def tiny_config(**changes) -> DrafterConfig:
+    base = dict(num_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, rope_theta=10000.0, max_position_embeddings=4096, block_size=4,
+                mask_token_id=MASK_ID, tap_layer_ids=[0, 2, 3], num_target_layers=4, vocab_size=VOCAB)
+    base.update(changes)
+    return DrafterConfig(**base)
+
+
+def make_batch(seq_lens: list[int], token_budget: int, max_seqs: int, num_taps: int, hidden: int, seed: int = 0,
+               unsupervised: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+    """A packed batch shaped like one cache shard. The first 2 tokens of each sequence (a 'prompt') and
+    the packed indices in `unsupervised` have loss_mask 0; padding is zero."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(seq_lens)
+    assert total <= token_budget and len(seq_lens) <= max_seqs
+    input_ids = torch.zeros(token_budget, dtype=torch.int32)
+    input_ids[:total] = torch.randint(0, VOCAB - 1, (total,), generator=g, dtype=torch.int32)
+    position_ids = torch.zeros(token_budget, dtype=torch.int32)
+    loss_mask = torch.zeros(token_budget, dtype=torch.uint8)
+    cu = [0]
+    for n in seq_lens:
+        s = cu[-1]
+        position_ids[s:s + n] = torch.arange(n, dtype=torch.int32)
+        loss_mask[s + 2:s + n] = 1
+        cu.append(s + n)
+    for t in unsupervised:
+        loss_mask[t] = 0
+    cu += [total] * (max_seqs + 1 - len(cu))
+    hidden_TKH = torch.zeros(token_budget, num_taps, hidden)
+    hidden_TKH[:total] = torch.randn(total, num_taps, hidden, generator=g)
+    return dict(input_ids_T=input_ids, position_ids_T=position_ids, loss_mask_T=loss_mask,
+                cu_seqlens_S1=torch.tensor(cu, dtype=torch.int32), hidden_TKH=hidden_TKH)
+
+
+def tiny_model_and_head(cfg: DrafterConfig, seed: int = 0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    model = DFlashDrafter(cfg).to(dtype)
+    with torch.no_grad():  # non-trivial norm weights, so a swapped norm cannot pass unnoticed
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(seed + 1)
+    head = TargetHead(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g, dtype=dtype),
+                      torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g, dtype=dtype) * 0.3)
+    return model, head

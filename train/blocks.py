@@ -1,0 +1,131 @@
+"""Training blocks: sample a fixed number of anchors in a packed batch and build the draft blocks,
+their labels, loss weights and the per-block attention ranges.
+
+Anchor rule (SpecForge's): position t is a valid anchor iff loss_mask[t] == 1 and token t+1 is in
+the same sequence with loss_mask[t+1] == 1. NB anchors are drawn uniformly without replacement among
+valid positions as the top-NB of i.i.d. uniform keys (invalid positions get key -1): no nonzero,
+no randperm, fixed shapes. With fewer than NB valid positions the surplus blocks have weight 0.
+
+Block n = [token at anchor, MASK x (B-1)] at positions pos(anchor)+0..B-1. Slot k >= 1 is trained
+to predict the token at anchor+k (same-position labels), with weight
+    loss_mask[anchor+k] * exp(-(k-1)/gamma) * [anchor+k in the same sequence] * block_valid.
+
+Legend: T packed tokens, S sequences (cu_seqlens has S+1 entries), NB blocks, B block size.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TrainingBlocks:
+    """Everything the forward, the losses and the metrics need about one batch's NB blocks."""
+
+    block_ids_NB: torch.Tensor  # [NB, B] int64: anchor token, then mask_token_id
+    block_pos_NB: torch.Tensor  # [NB, B] int64: RoPE positions pos(anchor)+k
+    labels_NB: torch.Tensor  # [NB, B] int64: token at anchor+k (clamped inside the batch where invalid)
+    label_valid_NB: torch.Tensor  # [NB, B] bool: k >= 1, anchor+k in the sequence, supervised, block valid
+    weights_NB: torch.Tensor  # [NB, B] float32: label_valid * exp(-(k-1)/gamma)
+    prev_index_NB: torch.Tensor  # [NB, B] int64: packed index anchor+k-1 (the target's prediction of slot k)
+    anchor_N: torch.Tensor  # [NB] int32: packed index of the anchor
+    seq_start_N: torch.Tensor  # [NB] int32: first visible context index (== anchor_N for invalid blocks)
+    block_valid_N: torch.Tensor  # [NB] bool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_ids_NB.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.block_ids_NB.shape[1]
+
+
+def sequence_bounds(cu_seqlens_S1: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start_T, end_T): packed index range [start, end) of each token's sequence; padding gets [total, total)."""
+    token_T = torch.arange(num_tokens, device=cu_seqlens_S1.device, dtype=cu_seqlens_S1.dtype)
+    cu_S1 = cu_seqlens_S1.contiguous()
+    # right=True: the first boundary strictly after t; repeated totals send padding past the last sequence.
+    upper_T = torch.searchsorted(cu_S1, token_T, right=True)
+    last = cu_S1.shape[0] - 1
+    start_T = cu_S1[(upper_T - 1).clamp(0, last)]
+    end_T = cu_S1[upper_T.clamp(max=last)]
+    end_T = torch.where(token_T < end_T, end_T, start_T)  # padding: empty range
+    return start_T, end_T
+
+
+def valid_anchors(loss_mask_T: torch.Tensor, cu_seqlens_S1: torch.Tensor) -> torch.Tensor:
+    """[T] bool: supervised positions whose next token is supervised and in the same sequence."""
+    num_tokens = loss_mask_T.shape[0]
+    _, end_T = sequence_bounds(cu_seqlens_S1, num_tokens)
+    supervised_T = loss_mask_T.bool()
+    next_supervised_T = torch.cat([supervised_T[1:], supervised_T.new_zeros(1)])
+    token_T = torch.arange(num_tokens, device=loss_mask_T.device)
+    return supervised_T & next_supervised_T & (token_T + 1 < end_T)
+
+
+def decay_weights(block_size: int, gamma: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B] float32: 0 at the anchor slot, exp(-(k-1)/gamma) for slots k >= 1 (DFlash paper Eq. 4)."""
+    if not gamma > 0:
+        raise ValueError(f"loss decay gamma must be > 0, got {gamma}")
+    k_B = torch.arange(block_size, device=device, dtype=torch.float32)
+    return torch.where(k_B >= 1, torch.exp(-(k_B - 1) / gamma), torch.zeros_like(k_B))
+
+
+def sample_blocks(*, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, loss_mask_T: torch.Tensor,
+                  cu_seqlens_S1: torch.Tensor, num_blocks: int, block_size: int, mask_token_id: int,
+                  gamma: float = 7.0, generator: torch.Generator | None = None) -> TrainingBlocks:
+    """Sample NB anchors and build the blocks. Fixed output shapes, no host syncs.
+
+    generator: drawn from for the anchor keys (must live on the batch's device); for CUDA-graph capture
+    use the default CUDA generator or one registered with the graph.
+    """
+    num_tokens = input_ids_T.shape[0]
+    if not 1 <= num_blocks <= num_tokens:
+        raise ValueError(f"num_blocks must be in [1, token_budget={num_tokens}], got {num_blocks}")
+    device = input_ids_T.device
+    start_T, end_T = sequence_bounds(cu_seqlens_S1, num_tokens)
+    valid_T = valid_anchors(loss_mask_T, cu_seqlens_S1)
+
+    # Uniform subset without replacement: top-NB of i.i.d. U[0,1) keys; invalid positions rank last.
+    keys_T = torch.rand(num_tokens, generator=generator, device=device)
+    keys_T = torch.where(valid_T, keys_T, torch.full_like(keys_T, -1.0))
+    picked_N = torch.topk(keys_T, num_blocks, sorted=False).indices
+    anchor_N = torch.sort(picked_N).values  # position order keeps each flex tile's context ranges tight
+    block_valid_N = valid_T[anchor_N]
+
+    k_B = torch.arange(block_size, device=device)
+    index_NB = anchor_N.unsqueeze(1) + k_B  # packed index of slot k's label
+    index_clamped_NB = index_NB.clamp(max=num_tokens - 1)
+    in_sequence_NB = index_NB < end_T[anchor_N].unsqueeze(1).long()
+    label_valid_NB = (in_sequence_NB & loss_mask_T.bool()[index_clamped_NB] & (k_B >= 1)
+                      & block_valid_N.unsqueeze(1))
+    weights_NB = label_valid_NB.float() * decay_weights(block_size, gamma, device)
+
+    anchor_tokens_N1 = input_ids_T[anchor_N].long().unsqueeze(1)
+    block_ids_NB = torch.where(k_B == 0, anchor_tokens_N1, torch.full_like(anchor_tokens_N1, mask_token_id))
+    block_pos_NB = position_ids_T[anchor_N].long().unsqueeze(1) + k_B
+    seq_start_N = torch.where(block_valid_N, start_T[anchor_N].long(), anchor_N)
+
+    return TrainingBlocks(
+        block_ids_NB=block_ids_NB,
+        block_pos_NB=block_pos_NB,
+        labels_NB=input_ids_T[index_clamped_NB].long(),
+        label_valid_NB=label_valid_NB,
+        weights_NB=weights_NB,
+        prev_index_NB=(index_NB - 1).clamp(0, num_tokens - 1),
+        anchor_N=anchor_N.to(torch.int32),
+        seq_start_N=seq_start_N.to(torch.int32),
+        block_valid_N=block_valid_N,
+    )
+
+
+def default_num_blocks(token_budget: int, block_size: int, tile_size: int = 128,
+                       anchors_per_token: float = 512 / 3072) -> int:
+    """A block count that matches SpecForge's density (512 anchors per 3072-token sequence), rounded
+    down to whole flex query tiles so the fast attention path accepts it."""
+    blocks_per_tile = max(1, tile_size // block_size)
+    raw = int(math.floor(token_budget * anchors_per_token))
+    return max(blocks_per_tile, raw // blocks_per_tile * blocks_per_tile)

@@ -1,0 +1,199 @@
+"""The DFlash drafter: Qwen3-style decoder layers with KV injection of the fused target context.
+
+What is unusual about this model (z-lab's DFlashDraftModel, which serving engines load):
+- No embedding or LM head of its own: block tokens are embedded with the target's frozen
+  embed_tokens and its output goes through the target's frozen lm_head (`TargetHead`, kept
+  outside the module so it is neither trained, saved, exported nor broadcast by DDP).
+- Context = the K tapped target hidden states of each token, fused: hidden_norm(fc(concat)).
+- In every layer K/V come from [fused context ; block hidden] and Q from the block only; the
+  context is not layer-normed (only the block stream passes input_layernorm).
+- RMSNorms are Qwen3's (w * x_normed, w initialised to ones), not the target's (1 + w).
+- RoPE rotates the whole head; context key t sits at its position id, block slot k at
+  pos(anchor)+k; queries at the block positions.
+
+Parameter names equal z-lab's: fc, hidden_norm, norm, layers.N.{input_layernorm,
+post_attention_layernorm}, layers.N.self_attn.{q,k,v,o}_proj / {q,k}_norm, layers.N.mlp.{gate,up,down}_proj.
+
+Legend: T context tokens, K taps, H hidden, NB blocks, B block size, Q = NB*B block tokens,
+L = T + Q keys, N query heads, M kv heads, D head dim, I MLP width, V vocab.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import BlockAttentionLayout, block_attention, full_attention
+from .config import DrafterConfig
+
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: w * (x / rms(x)), statistics in float32, weight initialised to ones."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [*pos.shape, D] for positions `pos` (any int shape), full-head NeoX layout."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim)
+    freqs = pos.float().unsqueeze(-1) * inv_freq  # [..., D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [..., D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x_SHD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+    """x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1], broadcast over heads."""
+    x1, x2 = x_SHD.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x_SHD * cos_SD.unsqueeze(1) + rotated * sin_SD.unsqueeze(1)
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x_QH: torch.Tensor, ctx_TH: torch.Tensor, rope_ctx: tuple[torch.Tensor, torch.Tensor],
+                rope_blk: tuple[torch.Tensor, torch.Tensor], attend: AttendFn) -> torch.Tensor:
+        Q, T, D = x_QH.shape[0], ctx_TH.shape[0], self.head_dim
+        q_QND = apply_rope(self.q_norm(self.q_proj(x_QH).view(Q, self.num_heads, D)), *rope_blk)
+        # KV injection: this layer's k/v projections of the shared fused context, then of the block.
+        k_ctx_TMD = apply_rope(self.k_norm(self.k_proj(ctx_TH).view(T, self.num_kv_heads, D)), *rope_ctx)
+        k_blk_QMD = apply_rope(self.k_norm(self.k_proj(x_QH).view(Q, self.num_kv_heads, D)), *rope_blk)
+        v_ctx_TMD = self.v_proj(ctx_TH).view(T, self.num_kv_heads, D)
+        v_blk_QMD = self.v_proj(x_QH).view(Q, self.num_kv_heads, D)
+        k_LMD = torch.cat([k_ctx_TMD, k_blk_QMD], dim=0)
+        v_LMD = torch.cat([v_ctx_TMD, v_blk_QMD], dim=0)
+        out_QND = attend(q_QND, k_LMD, v_LMD)
+        return self.o_proj(out_QND.reshape(Q, self.num_heads * D))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x_QH, ctx_TH, rope_ctx, rope_blk, attend: AttendFn) -> torch.Tensor:
+        x_QH = x_QH + self.self_attn(self.input_layernorm(x_QH), ctx_TH, rope_ctx, rope_blk, attend)
+        return x_QH + self.mlp(self.post_attention_layernorm(x_QH))
+
+
+class DFlashDrafter(nn.Module):
+    """Trainable part of the drafter; see the module docstring for the architecture."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        init_drafter_weights(self)
+
+    def fuse_context(self, hidden_TKH: torch.Tensor) -> torch.Tensor:
+        """[T, K, H] tapped target states -> [T, H] fused context hidden_norm(fc(concat_k))."""
+        return self.hidden_norm(self.fc(hidden_TKH.flatten(1)))
+
+    def _run_layers(self, ctx_TH, ctx_pos_T, x_QH, blk_pos_Q, attend: AttendFn) -> torch.Tensor:
+        cfg = self.config
+        rope_ctx = rope_cos_sin(ctx_pos_T, cfg.head_dim, cfg.rope_theta, x_QH.dtype)
+        rope_blk = rope_cos_sin(blk_pos_Q, cfg.head_dim, cfg.rope_theta, x_QH.dtype)
+        for layer in self.layers:
+            x_QH = layer(x_QH, ctx_TH, rope_ctx, rope_blk, attend)
+        return self.norm(x_QH)
+
+    def forward(self, hidden_TKH: torch.Tensor, position_ids_T: torch.Tensor, block_embed_NBH: torch.Tensor,
+                block_pos_NB: torch.Tensor, layout: BlockAttentionLayout) -> torch.Tensor:
+        """Training forward over one packed batch; returns normed block hidden states [NB, B, H].
+
+        hidden_TKH: tapped target states of all T tokens (context K/V computed once per layer over them).
+        block_embed_NBH: target embeddings of the block tokens; block_pos_NB: their positions.
+        layout: the block attention rule for this batch (BlockAttentionLayout.update already called).
+        """
+        NB, B, H = block_embed_NBH.shape
+        dtype = block_embed_NBH.dtype
+        ctx_TH = self.fuse_context(hidden_TKH.to(dtype))
+        x_QH = block_embed_NBH.reshape(NB * B, H)
+        out_QH = self._run_layers(ctx_TH, position_ids_T, x_QH, block_pos_NB.reshape(NB * B),
+                                  lambda q, k, v: block_attention(q, k, v, layout))
+        return out_QH.view(NB, B, H)
+
+    def forward_block(self, hidden_LKH: torch.Tensor, ctx_pos_L: torch.Tensor, block_embed_BH: torch.Tensor,
+                      block_pos_B: torch.Tensor) -> torch.Tensor:
+        """Inference forward: one block over one sequence's prefix (all of it visible); [B, H]."""
+        ctx_LH = self.fuse_context(hidden_LKH.to(block_embed_BH.dtype))
+        return self._run_layers(ctx_LH, ctx_pos_L, block_embed_BH, block_pos_B, full_attention)
+
+
+@torch.no_grad()
+def init_drafter_weights(model: DFlashDrafter, std: float = 0.02) -> None:
+    """Every initialisation in one place: linears N(0, std) (Qwen3 initializer_range), RMSNorm weights 1."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            if module.weight.device.type != "meta":
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            if module.weight.device.type != "meta":
+                nn.init.ones_(module.weight)
+
+
+class TargetHead(nn.Module):
+    """The target's frozen embed_tokens and lm_head (buffers, not parameters, never saved with the drafter).
+
+    The target's final norm is not needed: the drafter applies its own `norm` before the lm_head.
+    """
+
+    def __init__(self, embed_tokens_VH: torch.Tensor, lm_head_VH: torch.Tensor):
+        super().__init__()
+        if embed_tokens_VH.shape != lm_head_VH.shape:
+            raise ValueError(f"embed_tokens {tuple(embed_tokens_VH.shape)} and lm_head {tuple(lm_head_VH.shape)} "
+                             "must have the same [vocab, hidden] shape")
+        self.register_buffer("embed_tokens_VH", embed_tokens_VH.detach(), persistent=False)
+        # Tied targets store lm_head as the embedding; share storage when they are the same tensor.
+        same = lm_head_VH.data_ptr() == embed_tokens_VH.data_ptr()
+        self.register_buffer("lm_head_VH", self.embed_tokens_VH if same else lm_head_VH.detach(), persistent=False)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed_tokens_VH)
+
+    def logits(self, hidden_XH: torch.Tensor) -> torch.Tensor:
+        return hidden_XH @ self.lm_head_VH.T
+
+
+def count_parameters(cfg: DrafterConfig) -> int:
+    """Trainable parameters of a drafter of this shape, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    return sum(p.numel() for p in model.parameters())
