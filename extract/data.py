@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 DATA_SUFFIXES = (".parquet", ".jsonl")
 LONG_SEQ_POLICIES = ("truncate", "skip", "error")
 _NUM_EMPTY_EXAMPLES = 5  # empty sample ids kept for the report line
+_LARGE_ROW_GROUP_TOKENS = 16 * 2**20  # a Parquet row group past this makes random sample access slow
 
 
 class DataError(ValueError):
@@ -311,11 +312,19 @@ def _iter_parquet(path: str, vocab_size: int) -> Iterator[_Chunk]:
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"{path}: not a readable Parquet file ({e})") from e
     columns = _parquet_columns(pf.schema_arrow, path)
-    first_row = 0
+    first_row, largest = 0, 0
     for g in range(pf.num_row_groups):
         table = pf.read_row_group(g, columns=columns)
-        yield _parquet_chunk(table, path, first_row, vocab_size)
+        chunk = _parquet_chunk(table, path, first_row, vocab_size)
+        largest = max(largest, int(chunk[3].shape[0]))
+        yield chunk
         first_row += table.num_rows
+    if largest > _LARGE_ROW_GROUP_TOKENS:
+        logger.warning(
+            "%s: row groups of up to %d tokens; loading a sample decodes its whole row group, so packed "
+            "batches load slowly; rewrite the file with smaller row groups (write_parquet uses 256 rows)",
+            path, largest,
+        )
 
 
 def _iter_file(path: str, vocab_size: int) -> Iterator[_Chunk]:
@@ -430,9 +439,12 @@ class SampleLoader:
     the index, so a file edited after the scan is an error, never a silently different batch.
     """
 
-    def __init__(self, index: DatasetIndex, cached_row_groups: int = 8):
+    def __init__(self, index: DatasetIndex, cache_tokens: int = 64 * 2**20):
         self.index = index
-        self._cached_row_groups = cached_row_groups  # parsed Parquet row groups kept between calls
+        # Parsed Parquet row groups are kept between calls up to this many tokens (5 bytes each);
+        # the row group in use is always kept.
+        self._cache_tokens = cache_tokens
+        self._cached = 0  # tokens in self._cache
         self._parquet: dict[int, tuple[pq.ParquetFile, list[str], np.ndarray]] = {}  # file -> (file, columns, row-group starts)
         self._cache: OrderedDict[tuple[int, int], tuple[list, np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
         for file, size in zip(index.files, index.file_sizes):
@@ -483,8 +495,9 @@ class SampleLoader:
             table = pf.read_row_group(g, columns=columns)
             _, ids, lengths, tokens, mask, _ = _parquet_chunk(table, path, int(starts[g]), self.index.vocab_size)
             self._cache[key] = (ids, np.concatenate([[0], np.cumsum(lengths)]), tokens, mask)
-            while len(self._cache) > self._cached_row_groups:
-                self._cache.popitem(last=False)
+            self._cached += tokens.shape[0]
+            while self._cached > self._cache_tokens and len(self._cache) > 1:
+                self._cached -= self._cache.popitem(last=False)[1][2].shape[0]
         self._cache.move_to_end(key)
         ids, bounds, tokens, mask = self._cache[key]
         k = row - int(starts[g])

@@ -6,9 +6,16 @@ before any model loads, and is a pure function of (dataset order, lengths, Packi
 dataset and settings give the same batches under the same batch ids on every run and every rank,
 which is what makes resume exact.
 
-Algorithm: best-fit decreasing. Samples are taken longest first (ties in dataset order); each goes
-into the open batch with the least free space that still fits it, else opens a new batch; a batch
-closes when full or holding max_seqs sequences. Batch ids follow the order batches were opened;
+Algorithm (pack_lengths), samples always taken longest first, ties in dataset order:
+1. best-fit decreasing: each sample goes into the open batch with the least free space that still
+   fits it, else opens a new batch; a batch closes when full or holding max_seqs sequences. Near
+   optimal while max_seqs does not bind, but when it does (short samples) the shortest samples end
+   up last, max_seqs to a batch, in batches that close half empty.
+2. balanced fit, searched: for a number of batches B between the lower bound
+   ceil(max(tokens / token_budget, samples / max_seqs)) and best fit's count, put each sample into
+   the least-loaded of B batches (longest-processing-time scheduling), which spreads short samples
+   over all batches; B is binary-searched for the smallest that fits.
+The fewer batches win (best fit on a tie). Batch ids follow the batch order of the winning method;
 inside a batch, samples are in dataset order.
 
 One packed batch as arrays (assemble_batch), T = token_budget, S = max_seqs, n = samples in it:
@@ -21,6 +28,7 @@ One packed batch as arrays (assemble_batch), T = token_budget, S = max_seqs, n =
 
 from __future__ import annotations
 
+import heapq
 import logging
 from bisect import bisect_left, insort
 from collections.abc import Sequence
@@ -32,6 +40,10 @@ import numpy as np
 from .data import LONG_SEQ_POLICIES, DatasetIndex, Sample, SampleLoader
 
 logger = logging.getLogger(__name__)
+
+# Names the packing algorithm for cache.json: a change of algorithm changes batch ids, so a cache
+# made by another version must not be resumed with this one.
+PACKING_ALGORITHM = "bfd+balanced-search/1"
 
 
 @dataclass(kw_only=True)
@@ -145,6 +157,46 @@ def best_fit_decreasing(lengths: np.ndarray, *, token_budget: int, max_seqs: int
     return bins
 
 
+def balanced_fit(lengths: np.ndarray, *, num_bins: int, token_budget: int, max_seqs: int) -> list[list[int]] | None:
+    """Longest first, each item into the least-loaded of num_bins bins; None when one does not fit."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable")
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    # Heap of bins below max_seqs keyed by load << 32 | bin: one int per entry (faster than tuples);
+    # equal loads go to the lower bin.
+    heap = list(range(num_bins))
+    mask = (1 << 32) - 1
+    for i, length in zip(order.tolist(), lengths[order].tolist()):
+        if not heap:
+            return None
+        key = heap[0]
+        if (key >> 32) + length > token_budget:
+            return None  # the least-loaded bin cannot take it, so none can
+        b = key & mask
+        bins[b].append(i)
+        if len(bins[b]) == max_seqs:
+            heapq.heappop(heap)
+        else:
+            heapq.heapreplace(heap, key + (length << 32))
+    return bins
+
+
+def pack_lengths(lengths: np.ndarray, *, token_budget: int, max_seqs: int) -> list[list[int]]:
+    """Bins of positions into `lengths` (each in [1, token_budget]): the fewer of best fit and balanced fit."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    best = best_fit_decreasing(lengths, token_budget=token_budget, max_seqs=max_seqs)
+    lo = int(max(-(-int(lengths.sum()) // token_budget), -(-lengths.size // max_seqs)))  # no packing needs fewer
+    hi = len(best)  # best fit already achieves this many
+    while lo < hi:
+        mid = (lo + hi) // 2
+        bins = balanced_fit(lengths, num_bins=mid, token_budget=token_budget, max_seqs=max_seqs)
+        if bins is None:
+            lo = mid + 1
+        else:
+            best, hi = bins, mid
+    return best
+
+
 def plan_batches(index: DatasetIndex, cfg: PackingConfig) -> PackingPlan:
     """Pack every sample of `index` into batches; raises ValueError on a long sample under "error"."""
     lengths = index.lengths.astype(np.int64)
@@ -158,7 +210,7 @@ def plan_batches(index: DatasetIndex, cfg: PackingConfig) -> PackingPlan:
     keep = ~long if cfg.long_seqs == "skip" else np.ones_like(long)
     packed = np.minimum(lengths, cfg.token_budget)  # truncation keeps the first token_budget tokens
     positions = np.flatnonzero(keep)
-    bins = best_fit_decreasing(packed[positions], token_budget=cfg.token_budget, max_seqs=cfg.max_seqs)
+    bins = pack_lengths(packed[positions], token_budget=cfg.token_budget, max_seqs=cfg.max_seqs)
     batches = []
     for batch_id, members in enumerate(bins):
         rows = sorted(positions[members].tolist())  # dataset order inside a batch

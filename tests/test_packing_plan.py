@@ -6,7 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extract.data import DatasetIndex, Sample, scan_dataset, write_parquet
-from extract.packing import PackingConfig, best_fit_decreasing, plan_batches, shard_batches_for_rank
+from extract.packing import (
+    PackingConfig,
+    balanced_fit,
+    best_fit_decreasing,
+    pack_lengths,
+    plan_batches,
+    shard_batches_for_rank,
+)
 
 
 def index_of_lengths(tmp_path, lengths, name="d") -> DatasetIndex:
@@ -101,6 +108,42 @@ def test_packing_invariants_on_random_lengths(lengths, budget, max_seqs):
     loads = sorted(int(arr[b].sum()) for b in bins if len(b) < max_seqs)
     if len(loads) >= 2:
         assert loads[0] + loads[1] > budget, loads
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 120), min_size=1, max_size=200),
+    budget=st.integers(1, 150),
+    max_seqs=st.integers(1, 12),
+)
+def test_pack_lengths_is_valid_and_never_worse_than_best_fit(lengths, budget, max_seqs):
+    arr = np.minimum(np.array(lengths, dtype=np.int64), budget)
+    bins = pack_lengths(arr, token_budget=budget, max_seqs=max_seqs)
+    assert sorted(i for b in bins for i in b) == list(range(len(arr)))
+    for b in bins:
+        assert 1 <= len(b) <= max_seqs and arr[b].sum() <= budget
+    assert len(bins) <= len(best_fit_decreasing(arr, token_budget=budget, max_seqs=max_seqs))
+    lower = max(-(-int(arr.sum()) // budget), -(-len(arr) // max_seqs))
+    assert len(bins) >= lower
+
+
+def test_short_samples_still_fill_when_max_seqs_binds(tmp_path):
+    # Median 120 tokens: best fit alone leaves the shortest samples max_seqs to a batch, half empty;
+    # the balanced fit must come within 2% of the lower bound on batches.
+    rng = np.random.default_rng(5)
+    lengths = np.clip(np.round(rng.lognormal(np.log(120), 1.0, 3000)), 1, 2048).astype(np.int64)
+    budget, max_seqs = 4096, 16
+    lower = max(-(-int(lengths.sum()) // budget), -(-len(lengths) // max_seqs))
+    greedy = best_fit_decreasing(lengths, token_budget=budget, max_seqs=max_seqs)
+    bins = pack_lengths(lengths, token_budget=budget, max_seqs=max_seqs)
+    assert len(greedy) > 1.05 * lower, (len(greedy), lower)  # the case the balanced fit is for
+    assert len(bins) <= 1.02 * lower, (len(bins), lower, len(greedy))
+
+
+def test_balanced_fit_reports_infeasible():
+    assert balanced_fit(np.array([6, 6, 6]), num_bins=1, token_budget=12, max_seqs=4) is None
+    assert balanced_fit(np.array([1, 1, 1]), num_bins=1, token_budget=12, max_seqs=2) is None
+    assert balanced_fit(np.array([6, 5, 4, 3]), num_bins=2, token_budget=10, max_seqs=2) == [[0, 3], [1, 2]]
 
 
 def test_truncate_long_samples(tmp_path):
