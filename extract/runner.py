@@ -1,0 +1,265 @@
+"""run_extract: dataset -> packed batches -> frozen target -> hidden-state cache, on every rank.
+
+Order of work, so that mistakes cost seconds and not GPU hours:
+  1. settings, target config and every dataset row are checked (no model loaded yet);
+  2. the packing plan is made (deterministic: batch ids are stable across runs);
+  3. rank 0 creates the cache, or checks that an existing one was made with the same settings;
+  4. each rank skips its batches whose shard exists and verifies, and extracts the rest;
+  5. rank 0 writes the manifest once every rank is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shards import (
+    CacheConfig,
+    CacheFormatError,
+    SampleEntry,
+    ShardError,
+    ShardReader,
+    TargetInfo,
+    clean_partial_shards,
+    create_cache,
+    read_cache_config,
+    write_manifest,
+)
+from shards.format import CACHE_CONFIG_FILE, bytes_per_shard
+from shards.progress import ProgressLog, format_duration
+from shards.provenance import provenance
+
+from .checkpoint import load_target_head
+from .config import ExtractConfig
+from .data import SampleLoader, dataset_fingerprint, scan_dataset
+from .distributed import DistInfo, barrier, init_distributed, resolve_device, shutdown
+from .kernels import select_kernels
+from .model import TargetModel
+from .packing import PackedBatch, PackingConfig, PackingPlan, load_batch, plan_batches, shard_batches_for_rank
+from .target_config import TargetConfig
+from .writer import AsyncShardWriter
+
+log = logging.getLogger(__name__)
+
+
+class CacheMismatchError(ValueError):
+    """An existing cache was made with other settings; resuming into it would mix two caches."""
+
+
+@dataclass
+class ExtractSummary:
+    cache_dir: str
+    num_batches: int  # in the whole plan
+    written: int  # shards written by this rank in this run
+    resumed: int  # shards of this rank found complete and kept
+    tokens: int  # real tokens extracted by this rank in this run
+    seconds: float
+    padding_efficiency: float
+    bytes_written: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def run_extract(cfg: ExtractConfig) -> ExtractSummary:
+    dist_info = init_distributed()
+    try:
+        return _run(cfg, dist_info)
+    finally:
+        shutdown()
+
+
+def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
+    target = TargetConfig.from_dir(cfg.target)
+    taps = cfg.tap_layer_ids or target.default_tap_layer_ids(cfg.num_taps)
+    if taps[-1] >= target.num_hidden_layers:
+        raise ValueError(f"tap layer {taps[-1]} does not exist: the target has {target.num_hidden_layers} layers")
+    packing = PackingConfig(token_budget=cfg.token_budget, max_seqs=cfg.max_seqs, long_seqs=cfg.long_seqs, pad_token_id=cfg.pad_token_id)
+    index = scan_dataset(cfg.data, vocab_size=target.vocab_size, token_budget=cfg.token_budget, long_seqs=cfg.long_seqs)
+    if len(index) == 0:
+        raise ValueError(f"{cfg.data}: no non-empty samples ({index.report.summary()})")
+    plan = plan_batches(index, packing)
+    cache_cfg = _cache_config(cfg, target, taps, plan, index)
+    device = resolve_device(cfg.device, dist_info.local_rank)
+    if dist_info.is_main:
+        log.info("plan: %s", plan.summary())
+        log.info("cache: %s, %.1f KB per token (%s), %d shards of %.2f GB",
+                 cfg.out, bytes_per_shard(cache_cfg) / cfg.token_budget / 1e3, cfg.storage_dtype,
+                 len(plan.batches), bytes_per_shard(cache_cfg) / 1e9)
+        _prepare_cache(cfg, cache_cfg)
+    barrier()
+    mine = shard_batches_for_rank(plan, dist_info.rank, dist_info.world_size)
+    todo, resumed = _pending(cfg, mine)
+    if resumed:
+        log.info("rank %d: %d of its %d shards already complete, %d to go", dist_info.rank, resumed, len(mine), len(todo))
+    summary = _extract(cfg, cache_cfg, target, taps, index, todo, device, dist_info)
+    summary.resumed = resumed
+    barrier()
+    if dist_info.is_main:
+        _finish(cfg.out, cache_cfg, plan)
+    return summary
+
+
+def _cache_config(cfg: ExtractConfig, target: TargetConfig, taps: list[int], plan: PackingPlan, index) -> CacheConfig:
+    return CacheConfig(
+        target=TargetInfo(
+            name=str(Path(cfg.target).resolve()), config_hash=target.fingerprint(), hidden_size=target.hidden_size,
+            num_layers=target.num_hidden_layers, vocab_size=target.vocab_size, dtype=cfg.dtype,
+        ),
+        tap_layer_ids=list(taps),
+        token_budget=cfg.token_budget,
+        max_seqs=cfg.max_seqs,
+        storage_dtype=cfg.storage_dtype,
+        target_topk=cfg.target_topk,
+        mask_token_id=cfg.mask_token_id,
+        pad_token_id=cfg.pad_token_id,
+        packing={"long_seqs": cfg.long_seqs, "num_batches": len(plan.batches), "algorithm": "best-fit-decreasing",
+                 "padding_efficiency": round(plan.padding_efficiency, 6), "num_truncated": plan.num_truncated,
+                 "num_skipped": plan.num_skipped, "num_empty": plan.num_empty},
+        dataset={"path": str(cfg.data), "fingerprint": dataset_fingerprint(index), "num_samples": len(index),
+                 "num_tokens": int(index.lengths.sum())},
+        provenance={**provenance(), "extract_config": {k: v for k, v in vars(cfg).items()}},
+    )
+
+
+def _prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig) -> None:
+    out = Path(cfg.out)
+    if (out / CACHE_CONFIG_FILE).exists():
+        if cfg.overwrite:
+            log.warning("--overwrite: deleting the existing cache at %s", out)
+            shutil.rmtree(out)
+        else:
+            _check_resumable(out, cache_cfg)
+            removed = clean_partial_shards(out)
+            if removed:
+                log.info("removed %d partial shard(s) left by a killed run", removed)
+            return
+    elif out.exists() and any(out.iterdir()):
+        if not cfg.overwrite:
+            raise CacheMismatchError(f"{out} exists, is not empty and holds no cache.json; choose another --out or pass --overwrite")
+        shutil.rmtree(out)
+    head = load_target_head(cfg.target)
+    create_cache(out, cache_cfg, {"embed_tokens": head["embed_tokens"], "lm_head": head["lm_head"], "final_norm": head["norm"]})
+
+
+def _check_resumable(out: Path, want: CacheConfig) -> None:
+    try:
+        have = read_cache_config(out)
+    except CacheFormatError as e:
+        raise CacheMismatchError(f"{e}; pass --overwrite to start over") from e
+    diffs = _diff(have.identity(), want.identity())
+    if diffs:
+        lines = "\n".join(f"  {k}: cache has {a!r}, this run has {b!r}" for k, a, b in diffs)
+        raise CacheMismatchError(
+            f"{out} was extracted with other settings; resuming would mix two caches:\n{lines}\n"
+            "re-run with the original settings, choose another --out, or pass --overwrite to start over"
+        )
+
+
+def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append((f"{prefix}{k}", va, vb))
+    return out
+
+
+def _pending(cfg: ExtractConfig, mine: list[PackedBatch]) -> tuple[list[PackedBatch], int]:
+    """This rank's batches still to extract; a present shard that fails its checks is redone."""
+    reader = ShardReader(cfg.out)
+    present = set(reader.batch_ids())
+    todo, kept = [], 0
+    for batch in mine:
+        if batch.batch_id in present:
+            try:
+                info = reader.verify(batch.batch_id) if cfg.full_resume_check else reader.info(batch.batch_id)
+                if [s.sample_id for s in info.samples] == batch.sample_ids:
+                    kept += 1
+                    continue
+                log.warning("%s holds other samples than the plan: extracting it again", info.path)
+            except ShardError as e:
+                log.warning("extracting batch %d again: %s", batch.batch_id, e)
+        todo.append(batch)
+    return todo, kept
+
+
+def _extract(cfg, cache_cfg, target, taps, index, todo, device, dist_info) -> ExtractSummary:
+    summary = ExtractSummary(cfg.out, cache_cfg.packing["num_batches"], 0, 0, 0, 0.0, 0.0, 0)
+    if not todo:
+        return summary
+    dtype = getattr(torch, cfg.dtype)
+    kernels = select_kernels(device, allow_slow_kernels=cfg.allow_slow_kernels)
+    with_head = cfg.target_topk > 0
+    model = TargetModel.from_pretrained(
+        cfg.target, device, dtype=dtype, kernels=kernels, last_layer=None if with_head else taps[-1], with_head=with_head
+    )
+    loader = SampleLoader(index)
+    writer = AsyncShardWriter(cfg.out, cache_cfg, device, num_buffers=cfg.writer_buffers)
+    packing = PackingConfig(token_budget=cfg.token_budget, max_seqs=cfg.max_seqs, long_seqs=cfg.long_seqs, pad_token_id=cfg.pad_token_id)
+    progress = ProgressLog(log, Path(cfg.out) / "logs" / f"extract-rank{dist_info.rank}.jsonl", len(todo), cfg.progress_interval_s)
+    real_tokens = 0
+    try:
+        for done, batch in enumerate(todo, start=1):
+            arrays = load_batch(loader, batch, packing)
+            n = batch.num_tokens
+            ids = torch.from_numpy(arrays["input_ids"][:n]).to(device, non_blocking=True)
+            pos = torch.from_numpy(arrays["position_ids"][:n]).to(device, non_blocking=True)
+            num_seqs = len(batch.sample_ids)
+            cu = torch.from_numpy(arrays["cu_seqlens"][: num_seqs + 1]).to(device, non_blocking=True)
+            if cfg.target_topk:
+                hidden, topk_ids, topk_lp = model.topk_next_tokens(ids, pos, cu, taps, cfg.target_topk, chunk_tokens=cfg.topk_chunk_tokens)
+                topk = (topk_ids.to(torch.int32), topk_lp.to(torch.bfloat16))
+            else:
+                hidden, topk = model.forward_packed(ids, pos, cu, taps), None
+            samples = [
+                SampleEntry(sid, int(o), int(length), int(m))
+                for sid, o, length, m in zip(batch.sample_ids, arrays["sample_offsets"], arrays["sample_lengths"], arrays["sample_loss_tokens"])
+            ]
+            writer.submit(batch.batch_id, arrays, hidden, topk, samples)
+            real_tokens += n
+            _report(progress, done, len(todo), real_tokens, writer, cfg.token_budget, dist_info.rank, force=done == len(todo))
+        writer.close()
+    except BaseException:
+        writer.close_quietly()
+        raise
+    finally:
+        progress.close()
+    summary.written = len(todo)
+    summary.tokens = real_tokens
+    summary.seconds = progress.elapsed()
+    summary.padding_efficiency = real_tokens / (len(todo) * cfg.token_budget)
+    summary.bytes_written = writer.bytes_written
+    return summary
+
+
+def _report(progress: ProgressLog, done: int, total: int, tokens: int, writer: AsyncShardWriter, budget: int, rank: int, force: bool) -> None:
+    elapsed = max(progress.elapsed(), 1e-9)
+    rec = {
+        "rank": rank, "batches_done": done, "batches_total": total, "tokens": tokens,
+        "tokens_per_s": tokens / elapsed, "padding_efficiency": tokens / (done * budget),
+        "gb_written": writer.bytes_written / 1e9, "write_gb_per_s": writer.bytes_written / 1e9 / elapsed,
+        "wait_for_disk_s": writer.wait_s, "eta_s": progress.eta(done),
+    }
+    line = (
+        f"[rank {rank}] batch {done}/{total} | {rec['tokens_per_s']:,.0f} tok/s | pad eff {100 * rec['padding_efficiency']:.1f}% "
+        f"| {rec['gb_written']:.2f} GB written | waited {writer.wait_s:.1f}s for disk | ETA {format_duration(rec['eta_s'])}"
+    )
+    progress.report(rec, line, force=force)
+
+
+def _finish(out: str, cache_cfg: CacheConfig, plan: PackingPlan) -> None:
+    reader = ShardReader(out)
+    infos = [reader.info(b) for b in reader.batch_ids()]
+    write_manifest(out, infos)
+    missing = sorted(set(range(len(plan.batches))) - {i.batch_id for i in infos})
+    if missing:
+        raise RuntimeError(f"{out}: shards {missing[:10]} are missing after every rank finished; re-run the same command to resume")
+    log.info("cache complete: %d shards, %d samples, manifest written", len(infos), sum(len(i.samples) for i in infos))

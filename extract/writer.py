@@ -1,0 +1,132 @@
+"""The GPU never waits for the disk: device-to-host copies into pinned buffers, a writer thread.
+
+The forward of batch i+1 runs while the thread writes batch i. Buffers cycle through a free queue;
+when the disk is slower than the GPU the queue runs dry and the loop waits (backpressure), which the
+run reports as `wait_s`. The thread only syncs on a CUDA event and writes files; it launches nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shards import CacheConfig, SampleEntry, allocate_shard_buffers, encode_hidden, write_shard
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteHiddenError(RuntimeError):
+    """The target produced NaN or Inf for a batch; the run stops and names it."""
+
+
+@dataclass
+class _Job:
+    batch_id: int
+    buffers: dict[str, torch.Tensor]
+    num_tokens: int
+    samples: list[SampleEntry]
+    finite: torch.Tensor  # host bool scalar, valid after `ready`
+    ready: torch.cuda.Event | None
+
+
+class AsyncShardWriter:
+    def __init__(self, cache_dir: str | Path, cfg: CacheConfig, device: torch.device, num_buffers: int = 2):
+        self.cache_dir = Path(cache_dir)
+        self.cfg = cfg
+        self.device = device
+        pin = device.type == "cuda"
+        self._free: queue.Queue = queue.Queue()
+        for _ in range(num_buffers):
+            self._free.put(allocate_shard_buffers(cfg, pin_memory=pin))
+        self._jobs: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.bytes_written = 0
+        self.shards_written = 0
+        self.wait_s = 0.0  # time the forward loop waited for a free buffer (the disk being slower)
+        self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self,
+        batch_id: int,
+        arrays: dict[str, np.ndarray],
+        hidden_nKH: torch.Tensor,
+        topk: tuple[torch.Tensor, torch.Tensor] | None,
+        samples: list[SampleEntry],
+    ) -> None:
+        """Queue one batch: `hidden_nKH` holds the real tokens only (n <= token_budget), on the device."""
+        self.raise_if_failed()
+        n = hidden_nKH.shape[0]
+        finite = torch.isfinite(hidden_nKH).all()
+        encoded = encode_hidden(hidden_nKH, self.cfg.storage_dtype)
+        t0 = time.monotonic()
+        buffers = self._free.get()
+        self.wait_s += time.monotonic() - t0
+        self.raise_if_failed()
+        non_blocking = self.device.type == "cuda"
+        for name, t in encoded.items():
+            buffers[name][:n].copy_(t, non_blocking=non_blocking)
+        if topk is not None:
+            buffers["target_topk_ids"][:n].copy_(topk[0], non_blocking=non_blocking)
+            buffers["target_topk_logprobs"][:n].copy_(topk[1], non_blocking=non_blocking)
+        finite_host = torch.empty((), dtype=torch.bool, pin_memory=non_blocking)
+        finite_host.copy_(finite, non_blocking=non_blocking)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        for name in ("input_ids", "position_ids", "loss_mask", "cu_seqlens"):
+            buffers[name].copy_(torch.from_numpy(arrays[name]))
+        self._jobs.put(_Job(batch_id, buffers, n, samples, finite_host, ready))
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._write(job)
+            except BaseException as e:  # surfaced to the forward loop by raise_if_failed
+                self.error = e
+                self._free.put(job.buffers)
+                return
+            self._free.put(job.buffers)
+
+    def _write(self, job: _Job) -> None:
+        if job.ready is not None:
+            job.ready.synchronize()
+        if not bool(job.finite):
+            ids = [s.sample_id for s in job.samples]
+            raise NonFiniteHiddenError(
+                f"batch {job.batch_id}: the target produced NaN/Inf hidden states for samples {ids}; "
+                "check the checkpoint and dtype (no shard was written for this batch)"
+            )
+        n = job.num_tokens
+        for name in ("hidden", "hidden_scale", "target_topk_ids", "target_topk_logprobs"):
+            if name in job.buffers:
+                job.buffers[name][n:].zero_()  # padding rows: zeros, not a previous batch's data
+        path = write_shard(self.cache_dir, self.cfg, job.batch_id, job.buffers, job.samples)
+        self.bytes_written += path.stat().st_size
+        self.shards_written += 1
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def close_quietly(self) -> None:
+        """Stop after what is queued without raising: the caller is already handling an error."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def close(self) -> None:
+        """Write everything queued, stop the thread, raise its error if it had one."""
+        self._jobs.put(None)
+        self._thread.join()
+        self.raise_if_failed()
