@@ -29,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -149,10 +150,15 @@ def find_data_files(path: str | os.PathLike) -> list[str]:
     return [text]
 
 
-# A chunk is a run of consecutive rows of one file, parsed and validated:
-# (rows [n] int64, ids list[str | None], lengths [n] int64, tokens [sum] int32, mask [sum] uint8,
-#  byte_offsets [n] int64 or None).
-_Chunk = tuple[np.ndarray, list, np.ndarray, np.ndarray, np.ndarray, "np.ndarray | None"]
+class _Chunk(NamedTuple):
+    """A run of n consecutive rows of one file, parsed and validated."""
+
+    rows: np.ndarray  # [n] int64, row within the file
+    ids: list  # [n] the given id (str or int) or None
+    lengths: np.ndarray  # [n] int64
+    tokens: np.ndarray  # [sum(lengths)] int32, the rows' input_ids back to back
+    mask: np.ndarray  # [sum(lengths)] uint8, the rows' loss masks back to back
+    byte_offsets: np.ndarray | None  # [n] int64 start of each JSONL line; None for Parquet
 
 
 def _check_values(tokens: np.ndarray, mask: np.ndarray, lengths: np.ndarray, vocab_size: int, path: str, first_row: int) -> None:
@@ -232,8 +238,7 @@ def _jsonl_chunk(path: str, items: list[tuple[int, int, bytes]], vocab_size: int
     rows = np.array([r for r, _, _ in items], dtype=np.int64)
     offsets = np.array([o for _, o, _ in items], dtype=np.int64)
     lengths = np.array([t.shape[0] for t in toks], dtype=np.int64)
-    cat = lambda parts, dt: np.concatenate(parts) if parts else np.zeros(0, dtype=dt)  # noqa: E731
-    return rows, ids, lengths, cat(toks, np.int32), cat(masks, np.uint8), offsets
+    return _Chunk(rows, ids, lengths, np.concatenate(toks), np.concatenate(masks), offsets)
 
 
 def _iter_jsonl(path: str, vocab_size: int, rows_per_chunk: int = 4096) -> Iterator[_Chunk]:
@@ -303,7 +308,7 @@ def _parquet_chunk(table: pa.Table, path: str, first_row: int, vocab_size: int) 
     _check_values(tokens, mask, lengths, vocab_size, path, first_row)
     ids = table.column("id").to_pylist() if "id" in table.column_names else [None] * n
     rows = np.arange(first_row, first_row + n, dtype=np.int64)
-    return rows, ids, lengths, tokens.astype(np.int32), mask.astype(np.uint8), None
+    return _Chunk(rows, ids, lengths, tokens.astype(np.int32), mask.astype(np.uint8), None)
 
 
 def _iter_parquet(path: str, vocab_size: int) -> Iterator[_Chunk]:
@@ -316,7 +321,7 @@ def _iter_parquet(path: str, vocab_size: int) -> Iterator[_Chunk]:
     for g in range(pf.num_row_groups):
         table = pf.read_row_group(g, columns=columns)
         chunk = _parquet_chunk(table, path, first_row, vocab_size)
-        largest = max(largest, int(chunk[3].shape[0]))
+        largest = max(largest, int(chunk.tokens.shape[0]))
         yield chunk
         first_row += table.num_rows
     if largest > _LARGE_ROW_GROUP_TOKENS:
@@ -493,9 +498,9 @@ class SampleLoader:
         key = (fi, g)
         if key not in self._cache:
             table = pf.read_row_group(g, columns=columns)
-            _, ids, lengths, tokens, mask, _ = _parquet_chunk(table, path, int(starts[g]), self.index.vocab_size)
-            self._cache[key] = (ids, np.concatenate([[0], np.cumsum(lengths)]), tokens, mask)
-            self._cached += tokens.shape[0]
+            chunk = _parquet_chunk(table, path, int(starts[g]), self.index.vocab_size)
+            self._cache[key] = (chunk.ids, np.concatenate([[0], np.cumsum(chunk.lengths)]), chunk.tokens, chunk.mask)
+            self._cached += chunk.tokens.shape[0]
             while self._cached > self._cache_tokens and len(self._cache) > 1:
                 self._cached -= self._cache.popitem(last=False)[1][2].shape[0]
         self._cache.move_to_end(key)
