@@ -1,0 +1,79 @@
+"""Export to z-lab's DFlashDraftModel layout and reload (train/export.py)."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from test_drafter_helpers import tiny_config, tiny_model_and_head
+from train.export import export_drafter, load_exported_drafter, zlab_parameter_names
+
+
+def zlab_names_written_out(num_layers: int) -> list[str]:
+    """The published DFlashDraftModel names, spelled out independently of train/export.py."""
+    names = ["fc.weight", "hidden_norm.weight", "norm.weight"]
+    for i in range(num_layers):
+        names += [f"layers.{i}.input_layernorm.weight", f"layers.{i}.post_attention_layernorm.weight",
+                  f"layers.{i}.self_attn.q_proj.weight", f"layers.{i}.self_attn.k_proj.weight",
+                  f"layers.{i}.self_attn.v_proj.weight", f"layers.{i}.self_attn.o_proj.weight",
+                  f"layers.{i}.self_attn.q_norm.weight", f"layers.{i}.self_attn.k_norm.weight",
+                  f"layers.{i}.mlp.gate_proj.weight", f"layers.{i}.mlp.up_proj.weight",
+                  f"layers.{i}.mlp.down_proj.weight"]
+    return names
+
+
+def test_export_layout_and_reload_gives_identical_logits(tmp_path):
+    cfg = tiny_config(num_layers=2, block_size=6)
+    model, head = tiny_model_and_head(cfg, dtype=torch.bfloat16)
+    export_drafter(model, cfg, tmp_path / "drafter")
+
+    hf = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert hf["architectures"] == ["DFlashDraftModel"] and hf["model_type"] == "qwen3"
+    assert hf["dflash_config"] == {"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.tap_layer_ids}
+    assert (hf["block_size"], hf["num_target_layers"], hf["num_hidden_layers"]) == (6, cfg.num_target_layers, 2)
+    assert hf["layer_types"] == ["full_attention"] * 2 and hf["tie_word_embeddings"] is False
+    assert hf["dtype"] == "bfloat16"
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size"):
+        assert key in hf, key
+    with safe_open(str(tmp_path / "drafter" / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+        assert all(f.get_tensor(k).dtype == torch.bfloat16 for k in keys)
+    assert sorted(keys) == sorted(zlab_names_written_out(2)) == sorted(zlab_parameter_names(cfg))
+
+    loaded, cfg2 = load_exported_drafter(tmp_path / "drafter")
+    assert cfg2 == cfg
+    g = torch.Generator().manual_seed(3)
+    ctx = torch.randn(7, cfg.num_taps, cfg.hidden_size, generator=g).bfloat16()
+    ids = torch.tensor([4] + [cfg.mask_token_id] * 5)
+    with torch.no_grad():
+        a = head.logits(model.forward_block(ctx, torch.arange(7), head.embed(ids), torch.arange(7, 13)))
+        b = head.logits(loaded.forward_block(ctx, torch.arange(7), head.embed(ids), torch.arange(7, 13)))
+    assert torch.equal(a, b), f"max abs diff {(a.float() - b.float()).abs().max().item()}"
+
+
+def test_reload_refuses_wrong_names(tmp_path):
+    cfg = tiny_config(num_layers=1)
+    model, _ = tiny_model_and_head(cfg)
+    export_drafter(model, cfg, tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf["num_hidden_layers"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="missing.*layers.1"):
+        load_exported_drafter(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "architectures": ["Qwen3ForCausalLM"]}))
+    with pytest.raises(ValueError, match="DFlashDraftModel"):
+        load_exported_drafter(tmp_path)
+
+
+def test_config_json_parses_as_hf_qwen3_config(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = tiny_config()
+    model, _ = tiny_model_and_head(cfg)
+    export_drafter(model, cfg, tmp_path)
+    hf = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    assert type(hf).__name__ == "Qwen3Config"
+    assert (hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim) == (
+        cfg.hidden_size, cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    assert hf.rope_parameters["rope_theta"] == cfg.rope_theta
+    assert hf.dflash_config["target_layer_ids"] == cfg.tap_layer_ids and hf.block_size == cfg.block_size
