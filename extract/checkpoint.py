@@ -31,6 +31,11 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
+def storage_dtype(local_name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a parameter is kept in: fp32 for the decay parameters, `dtype` otherwise."""
+    return torch.float32 if local_name.endswith(FP32_PARAM_SUFFIXES) else dtype
+
+
 def hf_name(local_name: str, naming: str) -> str:
     """The checkpoint name of one of our parameters under `naming` ("multimodal" or "text")."""
     if naming not in NAMING_PREFIXES:
@@ -113,8 +118,7 @@ def load_weights_into(model: nn.Module, ckpt_dir: str | Path, device: torch.devi
                 found = tuple(f.get_slice(source).get_shape())
                 if found != expected:
                     raise ValueError(f"{path}: {source} has shape {found}, expected {expected} from config.json")
-                keep32 = local.endswith(FP32_PARAM_SUFFIXES)
-                tensor = f.get_tensor(source).to(device=device, dtype=torch.float32 if keep32 else dtype)
+                tensor = f.get_tensor(source).to(device=device, dtype=storage_dtype(local, dtype))
                 loaded[local] = tensor
                 if source.endswith("embed_tokens.weight") and tied:
                     read_cache[source] = tensor

@@ -229,6 +229,32 @@ class TargetModel(nn.Module):
         load_weights_into(model, path, device=device, dtype=dtype)
         return model.eval()
 
+    @classmethod
+    def from_state_dict(
+        cls,
+        cfg: TargetConfig,
+        state: dict[str, torch.Tensor],
+        kernels: KernelChoice,
+        dtype: torch.dtype = torch.bfloat16,
+        last_layer: int | None = None,
+        with_head: bool = False,
+    ) -> "TargetModel":
+        """Build from in-memory tensors named like our parameters (tests, benchmarks); tensors are
+        cast to `dtype` on their own device, except A_log and dt_bias which stay fp32."""
+        from extract.checkpoint import storage_dtype
+
+        with torch.device("meta"):
+            model = cls(cfg, kernels, last_layer=last_layer, with_head=with_head)
+        wanted = dict(model.named_parameters(remove_duplicate=False))
+        if with_head and cfg.tie_word_embeddings and "lm_head.weight" not in state:
+            state = {**state, "lm_head.weight": state["embed_tokens.weight"]}
+        missing = sorted(set(wanted) - set(state))
+        if missing:
+            raise KeyError(f"state lacks {len(missing)} parameters, first {missing[:3]}")
+        cast = {name: state[name].to(storage_dtype(name, dtype)) for name in wanted}
+        model.load_state_dict(cast, strict=True, assign=True)
+        return model.requires_grad_(False).eval()
+
     # ---- forward ----------------------------------------------------------------------------
     @torch.inference_mode()
     def forward_packed(

@@ -262,3 +262,17 @@ def tiny_config_dict(
         "eos_token_id": 2,
         "pad_token_id": 0,
     }
+
+
+def qwen35_27b_config_dict(*, num_hidden_layers: int = 64, vocab_size: int = 248320) -> dict[str, Any]:
+    """The Qwen3.5/3.6-27B text config (plain layout); fewer layers or a smaller vocab for
+    benchmarks and GPU tests at full width."""
+    cfg = tiny_config_dict(num_hidden_layers=num_hidden_layers, vocab_size=vocab_size)
+    cfg.update({
+        "hidden_size": 5120, "intermediate_size": 17408, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+        "max_position_embeddings": 262144, "dtype": "bfloat16", "eos_token_id": 248044,
+        "bos_token_id": 248044, "pad_token_id": None,
+    })
+    return cfg
