@@ -39,7 +39,7 @@ from .data import SampleLoader, dataset_fingerprint, scan_dataset
 from .distributed import DistInfo, barrier, init_distributed, resolve_device, shutdown
 from .kernels import select_kernels
 from .model import TargetModel
-from .packing import PackedBatch, PackingConfig, PackingPlan, load_batch, plan_batches, shard_batches_for_rank
+from .packing import PACKING_ALGORITHM, PackedBatch, PackingConfig, PackingPlan, load_batch, plan_batches, shard_batches_for_rank
 from .target_config import TargetConfig
 from .writer import AsyncShardWriter
 
@@ -118,7 +118,7 @@ def _cache_config(cfg: ExtractConfig, target: TargetConfig, taps: list[int], pla
         target_topk=cfg.target_topk,
         mask_token_id=cfg.mask_token_id,
         pad_token_id=cfg.pad_token_id,
-        packing={"long_seqs": cfg.long_seqs, "num_batches": len(plan.batches), "algorithm": "best-fit-decreasing",
+        packing={"long_seqs": cfg.long_seqs, "num_batches": len(plan.batches), "algorithm": PACKING_ALGORITHM,
                  "padding_efficiency": round(plan.padding_efficiency, 6), "num_truncated": plan.num_truncated,
                  "num_skipped": plan.num_skipped, "num_empty": plan.num_empty},
         dataset={"path": str(cfg.data), "fingerprint": dataset_fingerprint(index), "num_samples": len(index),
@@ -192,19 +192,38 @@ def _pending(cfg: ExtractConfig, mine: list[PackedBatch]) -> tuple[list[PackedBa
 
 
 def _extract(cfg, cache_cfg, target, taps, index, todo, device, dist_info) -> ExtractSummary:
-    summary = ExtractSummary(cfg.out, cache_cfg.packing["num_batches"], 0, 0, 0, 0.0, 0.0, 0)
     if not todo:
-        return summary
-    dtype = getattr(torch, cfg.dtype)
+        return ExtractSummary(cfg.out, cache_cfg.packing["num_batches"], 0, 0, 0, 0.0, 0.0, 0)
     kernels = select_kernels(device, allow_slow_kernels=cfg.allow_slow_kernels)
     with_head = cfg.target_topk > 0
     model = TargetModel.from_pretrained(
-        cfg.target, device, dtype=dtype, kernels=kernels, last_layer=None if with_head else taps[-1], with_head=with_head
+        cfg.target, device, dtype=getattr(torch, cfg.dtype), kernels=kernels,
+        last_layer=None if with_head else taps[-1], with_head=with_head,
     )
+    return extract_batches(model, cfg, cache_cfg, index, todo, device, dist_info.rank)
+
+
+def extract_batches(
+    model: TargetModel,
+    cfg: ExtractConfig,
+    cache_cfg: CacheConfig,
+    index,
+    todo: list[PackedBatch],
+    device: torch.device,
+    rank: int = 0,
+    write: bool = True,
+) -> ExtractSummary:
+    """Run `model` over `todo` and write one shard per batch (write=False: compute only, for benchmarks).
+
+    The loop only launches work: loading batch i+1 from the dataset overlaps the GPU's forward of
+    batch i, and the writer thread's disk writes overlap both.
+    """
+    taps = cache_cfg.tap_layer_ids
     loader = SampleLoader(index)
-    writer = AsyncShardWriter(cfg.out, cache_cfg, device, num_buffers=cfg.writer_buffers)
+    writer = AsyncShardWriter(cfg.out, cache_cfg, device, num_buffers=cfg.writer_buffers) if write else None
     packing = PackingConfig(token_budget=cfg.token_budget, max_seqs=cfg.max_seqs, long_seqs=cfg.long_seqs, pad_token_id=cfg.pad_token_id)
-    progress = ProgressLog(log, Path(cfg.out) / "logs" / f"extract-rank{dist_info.rank}.jsonl", len(todo), cfg.progress_interval_s)
+    jsonl = Path(cfg.out) / "logs" / f"extract-rank{rank}.jsonl" if write else None
+    progress = ProgressLog(log, jsonl, len(todo), cfg.progress_interval_s)
     real_tokens = 0
     try:
         for done, batch in enumerate(todo, start=1):
@@ -212,8 +231,7 @@ def _extract(cfg, cache_cfg, target, taps, index, todo, device, dist_info) -> Ex
             n = batch.num_tokens
             ids = torch.from_numpy(arrays["input_ids"][:n]).to(device, non_blocking=True)
             pos = torch.from_numpy(arrays["position_ids"][:n]).to(device, non_blocking=True)
-            num_seqs = len(batch.sample_ids)
-            cu = torch.from_numpy(arrays["cu_seqlens"][: num_seqs + 1]).to(device, non_blocking=True)
+            cu = torch.from_numpy(arrays["cu_seqlens"][: len(batch.sample_ids) + 1]).to(device, non_blocking=True)
             if cfg.target_topk:
                 hidden, topk_ids, topk_lp = model.topk_next_tokens(ids, pos, cu, taps, cfg.target_topk, chunk_tokens=cfg.topk_chunk_tokens)
                 topk = (topk_ids.to(torch.int32), topk_lp.to(torch.bfloat16))
@@ -223,34 +241,41 @@ def _extract(cfg, cache_cfg, target, taps, index, todo, device, dist_info) -> Ex
                 SampleEntry(sid, int(o), int(length), int(m))
                 for sid, o, length, m in zip(batch.sample_ids, arrays["sample_offsets"], arrays["sample_lengths"], arrays["sample_loss_tokens"])
             ]
-            writer.submit(batch.batch_id, arrays, hidden, topk, samples)
+            if writer is not None:
+                writer.submit(batch.batch_id, arrays, hidden, topk, samples)
             real_tokens += n
-            _report(progress, done, len(todo), real_tokens, writer, cfg.token_budget, dist_info.rank, force=done == len(todo))
-        writer.close()
+            _report(progress, done, len(todo), real_tokens, writer, cfg.token_budget, rank, force=done == len(todo))
+        if writer is not None:
+            writer.close()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     except BaseException:
-        writer.close_quietly()
+        if writer is not None:
+            writer.close_quietly()
         raise
     finally:
         progress.close()
-    summary.written = len(todo)
-    summary.tokens = real_tokens
-    summary.seconds = progress.elapsed()
-    summary.padding_efficiency = real_tokens / (len(todo) * cfg.token_budget)
-    summary.bytes_written = writer.bytes_written
-    return summary
+    return ExtractSummary(
+        cache_dir=cfg.out, num_batches=cache_cfg.packing.get("num_batches", len(todo)), written=len(todo) if write else 0,
+        resumed=0, tokens=real_tokens, seconds=progress.elapsed(),
+        padding_efficiency=real_tokens / (len(todo) * cfg.token_budget),
+        bytes_written=writer.bytes_written if writer is not None else 0,
+    )
 
 
-def _report(progress: ProgressLog, done: int, total: int, tokens: int, writer: AsyncShardWriter, budget: int, rank: int, force: bool) -> None:
+def _report(progress: ProgressLog, done: int, total: int, tokens: int, writer: AsyncShardWriter | None, budget: int, rank: int, force: bool) -> None:
     elapsed = max(progress.elapsed(), 1e-9)
+    written = writer.bytes_written if writer is not None else 0
+    waited = writer.wait_s if writer is not None else 0.0
     rec = {
         "rank": rank, "batches_done": done, "batches_total": total, "tokens": tokens,
         "tokens_per_s": tokens / elapsed, "padding_efficiency": tokens / (done * budget),
-        "gb_written": writer.bytes_written / 1e9, "write_gb_per_s": writer.bytes_written / 1e9 / elapsed,
-        "wait_for_disk_s": writer.wait_s, "eta_s": progress.eta(done),
+        "gb_written": written / 1e9, "write_gb_per_s": written / 1e9 / elapsed,
+        "wait_for_disk_s": waited, "eta_s": progress.eta(done),
     }
     line = (
         f"[rank {rank}] batch {done}/{total} | {rec['tokens_per_s']:,.0f} tok/s | pad eff {100 * rec['padding_efficiency']:.1f}% "
-        f"| {rec['gb_written']:.2f} GB written | waited {writer.wait_s:.1f}s for disk | ETA {format_duration(rec['eta_s'])}"
+        f"| {rec['gb_written']:.2f} GB written | waited {waited:.1f}s for disk | ETA {format_duration(rec['eta_s'])}"
     )
     progress.report(rec, line, force=force)
 
