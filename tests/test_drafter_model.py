@@ -141,3 +141,45 @@ def test_training_forward_matches_inference_forward_per_block():
             assert diff < 1e-5, f"block {n} (context [{s}, {a})): max abs diff {diff}"
             checked += bool(blocks.block_valid_N[n])
         assert checked >= 8
+
+
+def test_activation_checkpointing_keeps_values_and_grads():
+    cfg = tiny_config()
+    model, head = tiny_model_and_head(cfg)
+    batch = make_batch([9, 14, 3, 11], 48, 6, cfg.num_taps, cfg.hidden_size)
+    blocks = sample_blocks(input_ids_T=batch["input_ids_T"], position_ids_T=batch["position_ids_T"],
+                           loss_mask_T=batch["loss_mask_T"], cu_seqlens_S1=batch["cu_seqlens_S1"], num_blocks=8,
+                           block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                           generator=torch.Generator().manual_seed(0))
+    layout = BlockAttentionLayout(num_ctx=48, num_blocks=8, block_size=cfg.block_size).update(
+        blocks.seq_start_N, blocks.anchor_N)
+    results = []
+    for ckpt in (False, True):
+        model.zero_grad(set_to_none=True)
+        out = model(batch["hidden_TKH"], batch["position_ids_T"], head.embed(blocks.block_ids_NB),
+                    blocks.block_pos_NB, layout, checkpoint_layers=ckpt)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append((out.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert torch.equal(results[0][0], results[1][0])
+    diff = max((a - b).abs().max().item() for a, b in zip(results[0][1], results[1][1]))
+    assert diff < 1e-6, f"grad max abs diff {diff}"
+
+
+def test_fp32_params_under_bf16_autocast_run_close_to_fp32():
+    """The loop trains fp32 master weights under bf16 autocast: the forward must accept it and stay close."""
+    cfg = tiny_config()
+    model, head = tiny_model_and_head(cfg)
+    batch = make_batch([9, 14, 3, 11], 48, 6, cfg.num_taps, cfg.hidden_size)
+    blocks = sample_blocks(input_ids_T=batch["input_ids_T"], position_ids_T=batch["position_ids_T"],
+                           loss_mask_T=batch["loss_mask_T"], cu_seqlens_S1=batch["cu_seqlens_S1"], num_blocks=8,
+                           block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                           generator=torch.Generator().manual_seed(0))
+    layout = BlockAttentionLayout(num_ctx=48, num_blocks=8, block_size=cfg.block_size).update(
+        blocks.seq_start_N, blocks.anchor_N)
+    args = (batch["hidden_TKH"], batch["position_ids_T"], head.embed(blocks.block_ids_NB), blocks.block_pos_NB, layout)
+    with torch.no_grad():
+        ref = model(*args)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = model(*args)
+    diff = (got.float() - ref).abs().max().item()
+    assert diff < 0.1 * ref.abs().max().item(), f"max abs diff {diff}"

@@ -172,10 +172,10 @@ def block_attention(q_QND: torch.Tensor, k_LMD: torch.Tensor, v_LMD: torch.Tenso
         out_1NQD = F.scaled_dot_product_attention(q_1NQD, k_1MLD, v_1MLD, attn_mask=layout.dense_mask_QL,
                                                   enable_gqa=True)
     else:
-        if layout.compile_flex:
+        from torch.nn.attention.flex_attention import flex_attention as flex
+        # Inside a caller's torch.compile region dynamo compiles flex itself; otherwise use our one compile.
+        if layout.compile_flex and not torch.compiler.is_compiling():
             flex = _get_compiled_flex()
-        else:
-            from torch.nn.attention.flex_attention import flex_attention as flex
         out_1NQD = flex(q_1NQD, k_1MLD, v_1MLD, block_mask=layout.block_mask, enable_gqa=True)
     return out_1NQD.squeeze(0).transpose(0, 1)
 

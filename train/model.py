@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from .attention import BlockAttentionLayout, block_attention, full_attention
 from .config import DrafterConfig
@@ -80,9 +81,11 @@ class DFlashAttention(nn.Module):
         k_blk_QMD = apply_rope(self.k_norm(self.k_proj(x_QH).view(Q, self.num_kv_heads, D)), *rope_blk)
         v_ctx_TMD = self.v_proj(ctx_TH).view(T, self.num_kv_heads, D)
         v_blk_QMD = self.v_proj(x_QH).view(Q, self.num_kv_heads, D)
-        k_LMD = torch.cat([k_ctx_TMD, k_blk_QMD], dim=0)
+        # Under autocast with fp32 norm weights q/k come out fp32 while v is bf16; flex needs one dtype.
+        dtype = v_ctx_TMD.dtype
+        k_LMD = torch.cat([k_ctx_TMD, k_blk_QMD], dim=0).to(dtype)
         v_LMD = torch.cat([v_ctx_TMD, v_blk_QMD], dim=0)
-        out_QND = attend(q_QND, k_LMD, v_LMD)
+        out_QND = attend(q_QND.to(dtype), k_LMD, v_LMD)
         return self.o_proj(out_QND.reshape(Q, self.num_heads * D))
 
 
@@ -126,28 +129,36 @@ class DFlashDrafter(nn.Module):
         """[T, K, H] tapped target states -> [T, H] fused context hidden_norm(fc(concat_k))."""
         return self.hidden_norm(self.fc(hidden_TKH.flatten(1)))
 
-    def _run_layers(self, ctx_TH, ctx_pos_T, x_QH, blk_pos_Q, attend: AttendFn) -> torch.Tensor:
+    def _run_layers(self, ctx_TH, ctx_pos_T, x_QH, blk_pos_Q, attend: AttendFn,
+                    checkpoint_layers: bool = False) -> torch.Tensor:
         cfg = self.config
         rope_ctx = rope_cos_sin(ctx_pos_T, cfg.head_dim, cfg.rope_theta, x_QH.dtype)
         rope_blk = rope_cos_sin(blk_pos_Q, cfg.head_dim, cfg.rope_theta, x_QH.dtype)
         for layer in self.layers:
-            x_QH = layer(x_QH, ctx_TH, rope_ctx, rope_blk, attend)
+            if checkpoint_layers and torch.is_grad_enabled():
+                # Recompute each layer in backward: Q = NB*B block tokens at MLP width dominate memory.
+                x_QH = torch.utils.checkpoint.checkpoint(layer, x_QH, ctx_TH, rope_ctx, rope_blk, attend,
+                                                         use_reentrant=False)
+            else:
+                x_QH = layer(x_QH, ctx_TH, rope_ctx, rope_blk, attend)
         return self.norm(x_QH)
 
     def forward(self, hidden_TKH: torch.Tensor, position_ids_T: torch.Tensor, block_embed_NBH: torch.Tensor,
-                block_pos_NB: torch.Tensor, layout: BlockAttentionLayout) -> torch.Tensor:
+                block_pos_NB: torch.Tensor, layout: BlockAttentionLayout,
+                checkpoint_layers: bool = False) -> torch.Tensor:
         """Training forward over one packed batch; returns normed block hidden states [NB, B, H].
 
         hidden_TKH: tapped target states of all T tokens (context K/V computed once per layer over them).
         block_embed_NBH: target embeddings of the block tokens; block_pos_NB: their positions.
         layout: the block attention rule for this batch (BlockAttentionLayout.update already called).
+        checkpoint_layers: recompute every decoder layer in backward (activation checkpointing).
         """
         NB, B, H = block_embed_NBH.shape
         dtype = block_embed_NBH.dtype
         ctx_TH = self.fuse_context(hidden_TKH.to(dtype))
         x_QH = block_embed_NBH.reshape(NB * B, H)
         out_QH = self._run_layers(ctx_TH, position_ids_T, x_QH, block_pos_NB.reshape(NB * B),
-                                  lambda q, k, v: block_attention(q, k, v, layout))
+                                  lambda q, k, v: block_attention(q, k, v, layout), checkpoint_layers)
         return out_QH.view(NB, B, H)
 
     def forward_block(self, hidden_LKH: torch.Tensor, ctx_pos_L: torch.Tensor, block_embed_BH: torch.Tensor,
