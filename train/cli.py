@@ -1,0 +1,270 @@
+"""dflash-train: a thin click layer over run_training, export_drafter and evaluate_drafter.
+
+  dflash-train train --cache C --out D [...]      (also `dflash-train --cache C --out D`)
+  dflash-train export CKPT OUT                     checkpoint (or run dir: its newest) -> DFlashDraftModel dir
+  dflash-train eval --drafter DIR --cache C ...    held-out acceptance length, slot accuracy, tree acceptance
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+import click
+
+log = logging.getLogger("train")
+
+
+def _setup_logging() -> None:
+    rank = os.environ.get("RANK", "0")
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s" if rank == "0" else f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING, format=fmt, datefmt="%H:%M:%S")
+
+
+def _int_list(ctx, param, value: str | None) -> list[int] | None:
+    if not value:
+        return None
+    try:
+        return [int(v) for v in value.replace(",", " ").split()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+class _DefaultToTrain(click.Group):
+    """`dflash-train --cache ...` means `dflash-train train --cache ...`."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            args = ["train", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_DefaultToTrain, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def main() -> None:
+    """Train, export and evaluate DFlash drafters from a dflash-extract hidden-state cache."""
+
+
+@main.command(context_settings={"max_content_width": 110})
+@click.option("--cache", required=True, type=click.Path(exists=True, file_okay=False), help="Hidden-state cache directory (dflash-extract --out).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Run directory: checkpoints step-NNNNNNNN/, metrics.jsonl, run.json, eval.json.")
+@click.option("--epochs", default=6, show_default=True, help="Passes over the training shards.")
+@click.option("--max-steps", default=-1, show_default=True, help="Stop after N optimizer steps (one shard per rank per step); -1 = all epochs.")
+@click.option("--lr", default=6e-4, show_default=True, help="Peak AdamW learning rate.")
+@click.option("--warmup-ratio", default=0.04, show_default=True, help="Fraction of the steps in linear warmup.")
+@click.option("--min-lr-ratio", default=0.0, show_default=True, help="Cosine floor as a fraction of --lr.")
+@click.option("--weight-decay", default=0.0, show_default=True, help="AdamW decoupled weight decay.")
+@click.option("--betas", default="0.9,0.999", show_default=True, help="AdamW beta1,beta2.")
+@click.option("--adam-eps", default=1e-8, show_default=True, help="AdamW epsilon.")
+@click.option("--grad-clip", default=1.0, show_default=True, help="Global gradient-norm clip; 0 = off.")
+@click.option("--seed", default=0, show_default=True, help="Seed of init, shard order and anchor sampling.")
+@click.option("--num-blocks", type=int, default=None, help="Draft blocks per packed batch. Default: 512 per 3072 tokens, rounded to 128-token tiles (8192 for a 49152 budget).")
+@click.option("--block-size", default=16, show_default=True, help="Tokens per draft block (anchor + MASK slots).")
+@click.option("--gamma", default=7.0, show_default=True, help="Loss decay: slot k weighted exp(-(k-1)/gamma).")
+@click.option("--kl-lambda", default=0.0, show_default=True, help="Weight of KL(target || drafter) on the cache's top-k; 0 = off.")
+@click.option("--cap-lambda", default=0.0, show_default=True, help="Weight of the CAP (expected acceptance) term; 0 = off.")
+@click.option("--loss-chunk-blocks", default=32, show_default=True, help="Blocks per LM-head chunk (memory: blocks x block x vocab x 4 bytes).")
+@click.option("--metrics-every", default=8, show_default=True, help="Monitoring metrics (accuracy, streaks) every N steps; <1 is clamped to 1.")
+@click.option("--metrics-topk", default=4, show_default=True, help="k of the top-k accuracy and streak metrics.")
+@click.option("--log-every", default=10, show_default=True, help="Log every N steps (one host sync each).")
+@click.option("--checkpoint-every", default=1000, show_default=True, help="Checkpoint every N steps; 0 = only at the end.")
+@click.option("--keep-checkpoints", default=3, show_default=True, help="Newest checkpoints kept.")
+@click.option("--resume", is_flag=True, help="Continue from the newest valid checkpoint in --out (settings must match).")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=None, help="Capture the step as a CUDA graph. Default: on with CUDA.")
+@click.option("--attention", type=click.Choice(["auto", "flex", "sdpa"]), default="auto", show_default=True, help="Block attention backend; auto = flex on CUDA, sdpa on CPU.")
+@click.option("--compute-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True, help="Activation dtype (master weights are fp32).")
+@click.option("--skip-bad-shards", is_flag=True, help="Skip shards that fail their checks (counted in the log) instead of stopping.")
+@click.option("--verify-checksums/--no-verify-checksums", default=True, show_default=True, help="Checksum every shard as it is read.")
+@click.option("--eval-shards", default=0, show_default=True, help="Hold out the last N shards for evaluation (never trained on).")
+@click.option("--eval-every", default=0, show_default=True, help="Evaluate every N steps; 0 = at the end only.")
+@click.option("--eval-max-shards", default=8, show_default=True, help="Held-out shards used per evaluation.")
+@click.option("--tensorboard", is_flag=True, help="Also write TensorBoard scalars to OUT/tb (if tensorboard is installed).")
+@click.option("--device", default="auto", show_default=True, help="auto = cuda:LOCAL_RANK when CUDA exists, else cpu.")
+@click.option("--num-buffers", default=3, show_default=True, help="Host shard buffers of the loader thread.")
+@click.option("--mask-token-id", type=int, default=None, help="MASK token id; default: the cache's (248070 for Qwen3.5).")
+@click.option("--taps", "tap_layer_ids", callback=_int_list, help="Expected tapped layers, e.g. 1,16,31,46,61; refused if the cache differs.")
+@click.option("--num-layers", default=5, show_default=True, help="Drafter decoder layers.")
+@click.option("--intermediate-size", type=int, default=None, help="Drafter MLP width; default 17408 at hidden 5120, else 3.4 x hidden.")
+@click.option("--num-attention-heads", type=int, default=None, help="Drafter query heads (with --num-key-value-heads and --head-dim).")
+@click.option("--num-key-value-heads", type=int, default=None, help="Drafter KV heads.")
+@click.option("--head-dim", type=int, default=None, help="Drafter head dim.")
+@click.option("--rope-theta", default=1e7, show_default=True, help="Drafter RoPE base.")
+@click.option("--gpus", default=None, help="Start one process per GPU under torchrun: a number or 'all'. Omit under your own torchrun.")
+def train(gpus: str | None, betas: str, **options) -> None:
+    """Train a DFlash drafter on a hidden-state cache.
+
+    \b
+    Examples:
+      dflash-train train --cache cache --out runs/a --gpus all --eval-shards 4
+      dflash-train train --cache cache --out runs/a --gpus all --resume
+    Writes OUT/metrics.jsonl (one JSON record per log), OUT/run.json (config, git sha, versions, argv)
+    and OUT/step-NNNNNNNN/ checkpoints; export one with `dflash-train export`.
+    """
+    _setup_logging()
+    if gpus is not None and "LOCAL_RANK" not in os.environ:
+        _launch_torchrun(gpus)
+        return
+    from .train_config import TrainConfig  # heavy imports after argument parsing
+
+    try:
+        beta_values = tuple(float(b) for b in betas.split(","))
+        cfg = TrainConfig(betas=beta_values, **options)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    from .loop import run_training
+
+    try:
+        summary = run_training(cfg)
+    except ValueError as e:  # config/cache mismatches, bad shards (ShardError), resume refusals
+        raise click.ClickException(str(e)) from e
+    except RuntimeError as e:
+        from .metrics import NonFiniteError
+
+        if isinstance(e, NonFiniteError):
+            raise click.ClickException(str(e)) from e
+        raise
+    if os.environ.get("RANK", "0") == "0":
+        rec = summary.last_record or {}
+        click.echo(f"done: {summary.steps} steps, {summary.tokens_seen} tokens, final loss "
+                   f"{rec.get('loss/total', float('nan')):.4f}, {len(summary.skipped_shards)} shards skipped; "
+                   f"checkpoint {summary.last_checkpoint}")
+        if summary.eval is not None:
+            click.echo(summary.eval.table())
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False))
+def export(checkpoint: str, out: str) -> None:
+    """Export CHECKPOINT (a step-NNNNNNNN dir, or a run dir: its newest) to OUT as a DFlashDraftModel."""
+    _setup_logging()
+    from .checkpoint import latest_checkpoint, list_checkpoints
+    from .export import export_drafter
+    from .model import DFlashDrafter
+
+    path = Path(checkpoint)
+    ckpt = next((c for c in list_checkpoints(path.parent) if c.path.resolve() == path.resolve()), None)
+    if ckpt is None:
+        ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise click.ClickException(f"{checkpoint}: not a valid checkpoint (step-NNNNNNNN with train_state.json, "
+                                   "model.safetensors, optimizer.pt) nor a run directory holding one")
+    model, cfg = _model_from_checkpoint(ckpt)
+    export_drafter(model, cfg, out)
+    click.echo(f"exported {ckpt.path} (step {ckpt.step}) -> {out}")
+
+
+def _model_from_checkpoint(ckpt):
+    from safetensors.torch import load_file
+
+    from .checkpoint import MODEL_FILE
+    from .config import DrafterConfig
+    from .model import DFlashDrafter
+
+    cfg = DrafterConfig(**ckpt.state["drafter"])
+    model = DFlashDrafter(cfg)
+    model.load_state_dict(load_file(str(ckpt.path / MODEL_FILE)), strict=True)
+    return model, cfg
+
+
+@main.command(name="eval")
+@click.option("--drafter", required=True, type=click.Path(exists=True, file_okay=False), help="Exported drafter (config.json + model.safetensors) or a training checkpoint step-NNNNNNNN/.")
+@click.option("--cache", required=True, type=click.Path(exists=True, file_okay=False), help="Hidden-state cache holding the held-out shards.")
+@click.option("--shards", callback=_int_list, help="Held-out batch ids, e.g. 40,41,42.")
+@click.option("--eval-shards", type=int, default=None, help="The last N shards of the cache (as dflash-train --eval-shards).")
+@click.option("--holdout-frac", type=float, default=None, help="The last ceil(F x shards) shards of the cache.")
+@click.option("--num-blocks", type=int, default=None, help="Blocks per shard (fixed-seed anchors). Default: as training.")
+@click.option("--budgets", default="16,32,64", show_default=True, callback=_int_list, help="DDTree node budgets.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the per-shard anchor sampling.")
+@click.option("--device", default="auto", show_default=True, help="auto = cuda when available, else cpu.")
+@click.option("--out", "out_json", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
+def eval_cmd(drafter, cache, shards, eval_shards, holdout_frac, num_blocks, budgets, seed, device, out_json) -> None:
+    """Evaluate a drafter on held-out shards: acceptance length (+1 bonus), slot accuracy, tree acceptance."""
+    _setup_logging()
+    chosen = [x is not None for x in (shards, eval_shards, holdout_frac)]
+    if sum(chosen) != 1:
+        raise click.UsageError("give exactly one of --shards, --eval-shards, --holdout-frac")
+    import torch
+
+    from shards import ShardReader, load_target_head
+
+    from .blocks import default_num_blocks
+    from .evaluate import evaluate_drafter
+    from .model import TargetHead
+
+    reader = ShardReader(cache)
+    all_ids = reader.batch_ids()
+    if shards is not None:
+        missing = sorted(set(shards) - set(all_ids))
+        if missing:
+            raise click.UsageError(f"--shards {missing} not in cache {cache}")
+        ids = shards
+    else:
+        n = eval_shards if eval_shards is not None else math.ceil(holdout_frac * len(all_ids))
+        if not 1 <= n <= len(all_ids):
+            raise click.UsageError(f"held-out shard count {n} outside [1, {len(all_ids)}] for cache {cache}")
+        ids = all_ids[-n:]
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model, cfg = _load_any_drafter(Path(drafter), dtype, dev)
+    cc = reader.config
+    problems = []
+    if list(cfg.tap_layer_ids) != list(cc.tap_layer_ids):
+        problems.append(f"taps: drafter {cfg.tap_layer_ids}, cache {cc.tap_layer_ids}")
+    if (cfg.hidden_size, cfg.vocab_size) != (cc.target.hidden_size, cc.target.vocab_size):
+        problems.append(f"hidden/vocab: drafter {cfg.hidden_size}/{cfg.vocab_size}, "
+                        f"cache {cc.target.hidden_size}/{cc.target.vocab_size}")
+    if problems:
+        raise click.ClickException(f"drafter {drafter} does not fit cache {cache}: {'; '.join(problems)}")
+    head_t = load_target_head(cache)
+    head = TargetHead(head_t["embed_tokens"].to(dev, dtype), head_t["lm_head"].to(dev, dtype))
+    result = evaluate_drafter(model, head, cache, ids, num_blocks=num_blocks or default_num_blocks(cc.token_budget, cfg.block_size),
+                              seed=seed, device=dev, attention="flex" if dev.type == "cuda" else "sdpa",
+                              budgets=budgets)
+    click.echo(result.table())
+    if out_json:
+        Path(out_json).write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+
+
+def _load_any_drafter(path: Path, dtype, device):
+    from .checkpoint import STATE_FILE, list_checkpoints
+    from .export import load_exported_drafter
+
+    if (path / STATE_FILE).is_file():
+        ckpt = next((c for c in list_checkpoints(path.parent) if c.path.resolve() == path.resolve()), None)
+        if ckpt is None:
+            raise click.ClickException(f"{path}: incomplete checkpoint")
+        model, cfg = _model_from_checkpoint(ckpt)
+        return model.to(device, dtype), cfg
+    return load_exported_drafter(path, dtype=dtype, device=device)
+
+
+def _launch_torchrun(gpus: str) -> None:
+    import torch
+
+    n = torch.cuda.device_count() if gpus == "all" else int(gpus)
+    if n < 1:
+        raise click.UsageError(f"--gpus {gpus}: no CUDA devices found")
+    args = _without_option(sys.argv[1:], "--gpus")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m", "train.cli", *args]
+    log.info("starting: %s", " ".join(cmd))
+    os.execv(sys.executable, cmd)
+
+
+def _without_option(argv: list[str], name: str) -> list[str]:
+    """argv minus `name VALUE` / `name=VALUE`, so the ranks torchrun starts do not launch again."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+"""The training loop: owns data, cadence, checkpoints and evaluation; the step owns the math.
+
+run_training(cfg):
+  validate the config against the cache (resolve_run: no model, no GPU) -> join the process group
+  -> build drafter (fp32 master), frozen target head, static batch, optimizer, schedule
+  -> resume from the newest valid checkpoint when asked -> capture the step (CUDA) -> for each epoch,
+  this rank's shard order from its cursor: load shard -> step -> count -> log / checkpoint / eval.
+
+Each step consumes exactly one shard on every rank. With --skip-bad-shards under several ranks, a
+skipped shard is replaced by one more step on the batch already in the device buffers (fresh
+anchors), so all ranks keep the same step count (ranks that fall out of step hang the all-reduce).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from shards import ShardLoader, ShardReader, epoch_shard_order, load_target_head
+from shards.durable import atomic_write_text
+from shards.provenance import provenance
+
+from .attention import BlockAttentionLayout
+from .batch import StaticBatch
+from .checkpoint import (check_resume_compatible, decode_rng, encode_rng, latest_checkpoint, load_model_state,
+                         load_optimizer_state, save_checkpoint)
+from .distributed import (DistInfo, FlatGrads, all_gather_objects, barrier, broadcast_parameters, init_distributed,
+                          resolve_device)
+from .evaluate import EvalResult, evaluate_drafter
+from .losses import LossConfig
+from .metrics import MetricsLogger, StepTotals
+from .model import DFlashDrafter, TargetHead
+from .step import StepRunner, StepState, WarmupCosine, load_optimizer_state_, make_optimizer
+from .train_config import ResolvedRun, TrainConfig, resolve_run
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainSummary:
+    steps: int
+    tokens_seen: int
+    last_record: dict[str, Any] | None
+    last_checkpoint: Path | None
+    eval: EvalResult | None
+    skipped_shards: list[tuple[int, str]]
+
+
+def run_training(cfg: TrainConfig) -> TrainSummary:
+    """Train a drafter as configured; returns what happened. Raises ValueError on bad settings/data."""
+    device_type = resolve_device(cfg.device, 0).type
+    dist_info = init_distributed(device_type)
+    run = resolve_run(cfg, dist_info.world_size)  # every check that needs no model or GPU, first
+    if not cfg.resume and latest_checkpoint(cfg.out_dir) is not None:
+        raise ValueError(f"{cfg.out_dir} already holds checkpoints; pass --resume to continue that run "
+                         "or choose another --out")
+    device = resolve_device(cfg.device, dist_info.local_rank)
+    trainer = Trainer(cfg, run, dist_info, device)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run: ResolvedRun, dist_info: DistInfo, device: torch.device):
+        self.cfg, self.run, self.dist, self.device = cfg, run, dist_info, device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.use_graphs = device.type == "cuda" and cfg.cuda_graphs is not False
+        bf16 = cfg.compute_dtype == "bfloat16"
+        compute_dtype = torch.bfloat16 if bf16 else torch.float32
+        backend = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+        self.out_dir = Path(cfg.out_dir)
+        if dist_info.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._announce(backend, compute_dtype)
+
+        torch.manual_seed(cfg.seed)  # identical init on every rank; broadcast below makes sure
+        self.model = DFlashDrafter(run.drafter).to(device)  # fp32 master weights
+        broadcast_parameters(self.model)
+        head = load_target_head(cfg.cache)
+        self.head = TargetHead(head["embed_tokens"].to(device, compute_dtype), head["lm_head"].to(device, compute_dtype))
+        params = list(self.model.parameters())
+        grads = FlatGrads(params)
+        schedule = WarmupCosine(peak_lr=cfg.lr, warmup_steps=run.warmup_steps, total_steps=run.total_steps,
+                                min_lr_ratio=cfg.min_lr_ratio, device=device)
+        optimizer = make_optimizer(params, schedule, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        cc = run.cache_config
+        self.batch = StaticBatch(cc, device, compute_dtype, with_topk=cfg.kl_lambda > 0)
+        layout = BlockAttentionLayout(num_ctx=cc.token_budget, num_blocks=run.num_blocks, block_size=cfg.block_size,
+                                      backend=backend, device=device)
+        # Anchor sampling: the default CUDA generator on GPU (graph-safe); a private one on CPU.
+        self.generator = None if device.type == "cuda" else torch.Generator(device)
+        self._seed_block_rng(cfg.seed + 1000003 * (dist_info.rank + 1))
+        self.state = StepState(
+            model=self.model, head=self.head, batch=self.batch, layout=layout, optimizer=optimizer,
+            schedule=schedule, grads=grads, totals=StepTotals(cfg.block_size, device),
+            loss_cfg=LossConfig(kl_lambda=cfg.kl_lambda, cap_lambda=cfg.cap_lambda, chunk_blocks=cfg.loss_chunk_blocks),
+            num_blocks=run.num_blocks, block_size=cfg.block_size, mask_token_id=run.drafter.mask_token_id,
+            gamma=cfg.gamma, grad_clip=cfg.grad_clip, metrics_topk=cfg.metrics_topk,
+            autocast_dtype=torch.bfloat16 if bf16 else None, generator=self.generator, params=params)
+        self.reader = ShardReader(cfg.cache)
+        self.step, self.epoch, self.cursor, tokens_seen, skipped = 0, 0, 0, 0, 0
+        self.last_checkpoint: Path | None = None
+        if cfg.resume:
+            tokens_seen, skipped = self._resume()
+        self.metrics = MetricsLogger(out_dir=self.out_dir, total_steps=run.total_steps, log_every=cfg.log_every,
+                                     metrics_every=cfg.metrics_every, metrics_topk=cfg.metrics_topk,
+                                     is_main=dist_info.is_main, device=device, tensorboard=cfg.tensorboard,
+                                     start_step=self.step)
+        self.metrics.tokens_seen, self.metrics.skipped_shards = tokens_seen, skipped
+        self.skipped: list[tuple[int, str]] = []
+        self._last_record: dict[str, Any] | None = None
+        self._logged_step = -1
+        if dist_info.is_main:
+            self._write_run_record()
+        self.runner = StepRunner(self.state, cuda_graphs=self.use_graphs)
+
+    # ---- setup ---------------------------------------------------------------------------------
+    def _announce(self, backend: str, compute_dtype: torch.dtype) -> None:
+        if not self.dist.is_main:
+            return
+        r = self.run
+        log.info("run: %d train shards, %d held out; %d ranks; %d steps (%d per epoch), warmup %d",
+                 len(r.train_ids), len(r.eval_ids), self.dist.world_size, r.total_steps, r.steps_per_epoch,
+                 r.warmup_steps)
+        log.info("drafter: %d layers, hidden %d, MLP %d, heads %d/%d x %d, block %d, %d blocks per batch",
+                 r.drafter.num_layers, r.drafter.hidden_size, r.drafter.intermediate_size,
+                 r.drafter.num_attention_heads, r.drafter.num_key_value_heads, r.drafter.head_dim,
+                 r.drafter.block_size, r.num_blocks)
+        log.info("kernels: attention %s, compute %s (fp32 master weights), step %s on %s", backend,
+                 str(compute_dtype).removeprefix("torch."), "CUDA graph" if self.use_graphs else "eager", self.device)
+
+    def _seed_block_rng(self, seed: int) -> None:
+        if self.generator is None:
+            torch.cuda.manual_seed(seed)
+        else:
+            self.generator.manual_seed(seed)
+
+    def _rng_state(self) -> dict[str, str | None]:
+        cuda = self.device.type == "cuda"
+        return {"torch_cpu": encode_rng(torch.get_rng_state()),
+                "torch_cuda": encode_rng(torch.cuda.get_rng_state(self.device)) if cuda else None,
+                "block_generator": encode_rng(self.generator.get_state()) if self.generator is not None else None}
+
+    def _set_rng_state(self, s: dict[str, str | None]) -> None:
+        torch.set_rng_state(decode_rng(s["torch_cpu"]))
+        if s.get("torch_cuda") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(decode_rng(s["torch_cuda"]), self.device)
+        if s.get("block_generator") is not None and self.generator is not None:
+            self.generator.set_state(decode_rng(s["block_generator"]))
+
+    def _write_run_record(self) -> None:
+        record = {"config": self.cfg.to_dict(), "config_hash": self.cfg.config_hash(),
+                  "drafter": _drafter_dict(self.run), "num_blocks": self.run.num_blocks,
+                  "total_steps": self.run.total_steps, "world_size": self.dist.world_size,
+                  "cache_target": self.run.cache_config.target.__dict__, "provenance": provenance()}
+        name = "run.json" if not self.cfg.resume else f"run-resume-{self.step:08d}.json"
+        atomic_write_text(self.out_dir / name, json.dumps(record, indent=1, default=str) + "\n")
+
+    def _resume(self) -> tuple[int, int]:
+        ckpt = latest_checkpoint(self.out_dir)
+        if ckpt is None:
+            log.info("resume: no checkpoint in %s, starting from step 0", self.out_dir)
+            return 0, 0
+        check_resume_compatible(ckpt, self.cfg.identity(), self.dist.world_size,
+                                self.run.cache_config.target.config_hash)
+        model_state = load_model_state(ckpt)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(model_state[name])
+        load_optimizer_state_(self.state.optimizer, self.state.params, load_optimizer_state(ckpt))
+        st = ckpt.state
+        self.step, self.epoch, self.cursor = st["step"], st["epoch"], st["cursor"]
+        self.state.schedule.set_step(self.step)
+        self._set_rng_state(st["rng"][self.dist.rank])
+        self.last_checkpoint = ckpt.path
+        log.info("resume: %s (step %d, epoch %d, shard %d of the epoch)", ckpt.path, self.step, self.epoch, self.cursor)
+        return st["tokens_seen"], st["skipped_shards"]
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def train(self) -> TrainSummary:
+        cfg, run = self.cfg, self.run
+        done = self.step >= run.total_steps
+        while not done and self.epoch < cfg.epochs:
+            order = epoch_shard_order(run.train_ids, self.epoch, cfg.seed, self.dist.rank, self.dist.world_size)
+            positions = self._epoch_positions(order)
+            try:
+                for position in positions:
+                    self.step += 1
+                    self.cursor = position + 1
+                    self.runner.run(with_metrics=self.metrics.should_compute_metrics(self.step))
+                    done = self.step >= run.total_steps
+                    checkpoint_due = bool(cfg.checkpoint_every) and self.step % cfg.checkpoint_every == 0
+                    if self.metrics.should_log(self.step) or checkpoint_due or done:
+                        self._log()
+                    if cfg.eval_every and self.step % cfg.eval_every == 0 and run.eval_ids:
+                        self._evaluate()
+                    if done:
+                        break
+                    if checkpoint_due:
+                        self._save()
+            finally:
+                positions.close()
+            if not done:
+                self.epoch, self.cursor = self.epoch + 1, 0
+        if self.step > 0 and (self.last_checkpoint is None or self.last_checkpoint.name != f"step-{self.step:08d}"):
+            self._save()
+        eval_result = self._evaluate() if run.eval_ids else None
+        return TrainSummary(self.step, self.metrics.tokens_seen, self._last_record, self.last_checkpoint,
+                            eval_result, self.skipped)
+
+    def _log(self) -> None:
+        """The log: one all-reduce and one host sync; raises NonFiniteError naming a bad step/batch."""
+        lr = self.state.schedule.host_lr(self.step - 1)
+        self._last_record = self.metrics.log(self.step, self.epoch, self.state.totals, lr=lr)
+        self._logged_step = self.step
+
+    def _epoch_positions(self, order: list[int]) -> Iterator[int]:
+        """Load each shard of this epoch from the cursor on; yield its position once it is on the device."""
+        cfg = self.cfg
+        position_of = {batch_id: i for i, batch_id in enumerate(order)}
+        loader = ShardLoader(self.reader, order[self.cursor:], num_buffers=cfg.num_buffers,
+                             pin_memory=self.device.type == "cuda", verify_checksum=cfg.verify_checksums,
+                             skip_bad_shards=cfg.skip_bad_shards)
+        expected = self.cursor
+        try:
+            shards = iter(loader)
+            while True:
+                t0 = time.monotonic()
+                shard = next(shards, None)
+                self.metrics.add_data_wait(time.monotonic() - t0)
+                position = len(order) if shard is None else position_of[shard.batch_id]
+                for missing in range(expected, position):  # skipped by the loader (bad shards)
+                    self._count_skip(order[missing], loader)
+                    if self.dist.world_size > 1:
+                        yield missing  # one more step on the batch in the buffers keeps ranks in step
+                if shard is None:
+                    return
+                self.batch.load(shard)
+                self.metrics.add_tokens(shard.info.num_tokens)
+                expected = position + 1
+                yield position
+        finally:
+            self.batch.close()
+            loader.close()
+
+    def _count_skip(self, batch_id: int, loader: ShardLoader) -> None:
+        reason = next((r for b, r in loader.skipped if b == batch_id), "unreadable")
+        self.skipped.append((batch_id, reason))
+        self.metrics.skipped_shards += 1
+        self.metrics.write_event({"event": "skipped_shard", "step": self.step, "batch_id": batch_id, "reason": reason})
+
+    def _save(self) -> None:
+        if self._logged_step != self.step:
+            self._log()  # never save a checkpoint without the non-finite check of its steps
+        rngs = all_gather_objects(self._rng_state())
+        if self.dist.is_main:
+            train_state = {
+                "step": self.step, "epoch": self.epoch, "cursor": self.cursor,
+                "tokens_seen": self.metrics.tokens_seen, "skipped_shards": self.metrics.skipped_shards,
+                "world_size": self.dist.world_size, "config_hash": self.cfg.config_hash(),
+                "config_identity": self.cfg.identity(), "drafter": _drafter_dict(self.run),
+                "target_config_hash": self.run.cache_config.target.config_hash, "rng": rngs,
+                "provenance": provenance(),
+            }
+            self.last_checkpoint = save_checkpoint(self.out_dir, self.step, self.model.state_dict(),
+                                                   self.state.optimizer.state_dict(), train_state,
+                                                   keep=self.cfg.keep_checkpoints)
+        else:
+            self.last_checkpoint = self.out_dir / f"step-{self.step:08d}"
+        barrier()
+
+    def _evaluate(self) -> EvalResult:
+        cfg, run = self.cfg, self.run
+        ids = run.eval_ids[: cfg.eval_max_shards]
+        result = evaluate_drafter(
+            self.model, self.head, cfg.cache, ids, num_blocks=run.num_blocks, seed=cfg.seed, device=self.device,
+            autocast_dtype=self.state.autocast_dtype, attention=self.state.layout.backend,
+            chunk_blocks=cfg.loss_chunk_blocks, rank=self.dist.rank, world_size=self.dist.world_size)
+        self.metrics.write_event({"event": "eval", "step": self.step, **result.to_dict()})
+        if self.dist.is_main:
+            log.info("eval at step %d: %s", self.step, result.summary_line())
+            atomic_write_text(self.out_dir / "eval.json", json.dumps(result.to_dict(), indent=1) + "\n")
+        return result
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def _drafter_dict(run: ResolvedRun) -> dict[str, Any]:
+    return dataclasses.asdict(run.drafter)

@@ -1,0 +1,247 @@
+"""Training metrics: device-side totals written by the step, and the one object that logs them.
+
+Loss is not metrics (SPEC, STYLE 7-8):
+- `StepTotals` lives on the device. Every step adds its loss terms, gradient norm and label count;
+  every metrics_every-th step (its own cadence, decided on the host from the step number) also adds
+  the monitoring metrics as (sum, count) pairs. Non-finite inputs or loss are recorded as the first
+  offending (step, batch id). Nothing here syncs with the host.
+- `MetricsLogger` decides when to log, and at a log step packs all totals into one flat tensor,
+  SUM-all-reduces it once, copies it to the host once (the interval's only sync), divides sums by
+  counts and emits one dict with namespaced keys to metrics.jsonl, one console line on rank 0 and,
+  optionally, TensorBoard.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from shards.progress import format_duration
+
+from .distributed import all_reduce_sum_
+
+log = logging.getLogger(__name__)
+
+# (name in train/metrics_math.block_metrics, key prefix in the log)
+_SLOT_METRICS = (("top1_slot", "acc/slot_"), ("topk_slot", "acc/top{k}_slot_"), ("ce_slot", "ce/slot_"))
+_BLOCK_METRICS = (("accept_streak", "accept/streak"), ("topk_streak", "accept/top{k}_streak"),
+                  ("expected_accept", "accept/expected"))
+
+
+class NonFiniteError(RuntimeError):
+    """A batch produced non-finite hidden states or loss; the message names the step and batch id."""
+
+
+class StepTotals:
+    """Device accumulators of one log interval (all float64 so long intervals sum exactly enough)."""
+
+    def __init__(self, block_size: int, device: torch.device):
+        f64 = dict(dtype=torch.float64, device=device)
+        S = block_size - 1
+        self.loss_sum = torch.zeros(4, **f64)  # total, ce, kl, cap (each a per-step mean, summed over steps)
+        self.counts = torch.zeros(4, **f64)  # steps, grad-norm sum, supervised labels, valid blocks
+        self.metric_steps = torch.zeros(1, **f64)
+        self.slot_sums = torch.zeros(len(_SLOT_METRICS), S, **f64)
+        self.slot_counts = torch.zeros(S, **f64)
+        self.block_sums = torch.zeros(len(_BLOCK_METRICS), **f64)
+        self.block_count = torch.zeros(1, **f64)
+        # First offending (step, batch id) for non-finite loss and for non-finite inputs; -1 = none.
+        self.first_bad = torch.full((4,), -1, dtype=torch.int64, device=device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.loss_sum, self.counts, self.metric_steps, self.slot_sums, self.slot_counts,
+                self.block_sums, self.block_count, self.first_bad]
+
+    def add_step(self, loss_parts, grad_norm: torch.Tensor, label_valid_NB: torch.Tensor,
+                 block_valid_N: torch.Tensor, step_t: torch.Tensor, batch_id: torch.Tensor,
+                 inputs_finite: torch.Tensor) -> None:
+        parts = torch.stack([p.detach().double() for p in loss_parts])
+        self.loss_sum += parts
+        self.counts += torch.stack([torch.ones_like(grad_norm, dtype=torch.float64), grad_norm.double(),
+                                    label_valid_NB.sum().double(), block_valid_N.sum().double()])
+        loss_finite = torch.isfinite(parts).all() & torch.isfinite(grad_norm)
+        here = torch.cat([step_t.view(1).long(), batch_id.view(1)])
+        self._first(slice(0, 2), loss_finite, here)
+        self._first(slice(2, 4), inputs_finite, here)
+
+    def _first(self, sl: slice, ok: torch.Tensor, here: torch.Tensor) -> None:
+        unset = self.first_bad[sl][0] < 0
+        self.first_bad[sl] = torch.where(unset & ~ok, here, self.first_bad[sl])
+
+    def add_metrics(self, counted: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.metric_steps += 1
+        for i, (name, _) in enumerate(_SLOT_METRICS):
+            self.slot_sums[i] += counted[name][0].double()
+        self.slot_counts += counted[_SLOT_METRICS[0][0]][1].double()
+        for i, (name, _) in enumerate(_BLOCK_METRICS):
+            self.block_sums[i] += counted[name][0].double()
+        self.block_count += counted[_BLOCK_METRICS[0][0]][1].double()
+
+    def reset(self) -> None:
+        for t in self.tensors()[:-1]:
+            t.zero_()
+
+
+class MetricsLogger:
+    """Cadence, counters, the one all-reduce + host sync per log, and the outputs (rank 0 writes)."""
+
+    def __init__(self, *, out_dir: str | Path, total_steps: int, log_every: int, metrics_every: int,
+                 metrics_topk: int, is_main: bool, device: torch.device, tensorboard: bool = False,
+                 start_step: int = 0):
+        self.total_steps, self.log_every, self.metrics_every = total_steps, log_every, metrics_every
+        self.topk, self.is_main, self.device = metrics_topk, is_main, device
+        self.tokens_seen = 0  # real tokens of all steps so far (host count from shard headers)
+        self.skipped_shards = 0
+        self._interval_tokens = 0
+        self._interval_wait_s = 0.0
+        self._interval_start = time.monotonic()
+        self._run_start = time.monotonic()
+        self._start_step = start_step
+        self._file: IO[str] | None = None
+        self._tb = None
+        if is_main:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            self._file = open(Path(out_dir) / "metrics.jsonl", "a", buffering=1)
+            if tensorboard:
+                self._tb = _tensorboard_writer(Path(out_dir) / "tb")
+
+    # ---- cadence: host-side decisions from the step number alone -------------------------------
+    def should_compute_metrics(self, step: int) -> bool:
+        """Metrics on step 1, 1 + metrics_every, ... (1-based step numbers; their own counter)."""
+        return (step - 1) % self.metrics_every == 0
+
+    def should_log(self, step: int) -> bool:
+        return step == 1 or step % self.log_every == 0 or step == self.total_steps
+
+    # ---- host counters -------------------------------------------------------------------------
+    def add_data_wait(self, seconds: float) -> None:
+        self._interval_wait_s += seconds
+
+    def add_tokens(self, num_tokens: int) -> None:
+        self.tokens_seen += num_tokens
+        self._interval_tokens += num_tokens
+
+    # ---- the log -------------------------------------------------------------------------------
+    def log(self, step: int, epoch: int, totals: StepTotals, lr: float, extra: dict[str, Any] | None = None) -> dict:
+        """Reduce, check, divide and emit. Raises NonFiniteError when a step since the last log was bad."""
+        local_bad = totals.first_bad
+        flat = torch.cat([t.flatten() for t in totals.tensors()[:-1]]
+                         + [(local_bad >= 0).double()])  # bad flags summed across ranks
+        all_reduce_sum_(flat)
+        host = torch.cat([flat, local_bad.double()]).cpu().tolist()  # the interval's one host sync
+        values = _unflatten(host, totals)
+        totals.reset()
+        _raise_if_bad(values, step)
+        record = self._record(step, epoch, values, lr)
+        if extra:
+            record.update(extra)
+        self._emit(record)
+        return record
+
+    def _record(self, step: int, epoch: int, v: dict, lr: float) -> dict:
+        now = time.monotonic()
+        interval_s = max(now - self._interval_start, 1e-9)
+        steps = max(v["counts"][0], 1.0)
+        loss = [s / steps for s in v["loss_sum"]]
+        tokens_per_s = self._interval_tokens / interval_s
+        done = step - self._start_step
+        eta_s = (now - self._run_start) / max(done, 1) * (self.total_steps - step)
+        record: dict[str, Any] = {
+            "step": step, "epoch": epoch, "loss/total": loss[0], "loss/ce": loss[1], "loss/kl": loss[2],
+            "loss/cap": loss[3], "opt/lr": lr, "opt/grad_norm": v["counts"][1] / steps,
+            "data/labels_per_step": v["counts"][2] / steps, "data/blocks_per_step": v["counts"][3] / steps,
+            "data/tokens_seen": self.tokens_seen, "data/skipped_shards": self.skipped_shards,
+            "perf/tokens_per_s": tokens_per_s, "perf/data_wait_frac": self._interval_wait_s / interval_s,
+            "perf/eta_s": eta_s,
+        }
+        if v["metric_steps"][0] > 0:
+            record.update(self._monitoring(v))
+        if self.device.type == "cuda":
+            record["mem/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self._interval_tokens, self._interval_wait_s, self._interval_start = 0, 0.0, now
+        return record
+
+    def _monitoring(self, v: dict) -> dict:
+        out = {}
+        slot_counts = v["slot_counts"]
+        for i, (_, prefix) in enumerate(_SLOT_METRICS):
+            prefix = prefix.format(k=self.topk)
+            for k, (s, c) in enumerate(zip(v["slot_sums"][i], slot_counts), start=1):
+                if c > 0:
+                    out[f"{prefix}{k:02d}"] = s / c
+        blocks = v["block_count"][0]
+        if blocks > 0:
+            for i, (_, key) in enumerate(_BLOCK_METRICS):
+                out[key.format(k=self.topk)] = v["block_sums"][i] / blocks
+        return out
+
+    def _emit(self, record: dict) -> None:
+        if not self.is_main:
+            return
+        self._file.write(json.dumps({"time": time.time(), **record}) + "\n")
+        line = (f"step {record['step']}/{self.total_steps} ep {record['epoch']} loss {record['loss/total']:.4f} "
+                f"ce {record['loss/ce']:.4f} lr {record['opt/lr']:.2e} gnorm {record['opt/grad_norm']:.3f} "
+                f"{record['perf/tokens_per_s']:,.0f} tok/s ETA {format_duration(record['perf/eta_s'])}")
+        if "accept/streak" in record:
+            line += f" | acc1 {record.get('acc/slot_01', float('nan')):.3f} streak {record['accept/streak']:.2f}"
+        if "mem/peak_gib" in record:
+            line += f" | {record['mem/peak_gib']:.1f} GiB"
+        log.info(line)
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def write_event(self, record: dict) -> None:
+        """A non-step record (eval results, skipped shards) into metrics.jsonl."""
+        if self.is_main and self._file is not None:
+            self._file.write(json.dumps({"time": time.time(), **record}) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _unflatten(host: list[float], totals: StepTotals) -> dict[str, list]:
+    names = ["loss_sum", "counts", "metric_steps", "slot_sums", "slot_counts", "block_sums", "block_count"]
+    out, i = {}, 0
+    for name, t in zip(names, totals.tensors()[:-1]):
+        n = t.numel()
+        chunk = host[i : i + n]
+        if name == "slot_sums":
+            chunk = [chunk[r * t.shape[1] : (r + 1) * t.shape[1]] for r in range(t.shape[0])]
+        out[name] = chunk
+        i += n
+    out["bad_ranks"] = host[i : i + 4]
+    out["first_bad"] = [int(x) for x in host[i + 4 : i + 8]]
+    return out
+
+
+def _raise_if_bad(v: dict, step: int) -> None:
+    if not any(v["bad_ranks"]):
+        return
+    loss_step, loss_batch, input_step, input_batch = v["first_bad"]
+    if input_step >= 0:
+        raise NonFiniteError(f"batch {input_batch} holds non-finite hidden states (first used at step "
+                             f"{input_step + 1}); the run stopped: check or re-extract that shard")
+    if loss_step >= 0:
+        raise NonFiniteError(f"non-finite loss or gradient at step {loss_step + 1} on batch {loss_batch}; "
+                             "the run stopped (lower lr, check that batch, or resume from the last checkpoint)")
+    raise NonFiniteError(f"another rank met a non-finite loss or batch before step {step}; see its log")
+
+
+def _tensorboard_writer(path: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.warning("--tensorboard: the tensorboard package is not installed; writing metrics.jsonl only")
+        return None
+    return SummaryWriter(str(path))

@@ -1,0 +1,291 @@
+"""Typed configuration of a dflash-train run, and its resolution against the cache.
+
+`TrainConfig` holds what the user chose and validates each field on its own (__post_init__).
+`resolve_run(cfg)` then reads only the cache's JSON and the target head's shapes (no model, no GPU)
+and returns a `ResolvedRun`: the drafter shape, the train / held-out shard split and the step
+budget, refusing a cache that does not fit the config with both sides named.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shards import CacheConfig, ShardReader, read_cache_config
+from shards.format import TARGET_HEAD_FILE
+from shards.container import read_header
+
+from .blocks import default_num_blocks
+from .config import DrafterConfig
+
+log = logging.getLogger(__name__)
+
+# MLP width / hidden of the published Qwen3.5-27B drafter (17408 / 5120); the default for other widths.
+_MLP_RATIO = 3.4
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One training run. Field names map 1:1 to dflash-train options (dashes for underscores)."""
+
+    cache: str
+    """Hidden-state cache directory written by dflash-extract."""
+    out_dir: str
+    """Run directory: checkpoints (step-NNNNNNNN/), metrics.jsonl, run.json, eval results."""
+    epochs: int = 6
+    """Passes over the training shards (the DFlash recipe trains 6)."""
+    max_steps: int = -1
+    """Stop after this many optimizer steps; -1 = run all epochs. Also sets the schedule's length."""
+    lr: float = 6e-4
+    """Peak learning rate of AdamW (recipe: 6e-4)."""
+    warmup_ratio: float = 0.04
+    """Fraction of the total steps spent in linear warmup from 0 to lr (recipe: 0.04)."""
+    min_lr_ratio: float = 0.0
+    """The cosine decays to min_lr_ratio * lr at the last step."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay (recipe: 0)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2)."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient L2 norm to this; 0 disables clipping."""
+    seed: int = 0
+    """Seed of the weight init, the shard order and the anchor sampling (per rank: seed + rank)."""
+    num_blocks: int | None = None
+    """Draft blocks (anchors) per packed batch; None = SpecForge's density rounded to flex tiles."""
+    block_size: int = 16
+    """Tokens per draft block: anchor plus block_size-1 MASK slots (published drafters: 16)."""
+    gamma: float = 7.0
+    """Loss decay: slot k is weighted exp(-(k-1)/gamma) (recipe: 7 for block 16)."""
+    kl_lambda: float = 0.0
+    """Weight of KL(target || drafter) on the cache's stored target top-k; 0 = off."""
+    cap_lambda: float = 0.0
+    """Weight of the CAP term (minus expected accepted length / (B-1)); 0 = off."""
+    loss_chunk_blocks: int = 32
+    """Blocks per LM-head chunk of the loss and metrics (memory: chunk*B*vocab*4 bytes per live copy)."""
+    metrics_every: int = 8
+    """Compute monitoring metrics (accuracy, streaks) every N steps; values < 1 are clamped to 1."""
+    metrics_topk: int = 4
+    """k of the top-k accuracy and top-k streak metrics."""
+    log_every: int = 10
+    """Log (console line + metrics.jsonl) at step 1 and every N steps; each log is one host sync."""
+    checkpoint_every: int = 1000
+    """Save step-NNNNNNNN/ every N steps (and at the end); 0 = only at the end."""
+    keep_checkpoints: int = 3
+    """Keep the newest K checkpoints, delete older ones."""
+    resume: bool = False
+    """Continue from the newest valid checkpoint in out_dir (refused if the run's settings differ)."""
+    cuda_graphs: bool | None = None
+    """Capture the whole step as one CUDA graph; None = on when running on CUDA. Ignored on CPU."""
+    attention: str = "auto"
+    """Block attention backend: flex (CUDA), sdpa (dense mask; CPU, tests), auto = flex on CUDA."""
+    compute_dtype: str = "bfloat16"
+    """Activation dtype: bfloat16 (autocast over fp32 master weights) or float32."""
+    skip_bad_shards: bool = False
+    """Skip a shard that fails its checks (counted in the log) instead of stopping the run."""
+    verify_checksums: bool = True
+    """Verify each shard's checksum as it is read (on the loader thread)."""
+    eval_shards: int = 0
+    """Hold out the last N shards of the cache (highest batch ids) for evaluation; never trained on."""
+    eval_every: int = 0
+    """Evaluate on the held-out shards every N steps; 0 = only at the end (when eval_shards > 0)."""
+    eval_max_shards: int = 8
+    """Evaluate on at most this many held-out shards each time."""
+    tensorboard: bool = False
+    """Also write TensorBoard scalars to out_dir/tb (needs the tensorboard package)."""
+    device: str = "auto"
+    """auto = cuda:LOCAL_RANK when CUDA exists, else cpu."""
+    num_buffers: int = 3
+    """Host shard buffers of the background loader (read-ahead = num_buffers - 1 shards)."""
+    mask_token_id: int | None = None
+    """MASK token id of the drafter; None = the cache's (cache.json mask_token_id)."""
+    tap_layer_ids: list[int] | None = None
+    """Expected tapped target layers; None = whatever the cache holds. Checked against the cache."""
+    num_layers: int = 5
+    """Drafter decoder layers."""
+    intermediate_size: int | None = None
+    """Drafter MLP width; None = 17408 for a 5120-wide target, else 3.4 x hidden rounded up to 64."""
+    num_attention_heads: int | None = None
+    """Drafter query heads; None = derived from the width (DrafterConfig.for_target)."""
+    num_key_value_heads: int | None = None
+    """Drafter key/value heads; None = derived from the width."""
+    head_dim: int | None = None
+    """Drafter head dim; None = derived from the width."""
+    rope_theta: float = 1e7
+    """RoPE base of the drafter (Qwen3.5 targets: 1e7)."""
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(float(b) for b in self.betas)
+        if self.tap_layer_ids is not None:
+            self.tap_layer_ids = [int(t) for t in self.tap_layer_ids]
+        _positive_ints(self, "epochs", "block_size", "loss_chunk_blocks", "metrics_topk", "log_every",
+                       "keep_checkpoints", "num_buffers", "num_layers", "eval_max_shards")
+        _nonnegative_ints(self, "checkpoint_every", "eval_shards", "eval_every", "seed")
+        if self.max_steps != -1 and self.max_steps < 1:
+            raise ValueError(f"TrainConfig.max_steps must be >= 1 or -1 (no limit), got {self.max_steps}")
+        if not self.lr > 0:
+            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"TrainConfig.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0:
+            raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"TrainConfig.betas must be two values in [0, 1), got {self.betas}")
+        if not self.adam_eps > 0:
+            raise ValueError(f"TrainConfig.adam_eps must be > 0, got {self.adam_eps}")
+        if self.grad_clip < 0:
+            raise ValueError(f"TrainConfig.grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
+        if self.block_size < 2:
+            raise ValueError(f"TrainConfig.block_size must be >= 2, got {self.block_size}")
+        if not self.gamma > 0:
+            raise ValueError(f"TrainConfig.gamma must be > 0, got {self.gamma}")
+        for name in ("kl_lambda", "cap_lambda"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"TrainConfig.num_blocks must be >= 1 or None (default), got {self.num_blocks}")
+        if self.metrics_every < 1:
+            log.warning("metrics_every %d < 1: clamped to 1 (metrics every step)", self.metrics_every)
+            self.metrics_every = 1
+        if self.attention not in ("auto", "flex", "sdpa"):
+            raise ValueError(f"TrainConfig.attention must be auto, flex or sdpa, got {self.attention!r}")
+        if self.compute_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"TrainConfig.compute_dtype must be bfloat16 or float32, got {self.compute_dtype!r}")
+        for name in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "mask_token_id"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < (0 if name == "mask_token_id" else 1)):
+                raise ValueError(f"TrainConfig.{name} must be a positive int or None, got {value!r}")
+        heads = (self.num_attention_heads, self.num_key_value_heads, self.head_dim)
+        if any(h is not None for h in heads) and any(h is None for h in heads):
+            raise ValueError("TrainConfig.num_attention_heads, num_key_value_heads and head_dim must be given "
+                             f"together or not at all, got {heads}")
+        if not Path(self.cache).is_dir():
+            raise ValueError(f"TrainConfig.cache {self.cache!r} is not a directory")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def identity(self) -> dict[str, Any]:
+        """Settings that decide the training trajectory: a resumed run must match them exactly."""
+        d = self.to_dict()
+        for name in ("out_dir", "resume", "log_every", "checkpoint_every", "keep_checkpoints", "tensorboard",
+                     "num_buffers", "eval_every", "eval_max_shards", "verify_checksums", "device", "cache"):
+            d.pop(name)
+        d["betas"] = list(d["betas"])
+        return d
+
+    def config_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _positive_ints(cfg: TrainConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"TrainConfig.{name} must be an int >= 1, got {value!r}")
+
+
+def _nonnegative_ints(cfg: TrainConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"TrainConfig.{name} must be an int >= 0, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class ResolvedRun:
+    """What a TrainConfig means for one cache: everything the loop needs before touching a model."""
+
+    cache_config: CacheConfig
+    drafter: DrafterConfig
+    num_blocks: int
+    train_ids: list[int]  # batch ids trained on
+    eval_ids: list[int]  # held-out batch ids (never trained on)
+    steps_per_epoch: int  # per rank: each step reads one shard on every rank
+    total_steps: int  # optimizer steps of the whole run (the schedule's length)
+    warmup_steps: int
+
+
+def default_intermediate_size(hidden_size: int) -> int:
+    if hidden_size == 5120:
+        return 17408
+    return int(math.ceil(hidden_size * _MLP_RATIO / 64) * 64)
+
+
+def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
+    """Check the cache against the config and derive the run's shapes and step budget."""
+    cache_cfg = read_cache_config(cfg.cache)
+    _check_taps(cfg, cache_cfg)
+    _check_target_head(cfg.cache, cache_cfg)
+    if cfg.kl_lambda > 0 and cache_cfg.target_topk == 0:
+        raise ValueError(f"TrainConfig.kl_lambda {cfg.kl_lambda} needs the target's top-k, but cache "
+                         f"{cfg.cache} stores none (target_topk 0); re-extract with --target-topk or use kl_lambda 0")
+    mask_token_id = cfg.mask_token_id if cfg.mask_token_id is not None else cache_cfg.mask_token_id
+    if mask_token_id is None:
+        raise ValueError(f"no MASK token id: cache {cfg.cache} records none (cache.json mask_token_id null); "
+                         "pass --mask-token-id (248070 for Qwen3.5)")
+    target = cache_cfg.target
+    try:
+        drafter = DrafterConfig.for_target(
+            hidden_size=target.hidden_size,
+            intermediate_size=cfg.intermediate_size or default_intermediate_size(target.hidden_size),
+            vocab_size=target.vocab_size, num_target_layers=target.num_layers,
+            tap_layer_ids=list(cache_cfg.tap_layer_ids), mask_token_id=mask_token_id,
+            num_layers=cfg.num_layers, block_size=cfg.block_size, rope_theta=cfg.rope_theta)
+        if cfg.num_attention_heads is not None:
+            drafter = drafter.replace(num_attention_heads=cfg.num_attention_heads,
+                                      num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+    except ValueError as e:
+        raise ValueError(f"drafter shape for cache {cfg.cache}: {e}") from e
+
+    num_blocks = cfg.num_blocks or default_num_blocks(cache_cfg.token_budget, cfg.block_size)
+    if num_blocks > cache_cfg.token_budget:
+        raise ValueError(f"TrainConfig.num_blocks {num_blocks} exceeds the cache's token_budget "
+                         f"{cache_cfg.token_budget}")
+    all_ids = ShardReader(cfg.cache).batch_ids()
+    if cfg.eval_shards >= len(all_ids):
+        raise ValueError(f"TrainConfig.eval_shards {cfg.eval_shards} leaves no training shards: cache "
+                         f"{cfg.cache} has {len(all_ids)}")
+    train_ids = all_ids[: len(all_ids) - cfg.eval_shards]
+    eval_ids = all_ids[len(train_ids):]
+    steps_per_epoch = len(train_ids) // world_size
+    if steps_per_epoch < 1:
+        raise ValueError(f"cache {cfg.cache} has {len(train_ids)} training shards, fewer than the "
+                         f"{world_size} ranks: every rank needs at least one shard per epoch")
+    total_steps = cfg.epochs * steps_per_epoch
+    if cfg.max_steps != -1:
+        total_steps = min(total_steps, cfg.max_steps)
+    return ResolvedRun(
+        cache_config=cache_cfg, drafter=drafter, num_blocks=num_blocks, train_ids=train_ids,
+        eval_ids=eval_ids, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+        warmup_steps=int(math.ceil(cfg.warmup_ratio * total_steps)))
+
+
+def _check_taps(cfg: TrainConfig, cache_cfg: CacheConfig) -> None:
+    if cfg.tap_layer_ids is not None and list(cfg.tap_layer_ids) != list(cache_cfg.tap_layer_ids):
+        raise ValueError(f"tapped layers differ: the run expects tap_layer_ids {cfg.tap_layer_ids}, cache "
+                         f"{cfg.cache} holds {cache_cfg.tap_layer_ids}; re-extract with --taps or drop --taps")
+
+
+def _check_target_head(cache_dir: str, cache_cfg: CacheConfig) -> None:
+    """The stored target head must have the [vocab, hidden] shapes cache.json declares (header only)."""
+    path = Path(cache_dir) / TARGET_HEAD_FILE
+    if not path.is_file():
+        raise ValueError(f"{path}: not found; the cache has no target head (re-run dflash-extract)")
+    entries = read_header(path).entries
+    vocab, hidden = cache_cfg.target.vocab_size, cache_cfg.target.hidden_size
+    expected = {"embed_tokens": (vocab, hidden), "lm_head": (vocab, hidden), "final_norm": (hidden,)}
+    for name, shape in expected.items():
+        if name not in entries:
+            raise ValueError(f"{path}: tensor {name} missing; expected shape {shape}")
+        if tuple(entries[name].shape) != shape:
+            raise ValueError(f"{path}: tensor {name} has shape {tuple(entries[name].shape)}, but cache.json "
+                             f"declares target vocab {vocab} x hidden {hidden}, i.e. {shape}")
