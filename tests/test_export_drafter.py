@@ -77,3 +77,15 @@ def test_config_json_parses_as_hf_qwen3_config(tmp_path):
         cfg.hidden_size, cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
     assert hf.rope_parameters["rope_theta"] == cfg.rope_theta
     assert hf.dflash_config["target_layer_ids"] == cfg.tap_layer_ids and hf.block_size == cfg.block_size
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_export_unwraps_compiled_model(tmp_path):
+    cfg = tiny_config(num_layers=1)
+    model, _ = tiny_model_and_head(cfg)
+    wrapped = torch.compile(model)  # not run: only its ._orig_mod naming matters here
+    assert any(k.startswith("_orig_mod.") for k in wrapped.state_dict())
+    export_drafter(wrapped, cfg, tmp_path)
+    loaded, _ = load_exported_drafter(tmp_path, dtype=torch.float32)
+    for name, p in model.named_parameters():
+        assert torch.equal(loaded.get_parameter(name), p.detach().bfloat16().float()), name

@@ -103,10 +103,16 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path) -> Path:
-    """Write config.json and model.safetensors (bf16, z-lab names) into out_dir; returns out_dir."""
+def export_drafter(model: torch.nn.Module, cfg: DrafterConfig, out_dir: str | Path) -> Path:
+    """Write config.json and model.safetensors (bf16, z-lab names) into out_dir; returns out_dir.
+
+    model: a DFlashDrafter, also wrapped in DDP or torch.compile."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # DDP (.module) and torch.compile (._orig_mod) wrappers would prefix every name.
+    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module) or isinstance(
+            getattr(model, "module", None), torch.nn.Module):
+        model = getattr(model, "_orig_mod", None) or model.module
     state = {name: t.detach().to("cpu", torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
     expected = zlab_parameter_names(cfg)
     if sorted(state) != sorted(expected):
