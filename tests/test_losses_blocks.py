@@ -166,3 +166,14 @@ def test_metrics_match_naive_loop(topk):
         s, c = got[name]
         assert abs(float(s) - ref[name]) < 1e-4, f"{name}: got {float(s)}, naive {ref[name]}"
         assert float(c) == ref["count_block"]
+
+
+def test_no_grad_call_gives_same_values():
+    blocks, hidden, lm_head, ids, lp = setup()
+    cfg = LossConfig(kl_lambda=0.2, cap_lambda=0.4, chunk_blocks=4)
+    h = hidden.clone().requires_grad_()
+    with_grad = block_loss(h, lm_head, blocks, cfg, ids, lp)
+    with torch.no_grad():
+        without = block_loss(h, lm_head, blocks, cfg, ids, lp)
+    assert not without.total.requires_grad
+    assert torch.equal(with_grad.total.detach(), without.total) and torch.equal(with_grad.cap, without.cap)

@@ -153,6 +153,8 @@ def block_loss(hidden_NBH: torch.Tensor, lm_head, blocks: TrainingBlocks, cfg: L
                target_topk_ids_TK: torch.Tensor | None = None,
                target_topk_logprobs_TK: torch.Tensor | None = None) -> LossParts:
     """Chunked loss of the drafter's normed block states [NB, B, H]; lm_head is a TargetHead or [V, H]."""
+    if not torch.is_grad_enabled():
+        hidden_NBH = hidden_NBH.detach()  # evaluation: skip the in-forward gradient work
     total, parts = _ChunkedBlockLoss.apply(hidden_NBH, _lm_head_weight(lm_head), blocks, cfg,
                                            target_topk_ids_TK, target_topk_logprobs_TK)
     return LossParts(total, parts[1], parts[2], parts[3])
