@@ -6,7 +6,7 @@ Three ops need sequence-boundary-aware kernels over packed batches:
   attention          torch varlen flash attention (`torch.nn.attention.varlen`) | fla `parallel_attn` |
                      per-sequence SDPA
 `select_kernels` picks the fastest available backend per op and logs one line per op naming the
-backend and why. On CUDA a torch fallback raises (naming the op and the missing package) unless
+backend and why (plus one for the pointwise ops: eager, or fused by torch.compile on CUDA). On CUDA a torch fallback raises (naming the op and the missing package) unless
 `allow_slow_kernels=True`: a silent fallback once cost 48 of 64 layers their fast path.
 fla and causal_conv1d are imported lazily: they need triton and a GPU.
 
@@ -64,6 +64,7 @@ class KernelChoice:
     attention_backend: str  # one of ATTENTION_BACKENDS
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)  # op -> why this backend
     attention_expand_kv: bool = False  # varlen flash without GQA support: repeat kv heads first
+    compile_pointwise: bool = False  # fuse norms, gates, RoPE and silu-mul with torch.compile
     _fns: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +78,8 @@ class KernelChoice:
             f"kernel gated_delta_rule: {self.gated_delta_backend} ({self.reasons.get('gated_delta', '')})",
             f"kernel causal_conv1d: {self.conv_backend} ({self.reasons.get('conv', '')})",
             f"kernel attention: {self.attention_backend} ({self.reasons.get('attention', '')})",
+            f"kernel pointwise: {'torch.compile' if self.compile_pointwise else 'eager'} "
+            f"({self.reasons.get('pointwise', '')})",
         ]
 
     # ---- per-batch preparation ---------------------------------------------------------
@@ -187,8 +190,13 @@ def select_kernels(
     gated_delta: str | None = None,
     conv: str | None = None,
     attention: str | None = None,
+    compile_pointwise: bool | None = None,
 ) -> KernelChoice:
-    """Pick a backend per op (or use the forced ones), log one line per op, refuse slow CUDA paths."""
+    """Pick a backend per op (or use the forced ones), log one line per op, refuse slow CUDA paths.
+
+    compile_pointwise: fuse the pointwise ops (norms, gates, RoPE, silu-mul) with torch.compile;
+    None = on CUDA only (compiling costs start-up time and buys nothing on the CPU test path).
+    """
     device = torch.device(device)
     fns: dict[str, Callable[..., Any]] = {}
     reasons: dict[str, str] = {}
@@ -197,8 +205,13 @@ def select_kernels(
     gdn, reasons["gated_delta"] = _pick_gdn(on_cuda, gated_delta, fns)
     cv, reasons["conv"] = _pick_conv(on_cuda, conv, fns)
     att, reasons["attention"], expand = _pick_attention(on_cuda, attention, fns, device)
+    if compile_pointwise is None:
+        compile_pointwise = on_cuda
+        reasons["pointwise"] = "default on CUDA: one fused kernel per norm/gate" if on_cuda else "default off the GPU"
+    else:
+        reasons["pointwise"] = "set by caller"
     choice = KernelChoice(gated_delta_backend=gdn, conv_backend=cv, attention_backend=att, reasons=reasons,
-                          attention_expand_kv=expand, _fns=fns)
+                          attention_expand_kv=expand, compile_pointwise=compile_pointwise, _fns=fns)
     for line in choice.log_lines():
         logger.info(line)
     if on_cuda and not allow_slow_kernels:

@@ -9,6 +9,8 @@ What is unusual about this model (exact math: shared/reference/qwen35-target.md 
   (NeoX rotate-half) on the first rotary_dim dims only; output * sigmoid(gate) before o_proj.
 - GatedDeltaNet: one causal depthwise conv + silu over [q | k | v] channels; value head h reads
   q/k head h // ratio; log-decay g = -exp(A_log) * softplus(a + dt_bias) in fp32.
+The pointwise math (norms, gates, RoPE, silu-mul) is written as plain functions; on CUDA the
+`Pointwise` table wraps each in torch.compile, so each runs as one or two fused kernels.
 Packed batches: tokens of several sequences lie end to end; `cu_seqlens` marks the boundaries and
 every op (conv, recurrence, attention) restarts at each one; position ids restart at 0.
 
@@ -35,44 +37,94 @@ from extract.target_config import TargetConfig
 logger = logging.getLogger(__name__)
 
 
+# ---- pointwise math (eager here; fused by torch.compile on CUDA, see Pointwise) ---------------
+def zero_centred_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / rms(x) * (1 + w) in fp32, cast back to x's dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + w.float())).to(x.dtype)
+
+
+def add_zero_centred_rmsnorm(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float):
+    """(h + delta, norm(h + delta)): the residual add (in h's dtype, as HF) fused with the next norm."""
+    h = h + delta
+    return h, zero_centred_rmsnorm(h, w, eps)
+
+
+def gated_rmsnorm(o_TMD: torch.Tensor, z_TMD: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """GatedDeltaNet output norm: plain weight, norm first, then silu(z) gate."""
+    o32 = o_TMD.float()
+    o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + eps)
+    # HF rounds the normalised value to the activation dtype before the weight: keep that order.
+    y = w * o32.to(o_TMD.dtype)
+    return (y * F.silu(z_TMD.float())).to(o_TMD.dtype)
+
+
+def gdn_gates(b_TM: torch.Tensor, a_TM: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias) in fp32 (<= 0; in half precision
+    exp(A_log) could overflow to inf, HF's comment)."""
+    return b_TM.sigmoid(), -A_log.float().exp() * F.softplus(a_TM.float() + dt_bias.float())
+
+
+def partial_rope(x_TND: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+    """NeoX RoPE (rotate_half) on the first R dims of every head; the rest pass through."""
+    R = cos_TR.shape[-1]
+    x_rot, x_pass = x_TND[..., :R], x_TND[..., R:]
+    rotated = torch.cat([-x_rot[..., R // 2:], x_rot[..., : R // 2]], dim=-1)
+    x_rot = x_rot * cos_TR.unsqueeze(1) + rotated * sin_TR.unsqueeze(1)
+    return torch.cat([x_rot, x_pass], dim=-1)
+
+
+def qk_norm_rope(q_TND, k_TMD, wq, wk, eps: float, cos_TR, sin_TR):
+    """Per-head zero-centred RMSNorm of q and k, then partial RoPE (norm before RoPE, as HF)."""
+    q_TND = partial_rope(zero_centred_rmsnorm(q_TND, wq, eps), cos_TR, sin_TR)
+    k_TMD = partial_rope(zero_centred_rmsnorm(k_TMD, wk, eps), cos_TR, sin_TR)
+    return q_TND, k_TMD
+
+
+def sigmoid_gate(o_TX: torch.Tensor, gate_TX: torch.Tensor) -> torch.Tensor:
+    return o_TX * torch.sigmoid(gate_TX)
+
+
+def silu_mul(gate_TF: torch.Tensor, up_TF: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate_TF) * up_TF
+
+
+class Pointwise:
+    """The pointwise functions above, eager or each wrapped in torch.compile (one fused kernel or
+    two per call instead of up to ten eager passes over [T, H]-sized fp32 temporaries)."""
+
+    NAMES = ("zero_centred_rmsnorm", "add_zero_centred_rmsnorm", "gated_rmsnorm", "gdn_gates",
+             "qk_norm_rope", "sigmoid_gate", "silu_mul")
+
+    def __init__(self, compiled: bool):
+        self.compiled = compiled
+        for name in self.NAMES:
+            fn = globals()[name]
+            setattr(self, name, torch.compile(fn, fullgraph=True) if compiled else fn)
+
+
 class ZeroCentredRMSNorm(nn.Module):
-    """y = x / rms(x) * (1 + w), in fp32, cast back to x's dtype (weight initialised to zeros)."""
+    """Holds w of y = x / rms(x) * (1 + w) (weight initialised to zeros in HF)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
-
-class GatedRMSNorm(nn.Module):
-    """GatedDeltaNet output norm: plain weight, norm first, then silu(z) gate (HF rounding order)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, o_TMD: torch.Tensor, z_TMD: torch.Tensor) -> torch.Tensor:
-        o32 = o_TMD.float()
-        o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # HF rounds the normalised value to the activation dtype before the weight: keep that order.
-        y = self.weight * o32.to(o_TMD.dtype)
-        return (y * F.silu(z_TMD.float())).to(o_TMD.dtype)
+class GatedRMSNorm(ZeroCentredRMSNorm):
+    """Holds the plain weight of the GatedDeltaNet output norm (initialised to ones in HF)."""
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: TargetConfig, kernels: KernelChoice):
+    def __init__(self, cfg: TargetConfig, kernels: KernelChoice, pw: Pointwise):
         super().__init__()
         H, C = cfg.hidden_size, cfg.linear_conv_dim
         self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
         self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.kernels = kernels
+        self.kernels, self.pw = kernels, pw
         self.in_proj_qkv = nn.Linear(H, C, bias=False)
         self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(H, self.num_v_heads, bias=False)
@@ -91,23 +143,20 @@ class GatedDeltaNet(nn.Module):
         q_TMK = q_TMK.view(T, self.num_k_heads, self.head_k_dim)
         k_TMK = k_TMK.view(T, self.num_k_heads, self.head_k_dim)
         v_TMV = v_TMV.view(T, self.num_v_heads, self.head_v_dim)
-        beta_TM = self.in_proj_b(x_TH).sigmoid()
-        # Log-decay in fp32 (HF: in fp16 without .float() A could be -inf); g <= 0.
-        g_TM = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_TH).float() + self.dt_bias.float())
+        beta_TM, g_TM = self.pw.gdn_gates(self.in_proj_b(x_TH), self.in_proj_a(x_TH), self.A_log, self.dt_bias)
         o_TMV = self.kernels.gated_delta_rule(q_TMK, k_TMK, v_TMV, g_TM, beta_TM, batch)
         z_TMV = self.in_proj_z(x_TH).view(T, self.num_v_heads, self.head_v_dim)
-        y_TMV = self.norm(o_TMV.to(x_TH.dtype), z_TMV)
+        y_TMV = self.pw.gated_rmsnorm(o_TMV.to(x_TH.dtype), z_TMV, self.norm.weight, self.norm.eps)
         return self.out_proj(y_TMV.reshape(T, self.value_dim))
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: TargetConfig, kernels: KernelChoice):
+    def __init__(self, cfg: TargetConfig, kernels: KernelChoice, pw: Pointwise):
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
-        self.rotary_dim = cfg.rotary_dim
         self.scale = D ** -0.5  # tied to the head dim, not the rotary dim
-        self.kernels = kernels
+        self.kernels, self.pw = kernels, pw
         self.q_proj = nn.Linear(H, self.num_heads * D * 2, bias=False)  # rows per head: [q_h | gate_h]
         self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
         self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
@@ -119,12 +168,12 @@ class GatedAttention(nn.Module):
         T, D = x_TH.shape[0], self.head_dim
         qg_TN2D = self.q_proj(x_TH).view(T, self.num_heads, 2 * D)
         q_TND, gate_TND = qg_TN2D[..., :D], qg_TN2D[..., D:]
-        q_TND = self.q_norm(q_TND)
-        k_TMD = self.k_norm(self.k_proj(x_TH).view(T, self.num_kv_heads, D))
+        k_TMD = self.k_proj(x_TH).view(T, self.num_kv_heads, D)
         v_TMD = self.v_proj(x_TH).view(T, self.num_kv_heads, D)
-        q_TND, k_TMD = apply_partial_rope(q_TND, rope), apply_partial_rope(k_TMD, rope)
+        q_TND, k_TMD = self.pw.qk_norm_rope(q_TND, k_TMD, self.q_norm.weight, self.k_norm.weight,
+                                            self.q_norm.eps, *rope)
         o_TND = self.kernels.attention(q_TND, k_TMD, v_TMD, batch, self.scale)
-        o_TX = o_TND.reshape(T, -1) * torch.sigmoid(gate_TND.reshape(T, -1))
+        o_TX = self.pw.sigmoid_gate(o_TND.reshape(T, -1), gate_TND.reshape(T, -1))
         return self.o_proj(o_TX)
 
 
@@ -137,45 +186,38 @@ def rope_cos_sin(position_ids_T: torch.Tensor, cfg: TargetConfig, dtype: torch.d
     return angles_TR.cos().to(dtype), angles_TR.sin().to(dtype)
 
 
-def apply_partial_rope(x_TND: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    cos_TR, sin_TR = rope
-    R = cos_TR.shape[-1]
-    x_rot, x_pass = x_TND[..., :R], x_TND[..., R:]
-    rotated = torch.cat([-x_rot[..., R // 2:], x_rot[..., : R // 2]], dim=-1)  # rotate_half
-    x_rot = x_rot * cos_TR.unsqueeze(1) + rotated * sin_TR.unsqueeze(1)
-    return torch.cat([x_rot, x_pass], dim=-1)
-
-
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, pw: Pointwise):
         super().__init__()
+        self.pw = pw
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x_TH)) * self.up_proj(x_TH))
+        return self.down_proj(self.pw.silu_mul(self.gate_proj(x_TH), self.up_proj(x_TH)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TargetConfig, layer_id: int, kernels: KernelChoice):
+    def __init__(self, cfg: TargetConfig, layer_id: int, kernels: KernelChoice, pw: Pointwise):
         super().__init__()
+        self.pw = pw
         self.is_full_attention = cfg.is_full_attention(layer_id)
         if self.is_full_attention:
-            self.self_attn = GatedAttention(cfg, kernels)
+            self.self_attn = GatedAttention(cfg, kernels, pw)
         else:
-            self.linear_attn = GatedDeltaNet(cfg, kernels)
-        self.mlp = SwiGLU(cfg)
+            self.linear_attn = GatedDeltaNet(cfg, kernels, pw)
+        self.mlp = SwiGLU(cfg, pw)
         self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h_TH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: VarlenBatch) -> torch.Tensor:
-        x_TH = self.input_layernorm(h_TH)
-        if self.is_full_attention:
-            h_TH = h_TH + self.self_attn(x_TH, rope, batch)
-        else:
-            h_TH = h_TH + self.linear_attn(x_TH, batch)
-        return h_TH + self.mlp(self.post_attention_layernorm(h_TH))
+        """Pre-norm: h += mixer(norm(h)); h += mlp(norm(h))."""
+        pre, post = self.input_layernorm, self.post_attention_layernorm
+        x_TH = self.pw.zero_centred_rmsnorm(h_TH, pre.weight, pre.eps)
+        mixed_TH = self.self_attn(x_TH, rope, batch) if self.is_full_attention else self.linear_attn(x_TH, batch)
+        h_TH, x_TH = self.pw.add_zero_centred_rmsnorm(h_TH, mixed_TH, post.weight, post.eps)
+        return h_TH + self.mlp(x_TH)
 
 
 class TargetModel(nn.Module):
@@ -196,7 +238,8 @@ class TargetModel(nn.Module):
         self.with_head = with_head
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, kernels) for i in range(last + 1))
+        self.pw = Pointwise(compiled=kernels.compile_pointwise)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, kernels, self.pw) for i in range(last + 1))
         if with_head:
             self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -295,7 +338,8 @@ class TargetModel(nn.Module):
         logprobs_Tk = torch.empty(T, k, dtype=torch.float32, device=last_TH.device)
         for start in range(0, T, chunk_tokens):
             rows = slice(start, min(start + chunk_tokens, T))
-            logits_cV = self.lm_head(self.norm(last_TH[rows])).float()
+            normed_cH = zero_centred_rmsnorm(last_TH[rows], self.norm.weight, self.norm.eps)
+            logits_cV = self.lm_head(normed_cH).float()
             logprobs_cV = torch.log_softmax(logits_cV, dim=-1)
             top = torch.topk(logprobs_cV, k, dim=-1)
             ids_Tk[rows] = top.indices.to(torch.int32)

@@ -1,4 +1,5 @@
-"""GPU: the fast kernels (fla, causal-conv1d, varlen flash attention) against the torch path, at
+"""GPU: the fast kernels (fla, causal-conv1d, varlen flash attention, torch.compile'd pointwise
+ops) against the torch path, at
 27B width (hidden 5120, 16/48 GDN heads, 24/4 attention heads of dim 256), bf16, over a packed
 batch whose sequence boundaries fall inside fla's 64-token chunks.
 
@@ -49,7 +50,8 @@ def device():
 
 @pytest.fixture(scope="module")
 def torch_path(device):
-    return select_kernels(device, allow_slow_kernels=True, gated_delta="torch", conv="torch", attention="sdpa")
+    return select_kernels(device, allow_slow_kernels=True, gated_delta="torch", conv="torch", attention="sdpa",
+                          compile_pointwise=False)
 
 
 def test_fla_gated_delta_rule_matches_torch(device, torch_path):
@@ -107,6 +109,7 @@ def wide_state(device):
 
 
 def test_fast_model_matches_torch_model_per_layer(device, torch_path, wide_state):
+    """Default (fast) kernels and compiled pointwise ops against torch kernels, eager pointwise."""
     cfg, state = wide_state
     fast = TargetModel.from_state_dict(cfg, state, select_kernels(device))
     slow = TargetModel.from_state_dict(cfg, state, torch_path)

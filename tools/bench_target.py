@@ -3,7 +3,8 @@
 Random weights (never zeros) for a subset of layers in the 3:1 layout (default 4: three
 GatedDeltaNet + one attention), 49152 packed tokens (12 sequences of 4096 by default), CUDA
 events after warm-up (the first calls autotune fla's Triton kernels). Reports:
-  - tokens/s of `TargetModel.forward_packed`, projected to the full 64 layers (time x 64 / layers);
+  - tokens/s of `TargetModel.forward_packed`, projected to the full 64 layers (time x 64 / layers),
+    with the pointwise ops compiled (the CUDA default) and eager;
   - the same for HF transformers' qwen3_5 text model on the same tokens as a [12, 4096] batch, with
     the same weights (fla is used by HF when installed), plus the bf16 relative L2 gap of a tap;
   - a bf16 matmul rate measured here (49152x5120 @ 5120x17408) and the roofline it implies:
@@ -126,8 +127,8 @@ def op_timings(cfg: TargetConfig, tokens: int, seq_len: int, device: torch.devic
     return out
 
 
-def bench_ours(cfg, state, tokens, seq_len, device, timer, warmup, iters, allow_slow_kernels):
-    kernels = select_kernels(device, allow_slow_kernels=allow_slow_kernels)
+def bench_ours(cfg, state, tokens, seq_len, device, timer, warmup, iters, allow_slow_kernels, compile_pointwise=None):
+    kernels = select_kernels(device, allow_slow_kernels=allow_slow_kernels, compile_pointwise=compile_pointwise)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = TargetModel.from_state_dict(cfg, state, kernels, dtype=dtype)
     ids, pos, cu, _ = _batch(cfg, tokens, seq_len, device)
@@ -213,6 +214,13 @@ def main(out_path, layers, tokens, seq_len, warmup, iters, hf, ops, allow_slow_k
     result["ours_ms_per_forward"] = ours_s * 1e3
     result["ours_tokens_per_s_full_depth"] = tokens / (ours_s * depth / layers)
     result["ours_fraction_of_roofline"] = result["ours_tokens_per_s_full_depth"] / result["roofline_tokens_per_s"]
+    if device.type == "cuda":
+        eager_s, eager_hidden, _, _ = bench_ours(cfg, state, tokens, seq_len, device, timer, 1, iters,
+                                                 allow_slow_kernels, compile_pointwise=False)
+        result["ours_eager_pointwise_tokens_per_s_full_depth"] = tokens / (eager_s * depth / layers)
+        gap = (eager_hidden.float() - ours_hidden.float()).norm() / eager_hidden.float().norm()
+        result["rel_l2_compiled_vs_eager_pointwise"] = gap.item()
+        del eager_hidden
     if hf:
         gc.collect()
         hf_s, hf_hidden = bench_hf(cfg_dict, state, tokens, seq_len, device, timer, warmup, iters, taps)
@@ -232,6 +240,8 @@ def main(out_path, layers, tokens, seq_len, warmup, iters, hf, ops, allow_slow_k
             ("roofline tok/s (64 layers)", result["roofline_tokens_per_s"]),
             ("ours tok/s (projected)", result["ours_tokens_per_s_full_depth"]),
             ("ours fraction of roofline", result["ours_fraction_of_roofline"])]
+    if "ours_eager_pointwise_tokens_per_s_full_depth" in result:
+        rows += [("ours tok/s, eager pointwise", result["ours_eager_pointwise_tokens_per_s_full_depth"])]
     if hf:
         rows += [("HF tok/s (projected)", result["hf_tokens_per_s_full_depth"]),
                  ("speed-up vs HF", result["speedup_vs_hf"]), ("rel L2 vs HF (tap 0)", result["rel_l2_vs_hf_tap0"])]
