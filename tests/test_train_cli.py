@@ -1,0 +1,148 @@
+"""dflash-train through click's CliRunner on tiny synthetic caches: train, checkpoint, export, eval,
+and every refusal naming the thing that is wrong."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from shards import CacheConfig, read_cache_config, shard_path, write_cache_config
+from test_train_support import read_records, rewrite_shard, tiny_cache, tiny_cli_args
+from train.cli import main
+from train.export import load_exported_drafter
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def invoke(args):
+    return CliRunner().invoke(main, args, catch_exceptions=False)
+
+
+def test_train_checkpoint_export_eval_end_to_end(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=5)
+    run = tmp_path / "run"
+    res = invoke(tiny_cli_args(cache, run, "--max-steps", "4", "--checkpoint-every", "2", "--eval-shards", "1",
+                               "--keep-checkpoints", "1"))
+    assert res.exit_code == 0, res.output
+    assert "done: 4 steps" in res.output and "acceptance length" in res.output
+    assert sorted(p.name for p in run.glob("step-*")) == ["step-00000004"], "keep-checkpoints 1 keeps the newest"
+    run_json = json.loads((run / "run.json").read_text())
+    assert run_json["provenance"]["argv"] and "git_sha" in run_json["provenance"]
+    assert run_json["config"]["eval_shards"] == 1
+    assert [r["step"] for r in read_records(run)] == [1, 2, 3, 4]
+
+    out = tmp_path / "exported"
+    res = invoke(["export", str(run / "step-00000004"), str(out)])
+    assert res.exit_code == 0, res.output
+    model, cfg = load_exported_drafter(out, dtype=torch.float32)
+    trained = load_file(str(run / "step-00000004" / "model.safetensors"))
+    for name, t in model.state_dict().items():
+        diff = (t - trained[name].to(torch.bfloat16).float()).abs().max().item()
+        assert diff == 0, f"{name}: exported differs from the checkpoint by {diff}"
+    assert cfg.tap_layer_ids == [1, 3, 5] and cfg.block_size == 4
+
+    res = invoke(["export", str(run), str(tmp_path / "exported2")])  # a run dir exports its newest
+    assert res.exit_code == 0, res.output
+
+    report = tmp_path / "eval.json"
+    res = invoke(["eval", "--drafter", str(out), "--cache", str(cache), "--eval-shards", "1", "--num-blocks", "8",
+                  "--out", str(report)])
+    assert res.exit_code == 0, res.output
+    result = json.loads(report.read_text())
+    assert result["eval/batch_ids"] == [4]
+    assert 1.0 <= result["eval/acceptance_length"] <= 4.0
+    assert {"eval/tree_acceptance_16", "eval/acc_slot_01", "eval/acc_slot_03"} <= set(result)
+
+
+def test_default_command_is_train(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    res = invoke(tiny_cli_args(cache, tmp_path / "run", "--max-steps", "1")[1:])
+    assert res.exit_code == 0, res.output
+    assert "done: 1 steps" in res.output
+
+
+def test_existing_run_needs_resume_and_resume_refuses_changed_settings(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=3)
+    run = tmp_path / "run"
+    assert invoke(tiny_cli_args(cache, run, "--max-steps", "2")).exit_code == 0
+    res = invoke(tiny_cli_args(cache, run, "--max-steps", "2"))
+    assert res.exit_code != 0 and "--resume" in res.output
+    res = invoke(tiny_cli_args(cache, run, "--max-steps", "2", "--resume", "--lr", "1e-3"))
+    assert res.exit_code != 0 and "lr: checkpoint 0.0006, now 0.001" in res.output
+
+
+def test_bad_shard_is_refused_by_name_or_skipped_and_counted(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=3)
+    bad = shard_path(cache, 1)
+    data = bytearray(bad.read_bytes())
+    data[-10] ^= 0xFF  # one flipped byte in the data section: only the checksum sees it
+    bad.write_bytes(bytes(data))
+
+    res = invoke(tiny_cli_args(cache, tmp_path / "run1", "--epochs", "1"))
+    assert res.exit_code != 0
+    assert str(bad) in res.output and "checksum" in res.output
+
+    res = invoke(tiny_cli_args(cache, tmp_path / "run2", "--epochs", "1", "--skip-bad-shards"))
+    assert res.exit_code == 0, res.output
+    assert "1 shards skipped" in res.output
+    lines = [json.loads(x) for x in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["batch_id"] for x in lines if x.get("event") == "skipped_shard"] == [1]
+    assert read_records(tmp_path / "run2")[-1]["data/skipped_shards"] == 1
+    assert len(read_records(tmp_path / "run2")) == 2, "two good shards, two steps"
+
+
+def test_mismatched_taps_and_target_head_are_refused_naming_both(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    res = invoke(tiny_cli_args(cache, tmp_path / "run", "--taps", "1,2,3"))
+    assert res.exit_code != 0
+    assert "[1, 2, 3]" in res.output and "[1, 3, 5]" in res.output
+
+    cfg = read_cache_config(cache)
+    raw = json.loads(cfg.to_json())
+    raw["target"]["vocab_size"] = 200  # cache.json now disagrees with target_head.safetensors (128 rows)
+    write_cache_config(cache, CacheConfig(**raw))
+    res = invoke(tiny_cli_args(cache, tmp_path / "run"))
+    assert res.exit_code != 0
+    assert "target_head.safetensors" in res.output and "(128, 32)" in res.output and "(200, 32)" in res.output
+
+
+def test_missing_mask_token_is_a_clear_error(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    raw = json.loads(read_cache_config(cache).to_json())
+    raw["mask_token_id"] = None
+    write_cache_config(cache, CacheConfig(**raw))
+    res = invoke(tiny_cli_args(cache, tmp_path / "run"))
+    assert res.exit_code != 0 and "--mask-token-id" in res.output
+    res = invoke(tiny_cli_args(cache, tmp_path / "run", "--max-steps", "1", "--mask-token-id", "127"))
+    assert res.exit_code == 0, res.output
+
+
+def test_non_finite_batch_stops_the_run_naming_it(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=3)
+
+    def poison(t):
+        t["hidden"][5, 1, 3] = math.nan
+
+    rewrite_shard(cache, 2, poison)
+    res = invoke(tiny_cli_args(cache, tmp_path / "run", "--epochs", "1", "--log-every", "10"))
+    assert res.exit_code != 0
+    assert "batch 2 holds non-finite hidden states" in res.output
+    assert not list((tmp_path / "run").glob("step-*")), "no checkpoint may be saved from a poisoned run"
+
+
+def test_bad_options_are_refused_before_any_model_loads(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    res = invoke(tiny_cli_args(cache, tmp_path / "run", "--warmup-ratio", "1.5"))
+    assert res.exit_code != 0 and "warmup_ratio" in res.output
+    res = invoke(tiny_cli_args(cache, tmp_path / "run", "--eval-shards", "2"))
+    assert res.exit_code != 0 and "eval_shards" in res.output

@@ -1,0 +1,72 @@
+"""Loss is not metrics: every logged step carries its loss; monitoring metrics follow their own cadence."""
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from test_train_support import read_records, tiny_cache, tiny_config
+from train.loop import run_training
+from train.metrics import MetricsLogger, StepTotals
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny matmuls on a shared 2-core machine: OpenMP spinning makes 2 threads ~10x slower than 1.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_loss_logged_every_step_and_metrics_on_their_own_cadence(tmp_path):
+    """The old bug: with metrics_every=8 and log_every=1, steps without metrics logged no loss."""
+    cache = tiny_cache(tmp_path / "cache", num_batches=4)
+    run_training(tiny_config(cache, tmp_path / "run", epochs=5, max_steps=17, metrics_every=8, log_every=1))
+    records = read_records(tmp_path / "run")
+    assert [r["step"] for r in records] == list(range(1, 18))
+    for r in records:
+        assert math.isfinite(r["loss/ce"]) and r["loss/ce"] > 0, f"step {r['step']} lost its loss: {r}"
+        assert "loss/total" in r and "perf/tokens_per_s" in r and "perf/eta_s" in r
+    with_metrics = [r["step"] for r in records if "acc/slot_01" in r]
+    assert with_metrics == [1, 9, 17], f"metrics on steps {with_metrics}, expected [1, 9, 17]"
+    for r in records:
+        if r["step"] in (1, 9, 17):
+            assert {"acc/top4_slot_01", "accept/streak", "accept/top4_streak"} <= set(r)
+            assert 0 <= r["acc/slot_01"] <= 1
+
+
+def test_metrics_every_below_one_is_clamped_with_a_warning(tmp_path, caplog):
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    with caplog.at_level(logging.WARNING):
+        cfg = tiny_config(cache, tmp_path / "run", metrics_every=0)
+    assert cfg.metrics_every == 1
+    assert "metrics_every" in caplog.text
+
+
+def test_log_divides_summed_pairs_like_a_naive_average(tmp_path):
+    """Two metric steps with different counts: the logged accuracy is total correct / total labels,
+    not the mean of per-step ratios; loss is the mean over steps."""
+    B = 3
+    totals = StepTotals(B, torch.device("cpu"))
+    ml = MetricsLogger(out_dir=tmp_path, total_steps=10, log_every=1, metrics_every=1, metrics_topk=4,
+                       is_main=True, device=torch.device("cpu"))
+    steps = [((2.0, 3.0), [3.0, 1.0], [4.0, 2.0], 5.0, 4.0), ((4.0, 1.0), [0.0, 1.0], [1.0, 1.0], 1.0, 1.0)]
+    for i, ((total, ce), correct, count, streak, blocks) in enumerate(steps):
+        parts = [torch.tensor(total), torch.tensor(ce), torch.tensor(0.0), torch.tensor(0.0)]
+        totals.add_step(parts, torch.tensor(1.0), torch.ones(2, B, dtype=torch.bool), torch.ones(2, dtype=torch.bool),
+                        torch.tensor(float(i), dtype=torch.float64), torch.tensor([i]), torch.tensor(True))
+        zeros = torch.zeros(B - 1)
+        c = torch.tensor(count)
+        totals.add_metrics({"top1_slot": (torch.tensor(correct), c), "topk_slot": (zeros, c), "ce_slot": (zeros, c),
+                            "accept_streak": (torch.tensor(streak), torch.tensor(blocks)),
+                            "topk_streak": (torch.tensor(0.0), torch.tensor(blocks)),
+                            "expected_accept": (torch.tensor(0.0), torch.tensor(blocks))})
+    rec = ml.log(2, 0, totals, lr=1e-3)
+    ml.close()
+    assert rec["loss/total"] == pytest.approx(3.0) and rec["loss/ce"] == pytest.approx(2.0)
+    assert rec["acc/slot_01"] == pytest.approx(3 / 5) and rec["acc/slot_02"] == pytest.approx(2 / 3)
+    assert rec["accept/streak"] == pytest.approx(6 / 5)
+    assert float(totals.loss_sum.abs().sum()) == 0, "totals must reset after a log"
