@@ -30,7 +30,7 @@ def tiny_config(cache: Path, out: Path, **overrides) -> TrainConfig:
 def tiny_cli_args(cache: Path, out: Path, *extra: str) -> list[str]:
     return ["train", "--cache", str(cache), "--out", str(out), "--num-blocks", "8", "--block-size", "4",
             "--num-layers", "1", "--compute-dtype", "float32", "--attention", "sdpa", "--device", "cpu",
-            "--log-every", "1", "--num-buffers", "2", *extra]
+            "--log-every", "1", "--num-buffers", "2", "--warmup-ratio", "0.1", *extra]
 
 
 def read_records(run_dir: Path) -> list[dict]:

@@ -177,7 +177,8 @@ class TrainConfig:
         """Settings that decide the training trajectory: a resumed run must match them exactly."""
         d = self.to_dict()
         for name in ("out_dir", "resume", "log_every", "checkpoint_every", "keep_checkpoints", "tensorboard",
-                     "num_buffers", "eval_every", "eval_max_shards", "verify_checksums", "device", "cache"):
+                     "num_buffers", "eval_every", "eval_max_shards", "verify_checksums", "device", "cache",
+                     "metrics_every", "metrics_topk", "skip_bad_shards", "cuda_graphs"):
             d.pop(name)
         d["betas"] = list(d["betas"])
         return d
