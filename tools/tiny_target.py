@@ -58,19 +58,23 @@ def _full_config(text: dict[str, Any], naming: str) -> dict[str, Any]:
 
 
 def random_weights(cfg: TargetConfig, seed: int, device: torch.device | str = "cpu",
-                   with_head: bool = True) -> dict[str, torch.Tensor]:
-    """Our parameter name -> float32 tensor (on `device`) with scales that keep activations finite
-    and varied. with_head=False leaves out the final norm and LM head."""
+                   with_head: bool = True, dtype: torch.dtype = torch.float32,
+                   last_layer: int | None = None) -> dict[str, torch.Tensor]:
+    """Our parameter name -> tensor (on `device`) with scales that keep activations finite and
+    varied. with_head=False leaves out the final norm and LM head; last_layer stops the layers
+    early; dtype casts each tensor as it is made (A_log and dt_bias stay fp32), so a 27B-width
+    model never exists in fp32 at once."""
     with torch.device("meta"):
         shapes = TargetModel(cfg, KernelChoice(gated_delta_backend="torch", conv_backend="torch", attention_backend="sdpa"),
-                             with_head=with_head)
+                             with_head=with_head, last_layer=last_layer)
     device = torch.device(device)
     gen = torch.Generator(device).manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, meta in sorted(shapes.named_parameters(remove_duplicate=False)):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        out[name] = _init(name, tuple(meta.shape), cfg, gen, device)
+        value = _init(name, tuple(meta.shape), cfg, gen, device)
+        out[name] = value if name.endswith(("A_log", "dt_bias")) else value.to(dtype)
     return out
 
 
