@@ -145,3 +145,25 @@ def test_checkpoint_refusals_name_the_tensor(tmp_path):
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(KeyError, match="in_proj_z"):
         TargetModel.from_pretrained(path, "cpu", dtype=torch.float32)
+
+
+def test_tiny_target_cli_and_from_state_dict(tmp_path):
+    from click.testing import CliRunner
+
+    from extract.kernels import select_kernels
+    from extract.target_config import TargetConfig
+    from tools.tiny_target import main
+
+    result = CliRunner().invoke(main, [str(tmp_path / "ckpt"), "--seed", "5", "--naming", "text", "--tied",
+                                       "--shard-max-bytes", "100000"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "ckpt" / "model.safetensors.index.json").is_file()
+    cfg = TargetConfig.from_dir(tmp_path / "ckpt")
+    assert cfg.tie_word_embeddings
+    loaded = TargetModel.from_pretrained(tmp_path / "ckpt", "cpu", dtype=torch.float32, with_head=True)
+    state = {name: p.detach() for name, p in loaded.named_parameters() if name != "lm_head.weight"}
+    rebuilt = TargetModel.from_state_dict(cfg, state, select_kernels("cpu"), dtype=torch.float32, with_head=True)
+    ids, pos, cu, _ = _packed_batch(cfg.vocab_size, seed=4)
+    a = loaded.topk_next_tokens(ids, pos, cu, [1, 5], k=3)
+    b = rebuilt.topk_next_tokens(ids, pos, cu, [1, 5], k=3)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
