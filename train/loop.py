@@ -52,6 +52,11 @@ class TrainSummary:
     skipped_shards: list[tuple[int, str]]
 
 
+def anchor_seed(seed: int, rank: int) -> int:
+    """Seed of rank `rank`'s anchor-sampling generator: ranks draw different anchors."""
+    return seed + 1_000_003 * (rank + 1)
+
+
 def run_training(cfg: TrainConfig) -> TrainSummary:
     """Train a drafter as configured; returns what happened. Raises ValueError on bad settings/data."""
     device_type = resolve_device(cfg.device, 0).type
@@ -98,7 +103,7 @@ class Trainer:
                                       backend=backend, device=device)
         # Anchor sampling: the default CUDA generator on GPU (graph-safe); a private one on CPU.
         self.generator = None if device.type == "cuda" else torch.Generator(device)
-        self._seed_block_rng(cfg.seed + 1000003 * (dist_info.rank + 1))
+        self._seed_block_rng(anchor_seed(cfg.seed, dist_info.rank))
         self.state = StepState(
             model=self.model, head=self.head, batch=self.batch, layout=layout, optimizer=optimizer,
             schedule=schedule, grads=grads, totals=StepTotals(cfg.block_size, device),

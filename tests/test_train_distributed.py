@@ -1,0 +1,74 @@
+"""Two CPU gloo ranks under torchrun take the same step as one process averaging their two batches."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shards import ShardReader, epoch_shard_order, load_target_head
+from test_train_support import tiny_cache, tiny_cli_args, tiny_config
+from train.attention import BlockAttentionLayout
+from train.blocks import sample_blocks
+from train.losses import LossConfig, block_loss
+from train.loop import anchor_seed
+from train.model import DFlashDrafter, TargetHead
+from train.train_config import resolve_run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_two_gloo_ranks_equal_one_process_averaging_both_batches(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=4)
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "train.cli",
+           *tiny_cli_args(cache, out, "--max-steps", "1", "--grad-clip", "0.05")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    trained = load_file(str(out / "step-00000001" / "model.safetensors"))
+
+    # Reference: one process, both ranks' batches and anchors, gradients averaged by hand, then the same
+    # clip and a plain (non-fused) AdamW step.
+    cfg = tiny_config(cache, tmp_path / "unused", max_steps=1, grad_clip=0.05)
+    run = resolve_run(cfg, world_size=2)
+    torch.manual_seed(cfg.seed)
+    model = DFlashDrafter(run.drafter)
+    head_t = load_target_head(cache)
+    head = TargetHead(head_t["embed_tokens"].float(), head_t["lm_head"].float())
+    reader = ShardReader(cache)
+    layout = BlockAttentionLayout(num_ctx=reader.config.token_budget, num_blocks=8, block_size=4)
+    losses = []
+    for rank in (0, 1):
+        batch_id = epoch_shard_order(run.train_ids, 0, cfg.seed, rank, 2)[0]
+        t, _ = reader.read(batch_id)
+        blocks = sample_blocks(input_ids_T=t["input_ids"], position_ids_T=t["position_ids"],
+                               loss_mask_T=t["loss_mask"], cu_seqlens_S1=t["cu_seqlens"], num_blocks=8,
+                               block_size=4, mask_token_id=run.drafter.mask_token_id, gamma=cfg.gamma,
+                               generator=torch.Generator().manual_seed(anchor_seed(cfg.seed, rank)))
+        layout.update(blocks.seq_start_N, blocks.anchor_N)
+        hidden = model(t["hidden"].float(), t["position_ids"], head.embed(blocks.block_ids_NB), blocks.block_pos_NB,
+                       layout)
+        loss = block_loss(hidden, head, blocks, LossConfig())
+        loss.total.backward()
+        losses.append(float(loss.total.detach()))
+    params = list(model.parameters())
+    for p in params:
+        p.grad /= 2
+    norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))
+    for p in params:
+        p.grad *= min(1.0, 0.05 / (float(norm) + 1e-6))
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                            foreach=False)
+    opt.step()
+
+    assert record["loss/total"] == pytest.approx(sum(losses) / 2, abs=1e-6)
+    assert record["opt/grad_norm"] == pytest.approx(float(norm), rel=1e-5)
+    worst = max((p.detach() - trained[name]).abs().max().item() for name, p in model.named_parameters())
+    assert worst <= 1e-6, f"max abs parameter diff after one step: {worst}"
