@@ -340,10 +340,10 @@ class TargetModel(nn.Module):
             rows = slice(start, min(start + chunk_tokens, T))
             normed_cH = zero_centred_rmsnorm(last_TH[rows], self.norm.weight, self.norm.eps)
             logits_cV = self.lm_head(normed_cH).float()
-            logprobs_cV = torch.log_softmax(logits_cV, dim=-1)
-            top = torch.topk(logprobs_cV, k, dim=-1)
+            # log-softmax of the k winners only: one [c, V] temporary instead of two.
+            top = torch.topk(logits_cV, k, dim=-1)
             ids_Tk[rows] = top.indices.to(torch.int32)
-            logprobs_Tk[rows] = top.values
+            logprobs_Tk[rows] = top.values - torch.logsumexp(logits_cV, dim=-1, keepdim=True)
         return hidden_TKH, ids_Tk, logprobs_Tk
 
     def _run(self, input_ids_T, position_ids_T, cu_seqlens_N1, tap_layer_ids, to_end: bool):
