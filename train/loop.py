@@ -73,44 +73,60 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
         trainer.close()
 
 
+def _attention_backend(cfg: TrainConfig, device: torch.device) -> str:
+    return cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+
+
+def build_step_state(cfg: TrainConfig, run: ResolvedRun, head: dict[str, torch.Tensor], device: torch.device,
+                     rank: int = 0) -> StepState:
+    """Everything train_step touches, on `device`: seeded fp32 drafter (rank 0's weights on every rank),
+    frozen head in the compute dtype, flat grads, schedule, optimizer, static batch, attention layout,
+    totals and the seeded anchor generator."""
+    bf16 = cfg.compute_dtype == "bfloat16"
+    compute_dtype = torch.bfloat16 if bf16 else torch.float32
+    torch.manual_seed(cfg.seed)  # identical init on every rank; the broadcast makes sure
+    model = DFlashDrafter(run.drafter).to(device)  # fp32 master weights
+    broadcast_parameters(model)
+    target_head = TargetHead(head["embed_tokens"].to(device, compute_dtype), head["lm_head"].to(device, compute_dtype))
+    params = list(model.parameters())
+    grads = FlatGrads(params)
+    schedule = WarmupCosine(peak_lr=cfg.lr, warmup_steps=run.warmup_steps, total_steps=run.total_steps,
+                            min_lr_ratio=cfg.min_lr_ratio, device=device)
+    optimizer = make_optimizer(params, schedule, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    cc = run.cache_config
+    batch = StaticBatch(cc, device, compute_dtype, with_topk=cfg.kl_lambda > 0)
+    layout = BlockAttentionLayout(num_ctx=cc.token_budget, num_blocks=run.num_blocks, block_size=cfg.block_size,
+                                  backend=_attention_backend(cfg, device), device=device)
+    # Anchor sampling: the default CUDA generator on GPU (graph-safe); a private one on CPU.
+    generator = None if device.type == "cuda" else torch.Generator(device)
+    if generator is None:
+        torch.cuda.manual_seed(anchor_seed(cfg.seed, rank))
+    else:
+        generator.manual_seed(anchor_seed(cfg.seed, rank))
+    return StepState(
+        model=model, head=target_head, batch=batch, layout=layout, optimizer=optimizer, schedule=schedule,
+        grads=grads, totals=StepTotals(cfg.block_size, device),
+        loss_cfg=LossConfig(kl_lambda=cfg.kl_lambda, cap_lambda=cfg.cap_lambda, chunk_blocks=cfg.loss_chunk_blocks),
+        num_blocks=run.num_blocks, block_size=cfg.block_size, mask_token_id=run.drafter.mask_token_id,
+        gamma=cfg.gamma, grad_clip=cfg.grad_clip, metrics_topk=cfg.metrics_topk,
+        autocast_dtype=torch.bfloat16 if bf16 else None, generator=generator, params=params)
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, run: ResolvedRun, dist_info: DistInfo, device: torch.device):
         self.cfg, self.run, self.dist, self.device = cfg, run, dist_info, device
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.use_graphs = device.type == "cuda" and cfg.cuda_graphs is not False
-        bf16 = cfg.compute_dtype == "bfloat16"
-        compute_dtype = torch.bfloat16 if bf16 else torch.float32
-        backend = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
         self.out_dir = Path(cfg.out_dir)
         if dist_info.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._announce(backend, compute_dtype)
+        self._announce(_attention_backend(cfg, device), torch.bfloat16 if cfg.compute_dtype == "bfloat16" else torch.float32)
 
-        torch.manual_seed(cfg.seed)  # identical init on every rank; broadcast below makes sure
-        self.model = DFlashDrafter(run.drafter).to(device)  # fp32 master weights
-        broadcast_parameters(self.model)
         head = load_target_head(cfg.cache)
-        self.head = TargetHead(head["embed_tokens"].to(device, compute_dtype), head["lm_head"].to(device, compute_dtype))
-        params = list(self.model.parameters())
-        grads = FlatGrads(params)
-        schedule = WarmupCosine(peak_lr=cfg.lr, warmup_steps=run.warmup_steps, total_steps=run.total_steps,
-                                min_lr_ratio=cfg.min_lr_ratio, device=device)
-        optimizer = make_optimizer(params, schedule, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-        cc = run.cache_config
-        self.batch = StaticBatch(cc, device, compute_dtype, with_topk=cfg.kl_lambda > 0)
-        layout = BlockAttentionLayout(num_ctx=cc.token_budget, num_blocks=run.num_blocks, block_size=cfg.block_size,
-                                      backend=backend, device=device)
-        # Anchor sampling: the default CUDA generator on GPU (graph-safe); a private one on CPU.
-        self.generator = None if device.type == "cuda" else torch.Generator(device)
-        self._seed_block_rng(anchor_seed(cfg.seed, dist_info.rank))
-        self.state = StepState(
-            model=self.model, head=self.head, batch=self.batch, layout=layout, optimizer=optimizer,
-            schedule=schedule, grads=grads, totals=StepTotals(cfg.block_size, device),
-            loss_cfg=LossConfig(kl_lambda=cfg.kl_lambda, cap_lambda=cfg.cap_lambda, chunk_blocks=cfg.loss_chunk_blocks),
-            num_blocks=run.num_blocks, block_size=cfg.block_size, mask_token_id=run.drafter.mask_token_id,
-            gamma=cfg.gamma, grad_clip=cfg.grad_clip, metrics_topk=cfg.metrics_topk,
-            autocast_dtype=torch.bfloat16 if bf16 else None, generator=self.generator, params=params)
+        self.state = build_step_state(cfg, run, head, device, rank=dist_info.rank)
+        self.model, self.head, self.batch = self.state.model, self.state.head, self.state.batch
+        self.generator = self.state.generator
         self.reader = ShardReader(cfg.cache)
         self.step, self.epoch, self.cursor, tokens_seen, skipped = 0, 0, 0, 0, 0
         self.last_checkpoint: Path | None = None
@@ -142,12 +158,6 @@ class Trainer:
                  r.drafter.block_size, r.num_blocks)
         log.info("kernels: attention %s, compute %s (fp32 master weights), step %s on %s", backend,
                  str(compute_dtype).removeprefix("torch."), "CUDA graph" if self.use_graphs else "eager", self.device)
-
-    def _seed_block_rng(self, seed: int) -> None:
-        if self.generator is None:
-            torch.cuda.manual_seed(seed)
-        else:
-            self.generator.manual_seed(seed)
 
     def _rng_state(self) -> dict[str, str | None]:
         cuda = self.device.type == "cuda"
