@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,12 +60,12 @@ def anchor_seed(seed: int, rank: int) -> int:
 
 def run_training(cfg: TrainConfig) -> TrainSummary:
     """Train a drafter as configured; returns what happened. Raises ValueError on bad settings/data."""
-    device_type = resolve_device(cfg.device, 0).type
-    dist_info = init_distributed(device_type)
-    run = resolve_run(cfg, dist_info.world_size)  # every check that needs no model or GPU, first
+    # Every check that needs no model, GPU or process group comes first.
+    run = resolve_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if not cfg.resume and latest_checkpoint(cfg.out_dir) is not None:
         raise ValueError(f"{cfg.out_dir} already holds checkpoints; pass --resume to continue that run "
                          "or choose another --out")
+    dist_info = init_distributed(resolve_device(cfg.device, 0).type)
     device = resolve_device(cfg.device, dist_info.local_rank)
     trainer = Trainer(cfg, run, dist_info, device)
     try:

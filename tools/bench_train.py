@@ -1,0 +1,234 @@
+"""Benchmark of the drafter training step on one GPU: query tokens/s and MFU, CUDA graphs vs eager.
+
+Random data of fixed shapes (no cache on disk), the same step as dflash-train (train.loop's
+build_step_state + train.step.StepRunner), no metrics steps. Two sizes by default:
+  27b     the Qwen3.5-27B drafter: 5 layers, hidden 5120, MLP 17408, 32/8 heads of 128, vocab 248320,
+          block 16, token budget 49152, num_blocks default (halved on out-of-memory, reported)
+  4b      a launch-bound size: 4B-target width 2560 (MLP 9216, 32/8 heads of 128), budget 8192
+Also measures the bf16 matmul peak of this GPU, the MFU denominator.
+
+FLOPs per step (printed by the script), with Q = blocks x block size query tokens, T context tokens,
+L layers, keys = mean keys a query attends to (its context before the anchor + its block):
+  layers      6 x P_layers x Q                (P_layers: trainable parameters of the decoder layers)
+  ctx K/V     6 x L x (2 x H x M x D) x T     (each layer's k/v projections of the fused context)
+  attention   12 x L x N x D x keys x Q       (QK^T and AV, forward 4, backward 8)
+  LM head     4 x V x H x Q                   (frozen: logits forward and input gradient only)
+  fc          4 x (K x H) x H x T             (forward and weight gradient; its input is frozen)
+
+Usage: python -m tools.bench_train --out bench_train.json [--sizes 27b,4b] [--steps 5]
+"""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import tempfile
+import time
+from dataclasses import dataclass
+
+import click
+import torch
+
+from shards import CacheConfig, TargetInfo
+from train.blocks import default_num_blocks, sample_blocks
+from train.config import DrafterConfig
+from train.loop import build_step_state
+from train.model import count_parameters
+from train.step import StepRunner
+from train.train_config import ResolvedRun, TrainConfig
+
+log = logging.getLogger("bench_train")
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    hidden: int
+    mlp: int
+    heads: tuple[int, int, int]  # q heads, kv heads, head dim
+    vocab: int
+    layers: int
+    token_budget: int
+    seq_len: int  # packed sequence length of the random batch
+    taps: int = 5
+    block_size: int = 16
+
+
+SIZES = {
+    "27b": Size("27b", 5120, 17408, (32, 8, 128), 248320, 5, 49152, 4096),
+    "4b": Size("4b", 2560, 9216, (32, 8, 128), 248320, 5, 8192, 2048),
+}
+
+
+def bf16_matmul_peak(device: torch.device, n: int = 8192, iters: int = 20) -> float:
+    """Measured dense bf16 matmul FLOP/s (best of 3 runs of `iters` n^3 products)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    best = 0.0
+    for _ in range(3):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            a @ b
+        torch.cuda.synchronize(device)
+        best = max(best, 2 * n**3 * iters / (time.perf_counter() - t0))
+    return best
+
+
+def drafter_config(size: Size) -> DrafterConfig:
+    q, kv, d = size.heads
+    return DrafterConfig(num_layers=size.layers, hidden_size=size.hidden, intermediate_size=size.mlp,
+                         num_attention_heads=q, num_key_value_heads=kv, head_dim=d, block_size=size.block_size,
+                         mask_token_id=size.vocab - 1, tap_layer_ids=list(range(size.taps)),
+                         num_target_layers=64, vocab_size=size.vocab)
+
+
+def fill_random_batch(state, size: Size, gen: torch.Generator) -> None:
+    """Packed sequences of seq_len tokens; the first 10% of each is prompt (loss_mask 0)."""
+    b = state.batch
+    T, S = size.token_budget, b.cu_seqlens_S1.shape[0] - 1
+    num_seqs = min(T // size.seq_len, S)
+    starts = torch.arange(num_seqs + 1) * size.seq_len
+    cu = torch.cat([starts, starts[-1:].repeat(S - num_seqs)]).to(torch.int32)
+    pos = torch.zeros(T, dtype=torch.int32)
+    mask = torch.zeros(T, dtype=torch.uint8)
+    for s in range(num_seqs):
+        a = s * size.seq_len
+        pos[a : a + size.seq_len] = torch.arange(size.seq_len, dtype=torch.int32)
+        mask[a + size.seq_len // 10 : a + size.seq_len] = 1
+    b.cu_seqlens_S1.copy_(cu)
+    b.position_ids_T.copy_(pos)
+    b.loss_mask_T.copy_(mask)
+    b.input_ids_T.copy_(torch.randint(0, size.vocab - 1, (T,), generator=gen, dtype=torch.int32))
+    b.hidden_TKH.normal_()
+    b.batch_id.fill_(0)
+
+
+def step_flops(size: Size, cfg: DrafterConfig, num_blocks: int, mean_keys: float) -> dict[str, float]:
+    H, L, V, T = size.hidden, size.layers, size.vocab, size.token_budget
+    N, M, D = size.heads
+    Q = num_blocks * size.block_size
+    fc_params = size.taps * H * H
+    layer_params = count_parameters(cfg) - fc_params - 2 * H  # minus fc, hidden_norm and final norm
+    return {
+        "layers": 6 * layer_params * Q,
+        "ctx_kv": 6 * L * (2 * H * M * D) * T,
+        "attention": 12 * L * N * D * mean_keys * Q,
+        "lm_head": 4 * V * H * Q,
+        "fc": 4 * fc_params * T,
+    }
+
+
+def bench_one(size: Size, mode: str, num_blocks: int, steps: int, device: torch.device, peak: float) -> dict:
+    dcfg = drafter_config(size)
+    cc = CacheConfig(target=TargetInfo(name="random", config_hash="random", hidden_size=size.hidden, num_layers=64,
+                                       vocab_size=size.vocab, dtype="bfloat16"),
+                     tap_layer_ids=list(range(size.taps)), token_budget=size.token_budget, max_seqs=64,
+                     mask_token_id=size.vocab - 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = TrainConfig(cache=tmp, out_dir=tmp, device=str(device), block_size=size.block_size,
+                          num_blocks=num_blocks, num_layers=size.layers, cuda_graphs=mode == "graphs")
+    run = ResolvedRun(cache_config=cc, drafter=dcfg, num_blocks=num_blocks, train_ids=[0], eval_ids=[],
+                      steps_per_epoch=1, total_steps=10_000, warmup_steps=400)
+    gen = torch.Generator().manual_seed(0)
+    head = {"embed_tokens": torch.randn(size.vocab, size.hidden, device=device, dtype=torch.bfloat16) * 0.02,
+            "lm_head": torch.randn(size.vocab, size.hidden, device=device, dtype=torch.bfloat16) * 0.02}
+    torch.cuda.reset_peak_memory_stats(device)
+    state = build_step_state(cfg, run, head, device)
+    fill_random_batch(state, size, gen)
+    blocks = sample_blocks(input_ids_T=state.batch.input_ids_T, position_ids_T=state.batch.position_ids_T,
+                           loss_mask_T=state.batch.loss_mask_T, cu_seqlens_S1=state.batch.cu_seqlens_S1,
+                           num_blocks=num_blocks, block_size=size.block_size, mask_token_id=size.vocab - 1)
+    valid = blocks.block_valid_N
+    mean_keys = float(((blocks.anchor_N - blocks.seq_start_N).float()[valid].mean() + size.block_size).item())
+    t_setup = time.perf_counter()
+    runner = StepRunner(state, cuda_graphs=mode == "graphs", warmup_iters=2)
+    for _ in range(2):
+        runner.run(with_metrics=False)
+    torch.cuda.synchronize(device)
+    setup_s = time.perf_counter() - t_setup
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        runner.run(with_metrics=False)
+    torch.cuda.synchronize(device)
+    step_s = (time.perf_counter() - t0) / steps
+    loss = float(state.totals.loss_sum[0] / state.totals.counts[0])
+    flops = step_flops(size, dcfg, num_blocks, mean_keys)
+    total = sum(flops.values())
+    result = {
+        "size": size.name, "mode": mode, "num_blocks": num_blocks, "query_tokens": num_blocks * size.block_size,
+        "context_tokens": size.token_budget, "step_ms": step_s * 1e3,
+        "query_tokens_per_s": num_blocks * size.block_size / step_s, "context_tokens_per_s": size.token_budget / step_s,
+        "tflops": total / step_s / 1e12, "mfu": total / step_s / peak, "flops_per_step": flops,
+        "mean_keys_per_query": mean_keys, "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "setup_s": setup_s, "mean_loss": loss, "params": count_parameters(dcfg),
+    }
+    del runner, state, head, blocks
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def bench_size(size: Size, modes: list[str], steps: int, device: torch.device, peak: float) -> list[dict]:
+    num_blocks = default_num_blocks(size.token_budget, size.block_size)
+    results = []
+    for mode in modes:
+        while True:
+            try:
+                results.append(bench_one(size, mode, num_blocks, steps, device, peak))
+                log.info("%s %s: %s", size.name, mode, _row(results[-1]))
+                break
+            except torch.cuda.OutOfMemoryError:
+                gc.collect()
+                torch.cuda.empty_cache()
+                results.append({"size": size.name, "mode": mode, "num_blocks": num_blocks, "error": "out of memory"})
+                smaller = (num_blocks // 2) // 8 * 8
+                log.warning("%s %s: out of memory at %d blocks; retrying with %d", size.name, mode, num_blocks, smaller)
+                if smaller < 8:
+                    break
+                num_blocks = smaller
+    return results
+
+
+def _row(r: dict) -> str:
+    if "error" in r:
+        return f"{r['size']:<5} {r['mode']:<7} {r['num_blocks']:>6}  {r['error']}"
+    return (f"{r['size']:<5} {r['mode']:<7} {r['num_blocks']:>6} {r['query_tokens_per_s']:>12,.0f} "
+            f"{r['context_tokens_per_s']:>10,.0f} {r['step_ms']:>9.1f} {r['tflops']:>8.1f} {100 * r['mfu']:>6.1f}% "
+            f"{r['peak_mem_gib']:>7.1f}")
+
+
+@click.command()
+@click.option("--out", "out_path", default="bench_train.json", show_default=True, help="JSON results file.")
+@click.option("--sizes", default="27b,4b", show_default=True, help="Comma-separated: 27b, 4b.")
+@click.option("--modes", default="graphs,eager", show_default=True, help="Comma-separated: graphs, eager.")
+@click.option("--steps", default=5, show_default=True, help="Timed steps per configuration (after warm-up).")
+def main(out_path: str, sizes: str, modes: str, steps: int) -> None:
+    """Drafter training throughput (query tokens/s per GPU) and MFU, CUDA graphs vs eager."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if not torch.cuda.is_available():
+        raise click.ClickException("bench_train needs a CUDA GPU")
+    device = torch.device("cuda:0")
+    torch.cuda.set_device(device)
+    peak = bf16_matmul_peak(device)
+    log.info("bf16 matmul peak (8192^3): %.1f TFLOP/s on %s", peak / 1e12, torch.cuda.get_device_name(device))
+    log.info("FLOPs/step = 6*P_layers*Q + 6*L*(2*H*M*D)*T + 12*L*N*D*keys*Q + 4*V*H*Q + 4*(K*H)*H*T")
+    results = []
+    for name in sizes.split(","):
+        results += bench_size(SIZES[name.strip()], [m.strip() for m in modes.split(",")], steps, device, peak)
+    header = (f"{'size':<5} {'mode':<7} {'blocks':>6} {'query tok/s':>12} {'ctx tok/s':>10} {'step ms':>9} "
+              f"{'TFLOP/s':>8} {'MFU':>7} {'mem GiB':>7}")
+    click.echo(header)
+    click.echo("-" * len(header))
+    for r in results:
+        click.echo(_row(r))
+    with open(out_path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(device), "bf16_peak_flops": peak,
+                   "torch": torch.__version__, "results": results}, f, indent=1)
+    click.echo(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()
