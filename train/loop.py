@@ -119,6 +119,8 @@ class Trainer:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.use_graphs = device.type == "cuda" and cfg.cuda_graphs is not False
+        if cfg.cuda_graphs and device.type != "cuda":
+            log.warning("--cuda-graphs ignored: running on %s, the step runs eagerly", device)
         self.out_dir = Path(cfg.out_dir)
         if dist_info.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)

@@ -134,7 +134,9 @@ def make_optimizer(params: list[nn.Parameter], schedule: WarmupCosine, *, betas:
     Its state is created here by one zero-lr step on zero gradients (parameters unchanged) and then
     zeroed, so every state tensor exists before capture and checkpoints can be loaded into it in place.
     """
-    opt = torch.optim.AdamW(params, lr=schedule.lr_t, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
+    # capturable: step() refuses graph capture without it; the fused kernel itself is graph-safe.
+    opt = torch.optim.AdamW(params, lr=schedule.lr_t, betas=betas, eps=eps, weight_decay=weight_decay, fused=True,
+                            capturable=params[0].device.type == "cuda")
     saved_lr = schedule.lr_t.clone()
     schedule.lr_t.zero_()
     for p in params:
