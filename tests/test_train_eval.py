@@ -55,7 +55,6 @@ def test_chain_acceptance_and_slot_accuracy_match_per_block_inference(tmp_path):
     """Packed evaluation (block-attention mask over the whole batch) against one inference forward per
     block over its own sequence's prefix, counted by a plain loop."""
     cache = tiny_cache(tmp_path / "cache", num_batches=2, vocab_size=16)
-    cc = ShardReader(cache).config
     cfg = DrafterConfig.for_target(hidden_size=32, intermediate_size=64, vocab_size=16, num_target_layers=8,
                                    tap_layer_ids=[1, 3, 5], mask_token_id=15, num_layers=1, block_size=4)
     torch.manual_seed(0)

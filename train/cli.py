@@ -142,7 +142,6 @@ def export(checkpoint: str, out: str) -> None:
     _setup_logging()
     from .checkpoint import latest_checkpoint, list_checkpoints
     from .export import export_drafter
-    from .model import DFlashDrafter
 
     path = Path(checkpoint)
     ckpt = next((c for c in list_checkpoints(path.parent) if c.path.resolve() == path.resolve()), None)
