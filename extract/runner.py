@@ -231,7 +231,9 @@ def extract_batches(
             n = batch.num_tokens
             ids = torch.from_numpy(arrays["input_ids"][:n]).to(device, non_blocking=True)
             pos = torch.from_numpy(arrays["position_ids"][:n]).to(device, non_blocking=True)
-            cu = torch.from_numpy(arrays["cu_seqlens"][: len(batch.sample_ids) + 1]).to(device, non_blocking=True)
+            # Boundaries stay on the host: the kernels need them there (fla's chunk table, max length),
+            # and a device copy read back would stall the loop until the previous batch finishes.
+            cu = torch.from_numpy(arrays["cu_seqlens"][: len(batch.sample_ids) + 1])
             if cfg.target_topk:
                 hidden, topk_ids, topk_lp = model.topk_next_tokens(ids, pos, cu, taps, cfg.target_topk, chunk_tokens=cfg.topk_chunk_tokens)
                 topk = (topk_ids.to(torch.int32), topk_lp.to(torch.bfloat16))

@@ -87,7 +87,9 @@ def test_fast_conv_matches_torch(device, torch_path, backend, module):
         assert _rel_l2(out[bos:bos + 3], ref[bos:bos + 3]) < OP_TOL, f"{backend} conv leaks across boundary {bos}"
 
 
-@pytest.mark.parametrize("backend,module", [("torch_varlen", "torch"), ("fla", "fla")])
+# fla's attention op is not tested at head_dim 256: on the H200 its Triton kernel asks for 256 KB of
+# shared memory (the limit is 227 KB) and fails to launch (measured 2026-11-29), so it is never chosen.
+@pytest.mark.parametrize("backend,module", [("torch_varlen", "torch")])
 def test_fast_attention_matches_sdpa(device, torch_path, backend, module):
     if not _have(module):
         pytest.skip(f"{module} not installed")

@@ -78,7 +78,9 @@ def flops_per_token(cfg: TargetConfig, num_layers: int, seq_len: int) -> float:
     total = 0.0
     for i in range(num_layers):
         total += 2 * 3 * H * F
-        total += 2 * attn_proj + attn_core if cfg.is_full_attention(i) else 2 * gdn
+        # The layer types repeat with the config's period (3:1), also past a benchmark's layer subset.
+        full = cfg.is_full_attention(i % cfg.num_hidden_layers)
+        total += 2 * attn_proj + attn_core if full else 2 * gdn
     return total
 
 

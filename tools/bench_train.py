@@ -52,11 +52,14 @@ class Size:
     seq_len: int  # packed sequence length of the random batch
     taps: int = 5
     block_size: int = 16
+    num_blocks: int | None = None  # None = dflash-train's default for the budget
 
 
 SIZES = {
     "27b": Size("27b", 5120, 17408, (32, 8, 128), 248320, 5, 49152, 4096),
     "4b": Size("4b", 2560, 9216, (32, 8, 128), 248320, 5, 8192, 2048),
+    # Launch-bound: many small kernels per step (4B width, 2048-token budget, 32 blocks = 512 queries).
+    "launch": Size("launch", 2560, 9216, (32, 8, 128), 248320, 5, 2048, 512, num_blocks=32),
 }
 
 
@@ -172,7 +175,7 @@ def bench_one(size: Size, mode: str, num_blocks: int, steps: int, device: torch.
 
 
 def bench_size(size: Size, modes: list[str], steps: int, device: torch.device, peak: float) -> list[dict]:
-    num_blocks = default_num_blocks(size.token_budget, size.block_size)
+    num_blocks = size.num_blocks or default_num_blocks(size.token_budget, size.block_size)
     results = []
     for mode in modes:
         while True:
@@ -202,7 +205,7 @@ def _row(r: dict) -> str:
 
 @click.command()
 @click.option("--out", "out_path", default="bench_train.json", show_default=True, help="JSON results file.")
-@click.option("--sizes", default="27b,4b", show_default=True, help="Comma-separated: 27b, 4b.")
+@click.option("--sizes", default="27b,4b", show_default=True, help="Comma-separated: 27b, 4b, launch.")
 @click.option("--modes", default="graphs,eager", show_default=True, help="Comma-separated: graphs, eager.")
 @click.option("--steps", default=5, show_default=True, help="Timed steps per configuration (after warm-up).")
 def main(out_path: str, sizes: str, modes: str, steps: int) -> None:

@@ -123,9 +123,13 @@ def sample_blocks(*, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, lo
 
 
 def default_num_blocks(token_budget: int, block_size: int, tile_size: int = 128,
-                       anchors_per_token: float = 512 / 3072) -> int:
-    """A block count that matches SpecForge's density (512 anchors per 3072-token sequence), rounded
-    down to whole flex query tiles so the fast attention path accepts it."""
+                       anchors_per_token: float = 1 / 24) -> int:
+    """One anchor per 24 context tokens (2048 blocks, 32K query tokens at the 49152 budget), rounded
+    down to whole flex query tiles so the fast attention path accepts it.
+
+    SpecForge's density (512 anchors per 3072 tokens, 8192 blocks here) and half of it run out of
+    memory for the 27B-width drafter on one H200; 2048 blocks peak at 117 GiB there (BENCHMARKS.md).
+    """
     blocks_per_tile = max(1, tile_size // block_size)
     raw = int(math.floor(token_budget * anchors_per_token))
     return max(blocks_per_tile, raw // blocks_per_tile * blocks_per_tile)

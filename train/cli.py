@@ -60,7 +60,7 @@ def main() -> None:
 @click.option("--adam-eps", default=1e-8, show_default=True, help="AdamW epsilon.")
 @click.option("--grad-clip", default=1.0, show_default=True, help="Global gradient-norm clip; 0 = off.")
 @click.option("--seed", default=0, show_default=True, help="Seed of init, shard order and anchor sampling.")
-@click.option("--num-blocks", type=int, default=None, help="Draft blocks per packed batch. Default: 512 per 3072 tokens, rounded to 128-token tiles (8192 for a 49152 budget).")
+@click.option("--num-blocks", type=int, default=None, help="Draft blocks per packed batch (x block size = query tokens per step). Default: one per 24 context tokens, rounded to 128-token tiles (2048 for a 49152 budget: fits the 27B-width drafter on one H200).")
 @click.option("--block-size", default=16, show_default=True, help="Tokens per draft block (anchor + MASK slots).")
 @click.option("--gamma", default=7.0, show_default=True, help="Loss decay: slot k weighted exp(-(k-1)/gamma).")
 @click.option("--kl-lambda", default=0.0, show_default=True, help="Weight of KL(target || drafter) on the cache's top-k; 0 = off.")
