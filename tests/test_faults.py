@@ -1,0 +1,344 @@
+"""Fault injection, extraction side: a killed, starved or poisoned dflash-extract loses nothing and resumes.
+
+Cases (tiny random target, 24 samples packed into 5 batches of token budget 256, CPU):
+  1. SIGKILL at a seed-chosen point of a subprocess extraction, one point per seed: while writing cache.json,
+     in the middle of shard k's bytes, with shard k complete but not yet renamed, right after shard k's
+     rename, in the forward of batch k, in the middle of the manifest write. The same command then resumes:
+     same samples, byte-identical tensors and manifest as an uninterrupted run, no temporaries left.
+  2. Disk full (OSError ENOSPC from the shard write path) at the k-th shard: no shard under its final name,
+     no temporaries, earlier shards intact; once space exists the rerun completes and equals the reference.
+  3. Disk full as the user sees it (dflash-extract CLI): a clear error naming the batch or shard file.
+  4. NaN / Inf hidden states from the target at batch k > 0: the run stops naming the batch and exactly
+     its samples; the shards before it are kept, and the rerun (target fixed) equals the reference.
+Corrupted caches, bad inputs, setting mismatches and training faults: tests/test_faults_inputs.py.
+"""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from extract.cli import main as extract_cli
+from extract.config import ExtractConfig
+from extract.data import Sample, write_jsonl
+from extract.model import TargetModel
+from extract.runner import run_extract
+from extract.writer import NonFiniteHiddenError
+from shards import ShardReader, read_manifest, shard_path
+from shards.inspect import verify_cache
+from tools.tiny_target import write_random_checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUM_SAMPLES = 24
+VOCAB = 512  # tiny_target's vocabulary
+KILL_EXIT = -signal.SIGKILL
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Two OpenMP threads on a busy 2-core CI box spin against the writer thread: 10-100x slower. Module
+    # scope, so that it is in force before the module's target and reference fixtures run.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_samples(n=NUM_SAMPLES, seed=0, max_len=90):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        length = int(rng.integers(3, max_len))
+        mask = (np.arange(length) >= length // 3).astype(np.uint8)
+        out.append(Sample(f"doc-{i}", rng.integers(0, VOCAB, size=length), mask))
+    return out
+
+
+def extract_cfg(target, data, out, **kw):
+    base = dict(target=str(target), data=str(data), out=str(out), token_budget=256, max_seqs=8, dtype="float32",
+                mask_token_id=VOCAB - 1, progress_interval_s=0.0)
+    base.update(kw)
+    return ExtractConfig(**base)
+
+
+def cli_args(target, data, out, *extra):
+    return ["--target", str(target), "--data", str(data), "--out", str(out), "--token-budget", "256",
+            "--max-seqs", "8", "--dtype", "float32", "--mask-token-id", str(VOCAB - 1), *extra]
+
+
+def all_tensors(cache):
+    reader = ShardReader(cache)
+    return {b: reader.read(b, verify_checksum=True)[0] for b in reader.batch_ids()}
+
+
+def temporaries(cache):
+    return sorted(str(p) for p in cache.rglob(".tmp-*"))
+
+
+def assert_equals_reference(out, reference):
+    """Same shards, byte-identical tensors, same manifest, verifies, no temporaries anywhere."""
+    report = verify_cache(out)
+    assert report.ok, report.bad
+    got, want = all_tensors(out), reference["tensors"]
+    assert sorted(got) == sorted(want), f"batch ids {sorted(got)}, reference {sorted(want)}"
+    for b in want:
+        for name in want[b]:
+            same = torch.equal(got[b][name].view(torch.uint8), want[b][name].view(torch.uint8))
+            assert same, f"batch {b} tensor {name} differs from the uninterrupted run"
+    manifest = read_manifest(out)
+    assert sorted(manifest.column("sample_id").to_pylist()) == sorted(f"doc-{i}" for i in range(NUM_SAMPLES))
+    assert manifest.equals(reference["manifest"])
+    assert temporaries(out) == []
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("target") / "tiny", seed=1, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "data.jsonl"
+    write_jsonl(path, make_samples())
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(target, data, tmp_path_factory):
+    """The uninterrupted run every faulted run must reproduce byte for byte."""
+    out = tmp_path_factory.mktemp("reference") / "cache"
+    summary = run_extract(extract_cfg(target, data, out))
+    manifest = read_manifest(out)
+    by_batch = {}
+    for sid, b in zip(manifest.column("sample_id").to_pylist(), manifest.column("batch_id").to_pylist()):
+        by_batch.setdefault(b, []).append(sid)
+    return {"dir": out, "num_batches": summary.num_batches, "tensors": all_tensors(out), "manifest": manifest,
+            "samples_of": by_batch}
+
+
+# ---- 1. SIGKILL at random points, then resume ------------------------------------------------------------
+
+# The child runs run_extract with one hook that records where it is and SIGKILLs its own process there.
+KILL_SCRIPT = textwrap.dedent("""
+    import io, json, os, signal, sys
+    cfg_json, point, k, marker = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    import shards.durable, shards.manifest, shards.writer
+    from extract.config import ExtractConfig
+    from extract.model import TargetModel
+    from extract.runner import run_extract
+
+    calls = [0]
+
+    def nth():
+        calls[0] += 1
+        return calls[0] == k
+
+    def die():
+        with open(marker, "w") as f:
+            f.write(f"{point} {k}")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def in_shards_dir(path):
+        return os.path.basename(os.path.dirname(str(path))) == "shards"
+
+    if point == "cache_config":  # after target_head.safetensors, before cache.json
+        def dying_config(cache_dir, cfg):
+            def half(f):
+                text = cfg.to_json().encode()
+                f.write(text[: len(text) // 2])
+                f.flush()
+                die()
+            shards.durable.atomic_write(os.path.join(str(cache_dir), "cache.json"), half)
+        shards.writer.write_cache_config = dying_config
+    elif point == "mid_shard_write":  # half of shard k's bytes on disk under the temporary name
+        real_container = shards.writer.write_container
+        def dying_container(f, tensors, meta):
+            if "batch_id" in meta and nth():
+                buf = io.BytesIO()
+                real_container(buf, tensors, meta)
+                f.write(buf.getvalue()[: buf.tell() // 2])
+                f.flush()
+                die()
+            real_container(f, tensors, meta)
+        shards.writer.write_container = dying_container
+    elif point in ("before_rename", "after_rename"):  # shard k complete and fsynced, (not) yet renamed
+        real_replace = os.replace
+        def dying_replace(src, dst):
+            hit = in_shards_dir(dst) and nth()
+            if hit and point == "before_rename":
+                die()
+            real_replace(src, dst)
+            if hit:
+                die()
+        os.replace = dying_replace
+    elif point == "forward":  # in the main thread while the writer thread may be writing batch k-1
+        real_forward = TargetModel.forward_packed
+        def dying_forward(self, *a, **kw):
+            if nth():
+                die()
+            return real_forward(self, *a, **kw)
+        TargetModel.forward_packed = dying_forward
+    elif point == "manifest":  # every shard written, manifest half written
+        def dying_manifest(path, data):
+            def half(f):
+                f.write(data[: len(data) // 2])
+                f.flush()
+                die()
+            shards.durable.atomic_write(path, half)
+        shards.manifest.atomic_write_bytes = dying_manifest
+    else:
+        raise SystemExit(f"unknown kill point {point}")
+    run_extract(ExtractConfig(**json.loads(cfg_json)))
+    raise SystemExit("the run finished without reaching its kill point")
+""")
+
+# One kill point per seed; the batch (k) each seed kills at is drawn from the seed.
+KILL_POINTS = ["cache_config", "mid_shard_write", "before_rename", "after_rename", "forward", "manifest"]
+KILL_SEEDS = list(range(len(KILL_POINTS)))
+
+
+def kill_extraction(cfg, point, k, tmp_path):
+    marker = tmp_path / f"killed-{point}-{k}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, json.dumps(vars(cfg)), point, str(k), str(marker)],
+                          capture_output=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == KILL_EXIT, f"exit {proc.returncode}, expected SIGKILL:\n{proc.stderr.decode()[-3000:]}"
+    assert marker.read_text() == f"{point} {k}", "killed, but not at the injected point"
+
+
+@pytest.mark.parametrize("seed", KILL_SEEDS)
+def test_sigkill_at_random_point_then_resume_gives_identical_cache(target, data, reference, tmp_path, seed):
+    n = reference["num_batches"]
+    point = KILL_POINTS[seed]
+    k = int(np.random.default_rng(seed).integers(1, n + 1))  # 1-based: the k-th shard / forward
+    out = tmp_path / "cache"
+    cfg = extract_cfg(target, data, out)
+    kill_extraction(cfg, point, k, tmp_path)
+
+    present = ShardReader(out).batch_ids() if (out / "cache.json").exists() else []
+    print(f"seed {seed}: SIGKILL at {point}, k={k}; shards present after the kill: {present}")
+    assert not (out / "manifest.parquet").exists(), "a killed run must not leave a manifest"
+    if point == "cache_config":
+        assert not (out / "cache.json").exists() and present == []
+    elif point in ("mid_shard_write", "before_rename"):
+        assert k - 1 not in present and not shard_path(out, k - 1).exists(), "a partial shard under its final name"
+        assert list((out / "shards").glob(".tmp-*")), "the killed writer should have left its temporary"
+    elif point == "after_rename":
+        assert k - 1 in present
+    elif point == "forward":
+        assert len(present) < n
+    elif point == "manifest":
+        assert present == list(range(n))
+    for b in present:  # whatever carries a final name is complete
+        ShardReader(out).verify(b)
+
+    summary = run_extract(extract_cfg(target, data, out))
+    assert summary.resumed == len(present), "complete shards must be kept, not extracted again"
+    assert summary.written == n - len(present)
+    assert_equals_reference(out, reference)
+
+
+# ---- 2-3. disk full ---------------------------------------------------------------------------------------
+
+def inject_disk_full(monkeypatch, kth):
+    """The kth shard write runs out of space after a few bytes, as a real full disk would fail a write."""
+    import shards.writer as w
+
+    real = w.write_container
+    calls = []
+
+    def full(f, tensors, metadata):
+        if "batch_id" in metadata:
+            calls.append(int(metadata["batch_id"]))
+            if len(calls) == kth:
+                f.write(b"\0" * 4096)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(f, tensors, metadata)
+
+    monkeypatch.setattr(w, "write_container", full)
+    return calls
+
+
+def errno_in_chain(exc, code):
+    while exc is not None:
+        if getattr(exc, "errno", None) == code:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@pytest.mark.parametrize("kth", [1, 4])
+def test_disk_full_leaves_no_partial_shard_and_resume_completes(target, data, reference, tmp_path, monkeypatch, kth):
+    out = tmp_path / "cache"
+    calls = inject_disk_full(monkeypatch, kth)
+    with pytest.raises(Exception) as e:
+        run_extract(extract_cfg(target, data, out))
+    assert errno_in_chain(e.value, errno.ENOSPC), f"the disk-full error was lost: {e.value!r}"
+    failed = calls[kth - 1]
+    assert not shard_path(out, failed).exists(), f"batch {failed}: a partial shard under its final name"
+    assert temporaries(out) == [], "the failed write left its temporary behind"
+    present = ShardReader(out).batch_ids()
+    assert present == list(range(failed)), f"shards before batch {failed} must be kept, found {present}"
+    for b in present:
+        ShardReader(out).verify(b)
+    assert not (out / "manifest.parquet").exists()
+
+    monkeypatch.undo()  # space again
+    summary = run_extract(extract_cfg(target, data, out))
+    assert summary.resumed == failed and summary.written == reference["num_batches"] - failed
+    assert_equals_reference(out, reference)
+
+
+def test_disk_full_error_names_the_batch_and_its_file(target, data, tmp_path, monkeypatch):
+    out = tmp_path / "cache"
+    calls = inject_disk_full(monkeypatch, 2)
+    result = CliRunner().invoke(extract_cli, cli_args(target, data, out))
+    assert result.exit_code == 1
+    failed = calls[1]
+    shown = result.output
+    print(f"dflash-extract output on a full disk:\n{shown}\nexception: {result.exception!r}")
+    assert "No space left on device" in shown, "the user must see why the run stopped, not a traceback"
+    assert shard_path(out, failed).name in shown or f"batch {failed}" in shown, (
+        f"the message must name batch {failed} or its shard file: {shown!r}")
+
+
+# ---- 4. non-finite hidden states --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value,batch", [(float("nan"), 2), (float("inf"), 1), (float("-inf"), 4)])
+def test_non_finite_batch_stops_naming_it_and_keeps_earlier_shards(target, data, reference, tmp_path, monkeypatch,
+                                                                   value, batch):
+    real = TargetModel.forward_packed
+    calls = [0]
+
+    def poisoned(self, ids, pos, cu, taps):
+        hidden = real(self, ids, pos, cu, taps)
+        calls[0] += 1
+        if calls[0] == batch + 1:  # batches run in id order on one rank
+            hidden = hidden.clone()
+            hidden[int(ids.shape[0]) - 1, -1, 3] = value
+        return hidden
+
+    monkeypatch.setattr(TargetModel, "forward_packed", poisoned)
+    out = tmp_path / "cache"
+    with pytest.raises(NonFiniteHiddenError) as e:
+        run_extract(extract_cfg(target, data, out))
+    msg = str(e.value)
+    assert f"batch {batch}:" in msg and "NaN/Inf" in msg, msg
+    assert str(reference["samples_of"][batch]) in msg, f"the message must list batch {batch}'s samples: {msg}"
+    present = ShardReader(out).batch_ids()
+    assert present == list(range(batch)), f"shards before batch {batch} must be kept, found {present}"
+    assert temporaries(out) == []
+
+    monkeypatch.undo()
+    summary = run_extract(extract_cfg(target, data, out))
+    assert summary.resumed == batch
+    assert_equals_reference(out, reference)
+
