@@ -1,21 +1,26 @@
 """Fault injection, extraction side: a killed, starved or poisoned dflash-extract loses nothing and resumes.
 
 Cases (tiny random target, 24 samples packed into 5 batches of token budget 256, CPU):
-  1. SIGKILL at a seed-chosen point of a subprocess extraction, one point per seed: while writing cache.json,
-     in the middle of shard k's bytes, with shard k complete but not yet renamed, right after shard k's
-     rename, in the forward of batch k, in the middle of the manifest write. The same command then resumes:
-     same samples, byte-identical tensors and manifest as an uninterrupted run, no temporaries left.
-  2. Disk full (OSError ENOSPC from the shard write path) at the k-th shard: no shard under its final name,
-     no temporaries, earlier shards intact; once space exists the rerun completes and equals the reference.
+  1. SIGKILL at a seed-chosen point of a subprocess extraction, 8 seeds, no two at the same point: while
+     writing cache.json, in the middle of shard k's bytes, with shard k complete but not yet renamed, right
+     after shard k's rename, in the forward of batch k, in the middle of the manifest write (seeds 0-5, one
+     each), then two more per-batch points with random k. The same command then resumes: same samples,
+     byte-identical tensors and manifest as an uninterrupted run, no temporaries left.
+  2. Disk full (OSError ENOSPC from the durable-write path) while writing shard 0, shard 3, the manifest or
+     cache.json: nothing partial under a final name, no temporaries, earlier shards intact; once space
+     exists the same command completes the cache and it equals the reference.
   3. Disk full as the user sees it (dflash-extract CLI): a clear error naming the batch or shard file.
   4. NaN / Inf hidden states from the target at batch k > 0: the run stops naming the batch and exactly
      its samples; the shards before it are kept, and the rerun (target fixed) equals the reference.
+  5. A finished cache with one damaged shard (flipped bit, truncated): the same command redoes that shard only.
 Corrupted caches, bad inputs, setting mismatches and training faults: tests/test_faults_inputs.py.
 """
 
+import contextlib
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,14 +47,22 @@ VOCAB = 512  # tiny_target's vocabulary
 KILL_EXIT = -signal.SIGKILL
 
 
+@contextlib.contextmanager
+def torch_threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     # Two OpenMP threads on a busy 2-core CI box spin against the writer thread: 10-100x slower. Module
     # scope, so that it is in force before the module's target and reference fixtures run.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 def make_samples(n=NUM_SAMPLES, seed=0, max_len=90):
@@ -99,20 +112,17 @@ def assert_equals_reference(out, reference):
     assert temporaries(out) == []
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
+def tiny_target_dir(tmp_path_factory):
     return write_random_checkpoint(tmp_path_factory.mktemp("target") / "tiny", seed=1, dtype=torch.float32)
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
+def dataset_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "data.jsonl"
     write_jsonl(path, make_samples())
     return path
 
 
-@pytest.fixture(scope="module")
-def reference(target, data, tmp_path_factory):
+def extract_reference(target, data, tmp_path_factory):
     """The uninterrupted run every faulted run must reproduce byte for byte."""
     out = tmp_path_factory.mktemp("reference") / "cache"
     summary = run_extract(extract_cfg(target, data, out))
@@ -122,6 +132,21 @@ def reference(target, data, tmp_path_factory):
         by_batch.setdefault(b, []).append(sid)
     return {"dir": out, "num_batches": summary.num_batches, "tensors": all_tensors(out), "manifest": manifest,
             "samples_of": by_batch}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return tiny_target_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return dataset_file(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(target, data, tmp_path_factory):
+    return extract_reference(target, data, tmp_path_factory)
 
 
 # ---- 1. SIGKILL at random points, then resume ------------------------------------------------------------
@@ -200,9 +225,21 @@ KILL_SCRIPT = textwrap.dedent("""
     raise SystemExit("the run finished without reaching its kill point")
 """)
 
-# One kill point per seed; the batch (k) each seed kills at is drawn from the seed.
 KILL_POINTS = ["cache_config", "mid_shard_write", "before_rename", "after_rename", "forward", "manifest"]
-KILL_SEEDS = list(range(len(KILL_POINTS)))
+PER_BATCH_POINTS = KILL_POINTS[1:5]  # the points that take a batch number k
+KILL_SEEDS = list(range(8))
+
+
+def kill_plan(seed, num_batches):
+    """(point, k) of a seed: seeds 0-5 visit every point once, later seeds draw a per-batch point; k is drawn
+    from the seed (1-based: the k-th shard or forward), re-drawn until no lower seed has the same plan."""
+    rng = np.random.default_rng(seed)
+    earlier = {kill_plan(s, num_batches) for s in range(seed)}
+    while True:
+        k = int(rng.integers(1, num_batches + 1))
+        point = KILL_POINTS[seed] if seed < len(KILL_POINTS) else PER_BATCH_POINTS[int(rng.integers(4))]
+        if (point, k) not in earlier or seed < len(KILL_POINTS):
+            return point, k
 
 
 def kill_extraction(cfg, point, k, tmp_path):
@@ -217,8 +254,8 @@ def kill_extraction(cfg, point, k, tmp_path):
 @pytest.mark.parametrize("seed", KILL_SEEDS)
 def test_sigkill_at_random_point_then_resume_gives_identical_cache(target, data, reference, tmp_path, seed):
     n = reference["num_batches"]
-    point = KILL_POINTS[seed]
-    k = int(np.random.default_rng(seed).integers(1, n + 1))  # 1-based: the k-th shard / forward
+    point, k = kill_plan(seed, n)
+    assert len({kill_plan(s, n) for s in KILL_SEEDS}) == len(KILL_SEEDS), "two seeds kill at the same point"
     out = tmp_path / "cache"
     cfg = extract_cfg(target, data, out)
     kill_extraction(cfg, point, k, tmp_path)
@@ -248,23 +285,30 @@ def test_sigkill_at_random_point_then_resume_gives_identical_cache(target, data,
 
 # ---- 2-3. disk full ---------------------------------------------------------------------------------------
 
-def inject_disk_full(monkeypatch, kth):
-    """The kth shard write runs out of space after a few bytes, as a real full disk would fail a write."""
-    import shards.writer as w
+def inject_disk_full(monkeypatch, file_name):
+    """The durable write of `file_name` runs out of space after 4 KB, as a real full disk fails a write.
 
-    real = w.write_container
-    calls = []
+    Every durable file (shards, target head, cache.json, manifest) is written by shards.durable.atomic_write,
+    so the fault enters below the library's own cleanup, which is part of what is tested.
+    """
+    import shards.durable as durable
+    import shards.writer as writer
 
-    def full(f, tensors, metadata):
-        if "batch_id" in metadata:
-            calls.append(int(metadata["batch_id"]))
-            if len(calls) == kth:
+    real = durable.atomic_write
+    failed = []
+
+    def atomic_write(path, write):
+        def fill_disk(f):
+            if os.path.basename(str(path)) == file_name:
+                failed.append(str(path))
                 f.write(b"\0" * 4096)
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(f, tensors, metadata)
+            write(f)
+        real(path, fill_disk)
 
-    monkeypatch.setattr(w, "write_container", full)
-    return calls
+    monkeypatch.setattr(durable, "atomic_write", atomic_write)  # behind atomic_write_text / _bytes
+    monkeypatch.setattr(writer, "atomic_write", atomic_write)  # shards and the target head
+    return failed
 
 
 def errno_in_chain(exc, code):
@@ -275,39 +319,44 @@ def errno_in_chain(exc, code):
     return False
 
 
-@pytest.mark.parametrize("kth", [1, 4])
-def test_disk_full_leaves_no_partial_shard_and_resume_completes(target, data, reference, tmp_path, monkeypatch, kth):
+# (file that fills the disk, shards expected on disk afterwards: None = all of them)
+DISK_FULL_AT = {"shard 0": ("b00000000.safetensors", []), "shard 3": ("b00000003.safetensors", [0, 1, 2]),
+                "manifest": ("manifest.parquet", None), "cache creation": ("cache.json", [])}
+
+
+@pytest.mark.parametrize("where", list(DISK_FULL_AT))
+def test_disk_full_leaves_no_partial_file_and_rerun_completes(target, data, reference, tmp_path, monkeypatch, where):
+    file_name, kept = DISK_FULL_AT[where]
+    kept = list(range(reference["num_batches"])) if kept is None else kept
     out = tmp_path / "cache"
-    calls = inject_disk_full(monkeypatch, kth)
+    failed = inject_disk_full(monkeypatch, file_name)
     with pytest.raises(Exception) as e:
         run_extract(extract_cfg(target, data, out))
+    assert failed, f"the run never wrote {file_name}"
     assert errno_in_chain(e.value, errno.ENOSPC), f"the disk-full error was lost: {e.value!r}"
-    failed = calls[kth - 1]
-    assert not shard_path(out, failed).exists(), f"batch {failed}: a partial shard under its final name"
+    assert not os.path.exists(failed[0]), f"{failed[0]}: a partial file under its final name"
     assert temporaries(out) == [], "the failed write left its temporary behind"
-    present = ShardReader(out).batch_ids()
-    assert present == list(range(failed)), f"shards before batch {failed} must be kept, found {present}"
+    present = ShardReader(out).batch_ids() if (out / "cache.json").exists() else []
+    assert present == kept, f"disk full at {file_name}: expected shards {kept} to be kept, found {present}"
     for b in present:
         ShardReader(out).verify(b)
     assert not (out / "manifest.parquet").exists()
 
-    monkeypatch.undo()  # space again
+    monkeypatch.undo()  # space again: the same command completes the cache
     summary = run_extract(extract_cfg(target, data, out))
-    assert summary.resumed == failed and summary.written == reference["num_batches"] - failed
+    assert summary.resumed == len(kept) and summary.written == reference["num_batches"] - len(kept)
     assert_equals_reference(out, reference)
 
 
 def test_disk_full_error_names_the_batch_and_its_file(target, data, tmp_path, monkeypatch):
     out = tmp_path / "cache"
-    calls = inject_disk_full(monkeypatch, 2)
+    inject_disk_full(monkeypatch, "b00000001.safetensors")
     result = CliRunner().invoke(extract_cli, cli_args(target, data, out))
     assert result.exit_code == 1
-    failed = calls[1]
     shown = result.output
     print(f"dflash-extract output on a full disk:\n{shown}\nexception: {result.exception!r}")
-    assert "No space left on device" in shown, "the user must see why the run stopped, not a traceback"
-    assert shard_path(out, failed).name in shown or f"batch {failed}" in shown, (
-        f"the message must name batch {failed} or its shard file: {shown!r}")
+    assert "No space left on device" in shown, "the user must see why the run stopped, not a bare traceback"
+    assert "b00000001.safetensors" in shown or "batch 1" in shown, f"the message must name batch 1 or its file: {shown!r}"
 
 
 # ---- 4. non-finite hidden states --------------------------------------------------------------------------
@@ -342,3 +391,22 @@ def test_non_finite_batch_stops_naming_it_and_keeps_earlier_shards(target, data,
     assert summary.resumed == batch
     assert_equals_reference(out, reference)
 
+
+
+# ---- 5. a damaged shard in a finished cache is redone by the same command ---------------------------------
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_rerun_redoes_a_damaged_shard_only(target, data, reference, tmp_path, how):
+    out = tmp_path / "cache"
+    shutil.copytree(reference["dir"], out)
+    path = shard_path(out, 2)
+    raw = bytearray(path.read_bytes())
+    if how == "flip":
+        raw[-20] ^= 0x01  # one bit in the data section: only the checksum sees it
+    else:
+        del raw[-100:]
+    path.write_bytes(bytes(raw))
+    assert not verify_cache(out).ok
+    summary = run_extract(extract_cfg(target, data, out))
+    assert (summary.written, summary.resumed) == (1, reference["num_batches"] - 1), "only batch 2 is redone"
+    assert_equals_reference(out, reference)

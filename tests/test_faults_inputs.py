@@ -39,8 +39,8 @@ from extract.cli import main as extract_cli
 from extract.data import Sample, write_jsonl
 from extract.runner import CacheMismatchError, run_extract
 from shards import ShardReader, shard_path, write_manifest
-from test_faults import (  # noqa: F401  (module fixtures: target, data, reference)
-    REPO, VOCAB, cli_args, data, extract_cfg, make_samples, one_thread, reference, target)
+from test_faults import (REPO, VOCAB, cli_args, dataset_file, extract_cfg, extract_reference, make_samples,
+                         tiny_target_dir, torch_threads)
 from test_shards_format import _corrupt
 from test_train_support import read_records, tiny_cache, tiny_cli_args, tiny_config
 from tools.shards_cli import main as shards_cli
@@ -50,6 +50,27 @@ from train.cli import main as train_cli
 from train.loop import run_training
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return tiny_target_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return dataset_file(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(target, data, tmp_path_factory):
+    return extract_reference(target, data, tmp_path_factory)
+
+
 def copy_cache(reference, tmp_path):
     out = tmp_path / "cache"
     shutil.copytree(reference["dir"], out)
@@ -57,9 +78,9 @@ def copy_cache(reference, tmp_path):
 
 
 def flip_byte(path, offset=-10):
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0xFF
+    path.write_bytes(bytes(raw))
 
 
 def snapshot(cache):
@@ -242,11 +263,11 @@ def test_empty_and_long_samples_are_counted_never_silent(target, tmp_path, caplo
     samples[1] = Sample("empty-a", [], [])
     samples[5] = Sample("empty-b", [], [])
     samples[6] = Sample("long", [7] * 300, [1] * 300)
-    data = tmp_path / "data.jsonl"
-    write_jsonl(data, samples)
+    path = tmp_path / "data.jsonl"
+    write_jsonl(path, samples)
     out = tmp_path / "cache"
     caplog.set_level("INFO")
-    result = CliRunner().invoke(extract_cli, cli_args(target, data, out, "--long-seqs", policy))
+    result = CliRunner().invoke(extract_cli, cli_args(target, path, out, "--long-seqs", policy))
     assert result.exit_code == 0, result.output
     packing = json.loads((out / "cache.json").read_text())["packing"]
     assert packing["num_empty"] == 2
