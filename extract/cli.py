@@ -65,7 +65,7 @@ def main(gpus: str | None, fast_resume: bool, **options) -> None:
         raise click.UsageError(str(e)) from e
     try:
         summary = run_extract(cfg)
-    except (CacheMismatchError, ValueError) as e:
+    except (CacheMismatchError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from e
     click.echo(
         f"done: {summary.written} shards written, {summary.resumed} kept from an earlier run, "

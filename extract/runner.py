@@ -29,7 +29,8 @@ from shards import (
     read_cache_config,
     write_manifest,
 )
-from shards.format import CACHE_CONFIG_FILE, bytes_per_shard
+from shards.durable import TMP_PREFIX, remove_stale_temporaries
+from shards.format import CACHE_CONFIG_FILE, SHARDS_DIR, TARGET_HEAD_FILE, bytes_per_shard, checksum
 from shards.progress import ProgressLog, format_duration
 from shards.provenance import provenance
 
@@ -129,22 +130,37 @@ def _cache_config(cfg: ExtractConfig, target: TargetConfig, taps: list[int], pla
 
 def _prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig) -> None:
     out = Path(cfg.out)
+    raw = load_target_head(cfg.target)
+    head = {"embed_tokens": raw["embed_tokens"], "lm_head": raw["lm_head"], "final_norm": raw["norm"]}
+    # Part of the cache's identity: the same architecture with other weights must not resume into it.
+    cache_cfg.target_head_checksum = checksum({k: v.contiguous() for k, v in head.items()})
     if (out / CACHE_CONFIG_FILE).exists():
         if cfg.overwrite:
             log.warning("--overwrite: deleting the existing cache at %s", out)
             shutil.rmtree(out)
         else:
             _check_resumable(out, cache_cfg)
-            removed = clean_partial_shards(out)
+            removed = clean_partial_shards(out) + len(remove_stale_temporaries(out))
             if removed:
-                log.info("removed %d partial shard(s) left by a killed run", removed)
+                log.info("removed %d partial file(s) left by a killed run", removed)
             return
     elif out.exists() and any(out.iterdir()):
-        if not cfg.overwrite:
+        if not (cfg.overwrite or _is_unfinished_creation(out)):
             raise CacheMismatchError(f"{out} exists, is not empty and holds no cache.json; choose another --out or pass --overwrite")
+        # A run killed while creating the cache (before cache.json) left nothing worth keeping.
         shutil.rmtree(out)
-    head = load_target_head(cfg.target)
-    create_cache(out, cache_cfg, {"embed_tokens": head["embed_tokens"], "lm_head": head["lm_head"], "final_norm": head["norm"]})
+    create_cache(out, cache_cfg, head)
+
+
+def _is_unfinished_creation(out: Path) -> bool:
+    """Only what create_cache writes before cache.json: the target head, an empty shards/, temporaries."""
+    for p in out.iterdir():
+        if p.name == SHARDS_DIR and p.is_dir():
+            if any(not q.name.startswith(TMP_PREFIX) for q in p.iterdir()):
+                return False
+        elif p.name != TARGET_HEAD_FILE and not p.name.startswith(TMP_PREFIX):
+            return False
+    return True
 
 
 def _check_resumable(out: Path, want: CacheConfig) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shards import CacheConfig, SampleEntry, allocate_shard_buffers, encode_hidden, write_shard
+from shards import CacheConfig, SampleEntry, allocate_shard_buffers, encode_hidden, shard_path, write_shard
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,12 @@ class AsyncShardWriter:
         for name in ("hidden", "hidden_scale", "target_topk_ids", "target_topk_logprobs"):
             if name in job.buffers:
                 job.buffers[name][n:].zero_()  # padding rows: zeros, not a previous batch's data
-        path = write_shard(self.cache_dir, self.cfg, job.batch_id, job.buffers, job.samples)
+        try:
+            path = write_shard(self.cache_dir, self.cfg, job.batch_id, job.buffers, job.samples)
+        except OSError as e:
+            target = shard_path(self.cache_dir, job.batch_id)
+            raise OSError(e.errno, f"batch {job.batch_id}: writing {target} failed: {e.strerror or e}; "
+                          "free space and re-run the same command to resume") from e
         self.bytes_written += path.stat().st_size
         self.shards_written += 1
 

@@ -73,6 +73,9 @@ class CacheConfig:
     packing: dict[str, Any] = field(default_factory=dict)  # packing settings (long_seqs policy, ...)
     dataset: dict[str, Any] = field(default_factory=dict)  # dataset identity (path, fingerprint, counts)
     provenance: dict[str, Any] = field(default_factory=dict)  # git sha, versions, argv, time
+    # checksum() of target_head.safetensors' tensors: the same architecture with other weights (a
+    # fine-tune) has the same config_hash, and its head must not be mixed with this cache's states.
+    target_head_checksum: str | None = None
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:

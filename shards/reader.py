@@ -77,8 +77,16 @@ def load_target_head(cache_dir: str | Path, verify_checksum: bool = True) -> dic
             raise CacheFormatError(f"{path}: missing tensors {missing}")
         head = {n: c.tensor(n).clone() for n in TARGET_HEAD_TENSORS}
         stored = c.header.metadata.get("checksum")
-    if verify_checksum and stored != checksum(head):
-        raise CacheFormatError(f"{path}: checksum mismatch (stored {stored}, computed {checksum(head)})")
+    if verify_checksum:
+        found = checksum(head)
+        if stored != found:
+            raise CacheFormatError(f"{path}: checksum mismatch (stored {stored}, computed {found}): corrupted")
+        expected = read_cache_config(cache_dir).target_head_checksum
+        if expected is not None and found != expected:
+            raise CacheFormatError(
+                f"{path}: holds another target's head (checksum {found}, cache.json records {expected}); "
+                "restore the original file or re-run dflash-extract"
+            )
     return head
 
 
@@ -108,7 +116,7 @@ class ShardReader:
         """Header-level checks (version, names, shapes, dtypes, size, metadata); no data read."""
         path = self.path(batch_id)
         if not path.is_file():
-            raise ShardError(path, "missing")
+            raise ShardError(path, "missing; re-run dflash-extract with the same arguments to write it")
         try:
             header = read_header(path)
         except CacheFormatError as e:

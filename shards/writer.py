@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,9 +53,12 @@ def create_cache(cache_dir: str | Path, cfg: CacheConfig, target_head: Mapping[s
         if tuple(t.shape) != shape:
             raise ValueError(f"target head tensor {name} has shape {tuple(t.shape)}, expected {shape}")
         head[name] = t
-    meta = {"format_version": str(FORMAT_VERSION), "checksum": checksum(head)}
+    head_checksum = checksum(head)
+    if cfg.target_head_checksum not in (None, head_checksum):
+        raise ValueError(f"target head checksum {head_checksum} differs from the config's {cfg.target_head_checksum}")
+    meta = {"format_version": str(FORMAT_VERSION), "checksum": head_checksum}
     atomic_write(cache_dir / TARGET_HEAD_FILE, lambda f: write_container(f, head, meta))
-    write_cache_config(cache_dir, cfg)
+    write_cache_config(cache_dir, dataclasses.replace(cfg, target_head_checksum=head_checksum))
 
 
 def write_cache_config(cache_dir: str | Path, cfg: CacheConfig) -> None:

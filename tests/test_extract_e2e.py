@@ -220,3 +220,13 @@ def test_parquet_input_and_cli_summary(target, tmp_path):
                                              "--token-budget", "256", "--max-seqs", "8", "--dtype", "float32",
                                              "--storage", "fp8", "--taps", "1,3"])
     assert again.exit_code == 0 and "0 shards written" in again.output
+
+
+def test_resume_with_a_same_shape_target_of_other_weights_is_refused(target, data, tmp_path):
+    out = tmp_path / "cache"
+    run_extract(_cfg(target, data, out))
+    twin = write_random_checkpoint(tmp_path / "twin", seed=2, dtype=torch.float32)
+    # Same config.json (same config hash), other weights: only the head checksum tells them apart.
+    (twin / "config.json").write_bytes((target / "config.json").read_bytes())
+    with pytest.raises(CacheMismatchError, match="target_head_checksum"):
+        run_extract(_cfg(twin, data, out))

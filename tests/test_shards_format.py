@@ -24,6 +24,7 @@ from shards import (
     encode_hidden,
     epoch_shard_order,
     load_target_head,
+    read_cache_config,
     read_manifest,
     rebuild_manifest,
     shard_path,
@@ -267,3 +268,13 @@ def test_cli_info_ls_show_json(cache):
     assert missing.exit_code != 0 and "no-such-sample" in missing.output
     text = runner.invoke(shards_cli, ["info", str(cache_dir)]).output
     assert "padding eff." in text
+
+
+def test_swapped_target_head_is_refused(cache, tmp_path):
+    cache_dir, _ = cache
+    other = write_synthetic_cache(tmp_path / "other", seed=5)  # same shapes, other weights
+    assert other.target_head_checksum != read_cache_config(cache_dir).target_head_checksum
+    (cache_dir / "target_head.safetensors").write_bytes((tmp_path / "other" / "target_head.safetensors").read_bytes())
+    with pytest.raises(CacheFormatError, match="another target's head"):
+        load_target_head(cache_dir)
+    assert not verify_cache(cache_dir).ok

@@ -114,6 +114,7 @@ def write_random_checkpoint(
     shard_max_bytes: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     with_mtp: bool = True,
+    mixer_scale: float = 1.0,
 ) -> Path:
     """Write config.json + safetensors under `out_dir`; returns the directory.
 
@@ -122,6 +123,9 @@ def write_random_checkpoint(
     shard_max_bytes: split into several files with an index once the total exceeds this.
     dtype: storage dtype of every tensor except A_log (always fp32, as in the release).
     with_mtp: also write a small mtp.* tensor, which loaders must skip (multimodal naming only).
+    mixer_scale: multiplies the token mixers' output projections (GatedDeltaNet out_proj, attention
+        o_proj). Below 1 the target leans on the current token, so its greedy text has structure a
+        small drafter can learn in a CPU demo; 1 keeps the default scales.
     """
     if naming not in NAMINGS:
         raise ValueError(f"naming={naming!r}, expected one of {NAMINGS}")
@@ -133,6 +137,8 @@ def write_random_checkpoint(
 
     tensors: dict[str, torch.Tensor] = {}
     for local, value in random_weights(cfg, seed).items():
+        if local.endswith(("linear_attn.out_proj.weight", "self_attn.o_proj.weight")):
+            value = value * mixer_scale
         tensors[hf_name(local, naming)] = value.to(torch.float32 if local.endswith("A_log") else dtype).contiguous()
     if with_mtp and naming == "multimodal":
         tensors["mtp.fc.weight"] = torch.zeros(cfg.hidden_size, 2 * cfg.hidden_size, dtype=dtype)
@@ -175,11 +181,13 @@ def _write_shards(out_dir: Path, tensors: dict[str, torch.Tensor], shard_max_byt
 @click.option("--shard-max-bytes", type=int, default=None,
               help="Split the weights into files of at most this many bytes (default: one file).")
 @click.option("--tied/--untied", default=False, show_default=True, help="Tie lm_head to embed_tokens.")
-def main(out_dir: Path, seed: int, naming: str, shard_max_bytes: int | None, tied: bool) -> None:
+@click.option("--mixer-scale", type=float, default=1.0, show_default=True,
+              help="Scale of the token mixers' output projections (<1: more predictable greedy text, for demos).")
+def main(out_dir: Path, seed: int, naming: str, shard_max_bytes: int | None, tied: bool, mixer_scale: float) -> None:
     """Write a tiny random Qwen3.5-style target checkpoint to OUT_DIR."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     write_random_checkpoint(out_dir, tiny_config_dict(tie_word_embeddings=tied), seed=seed, naming=naming,
-                            shard_max_bytes=shard_max_bytes)
+                            shard_max_bytes=shard_max_bytes, mixer_scale=mixer_scale)
 
 
 if __name__ == "__main__":

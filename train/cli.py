@@ -132,6 +132,9 @@ def train(gpus: str | None, betas: str, **options) -> None:
                    f"checkpoint {summary.last_checkpoint}")
         if summary.eval is not None:
             click.echo(summary.eval.table())
+        if summary.eval_before is not None and summary.eval is not None:
+            click.echo(f"acceptance length on held-out shards: {summary.eval_before.acceptance_length:.3f} untrained "
+                       f"-> {summary.eval.acceptance_length:.3f} after {summary.steps} steps")
 
 
 @main.command()

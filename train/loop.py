@@ -51,6 +51,7 @@ class TrainSummary:
     last_checkpoint: Path | None
     eval: EvalResult | None
     skipped_shards: list[tuple[int, str]]
+    eval_before: EvalResult | None = None  # the untrained drafter, when a fresh run has held-out shards
 
 
 def anchor_seed(seed: int, rank: int) -> int:
@@ -207,6 +208,8 @@ class Trainer:
     def train(self) -> TrainSummary:
         cfg, run = self.cfg, self.run
         done = self.step >= run.total_steps
+        # A fresh run measures its starting point, so every run reports what training bought.
+        eval_before = self._evaluate() if run.eval_ids and self.step == 0 else None
         while not done and self.epoch < cfg.epochs:
             order = epoch_shard_order(run.train_ids, self.epoch, cfg.seed, self.dist.rank, self.dist.world_size)
             positions = self._epoch_positions(order)
@@ -233,7 +236,7 @@ class Trainer:
             self._save()
         eval_result = self._evaluate() if run.eval_ids else None
         return TrainSummary(self.step, self.metrics.tokens_seen, self._last_record, self.last_checkpoint,
-                            eval_result, self.skipped)
+                            eval_result, self.skipped, eval_before)
 
     def _log(self) -> None:
         """The log: one all-reduce and one host sync; raises NonFiniteError naming a bad step/batch."""

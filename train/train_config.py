@@ -251,7 +251,10 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
     if num_blocks > cache_cfg.token_budget:
         raise ValueError(f"TrainConfig.num_blocks {num_blocks} exceeds the cache's token_budget "
                          f"{cache_cfg.token_budget}")
-    all_ids = ShardReader(cfg.cache).batch_ids()
+    # Every planned shard, not just the files present: a missing one is then refused by name (or
+    # skipped and counted under --skip-bad-shards) instead of silently shrinking the data.
+    planned = cache_cfg.packing.get("num_batches")
+    all_ids = list(range(planned)) if isinstance(planned, int) else ShardReader(cfg.cache).batch_ids()
     if cfg.eval_shards >= len(all_ids):
         raise ValueError(f"TrainConfig.eval_shards {cfg.eval_shards} leaves no training shards: cache "
                          f"{cfg.cache} has {len(all_ids)}")
