@@ -37,7 +37,9 @@ from shards.provenance import provenance
 from .checkpoint import load_target_head
 from .config import ExtractConfig
 from .data import SampleLoader, dataset_fingerprint, scan_dataset
-from .distributed import DistInfo, barrier, init_distributed, resolve_device, shutdown
+from shards.runtime import DistInfo, barrier, resolve_device, shutdown
+
+from .distributed import init_distributed
 from .kernels import select_kernels
 from .model import TargetModel
 from .packing import PACKING_ALGORITHM, PackedBatch, PackingConfig, PackingPlan, load_batch, plan_batches, shard_batches_for_rank

@@ -244,28 +244,12 @@ def _load_any_drafter(path: Path, dtype, device):
 
 
 def _launch_torchrun(gpus: str) -> None:
-    import torch
+    from shards.runtime import relaunch_under_torchrun
 
-    n = torch.cuda.device_count() if gpus == "all" else int(gpus)
-    if n < 1:
-        raise click.UsageError(f"--gpus {gpus}: no CUDA devices found")
-    args = _without_option(sys.argv[1:], "--gpus")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m", "train.cli", *args]
-    log.info("starting: %s", " ".join(cmd))
-    os.execv(sys.executable, cmd)
-
-
-def _without_option(argv: list[str], name: str) -> list[str]:
-    """argv minus `name VALUE` / `name=VALUE`, so the ranks torchrun starts do not launch again."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == name:
-            skip = True
-        elif not a.startswith(name + "="):
-            out.append(a)
-    return out
+    try:
+        relaunch_under_torchrun("train.cli", gpus, sys.argv[1:])
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
 
 
 if __name__ == "__main__":

@@ -7,8 +7,6 @@ Backward accumulates into the existing .grad views in place, which keeps their a
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -16,38 +14,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+from shards.runtime import DistInfo, rank_info
 
 
 def init_distributed(device_type: str) -> DistInfo:
     """Join the torchrun process group (nccl for CUDA, gloo for CPU); a lone process needs none."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    info = DistInfo(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
-    if world > 1 and not dist.is_initialized():
+    info = rank_info()
+    if info.world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         kwargs: dict[str, Any] = {"timeout": timedelta(minutes=30)}
         if backend == "nccl":
             kwargs["device_id"] = torch.device("cuda", info.local_rank)
         dist.init_process_group(backend, **kwargs)
     return info
-
-
-def resolve_device(spec: str, local_rank: int) -> torch.device:
-    if spec == "auto":
-        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(spec)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device(f"cuda:{local_rank}")
-    return device
 
 
 def world_size() -> int:
@@ -73,16 +52,6 @@ def all_gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 class FlatGrads:

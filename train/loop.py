@@ -26,13 +26,13 @@ import torch
 from shards import ShardLoader, ShardReader, epoch_shard_order, load_target_head
 from shards.durable import atomic_write_text
 from shards.provenance import provenance
+from shards.runtime import DistInfo, barrier, resolve_device
 
 from .attention import BlockAttentionLayout
 from .batch import StaticBatch
 from .checkpoint import (check_resume_compatible, decode_rng, encode_rng, latest_checkpoint, load_model_state,
                          load_optimizer_state, save_checkpoint)
-from .distributed import (DistInfo, FlatGrads, all_gather_objects, barrier, broadcast_parameters, init_distributed,
-                          resolve_device)
+from .distributed import FlatGrads, all_gather_objects, broadcast_parameters, init_distributed
 from .evaluate import EvalResult, evaluate_drafter
 from .losses import LossConfig
 from .metrics import MetricsLogger, StepTotals

@@ -1,0 +1,78 @@
+"""Process plumbing both stages share: torchrun ranks, device choice, the `--gpus` relaunch.
+
+It lives here because `shards` is the one package that extract and train both import; nothing in it
+knows about either stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def rank_info() -> DistInfo:
+    """This process's place under torchrun (rank 0 of 1 when started alone)."""
+    return DistInfo(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
+                    int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def resolve_device(spec: str, local_rank: int) -> torch.device:
+    """"auto" = cuda:LOCAL_RANK when CUDA exists, else cpu; a bare "cuda" also means this rank's GPU."""
+    if spec == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device(f"cuda:{local_rank}")
+    return device
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def relaunch_under_torchrun(module: str, gpus: str, argv: list[str]) -> None:
+    """Replace this process with `torchrun --nproc-per-node N -m module argv-without---gpus`."""
+    n = torch.cuda.device_count() if gpus == "all" else int(gpus)
+    if n < 1:
+        raise ValueError(f"--gpus {gpus}: no CUDA devices found")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+           "-m", module, *without_option(argv, "--gpus")]
+    log.info("starting: %s", " ".join(cmd))
+    os.execv(sys.executable, cmd)
+
+
+def without_option(argv: list[str], name: str) -> list[str]:
+    """argv minus `name VALUE` / `name=VALUE`, so the ranks torchrun starts do not launch again."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
