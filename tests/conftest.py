@@ -10,3 +10,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    # Tiny matmuls on a shared 2-core machine: OpenMP spinning makes 2 threads ~10x slower than 1.
+    torch.set_num_threads(1)

@@ -16,7 +16,6 @@ Cases (tiny random target, 24 samples packed into 5 batches of token budget 256,
 Corrupted caches, bad inputs, setting mismatches and training faults: tests/test_faults_inputs.py.
 """
 
-import contextlib
 import errno
 import json
 import os
@@ -47,22 +46,6 @@ VOCAB = 512  # tiny_target's vocabulary
 KILL_EXIT = -signal.SIGKILL
 
 
-@contextlib.contextmanager
-def torch_threads(n):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two OpenMP threads on a busy 2-core CI box spin against the writer thread: 10-100x slower. Module
-    # scope, so that it is in force before the module's target and reference fixtures run.
-    with torch_threads(1):
-        yield
 
 
 def make_samples(n=NUM_SAMPLES, seed=0, max_len=90):

@@ -40,7 +40,7 @@ from extract.data import Sample, write_jsonl
 from extract.runner import CacheMismatchError, run_extract
 from shards import ShardReader, shard_path, write_manifest
 from test_faults import (REPO, VOCAB, cli_args, dataset_file, extract_cfg, extract_reference, make_samples,
-                         tiny_target_dir, torch_threads)
+                         tiny_target_dir)
 from test_shards_format import _corrupt
 from test_train_support import read_records, tiny_cache, tiny_cli_args, tiny_config
 from tools.shards_cli import main as shards_cli
@@ -49,11 +49,6 @@ from train.checkpoint import latest_checkpoint
 from train.cli import main as train_cli
 from train.loop import run_training
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,7 @@ import torch
 from click.testing import CliRunner
 
 from shards import (
-    CacheConfig,
     CacheFormatError,
-    SampleEntry,
     ShardError,
     ShardLoader,
     ShardReader,
@@ -34,18 +32,15 @@ from shards.inspect import verify_cache
 from tools.shards_cli import main as shards_cli
 from tools.synthetic_cache import _random_batch, write_synthetic_cache
 
-
 @pytest.fixture(params=["bf16", "fp8"])
 def cache(tmp_path, request):
     cfg = write_synthetic_cache(tmp_path / "cache", storage_dtype=request.param, target_topk=4, num_batches=3)
     return tmp_path / "cache", cfg
 
-
 def _batch(cfg, batch_id):
     import numpy as np
 
     return _random_batch(cfg, batch_id, np.random.default_rng(batch_id), torch.Generator().manual_seed(batch_id))
-
 
 def test_round_trip_every_tensor(tmp_path, cache):
     cache_dir, cfg = cache
@@ -63,7 +58,6 @@ def test_round_trip_every_tensor(tmp_path, cache):
     got2, _ = reader.read(7, out=out)
     assert got2 is out and torch.equal(out["input_ids"], tensors["input_ids"])
 
-
 def test_fp8_round_trip_error_is_small():
     torch.manual_seed(0)
     # Rows of very different magnitude, as deep layers have: per-row scales keep relative error flat.
@@ -75,7 +69,6 @@ def test_fp8_round_trip_error_is_small():
     print(f"fp8 e4m3 round trip: relative L2 error {rel:.4f}, per tap {[f'{e:.4f}' for e in per_tap]}")
     assert max(per_tap) < 0.04  # e4m3 has 3 mantissa bits: ~2.3% RMS error on Gaussian rows
     assert encode_hidden(hidden, "bf16")["hidden"].dtype == torch.bfloat16
-
 
 def _corrupt(path, how):
     data = bytearray(path.read_bytes())
@@ -95,7 +88,6 @@ def _corrupt(path, how):
             header["input_ids"]["shape"] = [t // 2, 2]
         blob = json.dumps(header, separators=(",", ":")).encode()
         path.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n :])
-
 
 @pytest.mark.parametrize(
     "how,expect",
@@ -117,7 +109,6 @@ def test_corruption_is_caught_by_reader_and_verify(cache, how, expect):
     # Good shards still read.
     reader.read(0, verify_checksum=True)
 
-
 def test_verify_quarantine_moves_bad_shard(cache):
     cache_dir, _ = cache
     _corrupt(shard_path(cache_dir, 2), "flip")
@@ -125,7 +116,6 @@ def test_verify_quarantine_moves_bad_shard(cache):
     assert not report.ok and not shard_path(cache_dir, 2).exists()
     assert (cache_dir / "quarantine" / shard_path(cache_dir, 2).name).exists()
     assert ShardReader(cache_dir).batch_ids() == [0, 1]
-
 
 def test_wrong_cache_format_version_is_refused(cache):
     cache_dir, _ = cache
@@ -135,7 +125,6 @@ def test_wrong_cache_format_version_is_refused(cache):
         ShardReader(cache_dir)
     result = CliRunner().invoke(shards_cli, ["verify", str(cache_dir)])
     assert result.exit_code != 0 and "format version 2" in result.output
-
 
 def test_killed_writer_leaves_no_shard(cache, tmp_path):
     cache_dir, cfg = cache
@@ -166,7 +155,6 @@ def test_killed_writer_leaves_no_shard(cache, tmp_path):
     assert leftovers, "the killed writer should have left only a temporary"
     assert verify_cache(cache_dir).ok
 
-
 def test_write_error_leaves_no_shard(cache, monkeypatch):
     cache_dir, cfg = cache
     tensors, samples = _batch(cfg, 5)
@@ -182,14 +170,12 @@ def test_write_error_leaves_no_shard(cache, monkeypatch):
     assert not shard_path(cache_dir, 5).exists()
     assert not list((cache_dir / "shards").glob(".tmp-*"))
 
-
 def test_writer_rejects_wrong_shapes(cache):
     cache_dir, cfg = cache
     tensors, samples = _batch(cfg, 4)
     tensors["input_ids"] = tensors["input_ids"][:-1]
     with pytest.raises(ValueError, match="input_ids"):
         write_shard(cache_dir, cfg, 4, tensors, samples)
-
 
 def test_index_rebuilds_equal_manifest(cache):
     cache_dir, _ = cache
@@ -200,7 +186,6 @@ def test_index_rebuilds_equal_manifest(cache):
     assert read_manifest(cache_dir).equals(original)
     assert original.num_rows == sum(len(ShardReader(cache_dir).info(b).samples) for b in range(3))
 
-
 def test_stale_manifest_is_reported(cache):
     cache_dir, cfg = cache
     tensors, samples = _batch(cfg, 3)
@@ -210,13 +195,11 @@ def test_stale_manifest_is_reported(cache):
     rebuild_manifest(cache_dir)
     assert verify_cache(cache_dir).ok
 
-
 def test_target_head_round_trip(cache):
     cache_dir, cfg = cache
     head = load_target_head(cache_dir)
     assert head["embed_tokens"].shape == (cfg.target.vocab_size, cfg.target.hidden_size)
     assert head["final_norm"].shape == (cfg.target.hidden_size,)
-
 
 def test_epoch_order_deterministic_and_disjoint():
     ids = list(range(103))
@@ -229,7 +212,6 @@ def test_epoch_order_deterministic_and_disjoint():
     assert {len(r) for r in per_rank} == {25}
     assert epoch_shard_order(ids, 3, 7, 0, world) != per_rank[0]
     assert epoch_shard_order(ids, 2, 8, 0, world) != per_rank[0]
-
 
 def test_loader_reads_ahead_and_skips_bad_shards(cache):
     cache_dir, _ = cache
@@ -251,7 +233,6 @@ def test_loader_reads_ahead_and_skips_bad_shards(cache):
     expected0 = reader.read(0)[0]["input_ids"][0]
     assert seen[0][1] == int(expected0)
 
-
 def test_cli_info_ls_show_json(cache):
     cache_dir, cfg = cache
     runner = CliRunner()
@@ -268,7 +249,6 @@ def test_cli_info_ls_show_json(cache):
     assert missing.exit_code != 0 and "no-such-sample" in missing.output
     text = runner.invoke(shards_cli, ["info", str(cache_dir)]).output
     assert "padding eff." in text
-
 
 def test_swapped_target_head_is_refused(cache, tmp_path):
     cache_dir, _ = cache

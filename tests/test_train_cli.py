@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 
-import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
@@ -15,13 +14,6 @@ from test_train_support import read_records, rewrite_shard, tiny_cache, tiny_cli
 from train.cli import main
 from train.export import load_exported_drafter
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def invoke(args):

@@ -17,13 +17,6 @@ from train.loop import run_training
 from train.model import DFlashDrafter, TargetHead
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def brute_force_tree_acceptance(logp, ids, labels, valid, budget):
     """The tree = the `budget` highest-scoring rank-prefixes (score = summed log-prob), by enumeration."""

@@ -12,14 +12,6 @@ from train.loop import run_training
 from train.metrics import MetricsLogger, StepTotals
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matmuls on a shared 2-core machine: OpenMP spinning makes 2 threads ~10x slower than 1.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def test_loss_logged_every_step_and_metrics_on_their_own_cadence(tmp_path):
     """The old bug: with metrics_every=8 and log_every=1, steps without metrics logged no loss."""

@@ -10,22 +10,12 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-import torch
-
 from test_train_support import read_records, tiny_cache, tiny_cli_args, tiny_config
 from train.checkpoint import latest_checkpoint, list_checkpoints
 from train.loop import run_training
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
