@@ -113,6 +113,7 @@ def _cache_config(cfg: ExtractConfig, target: TargetConfig, taps: list[int], pla
         target=TargetInfo(
             name=str(Path(cfg.target).resolve()), config_hash=target.fingerprint(), hidden_size=target.hidden_size,
             num_layers=target.num_hidden_layers, vocab_size=target.vocab_size, dtype=cfg.dtype,
+            intermediate_size=target.intermediate_size,
         ),
         tap_layer_ids=list(taps),
         token_budget=cfg.token_budget,

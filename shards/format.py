@@ -56,6 +56,7 @@ class TargetInfo:
     num_layers: int  # decoder layers of the full target (taps index into these)
     vocab_size: int  # rows of embed_tokens and lm_head
     dtype: str  # dtype the target ran in, e.g. "bfloat16"
+    intermediate_size: int | None = None  # the target's MLP width, which a DFlash drafter copies
 
 
 @dataclass(kw_only=True)

@@ -230,3 +230,15 @@ def test_resume_with_a_same_shape_target_of_other_weights_is_refused(target, dat
     (twin / "config.json").write_bytes((target / "config.json").read_bytes())
     with pytest.raises(CacheMismatchError, match="target_head_checksum"):
         run_extract(_cfg(twin, data, out))
+
+
+def test_drafter_copies_the_target_mlp_width_from_the_cache(target, data, tmp_path):
+    from extract.target_config import TargetConfig
+    from train.train_config import TrainConfig, resolve_run
+
+    out = tmp_path / "cache"
+    run_extract(_cfg(target, data, out))
+    width = TargetConfig.from_dir(target).intermediate_size
+    assert ShardReader(out).config.target.intermediate_size == width
+    run = resolve_run(TrainConfig(cache=str(out), out_dir=str(tmp_path / "run")))
+    assert run.drafter.intermediate_size == width

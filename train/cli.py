@@ -86,7 +86,7 @@ def main() -> None:
 @click.option("--mask-token-id", type=int, default=None, help="MASK token id; default: the cache's (248070 for Qwen3.5).")
 @click.option("--taps", "tap_layer_ids", callback=_int_list, help="Expected tapped layers, e.g. 1,16,31,46,61; refused if the cache differs.")
 @click.option("--num-layers", default=5, show_default=True, help="Drafter decoder layers.")
-@click.option("--intermediate-size", type=int, default=None, help="Drafter MLP width; default 17408 at hidden 5120, else 3.4 x hidden.")
+@click.option("--intermediate-size", type=int, default=None, help="Drafter MLP width; default: the target's, from cache.json (17408 for Qwen3.5-27B).")
 @click.option("--num-attention-heads", type=int, default=None, help="Drafter query heads (with --num-key-value-heads and --head-dim).")
 @click.option("--num-key-value-heads", type=int, default=None, help="Drafter KV heads.")
 @click.option("--head-dim", type=int, default=None, help="Drafter head dim.")

@@ -110,7 +110,7 @@ class TrainConfig:
     num_layers: int = 5
     """Drafter decoder layers."""
     intermediate_size: int | None = None
-    """Drafter MLP width; None = 17408 for a 5120-wide target, else 3.4 x hidden rounded up to 64."""
+    """Drafter MLP width; None = the target's (recorded in cache.json), as DFlash drafters copy it."""
     num_attention_heads: int | None = None
     """Drafter query heads; None = derived from the width (DrafterConfig.for_target)."""
     num_key_value_heads: int | None = None
@@ -216,6 +216,7 @@ class ResolvedRun:
 
 
 def default_intermediate_size(hidden_size: int) -> int:
+    """For caches that do not record the target's MLP width: the 27B's, else ~3.4 x hidden."""
     if hidden_size == 5120:
         return 17408
     return int(math.ceil(hidden_size * _MLP_RATIO / 64) * 64)
@@ -237,7 +238,8 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
     try:
         drafter = DrafterConfig.for_target(
             hidden_size=target.hidden_size,
-            intermediate_size=cfg.intermediate_size or default_intermediate_size(target.hidden_size),
+            intermediate_size=(cfg.intermediate_size or target.intermediate_size
+                               or default_intermediate_size(target.hidden_size)),
             vocab_size=target.vocab_size, num_target_layers=target.num_layers,
             tap_layer_ids=list(cache_cfg.tap_layer_ids), mask_token_id=mask_token_id,
             num_layers=cfg.num_layers, block_size=cfg.block_size, rope_theta=cfg.rope_theta)
