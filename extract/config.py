@@ -8,6 +8,7 @@ from pathlib import Path
 from shards.format import STORAGE_DTYPES
 
 from .data import LONG_SEQ_POLICIES
+from .packing import PackingConfig
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -56,3 +57,8 @@ class ExtractConfig:
                 raise ValueError(f"tap_layer_ids must be strictly increasing, got {self.tap_layer_ids}")
         if not (Path(self.target) / "config.json").is_file():
             raise ValueError(f"target {self.target!r} has no config.json: pass an HF checkpoint directory")
+
+    @property
+    def packing(self) -> PackingConfig:
+        return PackingConfig(token_budget=self.token_budget, max_seqs=self.max_seqs, long_seqs=self.long_seqs,
+                             pad_token_id=self.pad_token_id)

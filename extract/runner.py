@@ -39,10 +39,10 @@ from .config import ExtractConfig
 from .data import SampleLoader, dataset_fingerprint, scan_dataset
 from shards.runtime import DistInfo, barrier, resolve_device, shutdown
 
-from .distributed import init_distributed
+from .distributed import init_distributed, run_on_main
 from .kernels import select_kernels
 from .model import TargetModel
-from .packing import PACKING_ALGORITHM, PackedBatch, PackingConfig, PackingPlan, load_batch, plan_batches, shard_batches_for_rank
+from .packing import PACKING_ALGORITHM, PackedBatch, PackingPlan, load_batch, plan_batches, shard_batches_for_rank
 from .target_config import TargetConfig
 from .writer import AsyncShardWriter
 
@@ -82,11 +82,10 @@ def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
     taps = cfg.tap_layer_ids or target.default_tap_layer_ids(cfg.num_taps)
     if taps[-1] >= target.num_hidden_layers:
         raise ValueError(f"tap layer {taps[-1]} does not exist: the target has {target.num_hidden_layers} layers")
-    packing = PackingConfig(token_budget=cfg.token_budget, max_seqs=cfg.max_seqs, long_seqs=cfg.long_seqs, pad_token_id=cfg.pad_token_id)
     index = scan_dataset(cfg.data, vocab_size=target.vocab_size, token_budget=cfg.token_budget, long_seqs=cfg.long_seqs)
     if len(index) == 0:
         raise ValueError(f"{cfg.data}: no non-empty samples ({index.report.summary()})")
-    plan = plan_batches(index, packing)
+    plan = plan_batches(index, cfg.packing)
     cache_cfg = _cache_config(cfg, target, taps, plan, index)
     device = resolve_device(cfg.device, dist_info.local_rank)
     if dist_info.is_main:
@@ -94,13 +93,13 @@ def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
         log.info("cache: %s, %.1f KB per token (%s), %d shards of %.2f GB",
                  cfg.out, bytes_per_shard(cache_cfg) / cfg.token_budget / 1e3, cfg.storage_dtype,
                  len(plan.batches), bytes_per_shard(cache_cfg) / 1e9)
-        _prepare_cache(cfg, cache_cfg)
+    run_on_main(dist_info, lambda: _prepare_cache(cfg, cache_cfg))
     barrier()
     mine = shard_batches_for_rank(plan, dist_info.rank, dist_info.world_size)
     todo, resumed = _pending(cfg, mine)
     if resumed:
         log.info("rank %d: %d of its %d shards already complete, %d to go", dist_info.rank, resumed, len(mine), len(todo))
-    summary = _extract(cfg, cache_cfg, target, taps, index, todo, device, dist_info)
+    summary = _extract(cfg, cache_cfg, index, todo, device, dist_info)
     summary.resumed = resumed
     barrier()
     if dist_info.is_main:
@@ -210,14 +209,14 @@ def _pending(cfg: ExtractConfig, mine: list[PackedBatch]) -> tuple[list[PackedBa
     return todo, kept
 
 
-def _extract(cfg, cache_cfg, target, taps, index, todo, device, dist_info) -> ExtractSummary:
+def _extract(cfg, cache_cfg, index, todo, device, dist_info) -> ExtractSummary:
     if not todo:
         return ExtractSummary(cfg.out, cache_cfg.packing["num_batches"], 0, 0, 0, 0.0, 0.0, 0)
     kernels = select_kernels(device, allow_slow_kernels=cfg.allow_slow_kernels)
     with_head = cfg.target_topk > 0
     model = TargetModel.from_pretrained(
         cfg.target, device, dtype=getattr(torch, cfg.dtype), kernels=kernels,
-        last_layer=None if with_head else taps[-1], with_head=with_head,
+        last_layer=None if with_head else cache_cfg.tap_layer_ids[-1], with_head=with_head,
     )
     return extract_batches(model, cfg, cache_cfg, index, todo, device, dist_info.rank)
 
@@ -240,13 +239,12 @@ def extract_batches(
     taps = cache_cfg.tap_layer_ids
     loader = SampleLoader(index)
     writer = AsyncShardWriter(cfg.out, cache_cfg, device, num_buffers=cfg.writer_buffers) if write else None
-    packing = PackingConfig(token_budget=cfg.token_budget, max_seqs=cfg.max_seqs, long_seqs=cfg.long_seqs, pad_token_id=cfg.pad_token_id)
     jsonl = Path(cfg.out) / "logs" / f"extract-rank{rank}.jsonl" if write else None
     progress = ProgressLog(log, jsonl, len(todo), cfg.progress_interval_s)
     real_tokens = 0
     try:
         for done, batch in enumerate(todo, start=1):
-            arrays = load_batch(loader, batch, packing)
+            arrays = load_batch(loader, batch, cfg.packing)
             n = batch.num_tokens
             ids = torch.from_numpy(arrays["input_ids"][:n]).to(device, non_blocking=True)
             pos = torch.from_numpy(arrays["position_ids"][:n]).to(device, non_blocking=True)

@@ -242,3 +242,15 @@ def test_drafter_copies_the_target_mlp_width_from_the_cache(target, data, tmp_pa
     assert ShardReader(out).config.target.intermediate_size == width
     run = resolve_run(TrainConfig(cache=str(out), out_dir=str(tmp_path / "run")))
     assert run.drafter.intermediate_size == width
+
+
+def test_a_refusal_on_rank_0_stops_every_rank(target, data, tmp_path):
+    out = tmp_path / "cache"
+    run_extract(_cfg(target, data, out))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "extract.cli",
+           "--target", str(target), "--data", str(data), "--out", str(out), "--token-budget", "256",
+           "--max-seqs", "8", "--dtype", "float32", "--device", "cpu", "--storage", "fp8"]
+    # Rank 1 must not wait at a barrier for rank 0, which refused the resume.
+    proc = subprocess.run(cmd, capture_output=True, timeout=240, cwd=REPO)
+    assert proc.returncode != 0
+    assert "storage_dtype" in proc.stderr.decode()
