@@ -39,8 +39,9 @@ from extract.cli import main as extract_cli
 from extract.data import Sample, write_jsonl
 from extract.runner import CacheMismatchError, run_extract
 from shards import ShardReader, shard_path, write_manifest
-from test_faults import (REPO, VOCAB, cli_args, dataset_file, extract_cfg, extract_reference, make_samples,
-                         tiny_target_dir)
+# The module-scoped target, dataset and reference-cache fixtures are test_faults'; importing them here
+# gives this module its own instances of the same fixtures.
+from test_faults import REPO, VOCAB, cli_args, data, extract_cfg, make_samples, reference, target  # noqa: F401
 from test_shards_format import _corrupt
 from test_train_support import read_records, tiny_cache, tiny_cli_args, tiny_config
 from tools.shards_cli import main as shards_cli
@@ -49,21 +50,6 @@ from train.checkpoint import latest_checkpoint
 from train.cli import main as train_cli
 from train.loop import run_training
 
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return tiny_target_dir(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return dataset_file(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def reference(target, data, tmp_path_factory):
-    return extract_reference(target, data, tmp_path_factory)
 
 
 def copy_cache(reference, tmp_path):
