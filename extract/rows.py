@@ -1,0 +1,216 @@
+"""Row formats: read, parse and validate the rows of JSON Lines and Parquet dataset files.
+
+Every problem is a DataError naming file, row (a JSONL row r is line r + 1) and reason. A file is
+read in chunks of rows (`Chunk`): row numbers, raw ids, lengths, and all tokens and masks of the
+chunk flattened, so a scan of millions of rows does no per-row Python work past parsing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+logger = logging.getLogger(__name__)
+
+LARGE_ROW_GROUP_TOKENS = 16 * 2**20  # a Parquet row group past this makes random sample access slow
+
+class DataError(ValueError):
+    """A dataset file or row that cannot be used; the message names file, row and reason."""
+
+
+def row_location(path: str, row: int) -> str:
+    line = f" (line {row + 1})" if path.endswith(".jsonl") else ""
+    return f"{path}, row {row}{line}"
+
+
+class Chunk(NamedTuple):
+    """A run of n consecutive rows of one file, parsed and validated."""
+
+    rows: np.ndarray  # [n] int64, row within the file
+    ids: list  # [n] the given id (str or int) or None
+    lengths: np.ndarray  # [n] int64
+    tokens: np.ndarray  # [sum(lengths)] int32, the rows' input_ids back to back
+    mask: np.ndarray  # [sum(lengths)] uint8, the rows' loss masks back to back
+    byte_offsets: np.ndarray | None  # [n] int64 start of each JSONL line; None for Parquet
+
+
+def _check_values(tokens: np.ndarray, mask: np.ndarray, lengths: np.ndarray, vocab_size: int, path: str, first_row: int) -> None:
+    """Raise at the first token id outside the vocabulary or mask value other than 0/1."""
+    for name, bad in (
+        ("input_ids", (tokens < 0) | (tokens >= vocab_size)),
+        ("loss_mask", (mask != 0) & (mask != 1)),
+    ):
+        if bad.any():
+            flat = int(np.argmax(bad))
+            ends = np.cumsum(lengths)
+            row = int(np.searchsorted(ends, flat, side="right"))
+            pos = flat - (int(ends[row - 1]) if row else 0)
+            value = (tokens if name == "input_ids" else mask)[flat]
+            allowed = f"outside [0, {vocab_size}) (the target's vocabulary)" if name == "input_ids" else "not 0 or 1"
+            raise DataError(f"{row_location(path, first_row + row)}: {name}[{pos}] = {value} is {allowed}")
+
+
+def _int_list(value: object, name: str, where: str, allow_bool: bool, may_hold_bool: bool) -> np.ndarray:
+    """A JSON list of integers as a 1-D numpy array, or DataError.
+
+    may_hold_bool: the raw line contains "true" or "false", so elements must be checked one by one.
+    """
+    if not isinstance(value, list):
+        raise DataError(f"{where}: {name} must be a list of integers, found {type(value).__name__}")
+    if not value:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        arr = np.asarray(value)
+    except (ValueError, OverflowError) as e:
+        raise DataError(f"{where}: {name} must be a flat list of integers ({e})") from e
+    if arr.ndim != 1 or not (arr.dtype.kind in "iu" or (allow_bool and arr.dtype.kind == "b")):
+        kinds = sorted({type(v).__name__ for v in value})
+        if kinds == ["int"]:  # numpy keeps Python ints past 64 bits as objects
+            raise DataError(f"{where}: {name} holds an integer too large for 64 bits")
+        raise DataError(f"{where}: {name} must be a flat list of integers, found elements of type {kinds}")
+    # numpy turns [True, 5] into ints; a bool among ids is a malformed row, not token id 1.
+    if may_hold_bool and not allow_bool and any(type(v) is bool for v in value):
+        raise DataError(f"{where}: {name} must be a list of integers, found a boolean")
+    return arr
+
+
+def parse_json_row(line: bytes, path: str, row: int, vocab_size: int) -> tuple[object, np.ndarray, np.ndarray]:
+    where = row_location(path, row)
+    try:
+        obj = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{where}: malformed JSON line ({e}); the file must be JSON Lines, one object per line") from e
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, found {type(obj).__name__}")
+    if "input_ids" not in obj:
+        raise DataError(f"{where}: missing input_ids (keys: {sorted(obj)})")
+    may_hold_bool = b"true" in line or b"false" in line  # cheap test that spares a per-element loop
+    tokens = _int_list(obj["input_ids"], "input_ids", where, allow_bool=False, may_hold_bool=may_hold_bool)
+    if obj.get("loss_mask") is None:
+        mask = np.ones(tokens.shape[0], dtype=np.uint8)
+    else:
+        mask = _int_list(obj["loss_mask"], "loss_mask", where, allow_bool=True, may_hold_bool=may_hold_bool)
+        if mask.shape != tokens.shape:
+            raise DataError(f"{where}: loss_mask has {mask.shape[0]} values, input_ids has {tokens.shape[0]}")
+    sample_id = obj.get("id")
+    if sample_id is not None and (isinstance(sample_id, bool) or not isinstance(sample_id, (str, int))):
+        raise DataError(f"{where}: id must be a string or an integer, found {type(sample_id).__name__}")
+    lengths = np.array([tokens.shape[0]], dtype=np.int64)
+    _check_values(tokens, mask, lengths, vocab_size, path, row)
+    return sample_id, tokens.astype(np.int32), mask.astype(np.uint8)
+
+
+def _jsonl_chunk(path: str, items: list[tuple[int, int, bytes]], vocab_size: int) -> Chunk:
+    """Parse (row, byte offset, line) items of one JSONL file into a chunk."""
+    ids, toks, masks = [], [], []
+    for row, _, line in items:
+        sample_id, tokens, mask = parse_json_row(line, path, row, vocab_size)
+        ids.append(sample_id)
+        toks.append(tokens)
+        masks.append(mask)
+    rows = np.array([r for r, _, _ in items], dtype=np.int64)
+    offsets = np.array([o for _, o, _ in items], dtype=np.int64)
+    lengths = np.array([t.shape[0] for t in toks], dtype=np.int64)
+    return Chunk(rows, ids, lengths, np.concatenate(toks), np.concatenate(masks), offsets)
+
+
+def _iter_jsonl(path: str, vocab_size: int, rows_per_chunk: int = 4096) -> Iterator[Chunk]:
+    items: list[tuple[int, int, bytes]] = []
+    offset = 0
+    with open(path, "rb") as f:
+        for row, line in enumerate(f):
+            items.append((row, offset, line))
+            offset += len(line)
+            if len(items) == rows_per_chunk:
+                yield _jsonl_chunk(path, items, vocab_size)
+                items = []
+    if items:
+        yield _jsonl_chunk(path, items, vocab_size)
+
+
+def _list_type_ok(t: pa.DataType, allow_bool: bool) -> bool:
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)):
+        return False
+    v = t.value_type
+    return pa.types.is_integer(v) or (allow_bool and pa.types.is_boolean(v))
+
+
+def parquet_columns(schema: pa.Schema, path: str) -> list[str]:
+    """Check the column types of a Parquet file; return the columns to read."""
+    names = schema.names
+    if "input_ids" not in names:
+        raise DataError(f"{path}: missing input_ids column (columns: {names})")
+    for name in ("input_ids", "loss_mask"):
+        if name in names and not _list_type_ok(schema.field(name).type, allow_bool=name == "loss_mask"):
+            raise DataError(f"{path}: column {name} has type {schema.field(name).type}, expected a list of integers")
+    if "id" in names:
+        t = schema.field("id").type
+        if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)):
+            raise DataError(f"{path}: column id has type {t}, expected string or integer")
+    return [n for n in ("input_ids", "loss_mask", "id") if n in names]
+
+
+def _flat_list(col: pa.ChunkedArray, name: str, path: str, first_row: int) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths [n] int64, flat values) of a list column, refusing null lists and null elements."""
+    arr = col.combine_chunks()
+    if arr.null_count:
+        row = int(np.argmax(arr.is_null().to_numpy(zero_copy_only=False)))
+        raise DataError(f"{row_location(path, first_row + row)}: {name} is null")
+    lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False).astype(np.int64)
+    values = arr.flatten()
+    if values.null_count:
+        flat = int(np.argmax(values.is_null().to_numpy(zero_copy_only=False)))
+        row = int(np.searchsorted(np.cumsum(lengths), flat, side="right"))
+        raise DataError(f"{row_location(path, first_row + row)}: {name} contains a null value")
+    return lengths, values.to_numpy(zero_copy_only=False)
+
+
+def parquet_chunk(table: pa.Table, path: str, first_row: int, vocab_size: int) -> Chunk:
+    n = table.num_rows
+    lengths, tokens = _flat_list(table.column("input_ids"), "input_ids", path, first_row)
+    if "loss_mask" in table.column_names:
+        mask_lengths, mask = _flat_list(table.column("loss_mask"), "loss_mask", path, first_row)
+        if not np.array_equal(mask_lengths, lengths):
+            row = int(np.argmax(mask_lengths != lengths))
+            raise DataError(
+                f"{row_location(path, first_row + row)}: loss_mask has {mask_lengths[row]} values, "
+                f"input_ids has {lengths[row]}"
+            )
+    else:
+        mask = np.ones(tokens.shape[0], dtype=np.uint8)
+    _check_values(tokens, mask, lengths, vocab_size, path, first_row)
+    ids = table.column("id").to_pylist() if "id" in table.column_names else [None] * n
+    rows = np.arange(first_row, first_row + n, dtype=np.int64)
+    return Chunk(rows, ids, lengths, tokens.astype(np.int32), mask.astype(np.uint8), None)
+
+
+def _iter_parquet(path: str, vocab_size: int) -> Iterator[Chunk]:
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from e
+    columns = parquet_columns(pf.schema_arrow, path)
+    first_row, largest = 0, 0
+    for g in range(pf.num_row_groups):
+        table = pf.read_row_group(g, columns=columns)
+        chunk = parquet_chunk(table, path, first_row, vocab_size)
+        largest = max(largest, int(chunk.tokens.shape[0]))
+        yield chunk
+        first_row += table.num_rows
+    if largest > LARGE_ROW_GROUP_TOKENS:
+        logger.warning(
+            "%s: row groups of up to %d tokens; loading a sample decodes its whole row group, so packed "
+            "batches load slowly; rewrite the file with smaller row groups (write_parquet uses 256 rows)",
+            path, largest,
+        )
+
+
+def iter_file(path: str, vocab_size: int) -> Iterator[Chunk]:
+    return _iter_parquet(path, vocab_size) if path.endswith(".parquet") else _iter_jsonl(path, vocab_size)
