@@ -67,7 +67,7 @@ def test_fp8_round_trip_error_is_small():
     rel = ((dec - hidden).norm() / hidden.norm()).item()
     per_tap = [((dec[:, j] - hidden[:, j]).norm() / hidden[:, j].norm()).item() for j in range(5)]
     print(f"fp8 e4m3 round trip: relative L2 error {rel:.4f}, per tap {[f'{e:.4f}' for e in per_tap]}")
-    assert max(per_tap) < 0.04  # e4m3 has 3 mantissa bits: ~2.3% RMS error on Gaussian rows
+    assert max(per_tap) < 0.04  # e4m3 has 3 mantissa bits: measured 2.6% relative L2 on Gaussian rows
     assert encode_hidden(hidden, "bf16")["hidden"].dtype == torch.bfloat16
 
 def _corrupt(path, how):
