@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from test_drafter_helpers import MASK_ID, make_batch
-from train.blocks import sample_blocks, valid_anchors
+from test_drafter_helpers import MASK_ID, batch_blocks, make_batch
+from train.blocks import valid_anchors
 
 SEQ_LENS = [9, 14, 3, 11]
 BUDGET, MAX_SEQS = 48, 6
@@ -24,10 +24,8 @@ def loop_valid_anchors(batch) -> set[int]:
 
 def sample(batch, num_blocks, block_size=4, seed=0, gamma=7.0):
     g = torch.Generator().manual_seed(seed)
-    return sample_blocks(input_ids_T=batch["input_ids_T"], position_ids_T=batch["position_ids_T"],
-                         loss_mask_T=batch["loss_mask_T"], cu_seqlens_S1=batch["cu_seqlens_S1"],
-                         num_blocks=num_blocks, block_size=block_size, mask_token_id=MASK_ID, gamma=gamma,
-                         generator=g)
+    return batch_blocks(batch, num_blocks=num_blocks, block_size=block_size, mask_token_id=MASK_ID, gamma=gamma,
+                        generator=g)
 
 
 def test_valid_anchor_rule_matches_loop():
@@ -85,9 +83,7 @@ def test_sampler_roughly_uniform():
     counts = torch.zeros(BUDGET)
     g = torch.Generator().manual_seed(0)
     for _ in range(draws):
-        blocks = sample_blocks(input_ids_T=batch["input_ids_T"], position_ids_T=batch["position_ids_T"],
-                               loss_mask_T=batch["loss_mask_T"], cu_seqlens_S1=batch["cu_seqlens_S1"],
-                               num_blocks=num_blocks, block_size=4, mask_token_id=MASK_ID, generator=g)
+        blocks = batch_blocks(batch, num_blocks=num_blocks, block_size=4, mask_token_id=MASK_ID, generator=g)
         counts[blocks.anchor_N.long()] += 1
     p = num_blocks / len(valid)
     expected, sd = draws * p, math.sqrt(draws * p * (1 - p))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from train.blocks import TrainingBlocks, sample_blocks
 from train.config import DrafterConfig
 from train.model import DFlashDrafter, TargetHead
 
@@ -55,3 +56,9 @@ def tiny_model_and_head(cfg: DrafterConfig, seed: int = 0, dtype=torch.float32):
     head = TargetHead(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g, dtype=dtype),
                       torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g, dtype=dtype) * 0.3)
     return model, head
+
+
+def batch_blocks(batch: dict, **kwargs) -> TrainingBlocks:
+    """sample_blocks over a make_batch() batch; kwargs are sample_blocks' own (num_blocks, ...)."""
+    return sample_blocks(input_ids_T=batch["input_ids_T"], position_ids_T=batch["position_ids_T"],
+                         loss_mask_T=batch["loss_mask_T"], cu_seqlens_S1=batch["cu_seqlens_S1"], **kwargs)

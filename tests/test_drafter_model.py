@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
-from test_drafter_helpers import make_batch, tiny_config, tiny_model_and_head
+from test_drafter_helpers import batch_blocks, make_batch, tiny_config, tiny_model_and_head
 from train.attention import BlockAttentionLayout
-from train.blocks import sample_blocks
 from train.config import DrafterConfig
 from train.export import zlab_parameter_names
 from train.model import DFlashDrafter, count_parameters
@@ -118,16 +117,19 @@ def test_forward_block_matches_float64_reference():
     assert diff < 1e-4, f"max abs diff {diff}"
 
 
+def blocks_and_layout(cfg, batch, num_blocks):
+    """Seeded blocks over a 48-token batch and the dense attention layout they imply."""
+    blocks = batch_blocks(batch, num_blocks=num_blocks, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                          generator=torch.Generator().manual_seed(0))
+    layout = BlockAttentionLayout(num_ctx=48, num_blocks=num_blocks, block_size=cfg.block_size)
+    return blocks, layout.update(blocks.seq_start_N, blocks.anchor_N)
+
+
 def test_training_forward_matches_inference_forward_per_block():
     cfg = tiny_config()
     model, head = tiny_model_and_head(cfg)
     batch = make_batch([9, 14, 3, 11], 48, 6, cfg.num_taps, cfg.hidden_size, unsupervised=(20,))
-    blocks = sample_blocks(input_ids_T=batch["input_ids_T"], position_ids_T=batch["position_ids_T"],
-                           loss_mask_T=batch["loss_mask_T"], cu_seqlens_S1=batch["cu_seqlens_S1"], num_blocks=12,
-                           block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                           generator=torch.Generator().manual_seed(0))
-    layout = BlockAttentionLayout(num_ctx=48, num_blocks=12, block_size=cfg.block_size).update(
-        blocks.seq_start_N, blocks.anchor_N)
+    blocks, layout = blocks_and_layout(cfg, batch, num_blocks=12)
     with torch.no_grad():
         out_NBH = model(batch["hidden_TKH"], batch["position_ids_T"], head.embed(blocks.block_ids_NB),
                         blocks.block_pos_NB, layout)
@@ -147,12 +149,7 @@ def test_activation_checkpointing_keeps_values_and_grads():
     cfg = tiny_config()
     model, head = tiny_model_and_head(cfg)
     batch = make_batch([9, 14, 3, 11], 48, 6, cfg.num_taps, cfg.hidden_size)
-    blocks = sample_blocks(input_ids_T=batch["input_ids_T"], position_ids_T=batch["position_ids_T"],
-                           loss_mask_T=batch["loss_mask_T"], cu_seqlens_S1=batch["cu_seqlens_S1"], num_blocks=8,
-                           block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                           generator=torch.Generator().manual_seed(0))
-    layout = BlockAttentionLayout(num_ctx=48, num_blocks=8, block_size=cfg.block_size).update(
-        blocks.seq_start_N, blocks.anchor_N)
+    blocks, layout = blocks_and_layout(cfg, batch, num_blocks=8)
     results = []
     for ckpt in (False, True):
         model.zero_grad(set_to_none=True)
@@ -170,12 +167,7 @@ def test_fp32_params_under_bf16_autocast_run_close_to_fp32():
     cfg = tiny_config()
     model, head = tiny_model_and_head(cfg)
     batch = make_batch([9, 14, 3, 11], 48, 6, cfg.num_taps, cfg.hidden_size)
-    blocks = sample_blocks(input_ids_T=batch["input_ids_T"], position_ids_T=batch["position_ids_T"],
-                           loss_mask_T=batch["loss_mask_T"], cu_seqlens_S1=batch["cu_seqlens_S1"], num_blocks=8,
-                           block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                           generator=torch.Generator().manual_seed(0))
-    layout = BlockAttentionLayout(num_ctx=48, num_blocks=8, block_size=cfg.block_size).update(
-        blocks.seq_start_N, blocks.anchor_N)
+    blocks, layout = blocks_and_layout(cfg, batch, num_blocks=8)
     args = (batch["hidden_TKH"], batch["position_ids_T"], head.embed(blocks.block_ids_NB), blocks.block_pos_NB, layout)
     with torch.no_grad():
         ref = model(*args)

@@ -4,8 +4,7 @@ import math
 import pytest
 import torch
 
-from test_drafter_helpers import MASK_ID, VOCAB, make_batch
-from train.blocks import sample_blocks
+from test_drafter_helpers import MASK_ID, VOCAB, batch_blocks, make_batch
 from train.losses import LossConfig, block_loss, block_loss_unchunked
 from train.metrics_math import block_metrics
 
@@ -14,10 +13,8 @@ B, H, KT, BUDGET = 5, 8, 6, 40
 
 def setup(num_blocks=9, dtype=torch.float64, seed=0):
     batch = make_batch([12, 4, 9, 10], BUDGET, 6, 1, H, seed=seed, unsupervised=(8,))
-    blocks = sample_blocks(input_ids_T=batch["input_ids_T"], position_ids_T=batch["position_ids_T"],
-                           loss_mask_T=batch["loss_mask_T"], cu_seqlens_S1=batch["cu_seqlens_S1"],
-                           num_blocks=num_blocks, block_size=B, mask_token_id=MASK_ID, gamma=2.0,
-                           generator=torch.Generator().manual_seed(seed))
+    blocks = batch_blocks(batch, num_blocks=num_blocks, block_size=B, mask_token_id=MASK_ID, gamma=2.0,
+                          generator=torch.Generator().manual_seed(seed))
     g = torch.Generator().manual_seed(seed + 10)
     hidden = torch.randn(num_blocks, B, H, generator=g, dtype=dtype)
     lm_head = torch.randn(VOCAB, H, generator=g, dtype=dtype) * 0.7
