@@ -86,7 +86,7 @@ def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
     if len(index) == 0:
         raise ValueError(f"{cfg.data}: no non-empty samples ({index.report.summary()})")
     plan = plan_batches(index, cfg.packing)
-    cache_cfg = _cache_config(cfg, target, taps, plan, index)
+    cache_cfg = build_cache_config(cfg, target, taps, plan, index)
     device = resolve_device(cfg.device, dist_info.local_rank)
     if dist_info.is_main:
         log.info("plan: %s", plan.summary())
@@ -107,7 +107,8 @@ def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
     return summary
 
 
-def _cache_config(cfg: ExtractConfig, target: TargetConfig, taps: list[int], plan: PackingPlan, index) -> CacheConfig:
+def build_cache_config(cfg: ExtractConfig, target: TargetConfig, taps: list[int], plan: PackingPlan, index) -> CacheConfig:
+    """What cache.json will say for this run (the target head checksum is filled in by _prepare_cache)."""
     return CacheConfig(
         target=TargetInfo(
             name=str(Path(cfg.target).resolve()), config_hash=target.fingerprint(), hidden_size=target.hidden_size,

@@ -31,7 +31,7 @@ from extract.data import Sample, scan_dataset, write_parquet
 from extract.kernels import select_kernels
 from extract.model import TargetModel
 from extract.packing import PackingConfig, plan_batches
-from extract.runner import _cache_config, extract_batches
+from extract.runner import build_cache_config, extract_batches
 from extract.target_config import TargetConfig, qwen35_27b_config_dict, tiny_config_dict
 from shards import create_cache
 from tools.tiny_target import random_weights
@@ -156,7 +156,7 @@ def main(out_path, cache_dir, num_samples, batches, layers, hf_layers, token_bud
         cfg = ExtractConfig(target=str(config_dir), data=str(data), out=str(cache_dir), tap_layer_ids=taps,
                             storage_dtype="bf16" if storage == "none" else storage, token_budget=token_budget,
                             progress_interval_s=5.0)
-        cache_cfg = _cache_config(cfg, target, taps, plan, index)
+        cache_cfg = build_cache_config(cfg, target, taps, plan, index)
         vocab, hidden = target.vocab_size, target.hidden_size
         create_cache(cache_dir, cache_cfg, {"embed_tokens": torch.zeros(vocab, hidden, dtype=torch.bfloat16),
                                             "lm_head": torch.zeros(vocab, hidden, dtype=torch.bfloat16),
