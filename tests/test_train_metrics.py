@@ -62,3 +62,33 @@ def test_log_divides_summed_pairs_like_a_naive_average(tmp_path):
     assert rec["acc/slot_01"] == pytest.approx(3 / 5) and rec["acc/slot_02"] == pytest.approx(2 / 3)
     assert rec["accept/streak"] == pytest.approx(6 / 5)
     assert float(totals.loss_sum.abs().sum()) == 0, "totals must reset after a log"
+
+
+def _all_records(run_dir):
+    import json
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_exact_key_sets_of_training_and_eval_records(tmp_path):
+    """A key that vanishes from (or sneaks into) the logs fails here: the exact set of a training
+    record with and without monitoring metrics, and of an eval record (block size 4: 3 draft slots)."""
+    cache = tiny_cache(tmp_path / "cache", num_batches=3)
+    run_training(tiny_config(cache, tmp_path / "run", max_steps=2, metrics_every=2, eval_shards=1))
+    records = _all_records(tmp_path / "run")
+    steps = [r for r in records if "event" not in r]
+    evals = [r for r in records if r.get("event") == "eval"]
+    base = {"time", "step", "epoch", "loss/total", "loss/ce", "loss/kl", "loss/cap", "opt/lr", "opt/grad_norm",
+            "data/labels_per_step", "data/blocks_per_step", "data/tokens_seen", "data/skipped_shards",
+            "perf/tokens_per_s", "perf/data_wait_frac", "perf/eta_s"}
+    slots = {f"{prefix}{k:02d}" for prefix in ("acc/slot_", "acc/top4_slot_", "ce/slot_") for k in (1, 2, 3)}
+    monitoring = slots | {"accept/streak", "accept/top4_streak", "accept/expected"}
+    assert [r["step"] for r in steps] == [1, 2]
+    assert set(steps[0]) == base | monitoring, sorted(set(steps[0]) ^ (base | monitoring))
+    assert set(steps[1]) == base, sorted(set(steps[1]) ^ base)
+    assert 0 <= steps[1]["perf/data_wait_frac"] <= 1
+    want_eval = {"time", "event", "step", "eval/num_blocks", "eval/acceptance_length", "eval/batch_ids",
+                 "eval/acc_slot_01", "eval/acc_slot_02", "eval/acc_slot_03",
+                 "eval/tree_acceptance_16", "eval/tree_acceptance_32", "eval/tree_acceptance_64"}
+    assert [r["step"] for r in evals] == [0, 2]  # the untrained drafter, then the end of training
+    for r in evals:
+        assert set(r) == want_eval, sorted(set(r) ^ want_eval)

@@ -155,7 +155,8 @@ class MetricsLogger:
             "loss/cap": loss[3], "opt/lr": lr, "opt/grad_norm": v["counts"][1] / steps,
             "data/labels_per_step": v["counts"][2] / steps, "data/blocks_per_step": v["counts"][3] / steps,
             "data/tokens_seen": self.tokens_seen, "data/skipped_shards": self.skipped_shards,
-            "perf/tokens_per_s": tokens_per_s,  # this rank's real (context) tokens per second "perf/data_wait_frac": self._interval_wait_s / interval_s,
+            "perf/tokens_per_s": tokens_per_s,  # this rank's real (context) tokens per second
+            "perf/data_wait_frac": self._interval_wait_s / interval_s,  # share of the interval spent waiting on shards
             "perf/eta_s": eta_s,
         }
         if v["metric_steps"][0] > 0:
