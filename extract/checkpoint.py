@@ -9,6 +9,11 @@ keeps the text decoder under `model.language_model.`, a text-only export under `
 Loading never holds the model twice in host memory: the model is built on the meta device and
 each tensor goes file -> host -> device before the next is read. A_log and dt_bias stay fp32:
 they feed exp() and softplus() of the decay.
+
+Fine-grained FP8 checkpoints (extract/quantization.py) are dequantised while streaming: the e4m3
+tensor and its block scales go to the device, are multiplied there and cast to the compute dtype,
+so host memory and the host-to-device copy carry one byte per weight. Other quantizations are
+refused with their method's name.
 """
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from .quantization import FP8_DTYPE, Fp8BlockFormat, checkpoint_quantization, dequantize_fp8_blocks, scale_name
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +104,7 @@ def _source_name(local_name: str, naming: str, locations: dict[str, Path], tied:
 def load_weights_into(model: nn.Module, ckpt_dir: str | Path, device: torch.device, dtype: torch.dtype) -> None:
     """Stream every parameter of `model` (built on meta, HF text-model names) from `ckpt_dir`."""
     ckpt_dir = Path(ckpt_dir)
+    quant = checkpoint_quantization(ckpt_dir)
     locations = tensor_locations(ckpt_dir)
     naming = detect_naming(locations)
     tied = bool(model.config.tie_word_embeddings)
@@ -108,6 +116,7 @@ def load_weights_into(model: nn.Module, ckpt_dir: str | Path, device: torch.devi
 
     loaded: dict[str, torch.Tensor] = {}
     read_cache: dict[str, torch.Tensor] = {}  # only tied embeddings are read twice
+    dequantised = 0
     for path, pairs in by_file.items():
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for local, source in pairs:
@@ -118,7 +127,8 @@ def load_weights_into(model: nn.Module, ckpt_dir: str | Path, device: torch.devi
                 found = tuple(f.get_slice(source).get_shape())
                 if found != expected:
                     raise ValueError(f"{path}: {source} has shape {found}, expected {expected} from config.json")
-                tensor = f.get_tensor(source).to(device=device, dtype=storage_dtype(local, dtype))
+                tensor, was_fp8 = read_tensor(f, path, source, locations, quant, device, storage_dtype(local, dtype))
+                dequantised += was_fp8
                 loaded[local] = tensor
                 if source.endswith("embed_tokens.weight") and tied:
                     read_cache[source] = tensor
@@ -129,10 +139,40 @@ def load_weights_into(model: nn.Module, ckpt_dir: str | Path, device: torch.devi
         "loaded %d tensors from %s (%s naming, %d files; %d vision/MTP tensors ignored; dtype %s)",
         len(loaded), ckpt_dir, naming, len(by_file), skipped, dtype,
     )
+    if quant is not None:
+        logger.info("kernel weights: %s checkpoint; %d tensors dequantised to %s while streaming, %d stored "
+                    "unquantised", quant.describe(), dequantised, dtype, len(loaded) - dequantised)
+
+
+def read_tensor(f, path: Path, source: str, locations: dict[str, Path], quant: Fp8BlockFormat | None,
+                device: torch.device | str, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """(tensor on `device` in `dtype`, whether it was FP8): an e4m3 tensor is multiplied by its
+    block scales (`name`_scale_inv, from whichever file holds it) on the device first."""
+    if f.get_slice(source).get_dtype() != "F8_E4M3":
+        return f.get_tensor(source).to(device=device, dtype=dtype), False
+    if quant is None:
+        raise ValueError(f"{path}: {source} is stored as float8_e4m3fn but config.json has no quantization_config; "
+                         f"the checkpoint is incomplete (restore its config.json from the release)")
+    scale = scale_name(source)
+    if scale not in locations:
+        raise ValueError(f"{path}: {source} is FP8 but its block scales {scale!r} are not in the checkpoint")
+    w8 = f.get_tensor(source)
+    if locations[scale] == path:
+        scale_inv = f.get_tensor(scale)
+    else:
+        with safe_open(str(locations[scale]), framework="pt", device="cpu") as g:
+            scale_inv = g.get_tensor(scale)
+    if w8.ndim != 2 or w8.dtype != FP8_DTYPE:
+        raise ValueError(f"{path}: {source} is {w8.dtype} {tuple(w8.shape)}; FP8 weights must be 2-D {FP8_DTYPE}")
+    want = quant.scale_shape(tuple(w8.shape))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"{locations[scale]}: {scale} has shape {tuple(scale_inv.shape)}, expected {want} for "
+                         f"{source} {tuple(w8.shape)} in {quant.describe()}")
+    return dequantize_fp8_blocks(w8.to(device), scale_inv.to(device), quant, dtype), True
 
 
 def load_target_head(ckpt_dir: str | Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """{"embed_tokens": [V, H], "lm_head": [V, H], "norm": [H]} in their stored dtype.
+    """{"embed_tokens": [V, H], "lm_head": [V, H], "norm": [H]} in their stored dtype (bf16 when FP8).
 
     With tied embeddings lm_head is a copy of embed_tokens (a separate tensor, so the pair can be
     written to one safetensors file). `norm` is the zero-centred final norm's raw weight w (the
@@ -142,14 +182,19 @@ def load_target_head(ckpt_dir: str | Path, device: torch.device | str = "cpu") -
 
     ckpt_dir = Path(ckpt_dir)
     cfg = TargetConfig.from_dir(ckpt_dir)
+    quant = checkpoint_quantization(ckpt_dir)
     locations = tensor_locations(ckpt_dir)
     naming = detect_naming(locations)
     out: dict[str, torch.Tensor] = {}
     for key, local in (("embed_tokens", "embed_tokens.weight"), ("lm_head", "lm_head.weight"), ("norm", "norm.weight")):
         source = _source_name(local, naming, locations, cfg.tie_word_embeddings, ckpt_dir)
         with safe_open(str(locations[source]), framework="pt", device="cpu") as f:
-            tensor = f.get_tensor(source)
-        out[key] = tensor.to(device)
+            # An FP8 head (rare: releases keep it unquantised) is dequantised to bf16.
+            if f.get_slice(source).get_dtype() == "F8_E4M3":
+                tensor = read_tensor(f, locations[source], source, locations, quant, device, torch.bfloat16)[0]
+            else:
+                tensor = f.get_tensor(source).to(device)
+        out[key] = tensor
     if out["lm_head"].data_ptr() == out["embed_tokens"].data_ptr() or cfg.tie_word_embeddings:
         out["lm_head"] = out["embed_tokens"].clone()
     expected = {"embed_tokens": (cfg.vocab_size, cfg.hidden_size), "lm_head": (cfg.vocab_size, cfg.hidden_size),

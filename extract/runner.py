@@ -35,6 +35,7 @@ from shards.progress import ProgressLog, format_duration
 from shards.provenance import provenance
 
 from .checkpoint import load_target_head
+from .quantization import checkpoint_quantization
 from .config import ExtractConfig
 from .data import SampleLoader, dataset_fingerprint, scan_dataset
 from shards.runtime import DistInfo, barrier, resolve_device, shutdown
@@ -79,6 +80,7 @@ def run_extract(cfg: ExtractConfig) -> ExtractSummary:
 
 def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
     target = TargetConfig.from_dir(cfg.target)
+    checkpoint_quantization(cfg.target)  # an unimplemented quantization is refused before any work
     taps = cfg.tap_layer_ids or target.default_tap_layer_ids(cfg.num_taps)
     if taps[-1] >= target.num_hidden_layers:
         raise ValueError(f"tap layer {taps[-1]} does not exist: the target has {target.num_hidden_layers} layers")
@@ -113,7 +115,8 @@ def build_cache_config(cfg: ExtractConfig, target: TargetConfig, taps: list[int]
         target=TargetInfo(
             name=str(Path(cfg.target).resolve()), config_hash=target.fingerprint(), hidden_size=target.hidden_size,
             num_layers=target.num_hidden_layers, vocab_size=target.vocab_size, dtype=cfg.dtype,
-            intermediate_size=target.intermediate_size,
+            intermediate_size=target.intermediate_size, quantization=_quantization_record(cfg.target),
+            compute=cfg.compute,
         ),
         tap_layer_ids=list(taps),
         token_budget=cfg.token_budget,
@@ -129,6 +132,11 @@ def build_cache_config(cfg: ExtractConfig, target: TargetConfig, taps: list[int]
                  "num_tokens": int(index.lengths.sum())},
         provenance={**provenance(), "extract_config": {k: v for k, v in vars(cfg).items()}},
     )
+
+
+def _quantization_record(ckpt_dir: str) -> str | None:
+    quant = checkpoint_quantization(ckpt_dir)
+    return None if quant is None else f"{quant.describe()} (dequantised at load)"
 
 
 def _prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig) -> None:

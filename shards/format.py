@@ -57,6 +57,9 @@ class TargetInfo:
     vocab_size: int  # rows of embed_tokens and lm_head
     dtype: str  # dtype the target ran in, e.g. "bfloat16"
     intermediate_size: int | None = None  # the target's MLP width, which a DFlash drafter copies
+    # The checkpoint's weight quantization ("fp8 e4m3, 128x128 blocks": dequantised at load); None = none.
+    quantization: str | None = None
+    compute: str = "dense"  # the target's linear layers: "dense" (matmuls in `dtype`) or "fp8" (e4m3 matmuls)
 
 
 @dataclass(kw_only=True)

@@ -7,6 +7,11 @@ zero-centred norms near identity, A_log and dt_bias in the ranges of released ch
 head whose logits spread over several units so greedy decoding does not collapse to one token.
 
     python -m tools.tiny_target OUT_DIR [--seed 0] [--naming multimodal|text] [--shard-max-bytes N]
+                                        [--fp8 [--fp8-block 128]]
+
+--fp8 writes the fine-grained FP8 format of Qwen's "-FP8" releases (extract/quantization.py): the
+decoder's linear weights as e4m3 with a weight_scale_inv per block, the rest unquantised, and a
+quantization_config naming the modules it left alone.
 """
 from __future__ import annotations
 
@@ -23,11 +28,15 @@ from safetensors.torch import save_file
 from extract.checkpoint import INDEX_FILE, SINGLE_FILE, hf_name
 from extract.kernels import KernelChoice
 from extract.model import TargetModel
+from extract.quantization import Fp8BlockFormat, quantize_fp8_blocks, scale_name
 from extract.target_config import TargetConfig, tiny_config_dict
 
 logger = logging.getLogger(__name__)
 
 NAMINGS = ("multimodal", "text")
+# Linear weights an FP8 release keeps unquantised: the GatedDeltaNet decay/beta projections (and
+# lm_head); embeddings, norms, the conv and the decay parameters are never quantised.
+FP8_KEEP_SUFFIXES = ("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight")
 
 
 def _tiny_vision_config(out_hidden_size: int) -> dict[str, Any]:
@@ -115,6 +124,7 @@ def write_random_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
     with_mtp: bool = True,
     mixer_scale: float = 1.0,
+    fp8_block: int | None = None,
 ) -> Path:
     """Write config.json + safetensors under `out_dir`; returns the directory.
 
@@ -126,6 +136,8 @@ def write_random_checkpoint(
     mixer_scale: multiplies the token mixers' output projections (GatedDeltaNet out_proj, attention
         o_proj). Below 1 the target leans on the current token, so its greedy text has structure a
         small drafter can learn in a CPU demo; 1 keeps the default scales.
+    fp8_block: write the decoder's linear weights in fine-grained FP8 with fp8_block x fp8_block
+        scale blocks (the releases use 128) and a quantization_config; None = unquantised.
     """
     if naming not in NAMINGS:
         raise ValueError(f"naming={naming!r}, expected one of {NAMINGS}")
@@ -135,11 +147,22 @@ def write_random_checkpoint(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    fp8 = Fp8BlockFormat(block_n=fp8_block, block_k=fp8_block) if fp8_block is not None else None
+    if fp8 is not None:
+        keep = ["lm_head"] + [hf_name(f"layers.{i}.{suffix[:-len('.weight')]}", naming)
+                              for i in range(cfg.num_hidden_layers) for suffix in FP8_KEEP_SUFFIXES
+                              if not cfg.is_full_attention(i)]
+        full["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                       "weight_block_size": [fp8_block, fp8_block], "modules_to_not_convert": keep}
     tensors: dict[str, torch.Tensor] = {}
     for local, value in random_weights(cfg, seed).items():
         if local.endswith(("linear_attn.out_proj.weight", "self_attn.o_proj.weight")):
             value = value * mixer_scale
-        tensors[hf_name(local, naming)] = value.to(torch.float32 if local.endswith("A_log") else dtype).contiguous()
+        name = hf_name(local, naming)
+        if fp8 is not None and _fp8_quantised(local, value):
+            tensors[name], tensors[scale_name(name)] = quantize_fp8_blocks(value, fp8)
+            continue
+        tensors[name] = value.to(torch.float32 if local.endswith("A_log") else dtype).contiguous()
     if with_mtp and naming == "multimodal":
         tensors["mtp.fc.weight"] = torch.zeros(cfg.hidden_size, 2 * cfg.hidden_size, dtype=dtype)
 
@@ -148,6 +171,11 @@ def write_random_checkpoint(
     _write_shards(out_dir, tensors, shard_max_bytes)
     logger.info("wrote a random %s-naming checkpoint to %s (seed %d, %d tensors)", naming, out_dir, seed, len(tensors))
     return out_dir
+
+
+def _fp8_quantised(local: str, value: torch.Tensor) -> bool:
+    """The release's rule: every decoder-layer linear weight (2-D) except the GatedDeltaNet a/b ones."""
+    return local.startswith("layers.") and value.ndim == 2 and not local.endswith(FP8_KEEP_SUFFIXES)
 
 
 def _write_shards(out_dir: Path, tensors: dict[str, torch.Tensor], shard_max_bytes: int | None) -> None:
@@ -183,11 +211,16 @@ def _write_shards(out_dir: Path, tensors: dict[str, torch.Tensor], shard_max_byt
 @click.option("--tied/--untied", default=False, show_default=True, help="Tie lm_head to embed_tokens.")
 @click.option("--mixer-scale", type=float, default=1.0, show_default=True,
               help="Scale of the token mixers' output projections (<1: more predictable greedy text, for demos).")
-def main(out_dir: Path, seed: int, naming: str, shard_max_bytes: int | None, tied: bool, mixer_scale: float) -> None:
+@click.option("--fp8", is_flag=True, help="Write the decoder's linear weights in fine-grained FP8 (e4m3 + weight_scale_inv blocks).")
+@click.option("--fp8-block", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Rows and columns per FP8 scale block (with --fp8).")
+def main(out_dir: Path, seed: int, naming: str, shard_max_bytes: int | None, tied: bool, mixer_scale: float,
+         fp8: bool, fp8_block: int) -> None:
     """Write a tiny random Qwen3.5-style target checkpoint to OUT_DIR."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     write_random_checkpoint(out_dir, tiny_config_dict(tie_word_embeddings=tied), seed=seed, naming=naming,
-                            shard_max_bytes=shard_max_bytes, mixer_scale=mixer_scale)
+                            shard_max_bytes=shard_max_bytes, mixer_scale=mixer_scale,
+                            fp8_block=fp8_block if fp8 else None)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,149 @@
+"""Quantized checkpoints: which formats the loader reads, and the FP8 arithmetic.
+
+Implemented: the fine-grained FP8 format of Qwen's "-FP8" releases (and DeepSeek-V3's), as HF
+transformers' `finegrained_fp8` integration and vLLM's `fp8` method read it:
+  config.json  "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+               "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+               "modules_to_not_convert": [...]}  (top level, or inside text_config)
+  tensors      `X.weight` float8_e4m3fn [N, K] and `X.weight_scale_inv` fp32 [ceil(N/bn), ceil(K/bk)]:
+               W[n, k] = weight[n, k] * weight_scale_inv[n // bn, k // bk] (the "inverse" scale is a
+               multiplier: amax of the block / 448). Modules the checkpoint leaves unquantised (norms,
+               embeddings, lm_head, the small GatedDeltaNet a/b projections, the conv) are stored in
+               bf16 and have no scale. A weight is read as FP8 exactly when its stored dtype is e4m3.
+Any other quantization (GPTQ, AWQ, bitsandbytes, compressed-tensors, per-tensor or static FP8, ...)
+is refused before any work, naming the method.
+
+Also here: rowwise FP8 quantisation for `--compute fp8` (one scale per row of a weight or per token
+of an activation, the layout torch._scaled_mm's rowwise mode takes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shards.format import FP8_E4M3_MAX
+
+SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
+FP8_DTYPE = torch.float8_e4m3fn
+# Smallest amax a row or block is scaled for: an all-zero row gets a finite scale, not 0/0.
+MIN_AMAX = 1e-12
+IMPLEMENTED = (
+    "unquantised checkpoints (bf16 / fp16 / fp32) and fine-grained FP8 (quant_method 'fp8', e4m3 weights "
+    "with weight_scale_inv per block, weight_block_size [128, 128], activation_scheme 'dynamic')"
+)
+
+
+class UnsupportedQuantizationError(ValueError):
+    """The checkpoint is quantized in a way this loader does not implement."""
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class Fp8BlockFormat:
+    """A fine-grained FP8 checkpoint's quantization, from its config.json."""
+
+    block_n: int  # output rows per scale block (weight_block_size[0])
+    block_k: int  # input columns per scale block (weight_block_size[1])
+    modules_to_not_convert: tuple[str, ...] = ()  # modules the checkpoint keeps unquantised (names as given)
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"Fp8BlockFormat.{name} must be a positive int, found {getattr(self, name)!r}")
+
+    def describe(self) -> str:
+        """The record in cache.json and the kernel report, e.g. 'fp8 e4m3, 128x128 blocks'."""
+        return f"fp8 e4m3, {self.block_n}x{self.block_k} blocks"
+
+    def scale_shape(self, shape_NK: tuple[int, ...]) -> tuple[int, int]:
+        n, k = shape_NK
+        return math.ceil(n / self.block_n), math.ceil(k / self.block_k)
+
+
+def scale_name(weight_name: str) -> str:
+    return weight_name + SCALE_SUFFIX
+
+
+def read_quantization(config: dict[str, Any], source: str = "config.json") -> Fp8BlockFormat | None:
+    """None for an unquantised checkpoint; the FP8 block format; or UnsupportedQuantizationError."""
+    q = config.get("quantization_config")
+    text = config.get("text_config")
+    if q is None and isinstance(text, dict):
+        q = text.get("quantization_config")
+    if q is None:
+        return None
+    fix = ("use the unquantised (bf16) release of the model, or dequantise this checkpoint first "
+           "(e.g. transformers from_pretrained + save_pretrained in bfloat16)")
+    if not isinstance(q, dict):
+        raise UnsupportedQuantizationError(f"{source}: quantization_config must be an object, found {q!r}")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise UnsupportedQuantizationError(
+            f"{source}: quantization_config.quant_method={method!r} is not implemented; this loader reads "
+            f"{IMPLEMENTED}: {fix}")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise UnsupportedQuantizationError(f"{source}: FP8 fmt={fmt!r} is not implemented (e4m3 only): {fix}")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise UnsupportedQuantizationError(
+            f"{source}: FP8 activation_scheme={scheme!r} is not implemented (static activation scales; "
+            f"only 'dynamic' is): {fix}")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise UnsupportedQuantizationError(
+            f"{source}: FP8 weight_block_size={block!r} is not implemented (per-tensor or per-channel FP8); "
+            f"fine-grained FP8 needs two positive block sizes such as [128, 128]: {fix}")
+    skip = q.get("modules_to_not_convert") or q.get("ignored_layers") or ()
+    return Fp8BlockFormat(block_n=block[0], block_k=block[1], modules_to_not_convert=tuple(str(m) for m in skip))
+
+
+def checkpoint_quantization(ckpt_dir: str | Path) -> Fp8BlockFormat | None:
+    """read_quantization of `ckpt_dir`/config.json (the refusal runs before any model or data work)."""
+    path = Path(ckpt_dir) / "config.json"
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    return read_quantization(config, source=str(path))
+
+
+# ---- block FP8 (the checkpoint format) ---------------------------------------------------------
+def dequantize_fp8_blocks(w8_NK: torch.Tensor, scale_inv_nk: torch.Tensor, fmt: Fp8BlockFormat,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """W = w8 * scale_inv broadcast over its block: the product (at most 4 + 24 significant bits) is
+    rounded once to fp32, then cast to `dtype`; runs where the tensors are (the GPU when streaming)."""
+    n, k = w8_NK.shape
+    s_NK = scale_inv_nk.float().repeat_interleave(fmt.block_n, 0)[:n].repeat_interleave(fmt.block_k, 1)[:, :k]
+    return (w8_NK.float() * s_NK).to(dtype)
+
+
+def quantize_fp8_blocks(w_NK: torch.Tensor, fmt: Fp8BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [N, K], fp32 weight_scale_inv [ceil(N/bn), ceil(K/bk)]): each block's amax maps onto 448,
+    as the official checkpoints are made (partial edge blocks are scaled by their own amax)."""
+    n, k = w_NK.shape
+    bn, bk = fmt.block_n, fmt.block_k
+    sn, sk = fmt.scale_shape((n, k))
+    padded = torch.zeros(sn * bn, sk * bk, dtype=torch.float32, device=w_NK.device)
+    padded[:n, :k] = w_NK.float()
+    amax_nk = padded.view(sn, bn, sk, bk).abs().amax(dim=(1, 3))
+    scale_inv_nk = amax_nk.clamp(min=MIN_AMAX) / FP8_E4M3_MAX
+    s_NK = scale_inv_nk.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    w8_NK = (w_NK.float() / s_NK).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
+    return w8_NK, scale_inv_nk
+
+
+# ---- rowwise FP8 (the --compute fp8 matmuls) ---------------------------------------------------
+def quantize_rows_fp8(x_RX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [R, X], fp32 scale [R, 1]) with x ~= x8 * scale and each row's amax mapped onto 448.
+
+    Written with plain torch ops so torch.compile fuses it into the pointwise op that produces x."""
+    x32 = x_RX.float()
+    scale_R1 = x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_E4M3_MAX
+    x8 = (x32 / scale_R1).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
+    return x8, scale_R1
