@@ -36,7 +36,6 @@ def _taps(ctx, param, value: str | None) -> list[int] | None:
 @click.option("--pad-token-id", default=0, show_default=True, help="Token id written on padding positions.")
 @click.option("--mask-token-id", type=int, default=None, help="The drafter's MASK token id, recorded in the cache (248070 for Qwen3.5).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True, help="Dtype the target runs in.")
-@click.option("--compute", type=click.Choice(["dense", "fp8"]), default="dense", show_default=True, help="The target's linear layers: dense (matmuls in --dtype) or fp8 (e4m3 matmuls, per-token and per-channel scales: faster on H100/H200, hidden states differ slightly).")
 @click.option("--device", default="auto", show_default=True, help="auto = cuda:LOCAL_RANK when CUDA exists, else cpu.")
 @click.option("--gpus", default=None, help="Start one process per GPU under torchrun: a number or 'all'. Omit when you launch torchrun yourself.")
 @click.option("--allow-slow-kernels", is_flag=True, help="Permit torch fallbacks on CUDA when fla-core / causal-conv1d are missing (much slower).")

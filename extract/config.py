@@ -11,7 +11,7 @@ from .data import LONG_SEQ_POLICIES
 from .packing import PackingConfig
 
 DTYPES = ("bfloat16", "float16", "float32")
-COMPUTE_MODES = ("dense", "fp8")
+COMPUTE_MODES = ("dense",)
 
 
 @dataclass(kw_only=True)
@@ -31,9 +31,7 @@ class ExtractConfig:
     pad_token_id: int = 0  # token id written on padding positions
     mask_token_id: int | None = None  # drafter MASK id to record in the cache (train can override)
     dtype: str = "bfloat16"  # dtype the target runs in
-    # The target's linear layers: "dense" (matmuls in `dtype`) or "fp8" (e4m3 matmuls with per-token
-    # activation and per-output-channel weight scales; CUDA or CPU torch._scaled_mm; hidden states differ)
-    compute: str = "dense"
+    compute: str = "dense"  # the target's linear layers: "dense" (matmuls in `dtype`)
     device: str = "auto"  # "auto" (cuda:LOCAL_RANK when CUDA exists, else cpu), "cpu", "cuda", "cuda:N"
     allow_slow_kernels: bool = False  # permit torch fallbacks on CUDA (10-50x slower for the GDN layers)
     overwrite: bool = False  # delete an existing cache at `out` and start over
@@ -51,8 +49,6 @@ class ExtractConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.compute not in COMPUTE_MODES:
             raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {self.compute!r}")
-        if self.compute == "fp8" and self.dtype != "bfloat16":
-            raise ValueError(f"compute='fp8' needs dtype='bfloat16' (the FP8 matmuls write bf16), got {self.dtype!r}")
         for name in ("num_taps", "token_budget", "max_seqs", "topk_chunk_tokens", "writer_buffers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
