@@ -67,11 +67,7 @@ def main(gpus: str | None, fast_resume: bool, **options) -> None:
         summary = run_extract(cfg)
     except (CacheMismatchError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from e
-    click.echo(
-        f"done: {summary.written} shards written, {summary.resumed} kept from an earlier run, "
-        f"{summary.tokens} tokens in {summary.seconds:.1f}s ({summary.tokens_per_s:,.0f} tok/s), "
-        f"padding efficiency {100 * summary.padding_efficiency:.1f}%, {summary.bytes_written / 1e9:.2f} GB -> {summary.cache_dir}"
-    )
+    click.echo(summary.report())
 
 
 def _launch_torchrun(gpus: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +31,8 @@ from shards import (
     write_manifest,
 )
 from shards.durable import TMP_PREFIX, remove_stale_temporaries
-from shards.format import CACHE_CONFIG_FILE, SHARDS_DIR, TARGET_HEAD_FILE, bytes_per_shard, checksum
-from shards.progress import ProgressLog, format_duration
+from shards.format import CACHE_CONFIG_FILE, MANIFEST_FILE, SHARDS_DIR, TARGET_HEAD_FILE, bytes_per_shard, checksum
+from shards.progress import ProgressLog, format_bytes, format_duration, is_interactive, plural
 from shards.provenance import provenance
 
 from .checkpoint import load_target_head
@@ -64,10 +65,28 @@ class ExtractSummary:
     seconds: float
     padding_efficiency: float
     bytes_written: int
+    wall_s: float = 0.0  # the whole run on this rank: checks, model load, extraction, manifest
+    complete: bool = False  # rank 0 only: every planned shard exists and the manifest is written
+    progress_log: str | None = None  # this rank's JSONL progress records, when it extracted anything
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def report(self) -> str:
+        """The final summary: what was done, how fast, and where every output is."""
+        if self.written == 0 and self.resumed > 0:
+            done = (f"nothing to extract: all {plural(self.resumed, 'shard')} of this run were already complete "
+                    f"(kept from an earlier run; {format_duration(self.wall_s)} to check them)")
+        else:
+            kept = f", {self.resumed} kept from an earlier run" if self.resumed else ""
+            done = (f"done in {format_duration(self.wall_s)}: {plural(self.written, 'shard')} written "
+                    f"({format_bytes(self.bytes_written)}){kept}; {self.tokens:,} tokens in {self.seconds:.1f}s "
+                    f"({self.tokens_per_s:,.0f} tok/s), padding efficiency {100 * self.padding_efficiency:.1f}%")
+        where = f"cache {self.cache_dir}" + (f" is complete ({MANIFEST_FILE} written)" if self.complete else "")
+        if self.progress_log:
+            where += f"; progress records in {self.progress_log}"
+        return f"{done}\n{where}"
 
 
 def run_extract(cfg: ExtractConfig) -> ExtractSummary:
@@ -79,6 +98,7 @@ def run_extract(cfg: ExtractConfig) -> ExtractSummary:
 
 
 def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
+    start = time.monotonic()
     target = TargetConfig.from_dir(cfg.target)
     checkpoint_quantization(cfg.target)  # an unimplemented quantization is refused before any work
     taps = cfg.tap_layer_ids or target.default_tap_layer_ids(cfg.num_taps)
@@ -90,22 +110,25 @@ def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
     plan = plan_batches(index, cfg.packing)
     cache_cfg = build_cache_config(cfg, target, taps, plan, index)
     device = resolve_device(cfg.device, dist_info.local_rank)
-    if dist_info.is_main:
-        log.info("plan: %s", plan.summary())
-        log.info("cache: %s, %.1f KB per token (%s), %d shards of %.2f GB",
-                 cfg.out, bytes_per_shard(cache_cfg) / cfg.token_budget / 1e3, cfg.storage_dtype,
-                 len(plan.batches), bytes_per_shard(cache_cfg) / 1e9)
+    if dist_info.is_main:  # the packing plan itself was logged once by plan_batches
+        shard_bytes = bytes_per_shard(cache_cfg)
+        log.info("cache: %s, %s per token (%s), %s of %s on %s", cfg.out, format_bytes(shard_bytes / cfg.token_budget),
+                 cfg.storage_dtype, plural(len(plan.batches), "shard"), format_bytes(shard_bytes),
+                 plural(dist_info.world_size, "rank"))
     run_on_main(dist_info, lambda: _prepare_cache(cfg, cache_cfg))
     barrier()
     mine = shard_batches_for_rank(plan, dist_info.rank, dist_info.world_size)
     todo, resumed = _pending(cfg, mine)
     if resumed:
-        log.info("rank %d: %d of its %d shards already complete, %d to go", dist_info.rank, resumed, len(mine), len(todo))
+        log.info("rank %d: %d of its %s already complete, %d to go", dist_info.rank, resumed,
+                 plural(len(mine), "shard"), len(todo))
     summary = _extract(cfg, cache_cfg, index, todo, device, dist_info)
     summary.resumed = resumed
     barrier()
     if dist_info.is_main:
         _finish(cfg.out, cache_cfg, plan)
+        summary.complete = True
+    summary.wall_s = time.monotonic() - start
     return summary
 
 
@@ -249,7 +272,11 @@ def extract_batches(
     loader = SampleLoader(index)
     writer = AsyncShardWriter(cfg.out, cache_cfg, device, num_buffers=cfg.writer_buffers) if write else None
     jsonl = Path(cfg.out) / "logs" / f"extract-rank{rank}.jsonl" if write else None
-    progress = ProgressLog(log, jsonl, len(todo), cfg.progress_interval_s)
+    # One bar, rank 0's, on a terminal; other ranks there print only their final line (eight bars
+    # redrawn over each other are unreadable). Into a file every rank writes plain lines.
+    interactive = is_interactive()
+    interval_s = float("inf") if interactive and rank != 0 else cfg.progress_interval_s
+    progress = ProgressLog(log, jsonl, len(todo), interval_s, bar=interactive and rank == 0, desc=f"rank {rank}")
     real_tokens = 0
     try:
         for done, batch in enumerate(todo, start=1):
@@ -272,11 +299,14 @@ def extract_batches(
             if writer is not None:
                 writer.submit(batch.batch_id, arrays, hidden, topk, samples)
             real_tokens += n
-            _report(progress, done, len(todo), real_tokens, writer, cfg.token_budget, rank, force=done == len(todo))
+            if done < len(todo):
+                _report(progress, done, len(todo), real_tokens, writer, cfg.token_budget, rank, force=False)
         if writer is not None:
             writer.close()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        # The last line comes after the writer drained: every shard it counts is durable on disk.
+        _report(progress, len(todo), len(todo), real_tokens, writer, cfg.token_budget, rank, force=True)
     except BaseException:
         if writer is not None:
             writer.close_quietly()
@@ -288,24 +318,28 @@ def extract_batches(
         resumed=0, tokens=real_tokens, seconds=progress.elapsed(),
         padding_efficiency=real_tokens / (len(todo) * cfg.token_budget),
         bytes_written=writer.bytes_written if writer is not None else 0,
+        progress_log=str(jsonl) if jsonl is not None else None,
     )
 
 
 def _report(progress: ProgressLog, done: int, total: int, tokens: int, writer: AsyncShardWriter | None, budget: int, rank: int, force: bool) -> None:
+    """One progress record. Shards count as written once the writer thread made them durable."""
     elapsed = max(progress.elapsed(), 1e-9)
     written = writer.bytes_written if writer is not None else 0
+    durable = writer.shards_written if writer is not None else 0
     waited = writer.wait_s if writer is not None else 0.0
     rec = {
-        "rank": rank, "batches_done": done, "batches_total": total, "tokens": tokens,
+        "rank": rank, "batches_done": done, "batches_total": total, "shards_written": durable, "tokens": tokens,
         "tokens_per_s": tokens / elapsed, "padding_efficiency": tokens / (done * budget),
         "gb_written": written / 1e9, "write_gb_per_s": written / 1e9 / elapsed,
         "wait_for_disk_s": waited, "eta_s": progress.eta(done),
     }
-    line = (
-        f"[rank {rank}] batch {done}/{total} | {rec['tokens_per_s']:,.0f} tok/s | pad eff {100 * rec['padding_efficiency']:.1f}% "
-        f"| {rec['gb_written']:.2f} GB written | waited {waited:.1f}s for disk | ETA {format_duration(rec['eta_s'])}"
-    )
-    progress.report(rec, line, force=force)
+    line = (f"[rank {rank}] batch {done}/{total} | {rec['tokens_per_s']:,.0f} tok/s | pad eff "
+            f"{100 * rec['padding_efficiency']:.1f}% | {format_bytes(written)} written | waited {waited:.1f}s for disk "
+            f"| ETA {format_duration(rec['eta_s'])}")
+    bar = (f"{rec['tokens_per_s']:,.0f} tok/s, pad {100 * rec['padding_efficiency']:.1f}%, "
+           f"{format_bytes(written)} written, disk wait {waited:.1f}s")  # the bar shows counts and ETA itself
+    progress.report(rec, line, force=force, done_units=done, postfix=bar)
 
 
 def _finish(out: str, cache_cfg: CacheConfig, plan: PackingPlan) -> None:

@@ -1,12 +1,20 @@
-"""Progress of long work: rate, ETA and a JSON Lines record, shared by both stages."""
+"""Progress of long work: rate, ETA, a JSON Lines record, and the human units both stages print.
+
+On an interactive terminal a ProgressLog draws a tqdm bar; when stderr is a file or a pipe it logs
+plain lines instead (a bar redrawn with carriage returns and ANSI codes is noise in a log file).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, TextIO
+
+_BYTE_UNITS = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
 
 
 def format_duration(seconds: float) -> str:
@@ -18,13 +26,47 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-class ProgressLog:
-    """Emits one console line and one JSONL record per `report`, at most every `interval_s` seconds.
+def format_bytes(num_bytes: float) -> str:
+    """A size in the decimal unit that fits its magnitude: 649 B, 333.3 KB, 1.47 MB, 51.20 GB."""
+    for unit, size in _BYTE_UNITS:
+        if abs(num_bytes) >= size:
+            value = num_bytes / size
+            return f"{value:.1f} {unit}" if abs(value) >= 100 else f"{value:.2f} {unit}"
+    return f"{int(num_bytes)} B"
 
+
+def plural(count: int, word: str, words: str | None = None) -> str:
+    """'1 rank', '2 ranks' (`words` for irregular plurals)."""
+    return f"{count} {word if count == 1 else (words or word + 's')}"
+
+
+def is_interactive(stream: TextIO | None = None) -> bool:
+    """Whether `stream` (default stderr, where logging writes) is a terminal a bar can redraw on."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def _terminal_columns() -> int:
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
+class ProgressLog:
+    """Progress over `total_units`: a JSONL record per `report` (at most every `interval_s` seconds)
+    and, for people, either a tqdm bar (`bar=True`) or one plain log line per record.
+
+    bar=None: a bar when stderr is an interactive terminal. The bar advances on every report; the
+    record and, without a bar, the line are emitted at most every `interval_s` seconds or when forced.
     Rates are over the whole run (since start), which is what an ETA should use.
     """
 
-    def __init__(self, logger: logging.Logger, jsonl_path: str | Path | None, total_units: int, interval_s: float = 10.0):
+    def __init__(self, logger: logging.Logger, jsonl_path: str | Path | None, total_units: int,
+                 interval_s: float = 10.0, *, bar: bool | None = None, desc: str = ""):
         self.logger = logger
         self.total_units = total_units
         self.interval_s = interval_s
@@ -34,6 +76,19 @@ class ProgressLog:
         if jsonl_path is not None:
             Path(jsonl_path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(jsonl_path, "a", buffering=1)
+        self._bar = None
+        if bar if bar is not None else is_interactive():
+            from tqdm import tqdm
+
+            # A terminal that reports no size (some pseudo-terminals) would get no bar at all:
+            # tqdm hides bars past the terminal's row count, which is 0 there.
+            sized = _terminal_columns() > 0
+            self._bar = tqdm(total=total_units, desc=desc or None, unit="batch", leave=True, dynamic_ncols=sized,
+                             ncols=None if sized else 100, nrows=None if sized else 20)
+
+    @property
+    def has_bar(self) -> bool:
+        return self._bar is not None
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start
@@ -42,16 +97,28 @@ class ProgressLog:
         rate = done_units / max(self.elapsed(), 1e-9)
         return (self.total_units - done_units) / rate if rate > 0 else float("inf")
 
-    def report(self, record: dict, line: str, force: bool = False) -> None:
+    def report(self, record: dict, line: str, force: bool = False, *, done_units: int | None = None,
+               postfix: str = "") -> None:
+        """done_units moves the bar; postfix is the bar's figures (the line's, without the counts)."""
+        if self._bar is not None and done_units is not None:
+            self._bar.update(done_units - self._bar.n)
+            if postfix:
+                self._bar.set_postfix_str(postfix, refresh=False)
         now = time.monotonic()
         if not force and now - self._last < self.interval_s:
             return
         self._last = now
-        self.logger.info(line)
+        if self._bar is None:
+            self.logger.info(line)
+        else:
+            self._bar.refresh()
         if self._file is not None:
             self._file.write(json.dumps({"time": time.time(), "elapsed_s": round(self.elapsed(), 3), **record}) + "\n")
 
     def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -6,7 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 work="${1:-demo}"
 
-step() { printf '\n\033[1m$ %s\033[0m\n' "$*"; "$@"; }
+# Commands in bold on a terminal; no escape codes when the output goes to a file.
+if [ -t 1 ]; then bold=$'\033[1m' plain=$'\033[0m'; else bold='' plain=''; fi
+step() { printf '\n%s$ %s%s\n' "$bold" "$*" "$plain"; "$@"; }
 
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
@@ -26,7 +28,7 @@ step python -m tools.tiny_target "$work/target" --seed 0 --mixer-scale 0.1
 # Training data for a drafter is its target's own output: greedy continuations of random prompts.
 step python -m tools.demo_data --target "$work/target" --out "$work/data.jsonl" --num-samples 256 --new-tokens 48
 step dflash-extract --target "$work/target" --data "$work/data.jsonl" --out "$work/cache" \
-    --token-budget 1024 --max-seqs 32 --mask-token-id 511 --dtype float32 --progress-interval 30
+    --token-budget 1024 --max-seqs 32 --mask-token-id 511 --dtype float32 --progress-interval 2
 step dflash-shards info "$work/cache"
 step dflash-shards verify "$work/cache"
 # The last 3 shards are held out: evaluated before and after training, never trained on.

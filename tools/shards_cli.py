@@ -9,17 +9,11 @@ import click
 
 from shards import CacheFormatError, ShardError, ShardReader, rebuild_manifest
 from shards.inspect import find_sample, summarize_cache, verify_cache
+from shards.progress import format_bytes
 
 
 def _emit(obj: object, as_json: bool, text: str) -> None:
     click.echo(json.dumps(obj, indent=2) if as_json else text)
-
-
-def _gb(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -45,13 +39,13 @@ def info(cache: str, as_json: bool) -> None:
         f"cache            {s['cache']} (format v{s['format_version']})",
         f"target           {s['target']} (hidden {s['hidden_size']}), taps {s['tap_layer_ids']}",
         f"storage          {s['storage_dtype']}, target top-k {s['target_topk']}, "
-        f"{s['bytes_per_token'] / 1e3:.1f} KB/token",
+        f"{format_bytes(s['bytes_per_token'])}/token",
         f"packing          token budget {s['token_budget']}, max {s['max_seqs']} seqs/shard",
         f"shards           {s['num_shards']}{expected}" + (f", {s['num_bad_shard_headers']} with bad headers" if s["num_bad_shard_headers"] else ""),
         f"samples          {s['num_samples']}",
         f"tokens           {s['num_tokens']} ({s['num_loss_tokens']} supervised)",
         f"padding eff.     {100 * s['padding_efficiency']:.2f}%",
-        f"on disk          {_gb(s['bytes_on_disk'])}",
+        f"on disk          {format_bytes(s['bytes_on_disk'])}",
     ])
     _emit(s, as_json, text)
 
@@ -75,7 +69,7 @@ def ls_(cache: str, as_json: bool) -> None:
         if r["error"]:
             lines.append(f"{r['batch_id']:>8}  BAD: {r['error']}  {r['file']}")
         else:
-            lines.append(f"{r['batch_id']:>8}  {r['samples']:>7}  {r['tokens']:>8}  {100 * r['fill']:>6.2f}%  {_gb(r['bytes']):>10}  {r['file']}")
+            lines.append(f"{r['batch_id']:>8}  {r['samples']:>7}  {r['tokens']:>8}  {100 * r['fill']:>6.2f}%  {format_bytes(r['bytes']):>10}  {r['file']}")
     _emit(rows, as_json, "\n".join(lines))
 
 
