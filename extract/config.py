@@ -1,66 +1,102 @@
-"""dflash-extract's settings, checked before any model loads or GPU is touched."""
+"""dflash-extract's settings, checked before any model loads or GPU is touched.
+
+Each field is a dflash-extract option (shards.cli_options: dashes for underscores, the docstring is
+its --help); a bad value is refused naming the flag and the value given.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
-from shards.format import STORAGE_DTYPES
+from shards.cli_options import cli_field, config_error
+from shards.format import STORAGE_DTYPES, StorageDtype
 
-from .data import LONG_SEQ_POLICIES
+from .data import LONG_SEQ_POLICIES, LongSeqPolicy
 from .packing import PackingConfig
 
-DTYPES = ("bfloat16", "float16", "float32")
-COMPUTE_MODES = ("dense",)
+TargetDtype = Literal["bfloat16", "float16", "float32"]
+DTYPES = get_args(TargetDtype)
+# How the target's linear layers run: "dense" (matmuls in --dtype); the FP8 matmul path is to come.
+ComputeMode = Literal["dense"]
+COMPUTE_MODES = get_args(ComputeMode)
 
 
 @dataclass(kw_only=True)
 class ExtractConfig:
     """One extraction run: target x dataset -> cache."""
 
-    target: str  # HF checkpoint directory: config.json + *.safetensors (Qwen3.5 naming)
-    data: str  # Parquet / JSON Lines file, directory or glob with input_ids (and loss_mask, id)
-    out: str  # cache directory to create or resume
-    tap_layer_ids: list[int] | None = None  # target layers to store; None = DFlash's default for num_taps
-    num_taps: int = 5  # taps when tap_layer_ids is None: round(1 + i*(N-4)/(L-1))
-    storage_dtype: str = "bf16"  # "bf16" (2 bytes/value) or "fp8" (e4m3 + per-token-per-tap scale: half)
-    target_topk: int = 0  # store the target's top-K next tokens and log-probs per position; 0 = off
-    token_budget: int = 49152  # tokens per packed batch (= per shard), real plus padding
-    max_seqs: int = 128  # most sequences per packed batch
-    long_seqs: str = "truncate"  # samples longer than token_budget: truncate | skip | error
-    pad_token_id: int = 0  # token id written on padding positions
-    mask_token_id: int | None = None  # drafter MASK id to record in the cache (train can override)
-    dtype: str = "bfloat16"  # dtype the target runs in
-    compute: str = "dense"  # the target's linear layers: "dense" (matmuls in `dtype`)
-    device: str = "auto"  # "auto" (cuda:LOCAL_RANK when CUDA exists, else cpu), "cpu", "cuda", "cuda:N"
-    allow_slow_kernels: bool = False  # permit torch fallbacks on CUDA (10-50x slower for the GDN layers)
-    overwrite: bool = False  # delete an existing cache at `out` and start over
-    full_resume_check: bool = True  # on resume, checksum every existing shard (else header checks only)
-    topk_chunk_tokens: int = 4096  # tokens per LM-head chunk when target_topk > 0
-    progress_interval_s: float = 10.0  # seconds between progress lines
-    writer_buffers: int = 2  # pinned host buffers cycling between the forward and the writer thread
+    target: str = cli_field(path="existing_dir")
+    """HF checkpoint directory of the Qwen3.5-style target (config.json + *.safetensors)."""
+    data: str
+    """Parquet or JSON Lines file, directory or glob; rows hold input_ids, optional loss_mask (0/1)
+    and id."""
+    out: str = cli_field(path="dir")
+    """Cache directory to create, or to resume when it exists."""
+    tap_layer_ids: list[int] | None = cli_field(None, flag="--taps")
+    """Target layers to store, e.g. 1,16,31,46,61 (tap j = output of layer j). Default: DFlash's spread
+    for --num-taps."""
+    num_taps: int = 5
+    """Number of taps when --taps is not given: round(1 + i*(N-4)/(L-1))."""
+    storage_dtype: StorageDtype = cli_field("bf16", flag="--storage")
+    """Hidden-state storage: bf16 (2 bytes per value), or fp8 e4m3 with a per-token-per-tap scale (half
+    the disk)."""
+    target_topk: int = 0
+    """Also store the target's top-K next tokens and log-probs per position (for KL training); 0 = off."""
+    # The packing defaults are PackingConfig's: written once, there.
+    token_budget: int = PackingConfig.token_budget
+    """Tokens per packed batch and shard, real plus padding."""
+    max_seqs: int = PackingConfig.max_seqs
+    """Most sequences per packed batch."""
+    long_seqs: LongSeqPolicy = PackingConfig.long_seqs
+    """Samples longer than the token budget: cut (truncate), drop and count (skip) or refuse (error)."""
+    pad_token_id: int = PackingConfig.pad_token_id
+    """Token id written on padding positions."""
+    mask_token_id: int | None = None
+    """The drafter's MASK token id, recorded in the cache (248070 for Qwen3.5; dflash-train can
+    override it)."""
+    dtype: TargetDtype = "bfloat16"
+    """Dtype the target runs in."""
+    compute: ComputeMode = "dense"
+    """The target's linear layers: dense (matmuls in --dtype)."""
+    device: str = "auto"
+    """auto = cuda:LOCAL_RANK when CUDA exists, else cpu; or cpu, cuda, cuda:N."""
+    allow_slow_kernels: bool = False
+    """Permit torch fallbacks on CUDA when fla-core / causal-conv1d are missing (10-50x slower for the
+    GDN layers)."""
+    overwrite: bool = False
+    """Delete an existing cache at --out and start over."""
+    fast_resume: bool = False
+    """On resume, check existing shards' headers only instead of their checksums."""
+    topk_chunk_tokens: int = 4096
+    """Tokens per LM-head chunk when --target-topk > 0 (memory: N x vocab x 4 bytes)."""
+    progress_interval_s: float = cli_field(10.0, flag="--progress-interval")
+    """Seconds between progress lines."""
+    writer_buffers: int = 2
+    """Pinned host buffers cycling between the forward and the writer thread."""
 
     def __post_init__(self) -> None:
         if self.storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"storage_dtype must be one of {STORAGE_DTYPES}, got {self.storage_dtype!r}")
+            raise config_error(self, "storage_dtype", f"must be one of {', '.join(STORAGE_DTYPES)}")
         if self.long_seqs not in LONG_SEQ_POLICIES:
-            raise ValueError(f"long_seqs must be one of {LONG_SEQ_POLICIES}, got {self.long_seqs!r}")
+            raise config_error(self, "long_seqs", f"must be one of {', '.join(LONG_SEQ_POLICIES)}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise config_error(self, "dtype", f"must be one of {', '.join(DTYPES)}")
         if self.compute not in COMPUTE_MODES:
-            raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {self.compute!r}")
+            raise config_error(self, "compute", f"must be one of {', '.join(COMPUTE_MODES)}")
         for name in ("num_taps", "token_budget", "max_seqs", "topk_chunk_tokens", "writer_buffers"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise config_error(self, name, "must be >= 1")
         if self.target_topk < 0:
-            raise ValueError(f"target_topk must be >= 0, got {self.target_topk}")
+            raise config_error(self, "target_topk", "must be >= 0 (0 = off)")
         if self.tap_layer_ids is not None:
             if not self.tap_layer_ids:
-                raise ValueError("tap_layer_ids must not be empty")
+                raise config_error(self, "tap_layer_ids", "must name at least one layer, e.g. --taps 1,16,31")
             if sorted(set(self.tap_layer_ids)) != list(self.tap_layer_ids):
-                raise ValueError(f"tap_layer_ids must be strictly increasing, got {self.tap_layer_ids}")
+                raise config_error(self, "tap_layer_ids", "must be strictly increasing layer numbers")
         if not (Path(self.target) / "config.json").is_file():
-            raise ValueError(f"target {self.target!r} has no config.json: pass an HF checkpoint directory")
+            raise config_error(self, "target", "has no config.json: pass an HF checkpoint directory")
 
     @property
     def packing(self) -> PackingConfig:

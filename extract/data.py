@@ -29,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import numpy as np
 import pyarrow as pa
@@ -39,7 +40,9 @@ from .rows import DataError, iter_file, parquet_chunk, parquet_columns, parse_js
 logger = logging.getLogger(__name__)
 
 DATA_SUFFIXES = (".parquet", ".jsonl")
-LONG_SEQ_POLICIES = ("truncate", "skip", "error")
+# What happens to a sample longer than the token budget (see PackingConfig.long_seqs).
+LongSeqPolicy = Literal["truncate", "skip", "error"]
+LONG_SEQ_POLICIES = get_args(LongSeqPolicy)
 _NUM_EMPTY_EXAMPLES = 5  # empty sample ids kept for the report line
 
 

@@ -33,11 +33,10 @@ import logging
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
-from .data import LONG_SEQ_POLICIES, DatasetIndex, Sample, SampleLoader
+from .data import LONG_SEQ_POLICIES, DatasetIndex, LongSeqPolicy, Sample, SampleLoader
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ class PackingConfig:
     max_seqs: int = 128
     # Samples longer than token_budget: "truncate" keeps the first token_budget tokens, "skip" drops
     # the sample, "error" refuses the dataset; truncated and skipped samples are counted in the plan.
-    long_seqs: Literal["truncate", "skip", "error"] = "truncate"
+    long_seqs: LongSeqPolicy = "truncate"
     pad_token_id: int = 0  # token id written on padding positions
 
     def __post_init__(self) -> None:

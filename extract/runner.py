@@ -230,7 +230,7 @@ def _pending(cfg: ExtractConfig, mine: list[PackedBatch]) -> tuple[list[PackedBa
     for batch in mine:
         if batch.batch_id in present:
             try:
-                info = reader.verify(batch.batch_id) if cfg.full_resume_check else reader.info(batch.batch_id)
+                info = reader.info(batch.batch_id) if cfg.fast_resume else reader.verify(batch.batch_id)
                 if [s.sample_id for s in info.samples] == batch.sample_ids:
                     kept += 1
                     continue

@@ -26,7 +26,7 @@ import json
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, get_args
 
 import torch
 
@@ -35,7 +35,9 @@ CACHE_CONFIG_FILE = "cache.json"
 TARGET_HEAD_FILE = "target_head.safetensors"
 MANIFEST_FILE = "manifest.parquet"
 SHARDS_DIR = "shards"
-STORAGE_DTYPES = ("bf16", "fp8")
+# How hidden states are stored: bf16, or fp8 e4m3 with a per-token-per-tap fp32 scale (codec.py).
+StorageDtype = Literal["bf16", "fp8"]
+STORAGE_DTYPES = get_args(StorageDtype)
 # Names inside target_head.safetensors. lm_head is always present (a copy of embed_tokens when tied).
 TARGET_HEAD_TENSORS = ("embed_tokens", "lm_head", "final_norm")
 # Largest finite float8 e4m3fn value; per-row scales map each row's amax onto it.

@@ -56,9 +56,11 @@ def shutdown() -> None:
 
 def relaunch_under_torchrun(module: str, gpus: str, argv: list[str]) -> None:
     """Replace this process with `torchrun --nproc-per-node N -m module argv-without---gpus`."""
+    if gpus != "all" and not gpus.isdigit():
+        raise ValueError(f"--gpus {gpus}: expected a number of GPUs or 'all'")
     n = torch.cuda.device_count() if gpus == "all" else int(gpus)
     if n < 1:
-        raise ValueError(f"--gpus {gpus}: no CUDA devices found")
+        raise ValueError(f"--gpus {gpus}: no CUDA devices found" if gpus == "all" else f"--gpus {gpus}: must be >= 1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", module, *without_option(argv, "--gpus")]
     log.info("starting: %s", " ".join(cmd))

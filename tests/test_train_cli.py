@@ -135,6 +135,7 @@ def test_non_finite_batch_stops_the_run_naming_it(tmp_path):
 def test_bad_options_are_refused_before_any_model_loads(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
     res = invoke(tiny_cli_args(cache, tmp_path / "run", "--warmup-ratio", "1.5"))
-    assert res.exit_code != 0 and "warmup_ratio" in res.output
+    assert res.exit_code == 2 and "--warmup-ratio 1.5: must be in [0, 1)" in res.output
+    assert "Usage:" in res.output and "Traceback" not in res.output
     res = invoke(tiny_cli_args(cache, tmp_path / "run", "--eval-shards", "2"))
-    assert res.exit_code != 0 and "eval_shards" in res.output
+    assert res.exit_code != 0 and "--eval-shards 2 leaves no training shards" in res.output

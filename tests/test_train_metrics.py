@@ -35,7 +35,7 @@ def test_metrics_every_below_one_is_clamped_with_a_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         cfg = tiny_config(cache, tmp_path / "run", metrics_every=0)
     assert cfg.metrics_every == 1
-    assert "metrics_every" in caplog.text
+    assert "--metrics-every 0 < 1: clamped to 1" in caplog.text
 
 
 def test_log_divides_summed_pairs_like_a_naive_average(tmp_path):

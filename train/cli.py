@@ -10,10 +10,13 @@ import json
 import logging
 import math
 import os
-import sys
 from pathlib import Path
 
 import click
+
+from shards.cli_options import CONTEXT_SETTINGS, INT_LIST, build_config, config_options, gpus_option, relaunch_if_asked
+
+from .train_config import TrainConfig
 
 log = logging.getLogger("train")
 
@@ -22,15 +25,6 @@ def _setup_logging() -> None:
     rank = os.environ.get("RANK", "0")
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s" if rank == "0" else f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING, format=fmt, datefmt="%H:%M:%S")
-
-
-def _int_list(ctx, param, value: str | None) -> list[int] | None:
-    if not value:
-        return None
-    try:
-        return [int(v) for v in value.replace(",", " ").split()]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
 
 
 class _DefaultToTrain(click.Group):
@@ -42,57 +36,15 @@ class _DefaultToTrain(click.Group):
         return super().parse_args(ctx, args)
 
 
-@click.group(cls=_DefaultToTrain, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.group(cls=_DefaultToTrain, context_settings=CONTEXT_SETTINGS)
 def main() -> None:
     """Train, export and evaluate DFlash drafters from a dflash-extract hidden-state cache."""
 
 
-@main.command(context_settings={"max_content_width": 110})
-@click.option("--cache", required=True, type=click.Path(exists=True, file_okay=False), help="Hidden-state cache directory (dflash-extract --out).")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Run directory: checkpoints step-NNNNNNNN/, metrics.jsonl, run.json, eval.json.")
-@click.option("--epochs", default=6, show_default=True, help="Passes over the training shards.")
-@click.option("--max-steps", default=-1, show_default=True, help="Stop after N optimizer steps (one shard per rank per step); -1 = all epochs.")
-@click.option("--lr", default=6e-4, show_default=True, help="Peak AdamW learning rate.")
-@click.option("--warmup-ratio", default=0.04, show_default=True, help="Fraction of the steps in linear warmup.")
-@click.option("--min-lr-ratio", default=0.0, show_default=True, help="Cosine floor as a fraction of --lr.")
-@click.option("--weight-decay", default=0.0, show_default=True, help="AdamW decoupled weight decay.")
-@click.option("--betas", default="0.9,0.999", show_default=True, help="AdamW beta1,beta2.")
-@click.option("--adam-eps", default=1e-8, show_default=True, help="AdamW epsilon.")
-@click.option("--grad-clip", default=1.0, show_default=True, help="Global gradient-norm clip; 0 = off.")
-@click.option("--seed", default=0, show_default=True, help="Seed of init, shard order and anchor sampling.")
-@click.option("--num-blocks", type=int, default=None, help="Draft blocks per packed batch (x block size = query tokens per step). Default: one per 24 context tokens, rounded to 128-token tiles (2048 for a 49152 budget: fits the 27B-width drafter on one H200).")
-@click.option("--block-size", default=16, show_default=True, help="Tokens per draft block (anchor + MASK slots).")
-@click.option("--gamma", default=7.0, show_default=True, help="Loss decay: slot k weighted exp(-(k-1)/gamma).")
-@click.option("--kl-lambda", default=0.0, show_default=True, help="Weight of KL(target || drafter) on the cache's top-k; 0 = off.")
-@click.option("--cap-lambda", default=0.0, show_default=True, help="Weight of the CAP (expected acceptance) term; 0 = off.")
-@click.option("--loss-chunk-blocks", default=32, show_default=True, help="Blocks per LM-head chunk (memory: blocks x block x vocab x 4 bytes).")
-@click.option("--metrics-every", default=8, show_default=True, help="Monitoring metrics (accuracy, streaks) every N steps; <1 is clamped to 1.")
-@click.option("--metrics-topk", default=4, show_default=True, help="k of the top-k accuracy and streak metrics.")
-@click.option("--log-every", default=10, show_default=True, help="Log every N steps (one host sync each).")
-@click.option("--checkpoint-every", default=1000, show_default=True, help="Checkpoint every N steps; 0 = only at the end.")
-@click.option("--keep-checkpoints", default=3, show_default=True, help="Newest checkpoints kept.")
-@click.option("--resume", is_flag=True, help="Continue from the newest valid checkpoint in --out (settings must match).")
-@click.option("--cuda-graphs/--no-cuda-graphs", default=None, help="Capture the step as a CUDA graph. Default: on with CUDA.")
-@click.option("--attention", type=click.Choice(["auto", "flex", "sdpa"]), default="auto", show_default=True, help="Block attention backend; auto = flex on CUDA, sdpa on CPU.")
-@click.option("--compute-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True, help="Activation dtype (master weights are fp32).")
-@click.option("--skip-bad-shards", is_flag=True, help="Skip shards that fail their checks (counted in the log) instead of stopping.")
-@click.option("--verify-checksums/--no-verify-checksums", default=True, show_default=True, help="Checksum every shard as it is read.")
-@click.option("--eval-shards", default=0, show_default=True, help="Hold out the last N shards for evaluation (never trained on).")
-@click.option("--eval-every", default=0, show_default=True, help="Evaluate every N steps; 0 = at the end only.")
-@click.option("--eval-max-shards", default=8, show_default=True, help="Held-out shards used per evaluation.")
-@click.option("--tensorboard", is_flag=True, help="Also write TensorBoard scalars to OUT/tb (if tensorboard is installed).")
-@click.option("--device", default="auto", show_default=True, help="auto = cuda:LOCAL_RANK when CUDA exists, else cpu.")
-@click.option("--num-buffers", default=3, show_default=True, help="Host shard buffers of the loader thread.")
-@click.option("--mask-token-id", type=int, default=None, help="MASK token id; default: the cache's (248070 for Qwen3.5).")
-@click.option("--taps", "tap_layer_ids", callback=_int_list, help="Expected tapped layers, e.g. 1,16,31,46,61; refused if the cache differs.")
-@click.option("--num-layers", default=5, show_default=True, help="Drafter decoder layers.")
-@click.option("--intermediate-size", type=int, default=None, help="Drafter MLP width; default: the target's, from cache.json (17408 for Qwen3.5-27B).")
-@click.option("--num-attention-heads", type=int, default=None, help="Drafter query heads (with --num-key-value-heads and --head-dim).")
-@click.option("--num-key-value-heads", type=int, default=None, help="Drafter KV heads.")
-@click.option("--head-dim", type=int, default=None, help="Drafter head dim.")
-@click.option("--rope-theta", default=1e7, show_default=True, help="Drafter RoPE base.")
-@click.option("--gpus", default=None, help="Start one process per GPU under torchrun: a number or 'all'. Omit under your own torchrun.")
-def train(gpus: str | None, betas: str, **options) -> None:
+@main.command(context_settings=CONTEXT_SETTINGS)
+@config_options(TrainConfig)
+@gpus_option
+def train(gpus: str | None, **options) -> None:
     """Train a DFlash drafter on a hidden-state cache.
 
     \b
@@ -103,17 +55,10 @@ def train(gpus: str | None, betas: str, **options) -> None:
     and OUT/step-NNNNNNNN/ checkpoints; export one with `dflash-train export`.
     """
     _setup_logging()
-    if gpus is not None and "LOCAL_RANK" not in os.environ:
-        _launch_torchrun(gpus)
+    if relaunch_if_asked("train.cli", gpus):
         return
-    from .train_config import TrainConfig  # heavy imports after argument parsing
-
-    try:
-        beta_values = tuple(float(b) for b in betas.split(","))
-        cfg = TrainConfig(betas=beta_values, **options)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from e
-    from .loop import run_training
+    cfg = build_config(TrainConfig, options)
+    from .loop import run_training  # heavy imports after argument checks
 
     try:
         summary = run_training(cfg)
@@ -137,7 +82,7 @@ def train(gpus: str | None, betas: str, **options) -> None:
                        f"-> {summary.eval.acceptance_length:.3f} after {summary.steps} steps")
 
 
-@main.command()
+@main.command(context_settings=CONTEXT_SETTINGS)
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.argument("out", type=click.Path(file_okay=False))
 def export(checkpoint: str, out: str) -> None:
@@ -171,14 +116,14 @@ def _model_from_checkpoint(ckpt):
     return model, cfg
 
 
-@main.command(name="eval")
+@main.command(name="eval", context_settings=CONTEXT_SETTINGS)
 @click.option("--drafter", required=True, type=click.Path(exists=True, file_okay=False), help="Exported drafter (config.json + model.safetensors) or a training checkpoint step-NNNNNNNN/.")
 @click.option("--cache", required=True, type=click.Path(exists=True, file_okay=False), help="Hidden-state cache holding the held-out shards.")
-@click.option("--shards", callback=_int_list, help="Held-out batch ids, e.g. 40,41,42.")
+@click.option("--shards", type=INT_LIST, help="Held-out batch ids, e.g. 40,41,42.")
 @click.option("--eval-shards", type=int, default=None, help="The last N shards of the cache (as dflash-train --eval-shards).")
 @click.option("--holdout-frac", type=float, default=None, help="The last ceil(F x shards) shards of the cache.")
 @click.option("--num-blocks", type=int, default=None, help="Blocks per shard (fixed-seed anchors). Default: as training.")
-@click.option("--budgets", default="16,32,64", show_default=True, callback=_int_list, help="DDTree node budgets.")
+@click.option("--budgets", default="16,32,64", show_default=True, type=INT_LIST, help="DDTree node budgets.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the per-shard anchor sampling.")
 @click.option("--device", default="auto", show_default=True, help="auto = cuda when available, else cpu.")
 @click.option("--out", "out_json", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
@@ -241,15 +186,6 @@ def _load_any_drafter(path: Path, dtype, device):
         model, cfg = _model_from_checkpoint(ckpt)
         return model.to(device, dtype), cfg
     return load_exported_drafter(path, dtype=dtype, device=device)
-
-
-def _launch_torchrun(gpus: str) -> None:
-    from shards.runtime import relaunch_under_torchrun
-
-    try:
-        relaunch_under_torchrun("train.cli", gpus, sys.argv[1:])
-    except ValueError as e:
-        raise click.UsageError(str(e)) from e
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from shards import CacheConfig, ShardReader, read_cache_config
 from shards.format import TARGET_HEAD_FILE
+from shards.cli_options import cli_field, config_error, flag_name, shown
 from shards.container import read_header
 
 from .blocks import default_num_blocks
@@ -31,34 +32,38 @@ _MLP_RATIO = 3.4
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """One training run. Field names map 1:1 to dflash-train options (dashes for underscores)."""
+    """One training run. Each field is a dflash-train option (shards.cli_options: dashes for underscores,
+    the docstring is its --help)."""
 
-    cache: str
-    """Hidden-state cache directory written by dflash-extract."""
-    out_dir: str
-    """Run directory: checkpoints (step-NNNNNNNN/), metrics.jsonl, run.json, eval results."""
+    cache: str = cli_field(path="existing_dir")
+    """Hidden-state cache directory (dflash-extract --out)."""
+    out_dir: str = cli_field(flag="--out", path="dir")
+    """Run directory: checkpoints step-NNNNNNNN/, metrics.jsonl, run.json, eval.json."""
     epochs: int = 6
     """Passes over the training shards (the DFlash recipe trains 6)."""
     max_steps: int = -1
-    """Stop after this many optimizer steps; -1 = run all epochs. Also sets the schedule's length."""
+    """Stop after N optimizer steps (one shard per rank per step); -1 = all epochs. Also sets the
+    schedule's length."""
     lr: float = 6e-4
-    """Peak learning rate of AdamW (recipe: 6e-4)."""
+    """Peak AdamW learning rate (recipe: 6e-4)."""
     warmup_ratio: float = 0.04
-    """Fraction of the total steps spent in linear warmup from 0 to lr (recipe: 0.04)."""
+    """Fraction of the steps in linear warmup from 0 to --lr (recipe: 0.04)."""
     min_lr_ratio: float = 0.0
-    """The cosine decays to min_lr_ratio * lr at the last step."""
+    """Cosine floor as a fraction of --lr, reached at the last step."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay (recipe: 0)."""
     betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW (beta1, beta2)."""
+    """AdamW beta1,beta2."""
     adam_eps: float = 1e-8
     """AdamW epsilon."""
     grad_clip: float = 1.0
-    """Clip the global gradient L2 norm to this; 0 disables clipping."""
+    """Clip the global gradient L2 norm to this; 0 = off."""
     seed: int = 0
     """Seed of the weight init, the shard order and the anchor sampling (per rank: seed + rank)."""
     num_blocks: int | None = None
-    """Draft blocks (anchors) per packed batch; None = SpecForge's density rounded to flex tiles."""
+    """Draft blocks (anchors) per packed batch (x block size = query tokens per step). Default: one per
+    24 context tokens, rounded to 128-token tiles (2048 for a 49152 budget: fits the 27B-width drafter
+    on one H200)."""
     block_size: int = 16
     """Tokens per draft block: anchor plus block_size-1 MASK slots (published drafters: 16)."""
     gamma: float = 7.0
@@ -66,11 +71,12 @@ class TrainConfig:
     kl_lambda: float = 0.0
     """Weight of KL(target || drafter) on the cache's stored target top-k; 0 = off."""
     cap_lambda: float = 0.0
-    """Weight of the CAP term (minus expected accepted length / (B-1)); 0 = off."""
+    """Weight of the CAP term (minus expected accepted length / (block_size-1)); 0 = off."""
     loss_chunk_blocks: int = 32
-    """Blocks per LM-head chunk of the loss and metrics (memory: chunk*B*vocab*4 bytes per live copy)."""
+    """Blocks per LM-head chunk of the loss and metrics (memory: blocks x block size x vocab x 4 bytes
+    per live copy)."""
     metrics_every: int = 8
-    """Compute monitoring metrics (accuracy, streaks) every N steps; values < 1 are clamped to 1."""
+    """Monitoring metrics (accuracy, streaks) every N steps; values < 1 are clamped to 1."""
     metrics_topk: int = 4
     """k of the top-k accuracy and top-k streak metrics."""
     log_every: int = 10
@@ -78,14 +84,15 @@ class TrainConfig:
     checkpoint_every: int = 1000
     """Save step-NNNNNNNN/ every N steps (and at the end); 0 = only at the end."""
     keep_checkpoints: int = 3
-    """Keep the newest K checkpoints, delete older ones."""
+    """Keep the newest N checkpoints, delete older ones."""
     resume: bool = False
-    """Continue from the newest valid checkpoint in out_dir (refused if the run's settings differ)."""
+    """Continue from the newest valid checkpoint in --out (refused if the run's settings differ)."""
     cuda_graphs: bool | None = None
-    """Capture the whole step as one CUDA graph; None = on when running on CUDA. Ignored on CPU."""
-    attention: str = "auto"
-    """Block attention backend: flex (CUDA), sdpa (dense mask; CPU, tests), auto = flex on CUDA."""
-    compute_dtype: str = "bfloat16"
+    """Capture the whole step as one CUDA graph. Default: on with CUDA; ignored on CPU."""
+    attention: Literal["auto", "flex", "sdpa"] = "auto"
+    """Block attention backend: flex (CUDA), sdpa (dense mask; CPU, tests); auto = flex on CUDA, sdpa on
+    CPU."""
+    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Activation dtype: bfloat16 (autocast over fp32 master weights) or float32."""
     skip_bad_shards: bool = False
     """Skip a shard that fails its checks (counted in the log) instead of stopping the run."""
@@ -94,29 +101,34 @@ class TrainConfig:
     eval_shards: int = 0
     """Hold out the last N shards of the cache (highest batch ids) for evaluation; never trained on."""
     eval_every: int = 0
-    """Evaluate on the held-out shards every N steps; 0 = only at the end (when eval_shards > 0)."""
+    """Evaluate on the held-out shards every N steps; 0 = only at the end (when --eval-shards > 0)."""
     eval_max_shards: int = 8
     """Evaluate on at most this many held-out shards each time."""
     tensorboard: bool = False
-    """Also write TensorBoard scalars to out_dir/tb (needs the tensorboard package)."""
+    """Also write TensorBoard scalars to OUT/tb (needs the tensorboard package)."""
     device: str = "auto"
     """auto = cuda:LOCAL_RANK when CUDA exists, else cpu."""
     num_buffers: int = 3
-    """Host shard buffers of the background loader (read-ahead = num_buffers - 1 shards)."""
+    """Host shard buffers of the background loader (read-ahead = N - 1 shards)."""
     mask_token_id: int | None = None
-    """MASK token id of the drafter; None = the cache's (cache.json mask_token_id)."""
-    tap_layer_ids: list[int] | None = None
-    """Expected tapped target layers; None = whatever the cache holds. Checked against the cache."""
+    """MASK token id of the drafter. Default: the cache's (cache.json mask_token_id; 248070 for
+    Qwen3.5)."""
+    tap_layer_ids: list[int] | None = cli_field(None, flag="--taps")
+    """Expected tapped target layers, e.g. 1,16,31,46,61; refused if the cache differs. Default: whatever
+    the cache holds."""
     num_layers: int = 5
     """Drafter decoder layers."""
     intermediate_size: int | None = None
-    """Drafter MLP width; None = the target's (recorded in cache.json), as DFlash drafters copy it."""
+    """Drafter MLP width. Default: the target's, from cache.json (17408 for Qwen3.5-27B), as DFlash
+    drafters copy it."""
     num_attention_heads: int | None = None
-    """Drafter query heads; None = derived from the width (DrafterConfig.for_target)."""
+    """Drafter query heads (give with --num-key-value-heads and --head-dim). Default: derived from the
+    width (32 for a 5120-wide target, else width / head dim)."""
     num_key_value_heads: int | None = None
-    """Drafter key/value heads; None = derived from the width."""
+    """Drafter key/value heads. Default: derived from the width (8 at 5120, else a quarter of the query
+    heads)."""
     head_dim: int | None = None
-    """Drafter head dim; None = derived from the width."""
+    """Drafter head dim. Default: derived from the width (128 from width 1024 up, width / 8 below)."""
     rope_theta: float = 1e7
     """RoPE base of the drafter (Qwen3.5 targets: 1e7)."""
 
@@ -128,47 +140,49 @@ class TrainConfig:
                        "keep_checkpoints", "num_buffers", "num_layers", "eval_max_shards")
         _nonnegative_ints(self, "checkpoint_every", "eval_shards", "eval_every", "seed")
         if self.max_steps != -1 and self.max_steps < 1:
-            raise ValueError(f"TrainConfig.max_steps must be >= 1 or -1 (no limit), got {self.max_steps}")
+            raise config_error(self, "max_steps", "must be >= 1, or -1 for no limit")
         if not self.lr > 0:
-            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
+            raise config_error(self, "lr", "must be > 0")
         if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"TrainConfig.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+            raise config_error(self, "warmup_ratio", "must be in [0, 1), a fraction of the steps")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+            raise config_error(self, "min_lr_ratio", "must be in [0, 1], a fraction of --lr")
         if self.weight_decay < 0:
-            raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay}")
+            raise config_error(self, "weight_decay", "must be >= 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"TrainConfig.betas must be two values in [0, 1), got {self.betas}")
+            raise config_error(self, "betas", "must be two values in [0, 1), e.g. --betas 0.9,0.999")
         if not self.adam_eps > 0:
-            raise ValueError(f"TrainConfig.adam_eps must be > 0, got {self.adam_eps}")
+            raise config_error(self, "adam_eps", "must be > 0")
         if self.grad_clip < 0:
-            raise ValueError(f"TrainConfig.grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
+            raise config_error(self, "grad_clip", "must be >= 0 (0 = off)")
         if self.block_size < 2:
-            raise ValueError(f"TrainConfig.block_size must be >= 2, got {self.block_size}")
+            raise config_error(self, "block_size", "must be >= 2 (an anchor plus at least one draft slot)")
         if not self.gamma > 0:
-            raise ValueError(f"TrainConfig.gamma must be > 0, got {self.gamma}")
+            raise config_error(self, "gamma", "must be > 0")
         for name in ("kl_lambda", "cap_lambda"):
             if getattr(self, name) < 0:
-                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+                raise config_error(self, name, "must be >= 0 (0 = off)")
         if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"TrainConfig.num_blocks must be >= 1 or None (default), got {self.num_blocks}")
+            raise config_error(self, "num_blocks", "must be >= 1; omit it for the default density")
         if self.metrics_every < 1:
-            log.warning("metrics_every %d < 1: clamped to 1 (metrics every step)", self.metrics_every)
+            log.warning("--metrics-every %d < 1: clamped to 1 (metrics every step)", self.metrics_every)
             self.metrics_every = 1
         if self.attention not in ("auto", "flex", "sdpa"):
-            raise ValueError(f"TrainConfig.attention must be auto, flex or sdpa, got {self.attention!r}")
+            raise config_error(self, "attention", "must be auto, flex or sdpa")
         if self.compute_dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"TrainConfig.compute_dtype must be bfloat16 or float32, got {self.compute_dtype!r}")
+            raise config_error(self, "compute_dtype", "must be bfloat16 or float32")
         for name in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "mask_token_id"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < (0 if name == "mask_token_id" else 1)):
-                raise ValueError(f"TrainConfig.{name} must be a positive int or None, got {value!r}")
-        heads = (self.num_attention_heads, self.num_key_value_heads, self.head_dim)
-        if any(h is not None for h in heads) and any(h is None for h in heads):
-            raise ValueError("TrainConfig.num_attention_heads, num_key_value_heads and head_dim must be given "
-                             f"together or not at all, got {heads}")
+                raise config_error(self, name, "must be a positive integer; omit it for the default")
+        heads = ("num_attention_heads", "num_key_value_heads", "head_dim")
+        given = [getattr(self, h) is not None for h in heads]
+        if any(given) and not all(given):
+            flags = ", ".join(f"{flag_name(TrainConfig, h)} {shown(getattr(self, h))}" for h in heads)
+            raise ValueError(f"{flags}: give the three together or none of them (then they are derived "
+                             "from the target's width)")
         if not Path(self.cache).is_dir():
-            raise ValueError(f"TrainConfig.cache {self.cache!r} is not a directory")
+            raise config_error(self, "cache", "is not a directory; pass the --out of dflash-extract")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -191,14 +205,14 @@ def _positive_ints(cfg: TrainConfig, *names: str) -> None:
     for name in names:
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"TrainConfig.{name} must be an int >= 1, got {value!r}")
+            raise config_error(cfg, name, "must be an integer >= 1")
 
 
 def _nonnegative_ints(cfg: TrainConfig, *names: str) -> None:
     for name in names:
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 0:
-            raise ValueError(f"TrainConfig.{name} must be an int >= 0, got {value!r}")
+            raise config_error(cfg, name, "must be an integer >= 0")
 
 
 @dataclass(kw_only=True)
@@ -228,8 +242,8 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
     _check_taps(cfg, cache_cfg)
     _check_target_head(cfg.cache, cache_cfg)
     if cfg.kl_lambda > 0 and cache_cfg.target_topk == 0:
-        raise ValueError(f"TrainConfig.kl_lambda {cfg.kl_lambda} needs the target's top-k, but cache "
-                         f"{cfg.cache} stores none (target_topk 0); re-extract with --target-topk or use kl_lambda 0")
+        raise ValueError(f"--kl-lambda {cfg.kl_lambda} needs a cache with --target-topk > 0, but cache {cfg.cache} "
+                         "stores no target top-k; re-extract with --target-topk 8 or pass --kl-lambda 0")
     mask_token_id = cfg.mask_token_id if cfg.mask_token_id is not None else cache_cfg.mask_token_id
     if mask_token_id is None:
         raise ValueError(f"no MASK token id: cache {cfg.cache} records none (cache.json mask_token_id null); "
@@ -251,15 +265,15 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
 
     num_blocks = cfg.num_blocks or default_num_blocks(cache_cfg.token_budget, cfg.block_size)
     if num_blocks > cache_cfg.token_budget:
-        raise ValueError(f"TrainConfig.num_blocks {num_blocks} exceeds the cache's token_budget "
-                         f"{cache_cfg.token_budget}")
+        raise ValueError(f"--num-blocks {num_blocks} exceeds the cache's --token-budget {cache_cfg.token_budget} "
+                         f"(one anchor per token at most); pass a smaller --num-blocks or omit it")
     # Every planned shard, not just the files present: a missing one is then refused by name (or
     # skipped and counted under --skip-bad-shards) instead of silently shrinking the data.
     planned = cache_cfg.packing.get("num_batches")
     all_ids = list(range(planned)) if isinstance(planned, int) else ShardReader(cfg.cache).batch_ids()
     if cfg.eval_shards >= len(all_ids):
-        raise ValueError(f"TrainConfig.eval_shards {cfg.eval_shards} leaves no training shards: cache "
-                         f"{cfg.cache} has {len(all_ids)}")
+        raise ValueError(f"--eval-shards {cfg.eval_shards} leaves no training shards: cache "
+                         f"{cfg.cache} has {len(all_ids)}; pass --eval-shards {max(0, len(all_ids) - 1)} or fewer")
     train_ids = all_ids[: len(all_ids) - cfg.eval_shards]
     eval_ids = all_ids[len(train_ids):]
     steps_per_epoch = len(train_ids) // world_size
@@ -277,8 +291,8 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
 
 def _check_taps(cfg: TrainConfig, cache_cfg: CacheConfig) -> None:
     if cfg.tap_layer_ids is not None and list(cfg.tap_layer_ids) != list(cache_cfg.tap_layer_ids):
-        raise ValueError(f"tapped layers differ: the run expects tap_layer_ids {cfg.tap_layer_ids}, cache "
-                         f"{cfg.cache} holds {cache_cfg.tap_layer_ids}; re-extract with --taps or drop --taps")
+        raise ValueError(f"--taps {shown(cfg.tap_layer_ids)}: the run expects layers {cfg.tap_layer_ids}, cache "
+                         f"{cfg.cache} holds {cache_cfg.tap_layer_ids}; re-extract with these --taps or drop --taps")
 
 
 def _check_target_head(cache_dir: str, cache_cfg: CacheConfig) -> None:
