@@ -18,8 +18,8 @@ from .packing import PackingConfig
 
 TargetDtype = Literal["bfloat16", "float16", "float32"]
 DTYPES = get_args(TargetDtype)
-# How the target's linear layers run: "dense" (matmuls in --dtype); the FP8 matmul path is to come.
-ComputeMode = Literal["dense"]
+# How the target's linear layers run: "dense" (matmuls in --dtype) or "fp8" (e4m3 matmuls).
+ComputeMode = Literal["dense", "fp8"]
 COMPUTE_MODES = get_args(ComputeMode)
 
 
@@ -59,7 +59,8 @@ class ExtractConfig:
     dtype: TargetDtype = "bfloat16"
     """Dtype the target runs in."""
     compute: ComputeMode = "dense"
-    """The target's linear layers: dense (matmuls in --dtype)."""
+    """The target's linear layers: dense (matmuls in --dtype) or fp8 (e4m3 matmuls with per-token and
+    per-channel scales; needs --dtype bfloat16 and, on GPUs, sm_89+; hidden states differ slightly)."""
     device: str = "auto"
     """auto = cuda:LOCAL_RANK when CUDA exists, else cpu; or cpu, cuda, cuda:N."""
     allow_slow_kernels: bool = False
@@ -85,6 +86,8 @@ class ExtractConfig:
             raise config_error(self, "dtype", f"must be one of {', '.join(DTYPES)}")
         if self.compute not in COMPUTE_MODES:
             raise config_error(self, "compute", f"must be one of {', '.join(COMPUTE_MODES)}")
+        if self.compute == "fp8" and self.dtype != "bfloat16":
+            raise config_error(self, "dtype", "must be bfloat16 with --compute fp8 (the FP8 matmuls write bf16)")
         for name in ("num_taps", "token_budget", "max_seqs", "topk_chunk_tokens", "writer_buffers"):
             if getattr(self, name) < 1:
                 raise config_error(self, name, "must be >= 1")

@@ -24,6 +24,7 @@ head dim, R rotary dims, F MLP width, V vocab, k top-k.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from extract.kernels import KernelChoice, VarlenBatch, select_kernels
+from extract.quantization import quantize_rows_fp8
 from extract.target_config import TargetConfig
 
 logger = logging.getLogger(__name__)
@@ -90,18 +92,83 @@ def silu_mul(gate_TF: torch.Tensor, up_TF: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_TF) * up_TF
 
 
+# ---- FP8 compute (--compute fp8) --------------------------------------------------------------
+# Linear layers that run on e4m3 matmuls; the GatedDeltaNet a/b projections (48 rows feeding the
+# decay and beta, 0.6% of the layer's FLOPs) and the LM head stay dense.
+FP8_LINEARS = ("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+               "gate_proj", "up_proj", "down_proj")
+# Pointwise ops whose output feeds linear layers: under FP8 compute they also quantise it per token.
+FP8_SITES = ("zero_centred_rmsnorm", "add_zero_centred_rmsnorm", "gated_rmsnorm", "sigmoid_gate", "silu_mul")
+
+
+@dataclasses.dataclass
+class Fp8Input:
+    """The input of a group of linear layers under FP8 compute: e4m3 rows with their scales, plus
+    the dense tensor when a dense layer (in_proj_a/b) reads the same input."""
+
+    x8_TX: torch.Tensor  # [T, X] float8_e4m3fn
+    scale_T1: torch.Tensor  # [T, 1] fp32: x ~= x8 * scale
+    dense: torch.Tensor | None = None  # [T, ...] in the model dtype, or None when no dense layer reads it
+
+
+def _with_fp8_output(fn, keep_dense: bool):
+    """fn, whose last output feeds linear layers, followed by per-token quantisation of that output
+    (flattened to [T, X]); compiled together, the quantisation adds no pass over memory."""
+
+    def run(*args):
+        out = fn(*args)
+        rest, y = (out[:-1], out[-1]) if isinstance(out, tuple) else ((), out)
+        x8, scale = quantize_rows_fp8(y.reshape(y.shape[0], -1))
+        return (*rest, y, x8, scale) if keep_dense else (*rest, x8, scale)
+
+    run.__name__ = f"{fn.__name__}_fp8"
+    return run
+
+
+def linear(layer: nn.Linear, x: torch.Tensor | Fp8Input) -> torch.Tensor:
+    """layer(x): an FP8 matmul (torch._scaled_mm, rowwise scales, bf16 out) when the layer holds
+    FP8 weights, else the dense matmul (of x.dense under FP8 compute)."""
+    w8_NK = getattr(layer, "weight_fp8", None)
+    if w8_NK is None:
+        return layer(x.dense if isinstance(x, Fp8Input) else x)
+    if not isinstance(x, Fp8Input):
+        raise TypeError("an FP8 linear layer needs an Fp8Input (quantised by the preceding pointwise op)")
+    # mat2 is the [K, N] column-major view of the row-major [N, K] weight, as _scaled_mm requires.
+    return torch._scaled_mm(x.x8_TX, w8_NK.t(), scale_a=x.scale_T1, scale_b=layer.weight_scale_1N,
+                            out_dtype=torch.bfloat16)
+
+
 class Pointwise:
     """The pointwise functions above, eager or each wrapped in torch.compile (one fused kernel or
-    two per call instead of up to ten eager passes over [T, H]-sized fp32 temporaries)."""
+    two per call instead of up to ten eager passes over [T, H]-sized fp32 temporaries).
+
+    With fp8 on, `feed` runs the variant of an FP8_SITES op that also quantises its output per token
+    (and keeps the dense output too when keep_dense)."""
 
     NAMES = ("zero_centred_rmsnorm", "add_zero_centred_rmsnorm", "gated_rmsnorm", "gdn_gates",
              "qk_norm_rope", "sigmoid_gate", "silu_mul")
 
     def __init__(self, compiled: bool):
         self.compiled = compiled
+        self.fp8 = False  # set by TargetModel.use_fp8_compute
+        wrap = (lambda fn: torch.compile(fn, fullgraph=True)) if compiled else (lambda fn: fn)
         for name in self.NAMES:
-            fn = globals()[name]
-            setattr(self, name, torch.compile(fn, fullgraph=True) if compiled else fn)
+            setattr(self, name, wrap(globals()[name]))
+        self._fp8_fns = {(name, keep): wrap(_with_fp8_output(globals()[name], keep))
+                         for name in FP8_SITES for keep in (False, True)}
+
+    def feed(self, name: str, *args, keep_dense: bool = False):
+        """Run pointwise op `name` whose (last) output feeds linear layers: that output as a tensor,
+        or under FP8 compute as an Fp8Input (other outputs, like the residual, unchanged)."""
+        if not self.fp8:
+            return getattr(self, name)(*args)
+        out = self._fp8_fns[(name, keep_dense)](*args)
+        if keep_dense:
+            *rest, dense, x8, scale = out
+        else:
+            (*rest, x8, scale), dense = out, None
+        fed = Fp8Input(x8, scale, dense)
+        return (*rest, fed) if rest else fed
 
 
 class ZeroCentredRMSNorm(nn.Module):
@@ -136,18 +203,19 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)
 
-    def forward(self, x_TH: torch.Tensor, batch: VarlenBatch) -> torch.Tensor:
-        T = x_TH.shape[0]
-        qkv_TC = self.kernels.conv1d_silu(self.in_proj_qkv(x_TH), self.conv1d.weight.squeeze(1), batch)
+    def forward(self, x_TH: torch.Tensor | Fp8Input, batch: VarlenBatch) -> torch.Tensor:
+        T = x_TH.x8_TX.shape[0] if isinstance(x_TH, Fp8Input) else x_TH.shape[0]
+        qkv_TC = self.kernels.conv1d_silu(linear(self.in_proj_qkv, x_TH), self.conv1d.weight.squeeze(1), batch)
         q_TMK, k_TMK, v_TMV = torch.split(qkv_TC, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q_TMK = q_TMK.view(T, self.num_k_heads, self.head_k_dim)
         k_TMK = k_TMK.view(T, self.num_k_heads, self.head_k_dim)
         v_TMV = v_TMV.view(T, self.num_v_heads, self.head_v_dim)
-        beta_TM, g_TM = self.pw.gdn_gates(self.in_proj_b(x_TH), self.in_proj_a(x_TH), self.A_log, self.dt_bias)
+        beta_TM, g_TM = self.pw.gdn_gates(linear(self.in_proj_b, x_TH), linear(self.in_proj_a, x_TH),
+                                          self.A_log, self.dt_bias)
         o_TMV = self.kernels.gated_delta_rule(q_TMK, k_TMK, v_TMV, g_TM, beta_TM, batch)
-        z_TMV = self.in_proj_z(x_TH).view(T, self.num_v_heads, self.head_v_dim)
-        y_TMV = self.pw.gated_rmsnorm(o_TMV.to(x_TH.dtype), z_TMV, self.norm.weight, self.norm.eps)
-        return self.out_proj(y_TMV.reshape(T, self.value_dim))
+        z_TMV = linear(self.in_proj_z, x_TH).view(T, self.num_v_heads, self.head_v_dim)
+        y_TMV = self.pw.feed("gated_rmsnorm", o_TMV.to(z_TMV.dtype), z_TMV, self.norm.weight, self.norm.eps)
+        return linear(self.out_proj, y_TMV if isinstance(y_TMV, Fp8Input) else y_TMV.reshape(T, self.value_dim))
 
 
 class GatedAttention(nn.Module):
@@ -164,17 +232,17 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCentredRMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(D, cfg.rms_norm_eps)
 
-    def forward(self, x_TH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: VarlenBatch) -> torch.Tensor:
-        T, D = x_TH.shape[0], self.head_dim
-        qg_TN2D = self.q_proj(x_TH).view(T, self.num_heads, 2 * D)
+    def forward(self, x_TH: torch.Tensor | Fp8Input, rope: tuple[torch.Tensor, torch.Tensor], batch: VarlenBatch) -> torch.Tensor:
+        T, D = rope[0].shape[0], self.head_dim
+        qg_TN2D = linear(self.q_proj, x_TH).view(T, self.num_heads, 2 * D)
         q_TND, gate_TND = qg_TN2D[..., :D], qg_TN2D[..., D:]
-        k_TMD = self.k_proj(x_TH).view(T, self.num_kv_heads, D)
-        v_TMD = self.v_proj(x_TH).view(T, self.num_kv_heads, D)
+        k_TMD = linear(self.k_proj, x_TH).view(T, self.num_kv_heads, D)
+        v_TMD = linear(self.v_proj, x_TH).view(T, self.num_kv_heads, D)
         q_TND, k_TMD = self.pw.qk_norm_rope(q_TND, k_TMD, self.q_norm.weight, self.k_norm.weight,
                                             self.q_norm.eps, *rope)
         o_TND = self.kernels.attention(q_TND, k_TMD, v_TMD, batch, self.scale)
-        o_TX = self.pw.sigmoid_gate(o_TND.reshape(T, -1), gate_TND.reshape(T, -1))
-        return self.o_proj(o_TX)
+        o_TX = self.pw.feed("sigmoid_gate", o_TND.reshape(T, -1), gate_TND.reshape(T, -1))
+        return linear(self.o_proj, o_TX)
 
 
 def rope_cos_sin(position_ids_T: torch.Tensor, cfg: TargetConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,8 +262,8 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.pw.silu_mul(self.gate_proj(x_TH), self.up_proj(x_TH)))
+    def forward(self, x_TH: torch.Tensor | Fp8Input) -> torch.Tensor:
+        return linear(self.down_proj, self.pw.feed("silu_mul", linear(self.gate_proj, x_TH), linear(self.up_proj, x_TH)))
 
 
 class DecoderLayer(nn.Module):
@@ -214,9 +282,10 @@ class DecoderLayer(nn.Module):
     def forward(self, h_TH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: VarlenBatch) -> torch.Tensor:
         """Pre-norm: h += mixer(norm(h)); h += mlp(norm(h))."""
         pre, post = self.input_layernorm, self.post_attention_layernorm
-        x_TH = self.pw.zero_centred_rmsnorm(h_TH, pre.weight, pre.eps)
+        # GatedDeltaNet's dense a/b projections read the normed input too: keep it beside the FP8 copy.
+        x_TH = self.pw.feed("zero_centred_rmsnorm", h_TH, pre.weight, pre.eps, keep_dense=not self.is_full_attention)
         mixed_TH = self.self_attn(x_TH, rope, batch) if self.is_full_attention else self.linear_attn(x_TH, batch)
-        h_TH, x_TH = self.pw.add_zero_centred_rmsnorm(h_TH, mixed_TH, post.weight, post.eps)
+        h_TH, x_TH = self.pw.feed("add_zero_centred_rmsnorm", h_TH, mixed_TH, post.weight, post.eps)
         return h_TH + self.mlp(x_TH)
 
 
@@ -254,12 +323,14 @@ class TargetModel(nn.Module):
         kernels: KernelChoice | None = None,
         last_layer: int | None = None,
         with_head: bool = False,
+        compute: str = "dense",
     ) -> "TargetModel":
         """Build on the meta device, then stream the checkpoint's tensors onto `device` one by one.
 
         kernels: None selects them for `device` (raising on CUDA when a fast kernel is missing).
         last_layer: the deepest layer to build (usually max(tap_layer_ids)); None = all.
         with_head: also load the final norm and LM head (needed by `topk_next_tokens`).
+        compute: "dense", or "fp8" (use_fp8_compute after loading).
         """
         from extract.checkpoint import load_weights_into
 
@@ -270,7 +341,7 @@ class TargetModel(nn.Module):
         with torch.device("meta"):
             model = cls(cfg, kernels, last_layer=last_layer, with_head=with_head)
         load_weights_into(model, path, device=device, dtype=dtype)
-        return model.eval()
+        return model.set_compute(compute).eval()
 
     @classmethod
     def from_state_dict(
@@ -281,6 +352,7 @@ class TargetModel(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         last_layer: int | None = None,
         with_head: bool = False,
+        compute: str = "dense",
     ) -> "TargetModel":
         """Build from in-memory tensors named like our parameters (tests, benchmarks); tensors are
         cast to `dtype` on their own device, except A_log and dt_bias which stay fp32."""
@@ -296,7 +368,43 @@ class TargetModel(nn.Module):
             raise KeyError(f"state lacks {len(missing)} parameters, first {missing[:3]}")
         cast = {name: state[name].to(storage_dtype(name, dtype)) for name in wanted}
         model.load_state_dict(cast, strict=True, assign=True)
-        return model.requires_grad_(False).eval()
+        return model.requires_grad_(False).set_compute(compute).eval()
+
+    def set_compute(self, compute: str) -> "TargetModel":
+        """"dense" (as loaded) or "fp8" (use_fp8_compute); announces the linear-layer kernel."""
+        if compute == "fp8":
+            return self.use_fp8_compute()
+        if compute != "dense":
+            raise ValueError(f"compute={compute!r}, expected 'dense' or 'fp8'")
+        logger.info("kernel linear: dense matmuls in %s", self.embed_tokens.weight.dtype)
+        return self
+
+    def use_fp8_compute(self) -> "TargetModel":
+        """Put the FP8_LINEARS on e4m3 matmuls, in place: each weight is quantised once, one scale per
+        output channel (amax / 448), and its dense copy freed; activations are quantised per token by
+        the pointwise op before them (Pointwise.feed). Needs bf16 weights, and on CUDA sm_89+."""
+        device = self.embed_tokens.weight.device
+        if self.embed_tokens.weight.dtype != torch.bfloat16:
+            raise ValueError(f"FP8 compute needs the model in bfloat16 (its matmuls write bf16), "
+                             f"found {self.embed_tokens.weight.dtype}: use --dtype bfloat16")
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(f"FP8 compute needs an FP8 GPU (sm_89+: L4, L40, H100, H200, B200), "
+                             f"{torch.cuda.get_device_name(device)} is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}: "
+                             f"use --compute dense")
+        converted = 0
+        for name, layer in self.named_modules():
+            if isinstance(layer, nn.Linear) and name.rsplit(".", 1)[-1] in FP8_LINEARS:
+                w8_NK, scale_N1 = quantize_rows_fp8(layer.weight)
+                layer.register_buffer("weight_fp8", w8_NK)
+                layer.register_buffer("weight_scale_1N", scale_N1.t().contiguous())
+                layer.weight = None  # the dense copy is never read again: free it
+                converted += 1
+        self.pw.fp8 = True
+        logger.info(
+            "kernel linear: fp8 e4m3 torch._scaled_mm with rowwise scales (%d layers: weights quantised once "
+            "per output channel, activations per token inside the %s pointwise ops); in_proj_a/b and lm_head dense",
+            converted, "compiled" if self.pw.compiled else "eager")
+        return self
 
     # ---- forward ----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -248,7 +248,7 @@ def _extract(cfg, cache_cfg, index, todo, device, dist_info) -> ExtractSummary:
     with_head = cfg.target_topk > 0
     model = TargetModel.from_pretrained(
         cfg.target, device, dtype=getattr(torch, cfg.dtype), kernels=kernels,
-        last_layer=None if with_head else cache_cfg.tap_layer_ids[-1], with_head=with_head,
+        last_layer=None if with_head else cache_cfg.tap_layer_ids[-1], with_head=with_head, compute=cfg.compute,
     )
     return extract_batches(model, cfg, cache_cfg, index, todo, device, dist_info.rank)
 

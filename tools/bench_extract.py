@@ -7,11 +7,14 @@ durable shards) runs over a lognormal length mix (median ~1.5K tokens, max 8K). 
   - tokens/s end to end writing the cache to local disk, bf16 and fp8 storage, with the write rate
     and the time the forward loop waited for the disk;
   - the same loop without writing (compute only);
+  - with --compute fp8, the same again after switching the model's linear layers to FP8 matmuls
+    (compute only, and writing an fp8 cache), plus the per-tap relative error of FP8 compute
+    against dense compute on one full batch (the same weights, bf16 activations);
   - HF transformers' qwen3_5 (fla when installed) on the same samples in length-sorted, padded
     batches of the same token count with an attention mask, on a layer subset projected to 64.
 Prints a table and writes JSON to --out.
 
-    python -m tools.bench_extract --out bench_extract.json --cache-dir /tmp/bench_cache
+    python -m tools.bench_extract --out bench_extract.json --cache-dir /tmp/bench_cache [--compute fp8]
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ import numpy as np
 import torch
 
 from extract.config import ExtractConfig
-from extract.data import Sample, scan_dataset, write_parquet
+from extract.data import Sample, SampleLoader, scan_dataset, write_parquet
 from extract.kernels import select_kernels
 from extract.model import TargetModel
-from extract.packing import PackingConfig, plan_batches
+from extract.packing import PackingConfig, load_batch, plan_batches
 from extract.runner import build_cache_config, extract_batches
 from extract.target_config import TargetConfig, qwen35_27b_config_dict, tiny_config_dict
 from shards import create_cache
@@ -109,6 +112,17 @@ def hf_padded_tokens_per_s(cfg_dict, state, index, loader_rows, token_budget, la
             "hf_fill": real / max(padded, 1), "hf_batches_timed": len(batches) - 1}
 
 
+def _forward_batch(model: TargetModel, index, batch, taps: list[int], device: torch.device,
+                   token_budget: int) -> torch.Tensor:
+    """The taps [n, K, H] of one packed batch's real tokens (for the FP8-vs-dense error)."""
+    arrays = load_batch(SampleLoader(index), batch, PackingConfig(token_budget=token_budget))
+    n = batch.num_tokens
+    ids = torch.from_numpy(arrays["input_ids"][:n]).to(device)
+    pos = torch.from_numpy(arrays["position_ids"][:n]).to(device)
+    cu = torch.from_numpy(arrays["cu_seqlens"][: len(batch.sample_ids) + 1])
+    return model.forward_packed(ids, pos, cu, taps)
+
+
 @click.command()
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False))
 @click.option("--cache-dir", default="/tmp/bench_extract_cache", show_default=True)
@@ -117,8 +131,10 @@ def hf_padded_tokens_per_s(cfg_dict, state, index, loader_rows, token_budget, la
 @click.option("--layers", default=64, show_default=True, help="Target layers (64 = the real 27B depth).")
 @click.option("--hf-layers", default=4, show_default=True, help="Layers for the HF comparison (projected to 64); 0 = skip.")
 @click.option("--token-budget", default=49152, show_default=True)
+@click.option("--compute", type=click.Choice(["dense", "fp8"]), default="dense", show_default=True,
+              help="fp8: after the dense configurations, also measure FP8 compute (and its per-tap error vs dense).")
 @click.option("--tiny", is_flag=True, help="CPU smoke run on the tiny config (checks the script, measures nothing useful).")
-def main(out_path, cache_dir, num_samples, batches, layers, hf_layers, token_budget, tiny) -> None:
+def main(out_path, cache_dir, num_samples, batches, layers, hf_layers, token_budget, compute, tiny) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     device = torch.device("cpu" if tiny else "cuda")
     cache_dir = Path(cache_dir)
@@ -135,7 +151,7 @@ def main(out_path, cache_dir, num_samples, batches, layers, hf_layers, token_bud
     plan = plan_batches(index, PackingConfig(token_budget=token_budget))
     log.info("length mix: median %d, mean %d, max %d; %s", np.median(lengths), lengths.mean(), lengths.max(), plan.summary())
     t0 = time.perf_counter()
-    dtype = torch.float32 if tiny else torch.bfloat16
+    dtype = torch.bfloat16 if compute == "fp8" or not tiny else torch.float32  # FP8 compute runs on bf16
     state = random_weights(target, seed=0, device=device, with_head=False, dtype=dtype, last_layer=taps[-1])
     kernels = select_kernels(device)
     model = TargetModel.from_state_dict(target, state, kernels, dtype=dtype, last_layer=taps[-1])
@@ -151,11 +167,18 @@ def main(out_path, cache_dir, num_samples, batches, layers, hf_layers, token_bud
     config_dir = work / "target"
     config_dir.mkdir(exist_ok=True)
     (config_dir / "config.json").write_text(json.dumps(cfg_dict))
-    for storage, write in (("none", False), ("bf16", True), ("fp8", True)):
+    runs = [("dense", "none", False), ("dense", "bf16", True), ("dense", "fp8", True)]
+    if compute == "fp8":
+        runs += [("fp8", "none", False), ("fp8", "fp8", True)]
+    reference_hidden = None
+    for mode, storage, write in runs:
+        if mode == "fp8" and reference_hidden is None:
+            reference_hidden = _forward_batch(model, index, plan.batches[warm], taps, device, token_budget)
+            model.use_fp8_compute()  # in place: the linear layers' weights quantised once
         shutil.rmtree(cache_dir, ignore_errors=True)
         cfg = ExtractConfig(target=str(config_dir), data=str(data), out=str(cache_dir), tap_layer_ids=taps,
                             storage_dtype="bf16" if storage == "none" else storage, token_budget=token_budget,
-                            progress_interval_s=5.0)
+                            progress_interval_s=5.0, compute=mode, dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
         cache_cfg = build_cache_config(cfg, target, taps, plan, index)
         vocab, hidden = target.vocab_size, target.hidden_size
         create_cache(cache_dir, cache_cfg, {"embed_tokens": torch.zeros(vocab, hidden, dtype=torch.bfloat16),
@@ -163,10 +186,16 @@ def main(out_path, cache_dir, num_samples, batches, layers, hf_layers, token_bud
                                             "final_norm": torch.zeros(hidden, dtype=torch.bfloat16)})
         extract_batches(model, cfg, cache_cfg, index, plan.batches[:warm], device, write=write)
         s = extract_batches(model, cfg, cache_cfg, index, plan.batches[warm:need], device, write=write)
-        key = f"write_{storage}" if write else "no_write"
+        key = ("fp8_compute_" if mode == "fp8" else "") + (f"write_{storage}" if write else "no_write")
         result[key] = {"tokens_per_s": s.tokens_per_s, "seconds": s.seconds, "tokens": s.tokens,
                        "gb_written": s.bytes_written / 1e9, "write_gb_per_s": s.bytes_written / 1e9 / s.seconds}
         log.info("%s: %.0f tok/s", key, s.tokens_per_s)
+    if reference_hidden is not None:
+        fp8_hidden = _forward_batch(model, index, plan.batches[warm], taps, device, token_budget)
+        result["fp8_vs_dense_rel_err_per_tap"] = {
+            str(tap): ((fp8_hidden[:, j].float() - reference_hidden[:, j].float()).norm()
+                       / reference_hidden[:, j].float().norm()).item() for j, tap in enumerate(taps)}
+        del fp8_hidden, reference_hidden
     shutil.rmtree(cache_dir, ignore_errors=True)
     if hf_layers:
         del model
@@ -175,11 +204,16 @@ def main(out_path, cache_dir, num_samples, batches, layers, hf_layers, token_bud
         result.update(hf_padded_tokens_per_s(cfg_dict, state, index, rows, token_budget, hf_layers, device))
     Path(out_path).write_text(json.dumps(result, indent=2))
     print(f"\n{'configuration':<34} {'tokens/s per GPU':>16} {'write GB/s':>10}")
-    for key in ("no_write", "write_bf16", "write_fp8"):
+    for key in ("no_write", "write_bf16", "write_fp8", "fp8_compute_no_write", "fp8_compute_write_fp8"):
+        if key not in result:
+            continue
         r = result[key]
         print(f"{key:<34} {r['tokens_per_s']:>16,.0f} {r['write_gb_per_s']:>10.2f}")
     if hf_layers:
         print(f"{'HF+fla padded (projected to 64)':<34} {result['hf_real_tokens_per_s_full_depth']:>16,.0f}   fill {result['hf_fill']:.2f}")
+    if "fp8_vs_dense_rel_err_per_tap" in result:
+        errs = ", ".join(f"layer {t}: {e:.2e}" for t, e in result["fp8_vs_dense_rel_err_per_tap"].items())
+        print(f"FP8 compute vs dense, relative L2 per tap (one batch): {errs}")
     print(f"packing efficiency {result['padding_efficiency']:.4f}, median {result['median_len']:.0f}, max {result['max_len']}")
 
 
