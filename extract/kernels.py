@@ -10,13 +10,13 @@ backend and why (plus one for the pointwise ops: eager, or fused by torch.compil
 `allow_slow_kernels=True`: a silent fallback once cost 48 of 64 layers their fast path.
 fla and causal_conv1d are imported lazily: they need triton and a GPU.
 
-`KernelChoice.prepare(cu_seqlens_N1, num_tokens)` turns a shard's cu_seqlens (padded by repeating
+`KernelChoice.prepare(cu_seqlens_S1, num_tokens)` turns a shard's cu_seqlens (padded by repeating
 the total, possibly ending before the padded tail) into `VarlenBatch`: deduplicated boundaries,
 the padded tail as one more (isolated) sequence, host copies and the per-batch index tensors the
 kernels want. It is the one host sync of a forward; every layer then reuses the same objects
 (fla memoises some indices on the identity of the cu_seqlens tensor).
 
-Legend: T packed tokens, S sequences (+1 boundaries), C conv channels, W conv width,
+Legend: T packed tokens, S sequences (+1 boundaries), E conv channels, W conv width,
 M q/k heads (GDN) or kv heads (attention), H value heads (GDN) or query heads (attention),
 K/V/D head dims.
 """
@@ -83,9 +83,9 @@ class KernelChoice:
         ]
 
     # ---- per-batch preparation ---------------------------------------------------------
-    def prepare(self, cu_seqlens_N1: torch.Tensor, num_tokens: int, device: torch.device) -> VarlenBatch:
+    def prepare(self, cu_seqlens_S1: torch.Tensor, num_tokens: int, device: torch.device) -> VarlenBatch:
         """One host sync: normalise boundaries and build what the chosen kernels index by."""
-        cu_cpu = cu_seqlens_N1.detach().to("cpu", torch.int64)
+        cu_cpu = cu_seqlens_S1.detach().to("cpu", torch.int64)
         if cu_cpu.ndim != 1 or cu_cpu.numel() < 2 or int(cu_cpu[0]) != 0:
             raise ValueError(f"cu_seqlens must be 1-D, start at 0 and have >= 2 entries, found {cu_cpu.tolist()[:8]}")
         if bool((cu_cpu[1:] < cu_cpu[:-1]).any()) or int(cu_cpu[-1]) > num_tokens:
@@ -123,18 +123,18 @@ class KernelChoice:
         )
         return o_1THV.squeeze(0)
 
-    def conv1d_silu(self, x_TC: torch.Tensor, weight_CW: torch.Tensor, batch: VarlenBatch) -> torch.Tensor:
+    def conv1d_silu(self, x_TE: torch.Tensor, weight_EW: torch.Tensor, batch: VarlenBatch) -> torch.Tensor:
         """silu(depthwise causal conv) with zero history at every sequence start."""
         if self.conv_backend == "causal_conv1d":
-            # Channel-last [1, C, T] view (stride(1) == 1) is what seq_idx requires; no copy.
-            y_1CT = self._fns["dao_conv"](x_TC.unsqueeze(0).transpose(1, 2), weight_CW, None,
+            # Channel-last [1, E, T] view (stride(1) == 1) is what seq_idx requires; no copy.
+            y_1ET = self._fns["dao_conv"](x_TE.unsqueeze(0).transpose(1, 2), weight_EW, None,
                                           seq_idx=batch.seq_idx, activation="silu")
-            return y_1CT.transpose(1, 2).squeeze(0)
+            return y_1ET.transpose(1, 2).squeeze(0)
         if self.conv_backend == "fla":
-            y_1TC, _ = self._fns["fla_conv"](x_TC.unsqueeze(0), weight_CW, activation="silu",
+            y_1TE, _ = self._fns["fla_conv"](x_TE.unsqueeze(0), weight_EW, activation="silu",
                                              cu_seqlens=batch.cu_seqlens, cu_seqlens_cpu=batch.cu_seqlens_cpu)
-            return y_1TC.squeeze(0)
-        return causal_conv1d_silu_torch(x_TC, weight_CW, batch.cu_seqlens)
+            return y_1TE.squeeze(0)
+        return causal_conv1d_silu_torch(x_TE, weight_EW, batch.cu_seqlens)
 
     def attention(self, q_THD, k_TMD, v_TMD, batch: VarlenBatch, scale: float) -> torch.Tensor:
         """Causal GQA attention within each packed sequence; query head h reads kv head h // (H/M)."""
@@ -152,20 +152,20 @@ class KernelChoice:
 
 
 # ---- torch reference ops (CPU, tests, and the refused-by-default CUDA fallback) ----------------
-def causal_conv1d_silu_torch(x_TC: torch.Tensor, weight_CW: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def causal_conv1d_silu_torch(x_TE: torch.Tensor, weight_EW: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """y[t] = silu(sum_j w[:, j] * x[t - (W-1) + j]), taps before the sequence start read zero."""
-    T, _ = x_TC.shape
-    W = weight_CW.shape[1]
+    T, _ = x_TE.shape
+    W = weight_EW.shape[1]
     lens_S = cu_seqlens[1:] - cu_seqlens[:-1]
     starts_T = torch.repeat_interleave(cu_seqlens[:-1].long(), lens_S.long(), output_size=T)
-    pos_T = torch.arange(T, device=x_TC.device) - starts_T  # position within its sequence
-    x32_TC = x_TC.float()
-    y_TC = x32_TC * weight_CW[:, W - 1].float()
+    pos_T = torch.arange(T, device=x_TE.device) - starts_T  # position within its sequence
+    x32_TE = x_TE.float()
+    y_TE = x32_TE * weight_EW[:, W - 1].float()
     for shift in range(1, W):
-        shifted_TC = F.pad(x32_TC, (0, 0, shift, 0))[:T]
+        shifted_TE = F.pad(x32_TE, (0, 0, shift, 0))[:T]
         keep_T1 = (pos_T >= shift).unsqueeze(1)
-        y_TC = y_TC + torch.where(keep_T1, shifted_TC, 0.0) * weight_CW[:, W - 1 - shift].float()
-    return F.silu(y_TC).to(x_TC.dtype)
+        y_TE = y_TE + torch.where(keep_T1, shifted_TE, 0.0) * weight_EW[:, W - 1 - shift].float()
+    return F.silu(y_TE).to(x_TE.dtype)
 
 
 def sdpa_per_sequence(q_THD, k_TMD, v_TMD, bounds: list[int], scale: float) -> torch.Tensor:

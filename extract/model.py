@@ -18,9 +18,9 @@ Public API: `TargetModel.from_pretrained`, `forward_packed`, `topk_next_tokens`.
 Parameter names equal HF's text-model names (model.language_model.* or model.* stripped), so
 the checkpoint mapping is one prefix (extract/checkpoint.py).
 
-Legend: T packed tokens, H hidden size, K taps, C conv channels (q|k|v), W conv width,
+Legend: T packed tokens, H hidden size, K taps, E conv channels (q|k|v), W conv width,
 Mk GDN q/k heads, Mv GDN value heads, Dk/Dv GDN head dims, Nq/Nkv attention heads, D attention
-head dim, R rotary dims, F MLP width, V vocab, k top-k.
+head dim, R rotary dims, F MLP width, V vocab, Kt stored target top-k.
 """
 from __future__ import annotations
 
@@ -187,17 +187,17 @@ class GatedRMSNorm(ZeroCentredRMSNorm):
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: TargetConfig, kernels: KernelChoice, pw: Pointwise):
         super().__init__()
-        H, C = cfg.hidden_size, cfg.linear_conv_dim
+        H, E = cfg.hidden_size, cfg.linear_conv_dim
         self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
         self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.kernels, self.pw = kernels, pw
-        self.in_proj_qkv = nn.Linear(H, C, bias=False)
+        self.in_proj_qkv = nn.Linear(H, E, bias=False)
         self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(H, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(H, self.num_v_heads, bias=False)
-        self.conv1d = nn.Module()  # HF names the depthwise conv weight conv1d.weight [C, 1, W]
-        self.conv1d.weight = nn.Parameter(torch.empty(C, 1, cfg.linear_conv_kernel_dim), requires_grad=False)
+        self.conv1d = nn.Module()  # HF names the depthwise conv weight conv1d.weight [E, 1, W]
+        self.conv1d.weight = nn.Parameter(torch.empty(E, 1, cfg.linear_conv_kernel_dim), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
@@ -205,8 +205,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x_TH: torch.Tensor | Fp8Input, batch: VarlenBatch) -> torch.Tensor:
         T = x_TH.x8_TX.shape[0] if isinstance(x_TH, Fp8Input) else x_TH.shape[0]
-        qkv_TC = self.kernels.conv1d_silu(linear(self.in_proj_qkv, x_TH), self.conv1d.weight.squeeze(1), batch)
-        q_TMK, k_TMK, v_TMV = torch.split(qkv_TC, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        qkv_TE = self.kernels.conv1d_silu(linear(self.in_proj_qkv, x_TH), self.conv1d.weight.squeeze(1), batch)
+        q_TMK, k_TMK, v_TMV = torch.split(qkv_TE, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q_TMK = q_TMK.view(T, self.num_k_heads, self.head_k_dim)
         k_TMK = k_TMK.view(T, self.num_k_heads, self.head_k_dim)
         v_TMV = v_TMV.view(T, self.num_v_heads, self.head_v_dim)
@@ -412,13 +412,13 @@ class TargetModel(nn.Module):
         self,
         input_ids_T: torch.Tensor,
         position_ids_T: torch.Tensor,
-        cu_seqlens_N1: torch.Tensor,
+        cu_seqlens_S1: torch.Tensor,
         tap_layer_ids: list[int],
     ) -> torch.Tensor:
         """hidden_TKH[:, j] = output of decoder layer tap_layer_ids[j] (HF hidden_states[j + 1]);
         stops after the deepest tapped layer. cu_seqlens may be padded by repeating the total and
         may end before T (the tail is treated as one more, isolated, sequence)."""
-        hidden_TKH, _ = self._run(input_ids_T, position_ids_T, cu_seqlens_N1, tap_layer_ids, to_end=False)
+        hidden_TKH, _ = self._run(input_ids_T, position_ids_T, cu_seqlens_S1, tap_layer_ids, to_end=False)
         return hidden_TKH
 
     @torch.inference_mode()
@@ -426,12 +426,12 @@ class TargetModel(nn.Module):
         self,
         input_ids_T: torch.Tensor,
         position_ids_T: torch.Tensor,
-        cu_seqlens_N1: torch.Tensor,
+        cu_seqlens_S1: torch.Tensor,
         tap_layer_ids: list[int],
         k: int,
         chunk_tokens: int = 4096,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(hidden_TKH, topk_ids_Tk int32, topk_logprobs_Tk fp32): taps as forward_packed, plus the
+        """(hidden_TKH, topk_ids_TKt int32, topk_logprobs_TKt fp32): taps as forward_packed, plus the
         target's top-k next-token log-probs from final norm + LM head, `chunk_tokens` rows at a time
         (a full [T, V] logits tensor is never built)."""
         if not self.with_head:
@@ -440,21 +440,21 @@ class TargetModel(nn.Module):
             raise ValueError(f"top-k k={k} must be in 1..vocab_size={self.config.vocab_size}")
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be positive, found {chunk_tokens}")
-        hidden_TKH, last_TH = self._run(input_ids_T, position_ids_T, cu_seqlens_N1, tap_layer_ids, to_end=True)
+        hidden_TKH, last_TH = self._run(input_ids_T, position_ids_T, cu_seqlens_S1, tap_layer_ids, to_end=True)
         T = last_TH.shape[0]
-        ids_Tk = torch.empty(T, k, dtype=torch.int32, device=last_TH.device)
-        logprobs_Tk = torch.empty(T, k, dtype=torch.float32, device=last_TH.device)
+        ids_TKt = torch.empty(T, k, dtype=torch.int32, device=last_TH.device)
+        logprobs_TKt = torch.empty(T, k, dtype=torch.float32, device=last_TH.device)
         for start in range(0, T, chunk_tokens):
             rows = slice(start, min(start + chunk_tokens, T))
             normed_cH = zero_centred_rmsnorm(last_TH[rows], self.norm.weight, self.norm.eps)
             logits_cV = self.lm_head(normed_cH).float()
             # log-softmax of the k winners only: one [c, V] temporary instead of two.
             top = torch.topk(logits_cV, k, dim=-1)
-            ids_Tk[rows] = top.indices.to(torch.int32)
-            logprobs_Tk[rows] = top.values - torch.logsumexp(logits_cV, dim=-1, keepdim=True)
-        return hidden_TKH, ids_Tk, logprobs_Tk
+            ids_TKt[rows] = top.indices.to(torch.int32)
+            logprobs_TKt[rows] = top.values - torch.logsumexp(logits_cV, dim=-1, keepdim=True)
+        return hidden_TKH, ids_TKt, logprobs_TKt
 
-    def _run(self, input_ids_T, position_ids_T, cu_seqlens_N1, tap_layer_ids, to_end: bool):
+    def _run(self, input_ids_T, position_ids_T, cu_seqlens_S1, tap_layer_ids, to_end: bool):
         taps = [int(i) for i in tap_layer_ids]
         if not taps:
             raise ValueError("tap_layer_ids is empty")
@@ -469,7 +469,7 @@ class TargetModel(nn.Module):
             )
         device = self.embed_tokens.weight.device
         T = input_ids_T.shape[0]
-        batch = self.kernels.prepare(cu_seqlens_N1, T, device)
+        batch = self.kernels.prepare(cu_seqlens_S1, T, device)
         h_TH = self.embed_tokens(input_ids_T.to(device, non_blocking=True).long())
         rope = rope_cos_sin(position_ids_T.to(device, non_blocking=True), self.config, h_TH.dtype)
         hidden_TKH = torch.empty(T, len(taps), self.config.hidden_size, dtype=h_TH.dtype, device=device)

@@ -8,15 +8,15 @@ A cache directory:
       shards/b{batch:08d}.safetensors   one packed batch per file, every tensor of fixed shape
       manifest.parquet           one row per sample (manifest.py); rebuildable from the shards
 
-Shard tensors (T = token_budget, K = number of taps, H = target hidden size, S = max_seqs, V = target_topk):
+Shard tensors (T = token_budget, K = number of taps, H = target hidden size, S = max_seqs, Kt = target_topk):
 
     hidden               [T, K, H]   bf16, or fp8 e4m3 with hidden_scale [T, K] fp32 (per token, per tap)
     input_ids            [T]         int32
     position_ids         [T]         int32, restarting at 0 in every sequence, 0 on padding
     loss_mask            [T]         uint8, 0 on padding
     cu_seqlens           [S + 1]     int32, padded by repeating the total of real tokens
-    target_topk_ids      [T, V]      int32, only when V > 0
-    target_topk_logprobs [T, V]      bf16, only when V > 0
+    target_topk_ids      [T, Kt]     int32, only when Kt > 0
+    target_topk_logprobs [T, Kt]     bf16, only when Kt > 0
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class CacheConfig:
     token_budget: int  # T: tokens per shard, real plus padding
     max_seqs: int  # S: most sequences packed into one shard
     storage_dtype: str = "bf16"  # "bf16" or "fp8" (e4m3 with a per-token-per-tap fp32 scale)
-    target_topk: int = 0  # V: target's top-V next-token ids and log-probs stored per position; 0 = none
+    target_topk: int = 0  # Kt: the target's top-Kt next-token ids and log-probs stored per position; 0 = none
     mask_token_id: int | None = None  # the drafter's MASK token id, when known at extraction
     pad_token_id: int = 0  # token id written on padding positions
     packing: dict[str, Any] = field(default_factory=dict)  # packing settings (long_seqs policy, ...)

@@ -76,10 +76,10 @@ def test_fast_conv_matches_torch(device, torch_path, backend, module):
     cu, bounds = _cu(device)
     T = bounds[-1]
     gen = torch.Generator(device).manual_seed(1)
-    x_TC = torch.randn(T, 10240, generator=gen, device=device).bfloat16()
-    w_CW = (torch.randn(10240, 4, generator=gen, device=device) * 0.5).bfloat16()
-    ref = torch_path.conv1d_silu(x_TC, w_CW, torch_path.prepare(cu, T, device))
-    out = fast.conv1d_silu(x_TC, w_CW, fast.prepare(cu, T, device))
+    x_TE = torch.randn(T, 10240, generator=gen, device=device).bfloat16()
+    w_EW = (torch.randn(10240, 4, generator=gen, device=device) * 0.5).bfloat16()
+    ref = torch_path.conv1d_silu(x_TE, w_EW, torch_path.prepare(cu, T, device))
+    out = fast.conv1d_silu(x_TE, w_EW, fast.prepare(cu, T, device))
     assert out.shape == ref.shape
     assert _rel_l2(out, ref) < OP_TOL, f"{backend} conv vs torch: rel L2 {_rel_l2(out, ref):.2e}"
     # The first tokens of each sequence must not see the previous sequence.

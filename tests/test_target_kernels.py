@@ -60,14 +60,14 @@ def test_gated_delta_rule_value_head_h_reads_qk_head_h_div_ratio():
 def test_torch_conv_equals_per_sequence_conv1d():
     gen = torch.Generator().manual_seed(0)
     T, C, W = BOUNDS[-1], 24, 4
-    x_TC = torch.randn(T, C, generator=gen, dtype=torch.float64)
-    w_CW = torch.randn(C, W, generator=gen, dtype=torch.float64)
-    ours = causal_conv1d_silu_torch(x_TC.float(), w_CW.float(), torch.tensor(BOUNDS)).double()
+    x_TE = torch.randn(T, C, generator=gen, dtype=torch.float64)
+    w_EW = torch.randn(C, W, generator=gen, dtype=torch.float64)
+    ours = causal_conv1d_silu_torch(x_TE.float(), w_EW.float(), torch.tensor(BOUNDS)).double()
     for bos, eos in zip(BOUNDS[:-1], BOUNDS[1:]):
         if eos == bos:
             continue
-        x_1CL = x_TC[bos:eos].T.unsqueeze(0)
-        ref = F.silu(F.conv1d(x_1CL, w_CW.unsqueeze(1), padding=W - 1, groups=C)[..., : eos - bos])[0].T
+        x_1EL = x_TE[bos:eos].T.unsqueeze(0)
+        ref = F.silu(F.conv1d(x_1EL, w_EW.unsqueeze(1), padding=W - 1, groups=C)[..., : eos - bos])[0].T
         assert (ours[bos:eos] - ref).abs().max() < 1e-5, f"sequence {bos}:{eos}"
 
 

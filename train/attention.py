@@ -1,11 +1,11 @@
 """Block attention of DFlash training: each draft block sees its own sequence's context strictly
 before its anchor, plus its whole block (bidirectional), never other blocks or other sequences.
 
-Key layout (one packed batch): keys 0..C-1 are the C context tokens (fused target hidden states);
-keys C + n*B .. C + n*B + B-1 are the B tokens of block n. Query row q belongs to block q // B.
+Key layout (one packed batch): keys 0..T-1 are the T context tokens (fused target hidden states);
+keys T + n*B .. T + n*B + B-1 are the B tokens of block n. Query row q belongs to block q // B.
 Query of block n may attend key j iff
     seq_start[n] <= j < anchor[n]                 (context of its own sequence, before the anchor)
- or C + n*B <= j < C + (n+1)*B                    (its own block).
+ or T + n*B <= j < T + (n+1)*B                    (its own block).
 Blocks with weight 0 (padding) get seq_start == anchor: they see only their own block, so no
 softmax row is ever empty.
 
@@ -15,8 +15,8 @@ Two backends behind `block_attention`:
           ranges (tile flags from comparisons, indices from a sort): fixed shapes, no host syncs,
           its tensors updated in place so a CUDA graph can replay it and compile sees one object.
 
-Legend: C context tokens, NB blocks, B block size, Q = NB*B query tokens, L = C + Q keys,
-N query heads, M kv heads, D head dim.
+Legend: T context tokens, NB blocks, B block size, Q = NB*B query tokens, L = T + Q keys,
+A query heads, M kv heads, D head dim.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def block_mask_dense(seq_start_N: torch.Tensor, anchor_N: torch.Tensor, *, num_c
     lo_Q1 = seq_start_N[block_of_q_Q].unsqueeze(1)
     hi_Q1 = anchor_N[block_of_q_Q].unsqueeze(1)
     in_context_QL = (key_L >= lo_Q1) & (key_L < hi_Q1)
-    # Floor division makes context keys (key < C) negative, so they never match a block index.
+    # Floor division makes context keys (key < T) negative, so they never match a block index.
     own_block_QL = torch.div(key_L - num_ctx, block_size, rounding_mode="floor") == block_of_q_Q.unsqueeze(1)
     return in_context_QL | own_block_QL
 
@@ -119,7 +119,7 @@ class BlockAttentionLayout:
         tile_lo_J = torch.arange(num_kv_tiles, device=device) * tile
         tile_hi_J = tile_lo_J + tile  # unclipped: a ragged last tile is never "full"
         n_N = torch.arange(self.num_blocks, device=device)
-        ranges = (  # per block: context [seq_start, anchor) and own block [C + nB, C + (n+1)B)
+        ranges = (  # per block: context [seq_start, anchor) and own block [T + nB, T + (n+1)B)
             (self.seq_start_N.long(), self.anchor_N.long()),
             (self.num_ctx + n_N * block_size, self.num_ctx + (n_N + 1) * block_size),
         )
@@ -160,28 +160,28 @@ class BlockAttentionLayout:
         return self
 
 
-def block_attention(q_QND: torch.Tensor, k_LMD: torch.Tensor, v_LMD: torch.Tensor,
+def block_attention(q_QAD: torch.Tensor, k_LMD: torch.Tensor, v_LMD: torch.Tensor,
                     layout: BlockAttentionLayout) -> torch.Tensor:
     """Softmax attention of the Q block queries over the L keys under the block rule; [Q, N, D]."""
-    q_1NQD = q_QND.transpose(0, 1).unsqueeze(0)
+    q_1AQD = q_QAD.transpose(0, 1).unsqueeze(0)
     k_1MLD = k_LMD.transpose(0, 1).unsqueeze(0)
     v_1MLD = v_LMD.transpose(0, 1).unsqueeze(0)
     if layout.backend == "sdpa":
         if layout.dense_mask_QL is None:
             raise RuntimeError("BlockAttentionLayout.update() must run before block_attention")
-        out_1NQD = F.scaled_dot_product_attention(q_1NQD, k_1MLD, v_1MLD, attn_mask=layout.dense_mask_QL,
+        out_1AQD = F.scaled_dot_product_attention(q_1AQD, k_1MLD, v_1MLD, attn_mask=layout.dense_mask_QL,
                                                   enable_gqa=True)
     else:
         from torch.nn.attention.flex_attention import flex_attention as flex
         # Inside a caller's torch.compile region dynamo compiles flex itself; otherwise use our one compile.
         if layout.compile_flex and not torch.compiler.is_compiling():
             flex = _get_compiled_flex()
-        out_1NQD = flex(q_1NQD, k_1MLD, v_1MLD, block_mask=layout.block_mask, enable_gqa=True)
-    return out_1NQD.squeeze(0).transpose(0, 1)
+        out_1AQD = flex(q_1AQD, k_1MLD, v_1MLD, block_mask=layout.block_mask, enable_gqa=True)
+    return out_1AQD.squeeze(0).transpose(0, 1)
 
 
-def full_attention(q_QND: torch.Tensor, k_LMD: torch.Tensor, v_LMD: torch.Tensor) -> torch.Tensor:
+def full_attention(q_QAD: torch.Tensor, k_LMD: torch.Tensor, v_LMD: torch.Tensor) -> torch.Tensor:
     """Unmasked attention (inference: one block over its whole context and itself); [Q, N, D]."""
-    out_1NQD = F.scaled_dot_product_attention(q_QND.transpose(0, 1).unsqueeze(0), k_LMD.transpose(0, 1).unsqueeze(0),
+    out_1AQD = F.scaled_dot_product_attention(q_QAD.transpose(0, 1).unsqueeze(0), k_LMD.transpose(0, 1).unsqueeze(0),
                                               v_LMD.transpose(0, 1).unsqueeze(0), enable_gqa=True)
-    return out_1NQD.squeeze(0).transpose(0, 1)
+    return out_1AQD.squeeze(0).transpose(0, 1)

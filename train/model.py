@@ -15,7 +15,7 @@ Parameter names equal z-lab's: fc, hidden_norm, norm, layers.N.{input_layernorm,
 post_attention_layernorm}, layers.N.self_attn.{q,k,v,o}_proj / {q,k}_norm, layers.N.mlp.{gate,up,down}_proj.
 
 Legend: T context tokens, K taps, H hidden, NB blocks, B block size, Q = NB*B block tokens,
-L = T + Q keys, N query heads, M kv heads, D head dim, I MLP width, V vocab.
+L = T + Q keys, A query heads, M kv heads, D head dim, I MLP width, V vocab.
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class DFlashAttention(nn.Module):
     def forward(self, x_QH: torch.Tensor, ctx_TH: torch.Tensor, rope_ctx: tuple[torch.Tensor, torch.Tensor],
                 rope_blk: tuple[torch.Tensor, torch.Tensor], attend: AttendFn) -> torch.Tensor:
         Q, T, D = x_QH.shape[0], ctx_TH.shape[0], self.head_dim
-        q_QND = apply_rope(self.q_norm(self.q_proj(x_QH).view(Q, self.num_heads, D)), *rope_blk)
+        q_QAD = apply_rope(self.q_norm(self.q_proj(x_QH).view(Q, self.num_heads, D)), *rope_blk)
         # KV injection: this layer's k/v projections of the shared fused context, then of the block.
         k_ctx_TMD = apply_rope(self.k_norm(self.k_proj(ctx_TH).view(T, self.num_kv_heads, D)), *rope_ctx)
         k_blk_QMD = apply_rope(self.k_norm(self.k_proj(x_QH).view(Q, self.num_kv_heads, D)), *rope_blk)
@@ -86,8 +86,8 @@ class DFlashAttention(nn.Module):
         dtype = v_ctx_TMD.dtype
         k_LMD = torch.cat([k_ctx_TMD, k_blk_QMD], dim=0).to(dtype)
         v_LMD = torch.cat([v_ctx_TMD, v_blk_QMD], dim=0)
-        out_QND = attend(q_QND.to(dtype), k_LMD, v_LMD)
-        return self.o_proj(out_QND.reshape(Q, self.num_heads * D))
+        out_QAD = attend(q_QAD.to(dtype), k_LMD, v_LMD)
+        return self.o_proj(out_QAD.reshape(Q, self.num_heads * D))
 
 
 class SwiGLU(nn.Module):
