@@ -12,7 +12,7 @@ import torch
 from test_drafter_helpers import make_batch
 from train.attention import BlockAttentionLayout
 from train.blocks import TrainingBlocks, sample_blocks
-from train.config import DrafterConfig
+from train.drafter_config import DrafterConfig
 from train.losses import LossConfig, block_loss
 from train.model import DFlashDrafter, TargetHead
 

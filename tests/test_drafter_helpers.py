@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from train.blocks import TrainingBlocks, sample_blocks
-from train.config import DrafterConfig
+from train.drafter_config import DrafterConfig
 from train.model import DFlashDrafter, TargetHead
 
 VOCAB = 97

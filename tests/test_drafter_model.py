@@ -1,4 +1,4 @@
-"""The drafter model (train/model.py, train/config.py): names, shape, and the math against a float64
+"""The drafter model (train/model.py, train/drafter_config.py): names, shape, and the math against a float64
 naive implementation written from the architecture description, plus training vs inference forward."""
 import math
 
@@ -7,7 +7,7 @@ import torch
 
 from test_drafter_helpers import batch_blocks, make_batch, tiny_config, tiny_model_and_head
 from train.attention import BlockAttentionLayout
-from train.config import DrafterConfig
+from train.drafter_config import DrafterConfig
 from train.export import zlab_parameter_names
 from train.model import DFlashDrafter, count_parameters
 

@@ -31,7 +31,7 @@ import torch
 
 from shards import CacheConfig, TargetInfo
 from train.blocks import default_num_blocks, sample_blocks
-from train.config import DrafterConfig
+from train.drafter_config import DrafterConfig
 from train.loop import build_step_state
 from train.model import count_parameters
 from train.step import StepRunner

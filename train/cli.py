@@ -107,7 +107,7 @@ def _model_from_checkpoint(ckpt):
     from safetensors.torch import load_file
 
     from .checkpoint import MODEL_FILE
-    from .config import DrafterConfig
+    from .drafter_config import DrafterConfig
     from .model import DFlashDrafter
 
     cfg = DrafterConfig(**ckpt.state["drafter"])

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import DrafterConfig
+from .drafter_config import DrafterConfig
 from .model import DFlashDrafter
 
 log = logging.getLogger(__name__)

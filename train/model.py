@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from .attention import BlockAttentionLayout, block_attention, full_attention
-from .config import DrafterConfig
+from .drafter_config import DrafterConfig
 
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

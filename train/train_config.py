@@ -22,7 +22,7 @@ from shards.cli_options import cli_field, config_error, flag_name, shown
 from shards.container import read_header
 
 from .blocks import default_num_blocks
-from .config import DrafterConfig
+from .drafter_config import DrafterConfig
 
 log = logging.getLogger(__name__)
 
