@@ -32,7 +32,7 @@ class ExtractConfig:
     data: str
     """Parquet or JSON Lines file, directory or glob; rows hold input_ids, optional loss_mask (0/1)
     and id."""
-    out: str = cli_field(path="dir")
+    out_dir: str = cli_field(flag="--out", path="dir")
     """Cache directory to create, or to resume when it exists."""
     tap_layer_ids: list[int] | None = cli_field(None, flag="--taps")
     """Target layers to store, e.g. 1,16,31,46,61 (tap j = output of layer j). Default: DFlash's spread

@@ -112,7 +112,7 @@ def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
     device = resolve_device(cfg.device, dist_info.local_rank)
     if dist_info.is_main:  # the packing plan itself was logged once by plan_batches
         shard_bytes = bytes_per_shard(cache_cfg)
-        log.info("cache: %s, %s per token (%s), %s of %s on %s", cfg.out, format_bytes(shard_bytes / cfg.token_budget),
+        log.info("cache: %s, %s per token (%s), %s of %s on %s", cfg.out_dir, format_bytes(shard_bytes / cfg.token_budget),
                  cfg.storage_dtype, plural(len(plan.batches), "shard"), format_bytes(shard_bytes),
                  plural(dist_info.world_size, "rank"))
     run_on_main(dist_info, lambda: _prepare_cache(cfg, cache_cfg))
@@ -126,7 +126,7 @@ def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
     summary.resumed = resumed
     barrier()
     if dist_info.is_main:
-        _finish(cfg.out, cache_cfg, plan)
+        _finish(cfg.out_dir, cache_cfg, plan)
         summary.complete = True
     summary.wall_s = time.monotonic() - start
     return summary
@@ -163,7 +163,7 @@ def _quantization_record(ckpt_dir: str) -> str | None:
 
 
 def _prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig) -> None:
-    out = Path(cfg.out)
+    out = Path(cfg.out_dir)
     raw = load_target_head(cfg.target)
     head = {"embed_tokens": raw["embed_tokens"], "lm_head": raw["lm_head"], "final_norm": raw["norm"]}
     # Part of the cache's identity: the same architecture with other weights must not resume into it.
@@ -224,7 +224,7 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, object, object]
 
 def _pending(cfg: ExtractConfig, mine: list[PackedBatch]) -> tuple[list[PackedBatch], int]:
     """This rank's batches still to extract; a present shard that fails its checks is redone."""
-    reader = ShardReader(cfg.out)
+    reader = ShardReader(cfg.out_dir)
     present = set(reader.batch_ids())
     todo, kept = [], 0
     for batch in mine:
@@ -243,7 +243,7 @@ def _pending(cfg: ExtractConfig, mine: list[PackedBatch]) -> tuple[list[PackedBa
 
 def _extract(cfg, cache_cfg, index, todo, device, dist_info) -> ExtractSummary:
     if not todo:
-        return ExtractSummary(cfg.out, cache_cfg.packing["num_batches"], 0, 0, 0, 0.0, 0.0, 0)
+        return ExtractSummary(cfg.out_dir, cache_cfg.packing["num_batches"], 0, 0, 0, 0.0, 0.0, 0)
     kernels = select_kernels(device, allow_slow_kernels=cfg.allow_slow_kernels)
     with_head = cfg.target_topk > 0
     model = TargetModel.from_pretrained(
@@ -270,8 +270,8 @@ def extract_batches(
     """
     taps = cache_cfg.tap_layer_ids
     loader = SampleLoader(index)
-    writer = AsyncShardWriter(cfg.out, cache_cfg, device, num_buffers=cfg.writer_buffers) if write else None
-    jsonl = Path(cfg.out) / "logs" / f"extract-rank{rank}.jsonl" if write else None
+    writer = AsyncShardWriter(cfg.out_dir, cache_cfg, device, num_buffers=cfg.writer_buffers) if write else None
+    jsonl = Path(cfg.out_dir) / "logs" / f"extract-rank{rank}.jsonl" if write else None
     # One bar, rank 0's, on a terminal; other ranks there print only their final line (eight bars
     # redrawn over each other are unreadable). Into a file every rank writes plain lines.
     interactive = is_interactive()
@@ -314,7 +314,7 @@ def extract_batches(
     finally:
         progress.close()
     return ExtractSummary(
-        cache_dir=cfg.out, num_batches=cache_cfg.packing.get("num_batches", len(todo)), written=len(todo) if write else 0,
+        cache_dir=cfg.out_dir, num_batches=cache_cfg.packing.get("num_batches", len(todo)), written=len(todo) if write else 0,
         resumed=0, tokens=real_tokens, seconds=progress.elapsed(),
         padding_efficiency=real_tokens / (len(todo) * cfg.token_budget),
         bytes_written=writer.bytes_written if writer is not None else 0,

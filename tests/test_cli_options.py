@@ -115,8 +115,8 @@ def test_cli_defaults_are_the_config_defaults(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     ctx = extract_cli.make_context("dflash-extract", ["--target", str(tmp_path), "--data", "d", "--out", "o"])
     params = {k: v for k, v in ctx.params.items() if k != "gpus"}
-    assert build_config(ExtractConfig, params) == ExtractConfig(target=str(tmp_path), data="d", out="o")
-    assert ExtractConfig(target=str(tmp_path), data="d", out="o").token_budget == 49152
+    assert build_config(ExtractConfig, params) == ExtractConfig(target=str(tmp_path), data="d", out_dir="o")
+    assert ExtractConfig(target=str(tmp_path), data="d", out_dir="o").token_budget == 49152
     ctx = train_cli.commands["train"].make_context("train", ["--cache", str(tmp_path), "--out", "r"])
     params = {k: v for k, v in ctx.params.items() if k != "gpus"}
     assert build_config(TrainConfig, params) == TrainConfig(cache=str(tmp_path), out_dir="r")

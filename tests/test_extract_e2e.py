@@ -49,7 +49,7 @@ def data(tmp_path):
 
 
 def _cfg(target, data, out, **kw):
-    base = dict(target=str(target), data=str(data), out=str(out), token_budget=256, max_seqs=8, dtype="float32",
+    base = dict(target=str(target), data=str(data), out_dir=str(out), token_budget=256, max_seqs=8, dtype="float32",
                 mask_token_id=511, progress_interval_s=0.0)
     base.update(kw)
     return ExtractConfig(**base)

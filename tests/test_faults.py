@@ -59,7 +59,7 @@ def make_samples(n=NUM_SAMPLES, seed=0, max_len=90):
 
 
 def extract_cfg(target, data, out, **kw):
-    base = dict(target=str(target), data=str(data), out=str(out), token_budget=256, max_seqs=8, dtype="float32",
+    base = dict(target=str(target), data=str(data), out_dir=str(out), token_budget=256, max_seqs=8, dtype="float32",
                 mask_token_id=VOCAB - 1, progress_interval_s=0.0)
     base.update(kw)
     return ExtractConfig(**base)

@@ -72,7 +72,7 @@ def test_progress_log_plain_lines_without_a_bar(tmp_path, caplog):
 
 def test_extraction_lines_are_true_and_the_plan_is_printed_once(target, data, tmp_path, caplog):
     out = tmp_path / "cache"
-    cfg = ExtractConfig(target=str(target), data=str(data), out=str(out), token_budget=256, max_seqs=8,
+    cfg = ExtractConfig(target=str(target), data=str(data), out_dir=str(out), token_budget=256, max_seqs=8,
                         dtype="float32", mask_token_id=511, progress_interval_s=1e9)
     with caplog.at_level(logging.INFO):
         summary = run_extract(cfg)

@@ -176,7 +176,7 @@ def main(out_path, cache_dir, num_samples, batches, layers, hf_layers, token_bud
             reference_hidden = _forward_batch(model, index, plan.batches[warm], taps, device, token_budget)
             model.use_fp8_compute()  # in place: the linear layers' weights quantised once
         shutil.rmtree(cache_dir, ignore_errors=True)
-        cfg = ExtractConfig(target=str(config_dir), data=str(data), out=str(cache_dir), tap_layer_ids=taps,
+        cfg = ExtractConfig(target=str(config_dir), data=str(data), out_dir=str(cache_dir), tap_layer_ids=taps,
                             storage_dtype="bf16" if storage == "none" else storage, token_budget=token_budget,
                             progress_interval_s=5.0, compute=mode, dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
         cache_cfg = build_cache_config(cfg, target, taps, plan, index)
