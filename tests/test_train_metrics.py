@@ -61,7 +61,7 @@ def test_log_divides_summed_pairs_like_a_naive_average(tmp_path):
     assert rec["loss/total"] == pytest.approx(3.0) and rec["loss/ce"] == pytest.approx(2.0)
     assert rec["acc/slot_01"] == pytest.approx(3 / 5) and rec["acc/slot_02"] == pytest.approx(2 / 3)
     assert rec["accept/streak"] == pytest.approx(6 / 5)
-    assert float(totals.loss_sum.abs().sum()) == 0, "totals must reset after a log"
+    assert float(totals.sums.flat.abs().sum()) == 0, "totals must reset after a log"
 
 
 def _all_records(run_dir):
@@ -92,3 +92,40 @@ def test_exact_key_sets_of_training_and_eval_records(tmp_path):
     assert [r["step"] for r in evals] == [0, 2]  # the untrained drafter, then the end of training
     for r in evals:
         assert set(r) == want_eval, sorted(set(r) ^ want_eval)
+
+
+def test_named_sums_against_a_float64_loop():
+    """Scalars and vectors added by name land in their own slices; mean divides by the paired count
+    (None where it is 0), a 1-element count divides a whole vector, reset zeroes everything."""
+    from train.sums import Sums
+
+    gen = torch.Generator().manual_seed(0)
+    sums = Sums({"steps": 1, "loss": 1, "slot": 3, "slot.count": 3, "blocks": 1}, "cpu")
+    want = {"steps": [0.0], "loss": [0.0], "slot": [0.0] * 3, "slot.count": [0.0] * 3, "blocks": [0.0]}
+    for i in range(20):
+        loss = torch.rand((), generator=gen, dtype=torch.float32)
+        slot = torch.randint(0, 5, (3,), generator=gen)
+        count = torch.tensor([2, 0, 1]) * (i % 3)
+        sums.add("steps", 1.0)
+        sums.add("loss", loss)
+        sums.add("slot", slot)
+        sums.add("slot.count", count)
+        sums.add("blocks", torch.tensor(True))
+        want["steps"][0] += 1
+        want["loss"][0] += float(loss)
+        want["blocks"][0] += 1
+        for k in range(3):
+            want["slot"][k] += float(slot[k])
+            want["slot.count"][k] += float(count[k])
+    host = sums.reduce_to_host(local=torch.tensor([-1, 7]))
+    for name, values in want.items():
+        assert host[name] == pytest.approx(values, abs=1e-12), name
+    assert host.local == [-1.0, 7.0]
+    assert host.mean("slot") == [pytest.approx(want["slot"][0] / want["slot.count"][0]), None,
+                                 pytest.approx(want["slot"][2] / want["slot.count"][2])]
+    assert host.mean("slot", "steps") == pytest.approx([s / 20 for s in want["slot"]])
+    assert host.scalar("loss") == pytest.approx(want["loss"][0])
+    sums.reset()
+    assert float(sums.flat.abs().sum()) == 0
+    with pytest.raises(ValueError, match="'bad' needs a size >= 1"):
+        Sums({"bad": 0}, "cpu")

@@ -157,7 +157,7 @@ def bench_one(size: Size, mode: str, num_blocks: int, steps: int, device: torch.
         runner.run(with_metrics=False)
     torch.cuda.synchronize(device)
     step_s = (time.perf_counter() - t0) / steps
-    loss = float(state.totals.loss_sum[0] / state.totals.counts[0])
+    loss = float(state.totals.sums.view("loss/total") / state.totals.sums.view("steps"))
     flops = step_flops(size, dcfg, num_blocks, mean_keys)
     total = sum(flops.values())
     result = {

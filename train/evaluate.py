@@ -11,7 +11,7 @@ with labels y_1..y_{B-1} (the data's tokens after the anchor) and drafter log-pr
                      node (depth d, rank r) adds it and pushes its next sibling (d, r+1) and first
                      child (d+1, 0), until `budget` nodes; then walk the label path from the root
                      while the next label is a child in the tree. acceptance = depth reached + 1.
-Sums and counts are all-reduced across ranks before dividing.
+Sums and counts (train/sums.py) are all-reduced across ranks before dividing.
 
 Legend: T token budget, K taps, H hidden, NB blocks, B block size, S = B-1 draft slots, V vocab.
 """
@@ -29,8 +29,9 @@ from shards import ShardReader, decode_hidden
 
 from .attention import BlockAttentionLayout
 from .blocks import sample_blocks
-from .distributed import all_reduce_sum_
+from .metrics_math import accepted_prefix_length
 from .model import DFlashDrafter, TargetHead
+from .sums import COUNT, Sums
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,8 @@ def evaluate_drafter(model: DFlashDrafter, head: TargetHead, cache_dir: str, bat
     budgets = sorted(set(int(b) for b in budgets))
     layout = BlockAttentionLayout(num_ctx=cc.token_budget, num_blocks=num_blocks, block_size=B,
                                   backend=attention, device=device)
-    # sums: valid blocks, chain acceptance, per-slot correct [S], per-slot count [S], tree per budget
-    sums = torch.zeros(2 + 2 * S + len(budgets), dtype=torch.float64)
+    sums = Sums({"blocks": 1, "accepted": 1, "slot_correct": S, "slot_correct" + COUNT: S,
+                 **{f"tree@{b}": 1 for b in budgets}}, device)  # accepted and tree@b are divided by blocks
     for batch_id in batch_ids[rank::world_size]:
         tensors, _ = reader.read(batch_id, verify_checksum=True)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + batch_id)
@@ -120,24 +121,24 @@ def evaluate_drafter(model: DFlashDrafter, head: TargetHead, cache_dir: str, bat
             block_embed_NBH = head.embed(blocks_dev.block_ids_NB)
             hidden_NBH = model(hidden_TKH, tensors["position_ids"].to(device), block_embed_NBH,
                                blocks_dev.block_pos_NB, layout)
-            sums += _score_blocks(hidden_NBH, head, blocks_dev, budgets, chunk_blocks)
-    sums = all_reduce_sum_(sums.to(device)).cpu().tolist()
-    blocks_n = sums[0]
-    correct, counts = sums[2 : 2 + S], sums[2 + S : 2 + 2 * S]
+            _score_blocks(sums, hidden_NBH, head, blocks_dev, budgets, chunk_blocks)
+    host = sums.reduce_to_host()
+    blocks_n = host.scalar("blocks")
     return EvalResult(
         num_blocks=int(blocks_n),
-        acceptance_length=sums[1] / blocks_n if blocks_n else float("nan"),
-        slot_accuracy=[c / n if n else float("nan") for c, n in zip(correct, counts)],
-        tree_acceptance={b: (sums[2 + 2 * S + i] / blocks_n if blocks_n else float("nan"))
-                         for i, b in enumerate(budgets)},
+        acceptance_length=_or_nan(host.mean("accepted", "blocks")[0]),
+        slot_accuracy=[_or_nan(a) for a in host.mean("slot_correct")],
+        tree_acceptance={b: _or_nan(host.mean(f"tree@{b}", "blocks")[0]) for b in budgets},
         batch_ids=list(batch_ids))
 
 
-def _score_blocks(hidden_NBH: torch.Tensor, head: TargetHead, blocks, budgets: list[int],
-                  chunk_blocks: int) -> torch.Tensor:
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
+def _score_blocks(sums: Sums, hidden_NBH: torch.Tensor, head: TargetHead, blocks, budgets: list[int],
+                  chunk_blocks: int) -> None:
     NB, B, H = hidden_NBH.shape
-    S = B - 1
-    out = torch.zeros(2 + 2 * S + len(budgets), dtype=torch.float64)
     max_budget = min(max(budgets), head.lm_head_VH.shape[0])
     for start in range(0, NB, chunk_blocks):
         sl = slice(start, start + chunk_blocks)
@@ -148,20 +149,21 @@ def _score_blocks(hidden_NBH: torch.Tensor, head: TargetHead, blocks, budgets: l
         valid_CS = blocks.label_valid_NB[sl][:, 1:]
         block_valid_C = blocks.block_valid_N[sl]
         correct_CS = (logp_CSV.argmax(-1) == labels_CS) & valid_CS
-        accepted_C = torch.cumprod(correct_CS.int(), dim=1).sum(1)
-        out[0] += block_valid_C.sum().item()
-        out[1] += ((accepted_C + 1) * block_valid_C).sum().item()
-        out[2 : 2 + S] += correct_CS.sum(0).double().cpu()
-        out[2 + S : 2 + 2 * S] += valid_CS.sum(0).double().cpu()
+        sums.add("blocks", block_valid_C.sum())
+        sums.add("accepted", ((accepted_prefix_length(correct_CS) + 1) * block_valid_C).sum())
+        sums.add("slot_correct", correct_CS.sum(0))
+        sums.add("slot_correct" + COUNT, valid_CS.sum(0))
         top_logp_CSR, top_ids_CSR = logp_CSV.topk(max_budget, dim=-1)
         top_logp, top_ids = top_logp_CSR.cpu().tolist(), top_ids_CSR.cpu().tolist()
         labels, valid, bvalid = labels_CS.cpu().tolist(), valid_CS.cpu().tolist(), block_valid_C.cpu().tolist()
+        tree_sum = {budget: 0 for budget in budgets}
         for c in range(C):
             if not bvalid[c]:
                 continue
-            for i, budget in enumerate(budgets):
+            for budget in budgets:
                 r = min(budget, max_budget)
                 lp = [row[:r] for row in top_logp[c]]
                 ids = [row[:r] for row in top_ids[c]]
-                out[2 + 2 * S + i] += tree_acceptance(lp, ids, labels[c], valid[c], budget)
-    return out
+                tree_sum[budget] += tree_acceptance(lp, ids, labels[c], valid[c], budget)
+        for budget, total in tree_sum.items():
+            sums.add(f"tree@{budget}", float(total))

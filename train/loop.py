@@ -3,12 +3,11 @@
 run_training(cfg):
   validate the config against the cache (resolve_run: no model, no GPU) -> join the process group
   -> build drafter (fp32 master), frozen target head, static batch, optimizer, schedule
-  -> resume from the newest valid checkpoint when asked -> capture the step (CUDA) -> for each epoch,
-  this rank's shard order from its cursor: load shard -> step -> count -> log / checkpoint / eval.
+  -> resume from the newest valid checkpoint when asked -> capture the step (CUDA) -> per step:
+  next batch (timed) -> copy to the device -> count tokens -> step -> log / eval / checkpoint.
 
-Each step consumes exactly one shard on every rank. With --skip-bad-shards under several ranks, a
-skipped shard is replaced by one more step on the batch already in the device buffers (fresh
-anchors), so all ranks keep the same step count (ranks that fall out of step hang the all-reduce).
+Each step consumes exactly one shard on every rank; train/data.py says how skipped shards keep the
+ranks in step.
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from typing import Any, Iterator
 
 import torch
 
-from shards import ShardLoader, ShardReader, epoch_shard_order, load_target_head
+from shards import ShardReader, load_target_head
 from shards.durable import atomic_write_text
 from shards.provenance import provenance
 from shards.runtime import DistInfo, barrier, resolve_device
@@ -32,6 +31,7 @@ from .attention import BlockAttentionLayout
 from .batch import StaticBatch
 from .checkpoint import (check_resume_compatible, decode_rng, encode_rng, latest_checkpoint, load_model_state,
                          load_optimizer_state, save_checkpoint)
+from .data import Batch, rank_batches
 from .distributed import FlatGrads, all_gather_objects, broadcast_parameters, init_distributed
 from .evaluate import EvalResult, evaluate_drafter
 from .losses import LossConfig
@@ -207,36 +207,49 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------
     def train(self) -> TrainSummary:
         cfg, run = self.cfg, self.run
-        done = self.step >= run.total_steps
         # A fresh run measures its starting point, so every run reports what training bought.
         eval_before = self._evaluate() if run.eval_ids and self.step == 0 else None
-        while not done and self.epoch < cfg.epochs:
-            order = epoch_shard_order(run.train_ids, self.epoch, cfg.seed, self.dist.rank, self.dist.world_size)
-            positions = self._epoch_positions(order)
-            try:
-                for position in positions:
-                    self.step += 1
-                    self.cursor = position + 1
-                    self.runner.run(with_metrics=self.metrics.should_compute_metrics(self.step))
-                    done = self.step >= run.total_steps
-                    checkpoint_due = bool(cfg.checkpoint_every) and self.step % cfg.checkpoint_every == 0
-                    if self.metrics.should_log(self.step) or checkpoint_due or done:
-                        self._log()
-                    if cfg.eval_every and self.step % cfg.eval_every == 0 and run.eval_ids:
-                        self._evaluate()
-                    if done:
-                        break
-                    if checkpoint_due:
-                        self._save()
-            finally:
-                positions.close()
-            if not done:
-                self.epoch, self.cursor = self.epoch + 1, 0
+        batches = self._batches()
+        try:
+            while self.step < run.total_steps:
+                wait_start = time.monotonic()
+                batch = next(batches)  # this rank's next shard, read ahead on the loader thread
+                self.metrics.add_data_wait(time.monotonic() - wait_start)
+                self._count_skipped(batch.skipped)
+                self.epoch, self.cursor = batch.epoch, batch.cursor
+                if batch.end:  # every epoch used up: shards were skipped, so fewer steps than planned
+                    break
+                if batch.shard is not None:  # None: a skipped shard's stand-in, the buffers hold the last batch
+                    self.batch.load(batch.shard)
+                self.metrics.add_tokens(batch.num_tokens)
+
+                self.step += 1
+                self.runner.run(with_metrics=self.metrics.should_compute_metrics(self.step))
+
+                done = self.step >= run.total_steps
+                checkpoint_due = bool(cfg.checkpoint_every) and self.step % cfg.checkpoint_every == 0
+                if self.metrics.should_log(self.step) or checkpoint_due or done:
+                    self._log()
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and run.eval_ids:
+                    self._evaluate()
+                if checkpoint_due and not done:
+                    self._save()
+        finally:
+            batches.close()
+            self.batch.close()
         if self.step > 0 and (self.last_checkpoint is None or self.last_checkpoint.name != f"step-{self.step:08d}"):
             self._save()
         eval_result = self._evaluate() if run.eval_ids else None
         return TrainSummary(self.step, self.metrics.tokens_seen, self._last_record, self.last_checkpoint,
                             eval_result, self.skipped, eval_before)
+
+    def _batches(self) -> Iterator[Batch]:
+        """This rank's batches from the resume point (epoch, cursor) to the end of the last epoch."""
+        cfg = self.cfg
+        return rank_batches(self.reader, self.run.train_ids, epoch=self.epoch, cursor=self.cursor, epochs=cfg.epochs,
+                            seed=cfg.seed, rank=self.dist.rank, world_size=self.dist.world_size,
+                            num_buffers=cfg.num_buffers, pin_memory=self.device.type == "cuda",
+                            verify_checksum=cfg.verify_checksums, skip_bad_shards=cfg.skip_bad_shards)
 
     def _log(self) -> None:
         """The log: one all-reduce and one host sync; raises NonFiniteError naming a bad step/batch."""
@@ -244,40 +257,12 @@ class Trainer:
         self._last_record = self.metrics.log(self.step, self.epoch, self.state.totals, lr=lr)
         self._logged_step = self.step
 
-    def _epoch_positions(self, order: list[int]) -> Iterator[int]:
-        """Load each shard of this epoch from the cursor on; yield its position once it is on the device."""
-        cfg = self.cfg
-        position_of = {batch_id: i for i, batch_id in enumerate(order)}
-        loader = ShardLoader(self.reader, order[self.cursor:], num_buffers=cfg.num_buffers,
-                             pin_memory=self.device.type == "cuda", verify_checksum=cfg.verify_checksums,
-                             skip_bad_shards=cfg.skip_bad_shards)
-        expected = self.cursor
-        try:
-            shards = iter(loader)
-            while True:
-                t0 = time.monotonic()
-                shard = next(shards, None)
-                self.metrics.add_data_wait(time.monotonic() - t0)
-                position = len(order) if shard is None else position_of[shard.batch_id]
-                for missing in range(expected, position):  # skipped by the loader (bad shards)
-                    self._count_skip(order[missing], loader)
-                    if self.dist.world_size > 1:
-                        yield missing  # one more step on the batch in the buffers keeps ranks in step
-                if shard is None:
-                    return
-                self.batch.load(shard)
-                self.metrics.add_tokens(shard.info.num_tokens)
-                expected = position + 1
-                yield position
-        finally:
-            self.batch.close()
-            loader.close()
-
-    def _count_skip(self, batch_id: int, loader: ShardLoader) -> None:
-        reason = next((r for b, r in loader.skipped if b == batch_id), "unreadable")
-        self.skipped.append((batch_id, reason))
-        self.metrics.skipped_shards += 1
-        self.metrics.write_event({"event": "skipped_shard", "step": self.step, "batch_id": batch_id, "reason": reason})
+    def _count_skipped(self, skipped: list[tuple[int, str]]) -> None:
+        for batch_id, reason in skipped:
+            self.skipped.append((batch_id, reason))
+            self.metrics.skipped_shards += 1
+            self.metrics.write_event({"event": "skipped_shard", "step": self.step, "batch_id": batch_id,
+                                      "reason": reason})
 
     def _save(self) -> None:
         if self._logged_step != self.step:

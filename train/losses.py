@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from .blocks import TrainingBlocks
+from .model import lm_head_weight
 
 
 @dataclass(kw_only=True)
@@ -141,8 +142,8 @@ class _ChunkedBlockLoss(torch.autograd.Function):
         return (grad_NBH * grad_total.to(grad_NBH.dtype), None, None, None, None, None)
 
 
-def _lm_head_weight(head) -> torch.Tensor:
-    weight = head if isinstance(head, torch.Tensor) else head.lm_head_VH
+def _frozen_lm_head(head) -> torch.Tensor:
+    weight = lm_head_weight(head)
     if weight.requires_grad:
         raise ValueError("the target lm_head must be frozen (requires_grad False); the chunked loss "
                          "returns no gradient for it")
@@ -155,7 +156,7 @@ def block_loss(hidden_NBH: torch.Tensor, lm_head, blocks: TrainingBlocks, cfg: L
     """Chunked loss of the drafter's normed block states [NB, B, H]; lm_head is a TargetHead or [V, H]."""
     if not torch.is_grad_enabled():
         hidden_NBH = hidden_NBH.detach()  # evaluation: skip the in-forward gradient work
-    total, parts = _ChunkedBlockLoss.apply(hidden_NBH, _lm_head_weight(lm_head), blocks, cfg,
+    total, parts = _ChunkedBlockLoss.apply(hidden_NBH, _frozen_lm_head(lm_head), blocks, cfg,
                                            target_topk_ids_TK, target_topk_logprobs_TK)
     return LossParts(total, parts[1], parts[2], parts[3])
 
@@ -168,7 +169,7 @@ def block_loss_unchunked(hidden_NBH: torch.Tensor, lm_head, blocks: TrainingBloc
     ce_norm, cap_norm = _normalisers(blocks, fdt)
     sl = slice(0, blocks.num_blocks)
     kl_ids, kl_logp = _target_topk(blocks, cfg, target_topk_ids_TK, target_topk_logprobs_TK, sl)
-    sums = _chunk_sums(hidden_NBH, _lm_head_weight(lm_head), blocks.labels_NB, blocks.label_valid_NB,
+    sums = _chunk_sums(hidden_NBH, _frozen_lm_head(lm_head), blocks.labels_NB, blocks.label_valid_NB,
                        blocks.weights_NB, kl_ids, kl_logp, cfg.cap_lambda > 0)
     total, ce, kl, cap = _combine(sums, ce_norm, cap_norm, cfg)
     return LossParts(total, ce.detach(), kl.detach(), cap.detach())

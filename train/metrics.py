@@ -22,7 +22,8 @@ import torch
 
 from shards.progress import format_duration
 
-from .distributed import all_reduce_sum_
+from .metrics_math import metric_sizes
+from .sums import COUNT, HostSums, Sums
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,10 @@ log = logging.getLogger(__name__)
 _SLOT_METRICS = (("top1_slot", "acc/slot_"), ("topk_slot", "acc/top{k}_slot_"), ("ce_slot", "ce/slot_"))
 _BLOCK_METRICS = (("accept_streak", "accept/streak"), ("topk_streak", "accept/top{k}_streak"),
                   ("expected_accept", "accept/expected"))
+# Summed once per step and logged as the mean over the interval's steps (sum / "steps"), under these keys.
+_PER_STEP = ("loss/total", "loss/ce", "loss/kl", "loss/cap", "opt/grad_norm", "data/labels_per_step",
+             "data/blocks_per_step")
+_BAD = ("loss_step", "loss_batch", "input_step", "input_batch")  # first_bad's slots
 
 
 class NonFiniteError(RuntimeError):
@@ -37,33 +42,34 @@ class NonFiniteError(RuntimeError):
 
 
 class StepTotals:
-    """Device accumulators of one log interval (all float64 so long intervals sum exactly enough)."""
+    """Device accumulators of one log interval: named sums (train/sums.py) plus the first bad step.
+
+    sums: "steps" and the _PER_STEP fields (one add per step); per monitoring metric of
+    metrics_math.block_metrics its (sum, count) pair (one add per metrics step); "nonfinite_ranks"
+    (how many ranks saw each kind of bad step, filled at log time so it rides the same all-reduce).
+    """
 
     def __init__(self, block_size: int, device: torch.device):
-        f64 = dict(dtype=torch.float64, device=device)
-        S = block_size - 1
-        self.loss_sum = torch.zeros(4, **f64)  # total, ce, kl, cap (each a per-step mean, summed over steps)
-        self.counts = torch.zeros(4, **f64)  # steps, grad-norm sum, supervised labels, valid blocks
-        self.metric_steps = torch.zeros(1, **f64)
-        self.slot_sums = torch.zeros(len(_SLOT_METRICS), S, **f64)
-        self.slot_counts = torch.zeros(S, **f64)
-        self.block_sums = torch.zeros(len(_BLOCK_METRICS), **f64)
-        self.block_count = torch.zeros(1, **f64)
+        sizes = {"steps": 1, **{key: 1 for key in _PER_STEP}}
+        for name, size in metric_sizes(block_size).items():
+            sizes[name], sizes[name + COUNT] = size, size
+        sizes["nonfinite_ranks"] = len(_BAD)
+        self.sums = Sums(sizes, device)
         # First offending (step, batch id) for non-finite loss and for non-finite inputs; -1 = none.
-        self.first_bad = torch.full((4,), -1, dtype=torch.int64, device=device)
+        # Rank-local and never summed: each rank names what it saw itself.
+        self.first_bad = torch.full((len(_BAD),), -1, dtype=torch.int64, device=device)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.loss_sum, self.counts, self.metric_steps, self.slot_sums, self.slot_counts,
-                self.block_sums, self.block_count, self.first_bad]
+        return [self.sums.flat, self.first_bad]
 
     def add_step(self, loss_parts, grad_norm: torch.Tensor, label_valid_NB: torch.Tensor,
                  block_valid_N: torch.Tensor, step_t: torch.Tensor, batch_id: torch.Tensor,
                  inputs_finite: torch.Tensor) -> None:
-        parts = torch.stack([p.detach().double() for p in loss_parts])
-        self.loss_sum += parts
-        self.counts += torch.stack([torch.ones_like(grad_norm, dtype=torch.float64), grad_norm.double(),
-                                    label_valid_NB.sum().double(), block_valid_N.sum().double()])
-        loss_finite = torch.isfinite(parts).all() & torch.isfinite(grad_norm)
+        total, ce, kl, cap = (p.detach() for p in loss_parts)
+        for key, value in zip(_PER_STEP, (total, ce, kl, cap, grad_norm, label_valid_NB.sum(), block_valid_N.sum())):
+            self.sums.add(key, value)
+        self.sums.add("steps", 1.0)
+        loss_finite = torch.isfinite(torch.stack([total, ce, kl, cap])).all() & torch.isfinite(grad_norm)
         here = torch.cat([step_t.view(1).long(), batch_id.view(1)])
         self._first(slice(0, 2), loss_finite, here)
         self._first(slice(2, 4), inputs_finite, here)
@@ -73,17 +79,16 @@ class StepTotals:
         self.first_bad[sl] = torch.where(unset & ~ok, here, self.first_bad[sl])
 
     def add_metrics(self, counted: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.metric_steps += 1
-        for i, (name, _) in enumerate(_SLOT_METRICS):
-            self.slot_sums[i] += counted[name][0].double()
-        self.slot_counts += counted[_SLOT_METRICS[0][0]][1].double()
-        for i, (name, _) in enumerate(_BLOCK_METRICS):
-            self.block_sums[i] += counted[name][0].double()
-        self.block_count += counted[_BLOCK_METRICS[0][0]][1].double()
+        for name, (value, count) in counted.items():
+            self.sums.add(name, value)
+            self.sums.add(name + COUNT, count)
 
-    def reset(self) -> None:
-        for t in self.tensors()[:-1]:
-            t.zero_()
+    def reduce_to_host(self) -> HostSums:
+        """The interval's one all-reduce and host sync; resets the sums. HostSums.local = first_bad."""
+        self.sums.add("nonfinite_ranks", self.first_bad >= 0)  # summed across ranks: any rank bad
+        host = self.sums.reduce_to_host(local=self.first_bad)
+        self.sums.reset()
+        return host
 
 
 class MetricsLogger:
@@ -126,58 +131,47 @@ class MetricsLogger:
         self._interval_tokens += num_tokens
 
     # ---- the log -------------------------------------------------------------------------------
-    def log(self, step: int, epoch: int, totals: StepTotals, lr: float, extra: dict[str, Any] | None = None) -> dict:
+    def log(self, step: int, epoch: int, totals: StepTotals, lr: float) -> dict:
         """Reduce, check, divide and emit. Raises NonFiniteError when a step since the last log was bad."""
-        local_bad = totals.first_bad
-        flat = torch.cat([t.flatten() for t in totals.tensors()[:-1]]
-                         + [(local_bad >= 0).double()])  # bad flags summed across ranks
-        all_reduce_sum_(flat)
-        host = torch.cat([flat, local_bad.double()]).cpu().tolist()  # the interval's one host sync
-        values = _unflatten(host, totals)
-        totals.reset()
-        _raise_if_bad(values, step)
-        record = self._record(step, epoch, values, lr)
-        if extra:
-            record.update(extra)
+        host = totals.reduce_to_host()
+        _raise_if_bad(host, step)
+        record = self._record(step, epoch, host, lr)
         self._emit(record)
         return record
 
-    def _record(self, step: int, epoch: int, v: dict, lr: float) -> dict:
+    def _record(self, step: int, epoch: int, host: HostSums, lr: float) -> dict:
         now = time.monotonic()
         interval_s = max(now - self._interval_start, 1e-9)
-        steps = max(v["counts"][0], 1.0)
-        loss = [s / steps for s in v["loss_sum"]]
+        steps = max(host.scalar("steps"), 1.0)
+        per_step = {key: host.scalar(key) / steps for key in _PER_STEP}
         tokens_per_s = self._interval_tokens / interval_s
         done = step - self._start_step
         eta_s = (now - self._run_start) / max(done, 1) * (self.total_steps - step)
         record: dict[str, Any] = {
-            "step": step, "epoch": epoch, "loss/total": loss[0], "loss/ce": loss[1], "loss/kl": loss[2],
-            "loss/cap": loss[3], "opt/lr": lr, "opt/grad_norm": v["counts"][1] / steps,
-            "data/labels_per_step": v["counts"][2] / steps, "data/blocks_per_step": v["counts"][3] / steps,
+            "step": step, "epoch": epoch, **per_step, "opt/lr": lr,
             "data/tokens_seen": self.tokens_seen, "data/skipped_shards": self.skipped_shards,
             "perf/tokens_per_s": tokens_per_s,  # this rank's real (context) tokens per second
             "perf/data_wait_frac": self._interval_wait_s / interval_s,  # share of the interval spent waiting on shards
             "perf/eta_s": eta_s,
         }
-        if v["metric_steps"][0] > 0:
-            record.update(self._monitoring(v))
+        record.update(self._monitoring(host))
         if self.device.type == "cuda":
             record["mem/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self._interval_tokens, self._interval_wait_s, self._interval_start = 0, 0.0, now
         return record
 
-    def _monitoring(self, v: dict) -> dict:
+    def _monitoring(self, host: HostSums) -> dict:
+        """Per-slot and per-block metrics of the interval's metrics steps (none when there were none)."""
         out = {}
-        slot_counts = v["slot_counts"]
-        for i, (_, prefix) in enumerate(_SLOT_METRICS):
+        for name, prefix in _SLOT_METRICS:
             prefix = prefix.format(k=self.topk)
-            for k, (s, c) in enumerate(zip(v["slot_sums"][i], slot_counts), start=1):
-                if c > 0:
-                    out[f"{prefix}{k:02d}"] = s / c
-        blocks = v["block_count"][0]
-        if blocks > 0:
-            for i, (_, key) in enumerate(_BLOCK_METRICS):
-                out[key.format(k=self.topk)] = v["block_sums"][i] / blocks
+            for k, value in enumerate(host.mean(name), start=1):
+                if value is not None:
+                    out[f"{prefix}{k:02d}"] = value
+        for name, key in _BLOCK_METRICS:
+            (value,) = host.mean(name)
+            if value is not None:
+                out[key.format(k=self.topk)] = value
         return out
 
     def _emit(self, record: dict) -> None:
@@ -211,25 +205,10 @@ class MetricsLogger:
             self._tb = None
 
 
-def _unflatten(host: list[float], totals: StepTotals) -> dict[str, list]:
-    names = ["loss_sum", "counts", "metric_steps", "slot_sums", "slot_counts", "block_sums", "block_count"]
-    out, i = {}, 0
-    for name, t in zip(names, totals.tensors()[:-1]):
-        n = t.numel()
-        chunk = host[i : i + n]
-        if name == "slot_sums":
-            chunk = [chunk[r * t.shape[1] : (r + 1) * t.shape[1]] for r in range(t.shape[0])]
-        out[name] = chunk
-        i += n
-    out["bad_ranks"] = host[i : i + 4]
-    out["first_bad"] = [int(x) for x in host[i + 4 : i + 8]]
-    return out
-
-
-def _raise_if_bad(v: dict, step: int) -> None:
-    if not any(v["bad_ranks"]):
+def _raise_if_bad(host: HostSums, step: int) -> None:
+    if not any(host["nonfinite_ranks"]):
         return
-    loss_step, loss_batch, input_step, input_batch = v["first_bad"]
+    loss_step, loss_batch, input_step, input_batch = (int(x) for x in host.local)
     if input_step >= 0:
         raise NonFiniteError(f"batch {input_batch} holds non-finite hidden states (first used at step "
                              f"{input_step + 1}); the run stopped: check or re-extract that shard")

@@ -21,12 +21,21 @@ from __future__ import annotations
 import torch
 
 from .blocks import TrainingBlocks
+from .model import lm_head_weight
 
 Counted = tuple[torch.Tensor, torch.Tensor]
+_SLOT_NAMES = ("top1_slot", "topk_slot", "ce_slot")
+_BLOCK_NAMES = ("accept_streak", "topk_streak", "expected_accept")
 
 
-def _prefix_length(ok_CS: torch.Tensor) -> torch.Tensor:
-    """[C] length of the all-True prefix of each row."""
+def metric_sizes(block_size: int) -> dict[str, int]:
+    """Name -> elements of each metric `block_metrics` returns: B-1 per *_slot, 1 for the rest."""
+    return {**{name: block_size - 1 for name in _SLOT_NAMES}, **{name: 1 for name in _BLOCK_NAMES}}
+
+
+def accepted_prefix_length(ok_CS: torch.Tensor) -> torch.Tensor:
+    """[C] length of the all-True prefix of each row: the greedy chain's accepted drafts when
+    ok = (argmax == label) & valid (without the +1 bonus token of the target's own next token)."""
     return torch.cumprod(ok_CS.to(torch.int32), dim=1).sum(1)
 
 
@@ -36,12 +45,12 @@ def block_metrics(hidden_NBH: torch.Tensor, lm_head, blocks: TrainingBlocks, *, 
     """(sum, count) float32 tensors per metric: [B-1] vectors for *_slot, scalars for the rest."""
     if topk < 1:
         raise ValueError(f"metrics topk must be >= 1, got {topk}")
-    lm_head_VH = lm_head if isinstance(lm_head, torch.Tensor) else lm_head.lm_head_VH
+    lm_head_VH = lm_head_weight(lm_head)
     NB, B, H = hidden_NBH.shape
     device = hidden_NBH.device
     f32 = dict(dtype=torch.float32, device=device)
-    acc = {name: torch.zeros(B - 1, **f32) for name in ("top1_slot", "topk_slot", "ce_slot")}
-    acc.update({name: torch.zeros((), **f32) for name in ("accept_streak", "topk_streak", "expected_accept")})
+    acc = {name: torch.zeros(B - 1, **f32) for name in _SLOT_NAMES}
+    acc.update({name: torch.zeros((), **f32) for name in _BLOCK_NAMES})
 
     for start in range(0, NB, chunk_blocks):
         sl = slice(start, start + chunk_blocks)
@@ -59,8 +68,8 @@ def block_metrics(hidden_NBH: torch.Tensor, lm_head, blocks: TrainingBlocks, *, 
         acc["top1_slot"] += top1_CS.float().sum(0)
         acc["topk_slot"] += topk_CS.float().sum(0)
         acc["ce_slot"] += (-logp_label_CB[:, 1:] * valid_f_CS).sum(0)
-        acc["accept_streak"] += _prefix_length(top1_CS).float().sum()
-        acc["topk_streak"] += _prefix_length(topk_CS).float().sum()
+        acc["accept_streak"] += accepted_prefix_length(top1_CS).float().sum()
+        acc["topk_streak"] += accepted_prefix_length(topk_CS).float().sum()
         q_CS = torch.where(valid_CS, logp_label_CB[:, 1:].exp(), torch.zeros_like(valid_f_CS))
         acc["expected_accept"] += torch.cumprod(q_CS, dim=1).sum()
 

@@ -204,6 +204,11 @@ class TargetHead(nn.Module):
         return hidden_XH @ self.lm_head_VH.T
 
 
+def lm_head_weight(head: TargetHead | torch.Tensor) -> torch.Tensor:
+    """The [V, H] lm_head of a TargetHead, or the tensor itself (losses and metrics take either)."""
+    return head if isinstance(head, torch.Tensor) else head.lm_head_VH
+
+
 def count_parameters(cfg: DrafterConfig) -> int:
     """Trainable parameters of a drafter of this shape, counted on the meta device (nothing allocated)."""
     with torch.device("meta"):
