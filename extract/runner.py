@@ -31,7 +31,16 @@ from shards import (
     write_manifest,
 )
 from shards.durable import TMP_PREFIX, remove_stale_temporaries
-from shards.format import CACHE_CONFIG_FILE, MANIFEST_FILE, SHARDS_DIR, TARGET_HEAD_FILE, bytes_per_shard, checksum
+from shards.format import (
+    CACHE_CONFIG_FILE,
+    MANIFEST_FILE,
+    SHARDS_DIR,
+    TARGET_HEAD_FILE,
+    DatasetRecord,
+    PackingRecord,
+    bytes_per_shard,
+    checksum,
+)
 from shards.progress import ProgressLog, format_bytes, format_duration, is_interactive, plural
 from shards.provenance import provenance
 
@@ -148,11 +157,12 @@ def build_cache_config(cfg: ExtractConfig, target: TargetConfig, taps: list[int]
         target_topk=cfg.target_topk,
         mask_token_id=cfg.mask_token_id,
         pad_token_id=cfg.pad_token_id,
-        packing={"long_seqs": cfg.long_seqs, "num_batches": len(plan.batches), "algorithm": PACKING_ALGORITHM,
-                 "padding_efficiency": round(plan.padding_efficiency, 6), "num_truncated": plan.num_truncated,
-                 "num_skipped": plan.num_skipped, "num_empty": plan.num_empty},
-        dataset={"path": str(cfg.data), "fingerprint": dataset_fingerprint(index), "num_samples": len(index),
-                 "num_tokens": int(index.lengths.sum())},
+        packing=PackingRecord(
+            algorithm=PACKING_ALGORITHM, long_seqs=cfg.long_seqs, num_batches=len(plan.batches),
+            padding_efficiency=round(plan.padding_efficiency, 6), num_truncated=plan.num_truncated,
+            num_skipped=plan.num_skipped, num_empty=plan.num_empty),
+        dataset=DatasetRecord(path=str(cfg.data), fingerprint=dataset_fingerprint(index), num_samples=len(index),
+                              num_tokens=int(index.lengths.sum())),
         provenance={**provenance(), "extract_config": {k: v for k, v in vars(cfg).items()}},
     )
 
@@ -243,7 +253,7 @@ def _pending(cfg: ExtractConfig, mine: list[PackedBatch]) -> tuple[list[PackedBa
 
 def _extract(cfg, cache_cfg, index, todo, device, dist_info) -> ExtractSummary:
     if not todo:
-        return ExtractSummary(cfg.out_dir, cache_cfg.packing["num_batches"], 0, 0, 0, 0.0, 0.0, 0)
+        return ExtractSummary(cfg.out_dir, cache_cfg.planned_batches, 0, 0, 0, 0.0, 0.0, 0)
     kernels = select_kernels(device, allow_slow_kernels=cfg.allow_slow_kernels)
     with_head = cfg.target_topk > 0
     model = TargetModel.from_pretrained(
@@ -314,7 +324,7 @@ def extract_batches(
     finally:
         progress.close()
     return ExtractSummary(
-        cache_dir=cfg.out_dir, num_batches=cache_cfg.packing.get("num_batches", len(todo)), written=len(todo) if write else 0,
+        cache_dir=cfg.out_dir, num_batches=cache_cfg.planned_batches, written=len(todo) if write else 0,
         resumed=0, tokens=real_tokens, seconds=progress.elapsed(),
         padding_efficiency=real_tokens / (len(todo) * cfg.token_budget),
         bytes_written=writer.bytes_written if writer is not None else 0,

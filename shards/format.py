@@ -65,6 +65,44 @@ class TargetInfo:
 
 
 @dataclass(kw_only=True)
+class PackingRecord:
+    """How the extraction packed the dataset into shards (cache.json "packing")."""
+
+    algorithm: str  # packing algorithm and version: another one gives other batch ids
+    long_seqs: str  # policy for samples longer than token_budget: truncate | skip | error
+    num_batches: int  # shards the plan holds: batch ids 0 .. num_batches-1
+    padding_efficiency: float  # real tokens / (num_batches * token_budget)
+    num_truncated: int  # samples cut to token_budget
+    num_skipped: int  # samples longer than token_budget left out (long_seqs skip)
+    num_empty: int  # empty samples left out
+
+
+@dataclass(kw_only=True)
+class DatasetRecord:
+    """Which dataset a cache was extracted from (cache.json "dataset"): a reordered or edited
+    dataset has another fingerprint, so a resume cannot mix two datasets."""
+
+    path: str  # the --data argument (file, directory or glob), or a name for generated data
+    fingerprint: str  # hash of the sample ids and lengths in dataset order
+    num_samples: int  # non-empty samples scanned
+    num_tokens: int  # their tokens, before packing
+
+
+def _record(cls: type, value: Any, name: str) -> Any:
+    """A record from its JSON mapping; None (or the {} older caches wrote) when absent."""
+    if value is None or isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be an object with {[f.name for f in dataclasses.fields(cls)]}, got {value!r}")
+    if not value:
+        return None
+    known = {f.name for f in dataclasses.fields(cls)}
+    if set(value) != known:
+        raise ValueError(f"{name} has fields {sorted(value)}, expected {sorted(known)}")
+    return cls(**value)
+
+
+@dataclass(kw_only=True)
 class CacheConfig:
     """Everything a reader needs to validate and interpret a cache; stored as cache.json."""
 
@@ -76,8 +114,8 @@ class CacheConfig:
     target_topk: int = 0  # Kt: the target's top-Kt next-token ids and log-probs stored per position; 0 = none
     mask_token_id: int | None = None  # the drafter's MASK token id, when known at extraction
     pad_token_id: int = 0  # token id written on padding positions
-    packing: dict[str, Any] = field(default_factory=dict)  # packing settings (long_seqs policy, ...)
-    dataset: dict[str, Any] = field(default_factory=dict)  # dataset identity (path, fingerprint, counts)
+    packing: PackingRecord | None = None  # how the shards were planned; None for generated caches
+    dataset: DatasetRecord | None = None  # dataset identity; None for generated caches
     provenance: dict[str, Any] = field(default_factory=dict)  # git sha, versions, argv, time
     # checksum() of target_head.safetensors' tensors: the same architecture with other weights (a
     # fine-tune) has the same config_hash, and its head must not be mixed with this cache's states.
@@ -87,6 +125,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if isinstance(self.target, Mapping):
             self.target = TargetInfo(**self.target)
+        self.packing = _record(PackingRecord, self.packing, "packing")
+        self.dataset = _record(DatasetRecord, self.dataset, "dataset")
         if self.storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype must be one of {STORAGE_DTYPES}, got {self.storage_dtype!r}")
         if self.token_budget <= 0:
@@ -104,6 +144,11 @@ class CacheConfig:
     @property
     def num_taps(self) -> int:
         return len(self.tap_layer_ids)
+
+    @property
+    def planned_batches(self) -> int | None:
+        """Shards the extraction planned (batch ids 0..n-1), when cache.json records it."""
+        return self.packing.num_batches if self.packing is not None else None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"

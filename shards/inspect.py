@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ QUARANTINE_DIR = "quarantine"
 
 def expected_batch_ids(reader: ShardReader) -> list[int] | None:
     """The batch ids the extraction planned (recorded in cache.json), when known."""
-    n = reader.config.packing.get("num_batches")
+    n = reader.config.planned_batches
     return list(range(n)) if isinstance(n, int) else None
 
 
@@ -54,7 +55,7 @@ def summarize_cache(cache_dir: str | Path) -> dict:
         "padding_efficiency": real / (len(infos) * cfg.token_budget) if infos else 0.0,
         "bytes_on_disk": disk,
         "bytes_per_token": bytes_per_shard(cfg) / cfg.token_budget,
-        "dataset": cfg.dataset,
+        "dataset": dataclasses.asdict(cfg.dataset) if cfg.dataset is not None else None,
     }
 
 

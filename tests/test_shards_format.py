@@ -258,3 +258,22 @@ def test_swapped_target_head_is_refused(cache, tmp_path):
     with pytest.raises(CacheFormatError, match="another target's head"):
         load_target_head(cache_dir)
     assert not verify_cache(cache_dir).ok
+
+
+def test_packing_and_dataset_are_typed_records_with_the_same_json_keys(tmp_path):
+    from shards.format import CacheConfig, DatasetRecord, PackingRecord, TargetInfo
+
+    packing = dict(algorithm="bfd/1", long_seqs="skip", num_batches=4, padding_efficiency=0.9, num_truncated=0,
+                   num_skipped=1, num_empty=2)
+    dataset = dict(path="d.jsonl", fingerprint="abc", num_samples=9, num_tokens=900)
+    raw = json.loads(CacheConfig(target=TargetInfo(name="t", config_hash="h", hidden_size=8, num_layers=4,
+                                                    vocab_size=16, dtype="bfloat16"),
+                                 tap_layer_ids=[1], token_budget=32, max_seqs=2).to_json())
+    cfg = CacheConfig.from_json(json.dumps({**raw, "packing": packing, "dataset": dataset}))
+    assert cfg.packing == PackingRecord(**packing) and cfg.dataset == DatasetRecord(**dataset)
+    assert cfg.planned_batches == 4
+    again = json.loads(cfg.to_json())
+    assert (again["packing"], again["dataset"]) == (packing, dataset)
+    assert CacheConfig.from_json(json.dumps({**raw, "packing": {}})).planned_batches is None
+    with pytest.raises(CacheFormatError, match=r"packing has fields .*expected"):
+        CacheConfig.from_json(json.dumps({**raw, "packing": {**packing, "extra": 1}}))

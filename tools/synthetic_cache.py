@@ -43,7 +43,7 @@ def write_synthetic_cache(
         storage_dtype=storage_dtype,
         target_topk=target_topk,
         mask_token_id=vocab_size - 1 if mask_token_id is None else mask_token_id,
-        dataset={"name": "synthetic", "seed": seed},
+        # No packing or dataset record: the batches are generated (the seed is in config_hash).
     )
     head = {
         "embed_tokens": torch.randn(vocab_size, hidden_size, generator=gen).to(torch.bfloat16),

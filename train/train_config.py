@@ -269,7 +269,7 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
                          f"(one anchor per token at most); pass a smaller --num-blocks or omit it")
     # Every planned shard, not just the files present: a missing one is then refused by name (or
     # skipped and counted under --skip-bad-shards) instead of silently shrinking the data.
-    planned = cache_cfg.packing.get("num_batches")
+    planned = cache_cfg.planned_batches
     all_ids = list(range(planned)) if isinstance(planned, int) else ShardReader(cfg.cache).batch_ids()
     if cfg.eval_shards >= len(all_ids):
         raise ValueError(f"--eval-shards {cfg.eval_shards} leaves no training shards: cache "
