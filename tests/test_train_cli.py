@@ -51,9 +51,38 @@ def test_train_checkpoint_export_eval_end_to_end(tmp_path):
                   "--out", str(report)])
     assert res.exit_code == 0, res.output
     result = json.loads(report.read_text())
-    assert result["eval/batch_ids"] == [4]
-    assert 1.0 <= result["eval/acceptance_length"] <= 4.0
-    assert {"eval/tree_acceptance_16", "eval/acc_slot_01", "eval/acc_slot_03"} <= set(result)
+    assert result["batch_ids"] == [4]
+    assert 1.0 <= result["acceptance_length"] <= 4.0 and 1.0 <= result["acceptance_length_pooled"] <= 4.0
+    assert result["dtype"] == "bfloat16", "an export is evaluated in the training default dtype"
+    assert len(result["accepted_histogram"]) == 4 and len(result["slot_acceptance"]) == 3
+    assert {"16", "32", "64"} == set(result["tree_acceptance"]) and "random_anchor_chain_length" in result
+    assert "agreement with the data" in res.output, "a cache without target top-k must say whose tokens it measures"
+
+
+def test_one_number_per_set_of_weights(tmp_path):
+    """The run's own eval, eval on its checkpoint (and on the run dir) and eval on its bf16 export agree
+    exactly: all of them evaluate the weights rounded to the training compute dtype."""
+    cache = tiny_cache(tmp_path / "cache", num_batches=4)
+    run = tmp_path / "run"
+    res = invoke(tiny_cli_args(cache, run, "--max-steps", "3", "--eval-shards", "1", "--compute-dtype", "bfloat16",
+                               "--lr", "1e-2"))
+    assert res.exit_code == 0, res.output
+    in_training = json.loads((run / "eval.json").read_text())
+    assert invoke(["export", str(run), str(tmp_path / "exported")]).exit_code == 0
+    figures = {}
+    for name, drafter in [("checkpoint", run / "step-00000003"), ("run", run), ("export", tmp_path / "exported")]:
+        report = tmp_path / f"{name}.json"
+        res = invoke(["eval", "--drafter", str(drafter), "--cache", str(cache), "--eval-shards", "1",
+                      "--out", str(report)])
+        assert res.exit_code == 0, res.output
+        assert "dtype bfloat16" in res.output
+        figures[name] = json.loads(report.read_text())
+    for name, got in figures.items():
+        for key in ("acceptance_length", "acceptance_length_pooled", "heldout_loss", "random_anchor_chain_length"):
+            assert got[key] == in_training[key], f"{name} {key}: {got[key]} vs in-training {in_training[key]}"
+    res = invoke(["eval", "--drafter", str(run), "--cache", str(cache), "--eval-shards", "1", "--dtype", "float32",
+                  "--out", str(tmp_path / "f32.json")])
+    assert "dtype float32" in res.output
 
 
 def test_default_command_is_train(tmp_path):

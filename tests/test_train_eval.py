@@ -1,5 +1,6 @@
-"""Evaluation: DDTree tree acceptance against brute force, chain acceptance against per-block
-inference forwards, and a learning test (training raises held-out acceptance clearly)."""
+"""Evaluation: DDTree tree acceptance against brute force, the random-anchor diagnostics against
+per-block inference forwards, and a learning test (training raises held-out acceptance clearly).
+The decoding walk itself is tested in test_train_walk.py."""
 from __future__ import annotations
 
 import itertools
@@ -87,10 +88,10 @@ def test_chain_acceptance_and_slot_accuracy_match_per_block_inference(tmp_path):
             accepted_total += run + 1
             blocks_total += 1
     assert res.num_blocks == blocks_total
-    assert res.acceptance_length == pytest.approx(accepted_total / blocks_total, abs=1e-12)
+    assert res.random_anchor_chain_length == pytest.approx(accepted_total / blocks_total, abs=1e-12)
     for k in range(3):
-        assert res.slot_accuracy[k] == pytest.approx(correct[k] / count[k], abs=1e-12), f"slot {k + 1}"
-    assert res.acceptance_length > 1.0, "the test needs some accepted drafts to mean anything"
+        assert res.random_anchor_slot_accuracy[k] == pytest.approx(correct[k] / count[k], abs=1e-12), f"slot {k + 1}"
+    assert res.random_anchor_chain_length > 1.0, "the test needs some accepted drafts to mean anything"
 
 
 def test_training_raises_held_out_acceptance(tmp_path):
@@ -102,6 +103,8 @@ def test_training_raises_held_out_acceptance(tmp_path):
                                        metrics_every=50)).eval
     assert trained.batch_ids == untrained.batch_ids == [5]
     gain = trained.acceptance_length - untrained.acceptance_length
-    assert gain >= 1.0, (f"acceptance length {untrained.acceptance_length:.3f} -> {trained.acceptance_length:.3f}; "
+    assert gain >= 0.6, (f"acceptance length {untrained.acceptance_length:.3f} -> {trained.acceptance_length:.3f}; "
                          "training did not learn the counting sequences")
+    # Decoding anchors right after rejections, where the drafter is weakest: random anchors read higher.
+    assert trained.random_anchor_chain_length > trained.acceptance_length
     assert trained.tree_acceptance[16] >= trained.acceptance_length

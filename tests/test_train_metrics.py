@@ -86,8 +86,9 @@ def test_exact_key_sets_of_training_and_eval_records(tmp_path):
     assert set(steps[0]) == base | monitoring, sorted(set(steps[0]) ^ (base | monitoring))
     assert set(steps[1]) == base, sorted(set(steps[1]) ^ base)
     assert 0 <= steps[1]["perf/data_wait_frac"] <= 1
-    want_eval = {"time", "event", "step", "eval/num_blocks", "eval/acceptance_length", "eval/batch_ids",
-                 "eval/acc_slot_01", "eval/acc_slot_02", "eval/acc_slot_03",
+    want_eval = {"time", "event", "step", "eval/acceptance_length", "eval/acceptance_length_pooled",
+                 "eval/heldout_loss", "eval/random_anchor_chain_length", "eval/batch_ids",
+                 "eval/slot_acceptance_01", "eval/slot_acceptance_02", "eval/slot_acceptance_03",
                  "eval/tree_acceptance_16", "eval/tree_acceptance_32", "eval/tree_acceptance_64"}
     assert [r["step"] for r in evals] == [0, 2]  # the untrained drafter, then the end of training
     for r in evals:

@@ -16,6 +16,7 @@ import click
 
 from shards.cli_options import CONTEXT_SETTINGS, INT_LIST, build_config, config_options, gpus_option, relaunch_if_asked
 
+from .eval_config import EvalConfig
 from .train_config import TrainConfig
 
 log = logging.getLogger("train")
@@ -117,75 +118,29 @@ def _model_from_checkpoint(ckpt):
 
 
 @main.command(name="eval", context_settings=CONTEXT_SETTINGS)
-@click.option("--drafter", required=True, type=click.Path(exists=True, file_okay=False), help="Exported drafter (config.json + model.safetensors) or a training checkpoint step-NNNNNNNN/.")
-@click.option("--cache", required=True, type=click.Path(exists=True, file_okay=False), help="Hidden-state cache holding the held-out shards.")
-@click.option("--shards", type=INT_LIST, help="Held-out batch ids, e.g. 40,41,42.")
-@click.option("--eval-shards", type=int, default=None, help="The last N shards of the cache (as dflash-train --eval-shards).")
-@click.option("--holdout-frac", type=float, default=None, help="The last ceil(F x shards) shards of the cache.")
-@click.option("--num-blocks", type=int, default=None, help="Blocks per shard (fixed-seed anchors). Default: as training.")
-@click.option("--budgets", default="16,32,64", show_default=True, type=INT_LIST, help="DDTree node budgets.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the per-shard anchor sampling.")
-@click.option("--device", default="auto", show_default=True, help="auto = cuda when available, else cpu.")
-@click.option("--out", "out_json", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
-def eval_cmd(drafter, cache, shards, eval_shards, holdout_frac, num_blocks, budgets, seed, device, out_json) -> None:
-    """Evaluate a drafter on held-out shards: acceptance length (+1 bonus), slot accuracy, tree acceptance."""
+@config_options(EvalConfig)
+@click.option("--out", "out_json", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here (acceptance_length, acceptance_length_pooled, batch_ids, ...).")
+def eval_cmd(out_json, **options) -> None:
+    """Evaluate a drafter on held-out shards by walking them as greedy speculative decoding does.
+
+    \b
+    Reports the acceptance length (tokens per target forward, mean over responses; and pooled), the
+    histogram of accepted drafts per step, per-slot acceptance, DDTree acceptance along the same walk,
+    the held-out loss, and the random-anchor chain length as a diagnostic. Examples:
+      dflash-train eval --drafter drafter/ --cache cache --eval-shards 8 --out eval.json
+      dflash-train eval --drafter runs/a --cache cache --eval-shards 8 --dtype float32
+    """
     _setup_logging()
-    chosen = [x is not None for x in (shards, eval_shards, holdout_frac)]
-    if sum(chosen) != 1:
-        raise click.UsageError("give exactly one of --shards, --eval-shards, --holdout-frac")
-    import torch
+    cfg = build_config(EvalConfig, options)
+    from .evaluate import run_eval  # heavy imports after argument checks
 
-    from shards import ShardReader, load_target_head
-
-    from .blocks import default_num_blocks
-    from .evaluate import evaluate_drafter
-    from .model import TargetHead
-
-    reader = ShardReader(cache)
-    all_ids = reader.batch_ids()
-    if shards is not None:
-        missing = sorted(set(shards) - set(all_ids))
-        if missing:
-            raise click.UsageError(f"--shards {missing} not in cache {cache}")
-        ids = shards
-    else:
-        n = eval_shards if eval_shards is not None else math.ceil(holdout_frac * len(all_ids))
-        if not 1 <= n <= len(all_ids):
-            raise click.UsageError(f"held-out shard count {n} outside [1, {len(all_ids)}] for cache {cache}")
-        ids = all_ids[-n:]
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model, cfg = _load_any_drafter(Path(drafter), dtype, dev)
-    cc = reader.config
-    problems = []
-    if list(cfg.tap_layer_ids) != list(cc.tap_layer_ids):
-        problems.append(f"taps: drafter {cfg.tap_layer_ids}, cache {cc.tap_layer_ids}")
-    if (cfg.hidden_size, cfg.vocab_size) != (cc.target.hidden_size, cc.target.vocab_size):
-        problems.append(f"hidden/vocab: drafter {cfg.hidden_size}/{cfg.vocab_size}, "
-                        f"cache {cc.target.hidden_size}/{cc.target.vocab_size}")
-    if problems:
-        raise click.ClickException(f"drafter {drafter} does not fit cache {cache}: {'; '.join(problems)}")
-    head_t = load_target_head(cache)
-    head = TargetHead(head_t["embed_tokens"].to(dev, dtype), head_t["lm_head"].to(dev, dtype))
-    result = evaluate_drafter(model, head, cache, ids, num_blocks=num_blocks or default_num_blocks(cc.token_budget, cfg.block_size),
-                              seed=seed, device=dev, attention="flex" if dev.type == "cuda" else "sdpa",
-                              budgets=budgets)
+    try:
+        result = run_eval(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from e
     click.echo(result.table())
     if out_json:
         Path(out_json).write_text(json.dumps(result.to_dict(), indent=1) + "\n")
-
-
-def _load_any_drafter(path: Path, dtype, device):
-    from .checkpoint import STATE_FILE, list_checkpoints
-    from .export import load_exported_drafter
-
-    if (path / STATE_FILE).is_file():
-        ckpt = next((c for c in list_checkpoints(path.parent) if c.path.resolve() == path.resolve()), None)
-        if ckpt is None:
-            raise click.ClickException(f"{path}: incomplete checkpoint")
-        model, cfg = _model_from_checkpoint(ckpt)
-        return model.to(device, dtype), cfg
-    return load_exported_drafter(path, dtype=dtype, device=device)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,37 @@
-"""Held-out evaluation of a drafter: chain acceptance, per-slot accuracy, DDTree tree acceptance.
+"""Held-out evaluation of a drafter: the decoding walk (the headline), DDTree along the walk, the
+held-out loss and the random-anchor diagnostics. Also what `dflash-train eval` decides before it
+runs: which shards, device, dtype, which weights, and whether they fit the cache.
 
-For each held-out shard, blocks are sampled exactly as in training but with a fixed seed per
-batch id on the CPU (the same anchors on any device and any number of ranks). Per valid block,
-with labels y_1..y_{B-1} (the data's tokens after the anchor) and drafter log-probs q_k:
-  chain acceptance   accepted = length of the prefix of slots k = 1..B-1 with argmax q_k == y_k
-                     (and y_k a valid label); acceptance length = accepted + 1 (the bonus token).
-  slot accuracy      P(argmax q_k == y_k) over valid labels, per slot k.
-  tree acceptance    DDTree (Ringel & Romano): keep the top-`budget` tokens of each depth; grow a
-                     tree best-first from a heap keyed by the path's summed log-prob, where popping
-                     node (depth d, rank r) adds it and pushes its next sibling (d, r+1) and first
-                     child (d+1, 0), until `budget` nodes; then walk the label path from the root
-                     while the next label is a child in the tree. acceptance = depth reached + 1.
-Sums and counts (train/sums.py) are all-reduced across ranks before dividing.
+Three acceptance figures, and when each is exact (docs/GUIDE.md says the same for users):
+  acceptance_length            the decoding walk (train/walk.py): anchors where greedy speculative
+                               decoding puts them, averaged per response. Equal to real decoding's
+                               acceptance when the data are the target's own greedy output.
+  tree_acceptance[budget]      the same walk with DDTree verification at `budget` nodes.
+  random_anchor_chain_length   a diagnostic, never "acceptance": blocks at random supervised anchors
+                               (as training samples them), pooled over blocks. It overstates decoding,
+                               which anchors right after each rejection, where the drafter is weakest.
+Real decoding with the target in the loop is train/speculative.py (`eval --target`).
+
+Whose tokens: acceptance is agreement with the *target's* greedy choice. When the cache stores the
+target's top-k, `data_is_target_greedy` = P(data token == target top-1) over supervised positions;
+without it the figures are agreement with the data.
+
+One number per set of weights: the drafter is evaluated with its weights and activations in one
+dtype (default: the training compute dtype), no autocast, so a run's in-training eval (a copy of the
+fp32 master weights rounded to that dtype), `eval` on its checkpoint and `eval` on its bf16 export
+read the same weights and give the same figures.
+
+Every rank takes every world_size-th shard; counts are summed across ranks before dividing.
 
 Legend: T token budget, K taps, H hidden, NB blocks, B block size, S = B-1 draft slots, V vocab.
 """
 from __future__ import annotations
 
-import heapq
-from contextlib import nullcontext
+import json
 import logging
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -28,142 +39,314 @@ import torch
 from shards import ShardReader, decode_hidden
 
 from .attention import BlockAttentionLayout
-from .blocks import sample_blocks
+from .blocks import default_num_blocks, sample_blocks
+from .config import DrafterConfig
+from .eval_config import EvalConfig
+from .losses import LossConfig, block_loss
 from .metrics_math import accepted_prefix_length
 from .model import DFlashDrafter, TargetHead
 from .sums import COUNT, Sums
+from .tree import tree_acceptance  # noqa: F401  (re-exported: the DDTree rule lives in train/tree.py)
+from .walk import WalkCounts, response_spans, walk_shard
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUDGETS = (16, 32, 64)
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass
 class EvalResult:
-    num_blocks: int  # valid blocks evaluated
-    acceptance_length: float  # mean chain acceptance length, +1 bonus included
-    slot_accuracy: list[float]  # top-1 accuracy of slots 1..B-1
-    tree_acceptance: dict[int, float]  # node budget -> mean tree acceptance length (+1)
+    dtype: str  # weights and activations of the evaluation
+    walk: WalkCounts  # the decoding walk, greedy chain
+    tree_walks: dict[int, WalkCounts]  # node budget -> the decoding walk with DDTree verification
+    heldout_loss: float  # training CE (same decay weights) at random anchors, mean over shards
+    random_anchor_chain_length: float  # diagnostic: chain acceptance (+1) of random-anchor blocks, pooled
+    random_anchor_slot_accuracy: list[float]  # diagnostic: top-1 accuracy of slots 1..B-1 at random anchors
+    num_blocks: int  # valid random-anchor blocks
+    data_is_target_greedy: float | None  # P(data == target top-1) on supervised positions; None: no top-k
     batch_ids: list[int] = field(default_factory=list)
 
+    @property
+    def acceptance_length(self) -> float:
+        return self.walk.acceptance_length
+
+    @property
+    def acceptance_length_pooled(self) -> float:
+        return self.walk.acceptance_length_pooled
+
+    @property
+    def tree_acceptance(self) -> dict[int, float]:
+        return {b: w.acceptance_length for b, w in self.tree_walks.items()}
+
     def to_dict(self) -> dict[str, Any]:
-        return {"eval/num_blocks": self.num_blocks, "eval/acceptance_length": self.acceptance_length,
-                **{f"eval/acc_slot_{k:02d}": a for k, a in enumerate(self.slot_accuracy, start=1)},
-                **{f"eval/tree_acceptance_{b}": v for b, v in self.tree_acceptance.items()},
-                "eval/batch_ids": self.batch_ids}
+        """The JSON of `eval --out` and OUT/eval.json."""
+        w = self.walk
+        return {"acceptance_length": w.acceptance_length, "acceptance_length_pooled": w.acceptance_length_pooled,
+                "num_responses": w.responses, "num_steps": w.steps, "num_tokens": w.tokens,
+                "accepted_histogram": w.accepted_histogram, "slot_acceptance": w.slot_acceptance,
+                "tree_acceptance": {str(b): t.acceptance_length for b, t in self.tree_walks.items()},
+                "tree_acceptance_pooled": {str(b): t.acceptance_length_pooled for b, t in self.tree_walks.items()},
+                "heldout_loss": self.heldout_loss, "random_anchor_chain_length": self.random_anchor_chain_length,
+                "random_anchor_slot_accuracy": self.random_anchor_slot_accuracy,
+                "random_anchor_blocks": self.num_blocks, "data_is_target_greedy": self.data_is_target_greedy,
+                "dtype": self.dtype, "batch_ids": self.batch_ids}
+
+    def to_record(self) -> dict[str, Any]:
+        """Flat, namespaced scalars for metrics.jsonl / TensorBoard."""
+        rec = {"eval/acceptance_length": self.acceptance_length,
+               "eval/acceptance_length_pooled": self.acceptance_length_pooled,
+               "eval/heldout_loss": self.heldout_loss,
+               "eval/random_anchor_chain_length": self.random_anchor_chain_length,
+               **{f"eval/tree_acceptance_{b}": v for b, v in self.tree_acceptance.items()},
+               **{f"eval/slot_acceptance_{k:02d}": v for k, v in enumerate(self.walk.slot_acceptance, start=1)}}
+        if self.data_is_target_greedy is not None:
+            rec["eval/data_is_target_greedy"] = self.data_is_target_greedy
+        return rec
 
     def summary_line(self) -> str:
-        trees = " ".join(f"tree@{b} {v:.3f}" for b, v in self.tree_acceptance.items())
-        return f"acceptance length {self.acceptance_length:.3f} ({self.num_blocks} blocks) {trees}"
+        trees = "".join(f", tree@{b} {v:.3f}" for b, v in self.tree_acceptance.items())
+        return (f"acceptance length {self.acceptance_length:.3f} (decoding walk, {self.walk.responses} responses, "
+                f"pooled {self.acceptance_length_pooled:.3f}{trees}), held-out loss {self.heldout_loss:.4f}, "
+                f"random-anchor chain {self.random_anchor_chain_length:.3f} (diagnostic)")
+
+    def whose_tokens(self) -> str:
+        if self.data_is_target_greedy is None:
+            return ("the cache holds no target top-k, so these figures are agreement with the data: they are the "
+                    "target's acceptance only when the data are its own greedy output. Measure real decoding "
+                    "with `dflash-train eval --target DIR --prompts FILE`, or regenerate the data with the target")
+        share = self.data_is_target_greedy
+        exact = "exact: the data are the target's greedy output" if share == 1.0 else (
+            f"on the other {1 - share:.1%} the figures measure agreement with the data, not acceptance")
+        return f"data == target greedy on {share:.1%} of supervised positions ({exact})"
 
     def table(self) -> str:
-        lines = [f"{'metric':<28}{'value':>10}", "-" * 38,
-                 f"{'blocks':<28}{self.num_blocks:>10}",
-                 f"{'acceptance length (chain)':<28}{self.acceptance_length:>10.3f}"]
-        lines += [f"{f'tree acceptance @{b}':<28}{v:>10.3f}" for b, v in self.tree_acceptance.items()]
-        lines += [f"{f'accuracy slot {k}':<28}{a:>10.3f}" for k, a in enumerate(self.slot_accuracy, start=1)]
+        w = self.walk
+        rows = [("acceptance length", f"{w.acceptance_length:.3f}"),
+                ("  pooled over steps", f"{w.acceptance_length_pooled:.3f}"),
+                ("  responses / steps", f"{w.responses} / {w.steps}")]
+        rows += [(f"tree acceptance @{b}", f"{t.acceptance_length:.3f}") for b, t in self.tree_walks.items()]
+        rows += [("held-out loss", f"{self.heldout_loss:.4f}"),
+                 ("random-anchor chain (diag.)", f"{self.random_anchor_chain_length:.3f}")]
+        rows += [(f"slot {k} accepted | reached", f"{a:.3f}") for k, a in enumerate(w.slot_acceptance, start=1)]
+        hist = " ".join(str(c) for c in w.accepted_histogram)
+        lines = [f"{'metric':<30}{'value':>12}", "-" * 42] + [f"{m:<30}{v:>12}" for m, v in rows]
+        lines += [f"accepted drafts per step, 0..{len(w.accepted_histogram) - 1}: {hist}",
+                  f"dtype {self.dtype}; shards {self.batch_ids}", f"whose tokens: {self.whose_tokens()}"]
         return "\n".join(lines)
 
 
-def tree_acceptance(logp_SR: Sequence[Sequence[float]], ids_SR: Sequence[Sequence[int]],
-                    labels_S: Sequence[int], valid_S: Sequence[bool], budget: int) -> int:
-    """DDTree acceptance length (+1) of one block: S depths, each with its top-R tokens (R >= budget
-    or the vocabulary) sorted by log-prob descending."""
-    num_depths, num_ranks = len(logp_SR), len(logp_SR[0])
-    children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-    # Heap entries: (-score, tie, depth, rank, parent node). Node 0 is the root (the anchor).
-    heap = [(-logp_SR[0][0], 0, 0, 0, 0)]
-    tie = 1
-    while heap and len(children) < budget:
-        neg, _, d, r, parent = heapq.heappop(heap)
-        node = len(children) + 1
-        children[(parent, ids_SR[d][r])] = node
-        if r + 1 < num_ranks:  # next sibling: same parent, next-ranked token at this depth
-            heapq.heappush(heap, (neg + logp_SR[d][r] - logp_SR[d][r + 1], tie, d, r + 1, parent))
-            tie += 1
-        if d + 1 < num_depths:  # first child: best token one depth deeper
-            heapq.heappush(heap, (neg - logp_SR[d + 1][0], tie, d + 1, 0, node))
-            tie += 1
-    node, depth = 0, 0
-    while depth < num_depths and valid_S[depth] and (node, labels_S[depth]) in children:
-        node = children[(node, labels_S[depth])]
-        depth += 1
-    return depth + 1
+def default_lanes(max_seqs: int, block_size: int, tile_size: int = 128) -> int:
+    """Walk lanes (blocks per round): one per sequence slot of a batch, rounded up to whole flex tiles."""
+    per_tile = max(1, tile_size // block_size)
+    return -(-max_seqs // per_tile) * per_tile
+
+
+def eval_copy(model: DFlashDrafter, dtype: torch.dtype) -> DFlashDrafter:
+    """The model as evaluated: itself when already in `dtype`, else a copy with weights rounded to it."""
+    if all(p.dtype == dtype for p in model.parameters()):
+        return model
+    device = next(model.parameters()).device
+    with torch.device("meta"):
+        twin = DFlashDrafter(model.config).to(dtype)
+    twin = twin.to_empty(device=device)  # no fp32 copy of a 27B-width drafter ever exists
+    twin.load_state_dict({name: t.detach().to(dtype) for name, t in model.state_dict().items()}, strict=True)
+    return twin.eval()
 
 
 @torch.no_grad()
 def evaluate_drafter(model: DFlashDrafter, head: TargetHead, cache_dir: str, batch_ids: list[int], *,
-                     num_blocks: int, seed: int = 0, device: torch.device | str = "cpu",
-                     autocast_dtype: torch.dtype | None = None, attention: str = "sdpa", chunk_blocks: int = 32,
-                     budgets: Sequence[int] = DEFAULT_BUDGETS, rank: int = 0, world_size: int = 1) -> EvalResult:
-    """Evaluate on `batch_ids` (this rank takes every world_size-th); every rank gets the same result."""
+                     num_blocks: int | None = None, seed: int = 0, device: torch.device | str = "cpu", attention: str = "sdpa",
+                     chunk_blocks: int = 32, budgets: Sequence[int] = DEFAULT_BUDGETS, gamma: float = 7.0,
+                     lanes: int | None = None, rank: int = 0, world_size: int = 1) -> EvalResult:
+    """Evaluate on `batch_ids` (this rank takes every world_size-th); every rank gets the same result.
+    model and head must already be in the evaluation dtype (see eval_copy). num_blocks (random-anchor
+    blocks per shard) and seed default to fixed values, not the run's, so every evaluation of the same
+    weights draws the same blocks."""
     device = torch.device(device)
     cfg = model.config
     reader = ShardReader(cache_dir)
     cc = reader.config
     B, S = cfg.block_size, cfg.block_size - 1
     budgets = sorted(set(int(b) for b in budgets))
-    layout = BlockAttentionLayout(num_ctx=cc.token_budget, num_blocks=num_blocks, block_size=B,
-                                  backend=attention, device=device)
-    sums = Sums({"blocks": 1, "accepted": 1, "slot_correct": S, "slot_correct" + COUNT: S,
-                 **{f"tree@{b}": 1 for b in budgets}}, device)  # accepted and tree@b are divided by blocks
+    dtype = next(model.parameters()).dtype
+    lanes = lanes or default_lanes(cc.max_seqs, B)
+    # Random anchors independent of the run's settings, so `eval` later draws the very same blocks.
+    num_blocks = num_blocks or default_num_blocks(cc.token_budget, B)
+    random_layout = BlockAttentionLayout(num_ctx=cc.token_budget, num_blocks=num_blocks, block_size=B,
+                                         backend=attention, device=device)
+    walk_layout = BlockAttentionLayout(num_ctx=cc.token_budget, num_blocks=lanes, block_size=B,
+                                       backend=attention, device=device)
+    rules: list[int | None] = [None, *budgets]
+    width = len(WalkCounts(B).as_vector())
+    sums = Sums({**{_walk_key(rule): width for rule in rules}, "shards": 1, "ce": 1, "blocks": 1, "chain": 1,
+                 "slot_correct": S, "slot_correct" + COUNT: S, "target_match": 1, "target_match" + COUNT: 1}, device)
+    loss_cfg = LossConfig(chunk_blocks=chunk_blocks)
     for batch_id in batch_ids[rank::world_size]:
         tensors, _ = reader.read(batch_id, verify_checksum=True)
+        hidden_TKH = decode_hidden(tensors["hidden"], tensors.get("hidden_scale")).to(device, dtype)
+        ids_T, pos_T = tensors["input_ids"].to(device), tensors["position_ids"].to(device)
+        responses = response_spans(tensors["loss_mask"], tensors["cu_seqlens"])
+        for rule in rules:
+            counts = walk_shard(model, head, hidden_TKH, ids_T, pos_T, responses, walk_layout, budget=rule,
+                                chunk_blocks=chunk_blocks)
+            sums.add(_walk_key(rule), torch.tensor(counts.as_vector()))
         gen = torch.Generator().manual_seed(seed * 1_000_003 + batch_id)
         blocks = sample_blocks(input_ids_T=tensors["input_ids"], position_ids_T=tensors["position_ids"],
                                loss_mask_T=tensors["loss_mask"], cu_seqlens_S1=tensors["cu_seqlens"],
-                               num_blocks=num_blocks, block_size=B, mask_token_id=cfg.mask_token_id, generator=gen)
-        blocks_dev = type(blocks)(**{k: v.to(device) for k, v in vars(blocks).items()})
-        hidden_TKH = decode_hidden(tensors["hidden"], tensors.get("hidden_scale")).to(device, head.embed_tokens_VH.dtype)
-        layout.update(blocks_dev.seq_start_N, blocks_dev.anchor_N)
-        ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
-        with ctx:
-            block_embed_NBH = head.embed(blocks_dev.block_ids_NB)
-            hidden_NBH = model(hidden_TKH, tensors["position_ids"].to(device), block_embed_NBH,
-                               blocks_dev.block_pos_NB, layout)
-            _score_blocks(sums, hidden_NBH, head, blocks_dev, budgets, chunk_blocks)
+                               num_blocks=num_blocks, block_size=B, mask_token_id=cfg.mask_token_id, gamma=gamma,
+                               generator=gen)
+        blocks = type(blocks)(**{k: v.to(device) for k, v in vars(blocks).items()})
+        random_layout.update(blocks.seq_start_N, blocks.anchor_N)
+        hidden_NBH = model(hidden_TKH, pos_T, head.embed(blocks.block_ids_NB), blocks.block_pos_NB, random_layout)
+        sums.add("shards", 1.0)
+        sums.add("ce", block_loss(hidden_NBH, head, blocks, loss_cfg).ce)
+        _score_random_blocks(sums, hidden_NBH, head, blocks, chunk_blocks)
+        if "target_topk_ids" in tensors:
+            match, positions = _target_greedy_match(tensors)
+            sums.add("target_match", match)
+            sums.add("target_match" + COUNT, positions)
     host = sums.reduce_to_host()
-    blocks_n = host.scalar("blocks")
+    nan = float("nan")
+    slot_accuracy = host.mean("slot_correct")
+    (ce,) = host.mean("ce", "shards")
+    (chain,) = host.mean("chain", "blocks")
+    (target_greedy,) = host.mean("target_match")
     return EvalResult(
-        num_blocks=int(blocks_n),
-        acceptance_length=_or_nan(host.mean("accepted", "blocks")[0]),
-        slot_accuracy=[_or_nan(a) for a in host.mean("slot_correct")],
-        tree_acceptance={b: _or_nan(host.mean(f"tree@{b}", "blocks")[0]) for b in budgets},
+        dtype=str(dtype).removeprefix("torch."), walk=WalkCounts.from_vector(B, host[_walk_key(None)]),
+        tree_walks={b: WalkCounts.from_vector(B, host[_walk_key(b)]) for b in budgets},
+        heldout_loss=nan if ce is None else ce, random_anchor_chain_length=nan if chain is None else chain,
+        random_anchor_slot_accuracy=[nan if a is None else a for a in slot_accuracy],
+        num_blocks=int(host.scalar("blocks")), data_is_target_greedy=target_greedy if cc.target_topk > 0 else None,
         batch_ids=list(batch_ids))
 
 
-def _or_nan(value: float | None) -> float:
-    return float("nan") if value is None else value
+def _walk_key(budget: int | None) -> str:
+    return "walk/chain" if budget is None else f"walk/tree@{budget}"
 
 
-def _score_blocks(sums: Sums, hidden_NBH: torch.Tensor, head: TargetHead, blocks, budgets: list[int],
-                  chunk_blocks: int) -> None:
+def _score_random_blocks(sums: Sums, hidden_NBH: torch.Tensor, head: TargetHead, blocks, chunk_blocks: int) -> None:
+    """Valid blocks, chain acceptance (+1), per-slot correct and count of random-anchor blocks."""
     NB, B, H = hidden_NBH.shape
-    max_budget = min(max(budgets), head.lm_head_VH.shape[0])
+    S = B - 1
     for start in range(0, NB, chunk_blocks):
         sl = slice(start, start + chunk_blocks)
         C = hidden_NBH[sl].shape[0]
-        logits_CSV = (hidden_NBH[sl].reshape(C * B, H) @ head.lm_head_VH.T).float().view(C, B, -1)[:, 1:]
-        logp_CSV = torch.log_softmax(logits_CSV, dim=-1)
-        labels_CS = blocks.labels_NB[sl][:, 1:]
+        logits_CSV = head.logits(hidden_NBH[sl, 1:].reshape(C * S, H)).float().view(C, S, -1)
         valid_CS = blocks.label_valid_NB[sl][:, 1:]
+        correct_CS = (logits_CSV.argmax(-1) == blocks.labels_NB[sl][:, 1:]) & valid_CS
         block_valid_C = blocks.block_valid_N[sl]
-        correct_CS = (logp_CSV.argmax(-1) == labels_CS) & valid_CS
         sums.add("blocks", block_valid_C.sum())
-        sums.add("accepted", ((accepted_prefix_length(correct_CS) + 1) * block_valid_C).sum())
+        sums.add("chain", ((accepted_prefix_length(correct_CS) + 1) * block_valid_C).sum())
         sums.add("slot_correct", correct_CS.sum(0))
         sums.add("slot_correct" + COUNT, valid_CS.sum(0))
-        top_logp_CSR, top_ids_CSR = logp_CSV.topk(max_budget, dim=-1)
-        top_logp, top_ids = top_logp_CSR.cpu().tolist(), top_ids_CSR.cpu().tolist()
-        labels, valid, bvalid = labels_CS.cpu().tolist(), valid_CS.cpu().tolist(), block_valid_C.cpu().tolist()
-        tree_sum = {budget: 0 for budget in budgets}
-        for c in range(C):
-            if not bvalid[c]:
-                continue
-            for budget in budgets:
-                r = min(budget, max_budget)
-                lp = [row[:r] for row in top_logp[c]]
-                ids = [row[:r] for row in top_ids[c]]
-                tree_sum[budget] += tree_acceptance(lp, ids, labels[c], valid[c], budget)
-        for budget, total in tree_sum.items():
-            sums.add(f"tree@{budget}", float(total))
+
+
+def _target_greedy_match(tensors: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """[matches, positions]: supervised positions t (t-1 in the same sequence) whose data token equals
+    the target's top-1 stored at t-1 (the stored top-k at t-1 is the target's next-token distribution)."""
+    ids_T, mask_T = tensors["input_ids"].long(), tensors["loss_mask"].bool()
+    top1_T = tensors["target_topk_ids"][:, 0].long()
+    cu = tensors["cu_seqlens"].long()
+    T = ids_T.shape[0]
+    starts = torch.zeros(T, dtype=torch.bool)
+    starts[cu[:-1].clamp(max=T - 1)] = True  # a sequence's first token has no prediction before it
+    inside = torch.arange(T) < cu[-1]
+    use_T = mask_T & ~starts & inside
+    use_T[0] = False
+    match_T = torch.zeros(T, dtype=torch.bool)
+    match_T[1:] = ids_T[1:] == top1_T[:-1]
+    return float((match_T & use_T).sum()), float(use_T.sum())
+
+
+# ---- what `dflash-train eval` decides before it runs ------------------------------------------------
+def select_eval_shards(all_ids: list[int], *, shards: list[int] | None, eval_shards: int | None,
+                       holdout_frac: float | None, cache: str) -> list[int]:
+    """The held-out batch ids named by exactly one of --shards, --eval-shards, --holdout-frac."""
+    if sum(x is not None for x in (shards, eval_shards, holdout_frac)) != 1:
+        raise ValueError("give exactly one of --shards, --eval-shards, --holdout-frac")
+    if shards is not None:
+        missing = sorted(set(shards) - set(all_ids))
+        if missing:
+            raise ValueError(f"--shards {missing} not in cache {cache} (it holds batch ids "
+                             f"{all_ids[0] if all_ids else '-'}..{all_ids[-1] if all_ids else '-'})")
+        return list(shards)
+    if holdout_frac is not None and not 0 < holdout_frac <= 1:
+        raise ValueError(f"--holdout-frac must be in (0, 1], got {holdout_frac}")
+    n = eval_shards if eval_shards is not None else math.ceil(holdout_frac * len(all_ids))
+    if not 1 <= n <= len(all_ids):
+        raise ValueError(f"held-out shard count {n} outside [1, {len(all_ids)}] for cache {cache}")
+    return all_ids[-n:]
+
+
+def check_fits(cfg: DrafterConfig, cache_config, drafter: str, cache: str) -> None:
+    """Refuse a drafter whose taps, width or vocabulary differ from the cache's, naming both."""
+    problems = []
+    if list(cfg.tap_layer_ids) != list(cache_config.tap_layer_ids):
+        problems.append(f"taps: drafter {cfg.tap_layer_ids}, cache {cache_config.tap_layer_ids}")
+    if (cfg.hidden_size, cfg.vocab_size) != (cache_config.target.hidden_size, cache_config.target.vocab_size):
+        problems.append(f"hidden/vocab: drafter {cfg.hidden_size}/{cfg.vocab_size}, "
+                        f"cache {cache_config.target.hidden_size}/{cache_config.target.vocab_size}")
+    if problems:
+        raise ValueError(f"drafter {drafter} does not fit cache {cache}: {'; '.join(problems)}; evaluate it on "
+                         "a cache extracted from its own target with the same taps")
+
+
+@dataclass
+class LoadedDrafter:
+    model: DFlashDrafter  # fp32 for a checkpoint, the stored dtype for an export
+    config: DrafterConfig
+    training_dtype: str  # the compute dtype it was trained in (the default evaluation dtype)
+    source: str  # what was loaded, for the output
+
+
+def load_drafter(path: str | Path) -> LoadedDrafter:
+    """An exported drafter (config.json + model.safetensors), a checkpoint step-NNNNNNNN/, or a run
+    directory (its newest valid checkpoint), as `dflash-train export` takes them."""
+    from safetensors.torch import load_file
+
+    from .checkpoint import MODEL_FILE, STATE_FILE, latest_checkpoint, list_checkpoints
+    from .export import CONFIG_FILE, load_exported_drafter
+
+    path = Path(path)
+    if (path / CONFIG_FILE).is_file() and not (path / STATE_FILE).is_file():
+        hf = json.loads((path / CONFIG_FILE).read_text())
+        model, cfg = load_exported_drafter(path, dtype=torch.float32)
+        dtype = hf.get("dtype", "bfloat16")  # our exports record the training default
+        return LoadedDrafter(model, cfg, dtype if dtype in DTYPES else "bfloat16", f"export {path}")
+    ckpt = next((c for c in list_checkpoints(path.parent) if c.path.resolve() == path.resolve()), None)
+    if ckpt is None:
+        ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise ValueError(f"--drafter {path}: neither an exported drafter (config.json + model.safetensors), a "
+                         "checkpoint step-NNNNNNNN/ (train_state.json, model.safetensors) nor a run directory "
+                         "holding one")
+    cfg = DrafterConfig(**ckpt.state["drafter"])
+    model = DFlashDrafter(cfg)
+    model.load_state_dict(load_file(str(ckpt.path / MODEL_FILE)), strict=True)
+    identity = ckpt.state.get("config_identity") or {}
+    return LoadedDrafter(model, cfg, identity.get("compute_dtype", "bfloat16"), f"checkpoint {ckpt.path}")
+
+
+def run_eval(cfg: EvalConfig) -> EvalResult:
+    """Everything `dflash-train eval` does with cached shards; raises ValueError naming flag and value."""
+    from shards import load_target_head
+    from shards.runtime import resolve_device
+
+    reader = ShardReader(cfg.cache)
+    ids = select_eval_shards(reader.batch_ids(), shards=cfg.shards, eval_shards=cfg.eval_shards,
+                             holdout_frac=cfg.holdout_frac, cache=cfg.cache)
+    loaded = load_drafter(cfg.drafter)
+    cc = reader.config
+    check_fits(loaded.config, cc, cfg.drafter, cfg.cache)
+    device = resolve_device(cfg.device, 0)
+    dtype_name = loaded.training_dtype if cfg.dtype == "auto" else cfg.dtype
+    dtype = DTYPES[dtype_name]
+    log.info("eval: %s in %s (%s), %d held-out shards %s on %s", loaded.source, dtype_name,
+             "the training compute dtype" if cfg.dtype == "auto" else "--dtype", len(ids), ids, device)
+    model = eval_copy(loaded.model.to(device), dtype)
+    head_t = load_target_head(cfg.cache)
+    head = TargetHead(head_t["embed_tokens"].to(device, dtype), head_t["lm_head"].to(device, dtype))
+    attention = "flex" if device.type == "cuda" else "sdpa"
+    return evaluate_drafter(model, head, cfg.cache, ids, num_blocks=cfg.num_blocks, seed=cfg.seed,
+                            device=device, attention=attention, budgets=cfg.budgets, lanes=cfg.lanes)

@@ -33,7 +33,7 @@ from .checkpoint import (check_resume_compatible, decode_rng, encode_rng, latest
                          load_optimizer_state, save_checkpoint)
 from .data import Batch, rank_batches
 from .distributed import FlatGrads, all_gather_objects, broadcast_parameters, init_distributed
-from .evaluate import EvalResult, evaluate_drafter
+from .evaluate import EvalResult, eval_copy, evaluate_drafter
 from .losses import LossConfig
 from .metrics import MetricsLogger, StepTotals
 from .model import DFlashDrafter, TargetHead
@@ -287,11 +287,15 @@ class Trainer:
     def _evaluate(self) -> EvalResult:
         cfg, run = self.cfg, self.run
         ids = run.eval_ids[: cfg.eval_max_shards]
+        # One number per set of weights: the fp32 master weights rounded to the compute dtype, no autocast.
+        model = eval_copy(self.model, self.state.autocast_dtype or torch.float32)
         result = evaluate_drafter(
-            self.model, self.head, cfg.cache, ids, num_blocks=run.num_blocks, seed=cfg.seed, device=self.device,
-            autocast_dtype=self.state.autocast_dtype, attention=self.state.layout.backend,
-            chunk_blocks=cfg.loss_chunk_blocks, rank=self.dist.rank, world_size=self.dist.world_size)
-        self.metrics.write_event({"event": "eval", "step": self.step, **result.to_dict()})
+            model, self.head, cfg.cache, ids, device=self.device,  # eval's own anchors: the same as `eval`'s
+            attention=self.state.layout.backend, chunk_blocks=cfg.loss_chunk_blocks, gamma=cfg.gamma,
+            rank=self.dist.rank, world_size=self.dist.world_size)
+        del model
+        self.metrics.write_event({"event": "eval", "step": self.step, **result.to_record(),
+                                  "eval/batch_ids": result.batch_ids})
         if self.dist.is_main:
             log.info("eval at step %d: %s", self.step, result.summary_line())
             atomic_write_text(self.out_dir / "eval.json", json.dumps(result.to_dict(), indent=1) + "\n")

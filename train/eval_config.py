@@ -1,0 +1,49 @@
+"""Typed settings of `dflash-train eval` (no torch import: the CLI builds its options from them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from shards.cli_options import cli_field
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """What `dflash-train eval` evaluates, where and how (flags map 1:1 to fields)."""
+
+    drafter: str = cli_field(path="existing_dir")
+    """Exported drafter dir, checkpoint step-NNNNNNNN/ or run dir (its newest checkpoint)."""
+    cache: str = cli_field(path="existing_dir")
+    """Hidden-state cache holding the held-out shards."""
+    shards: list[int] | None = None
+    """Held-out batch ids (exactly one of shards, eval_shards, holdout_frac)."""
+    eval_shards: int | None = None
+    """The last N shards of the cache (as dflash-train train --eval-shards)."""
+    holdout_frac: float | None = None
+    """The last ceil(F x shards) shards of the cache, 0 < F <= 1."""
+    num_blocks: int | None = None
+    """Random-anchor blocks per shard (held-out loss, diagnostics); None = one per 24 context tokens."""
+    budgets: list[int] = field(default_factory=lambda: [16, 32, 64])
+    """DDTree node budgets walked besides the greedy chain; [] = chain only."""
+    seed: int = 0
+    """Seed of the random-anchor sampling (the walk has no randomness)."""
+    device: str = "auto"
+    """auto = cuda when available, else cpu."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Weights and activations: bfloat16 | float32 | auto = the compute dtype the drafter was trained in."""
+    lanes: int | None = None
+    """Responses walked at once (blocks per drafter forward); None = the cache's max_seqs, whole flex tiles."""
+
+    def __post_init__(self) -> None:
+        if sum(x is not None for x in (self.shards, self.eval_shards, self.holdout_frac)) != 1:
+            raise ValueError("give exactly one of --shards, --eval-shards, --holdout-frac")
+        if self.holdout_frac is not None and not 0 < self.holdout_frac <= 1:
+            raise ValueError(f"--holdout-frac {self.holdout_frac}: must be in (0, 1]")
+        if self.dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"--dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
+        if any(b < 1 for b in self.budgets):
+            raise ValueError(f"--budgets must be positive node counts, got {self.budgets}")
+        for name in ("num_blocks", "lanes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
