@@ -8,7 +8,7 @@ import torch
 from shards import ShardReader, decode_hidden, load_target_head
 from test_train_support import rewrite_shard, tiny_cache
 from train.attention import BlockAttentionLayout
-from train.config import DrafterConfig
+from train.drafter_config import DrafterConfig
 from train.evaluate import evaluate_drafter
 from train.model import DFlashDrafter, TargetHead
 from train.tree import tree_acceptance

@@ -40,7 +40,7 @@ from shards import ShardReader, decode_hidden
 
 from .attention import BlockAttentionLayout
 from .blocks import default_num_blocks, sample_blocks
-from .config import DrafterConfig
+from .drafter_config import DrafterConfig
 from .eval_config import EvalConfig
 from .losses import LossConfig, block_loss
 from .metrics_math import accepted_prefix_length
@@ -190,7 +190,7 @@ def evaluate_drafter(model: DFlashDrafter, head: TargetHead, cache_dir: str, bat
         for rule in rules:
             counts = walk_shard(model, head, hidden_TKH, ids_T, pos_T, responses, walk_layout, budget=rule,
                                 chunk_blocks=chunk_blocks)
-            sums.add(_walk_key(rule), torch.tensor(counts.as_vector()))
+            sums.add(_walk_key(rule), torch.tensor(counts.as_vector(), dtype=torch.float64))
         gen = torch.Generator().manual_seed(seed * 1_000_003 + batch_id)
         blocks = sample_blocks(input_ids_T=tensors["input_ids"], position_ids_T=tensors["position_ids"],
                                loss_mask_T=tensors["loss_mask"], cu_seqlens_S1=tensors["cu_seqlens"],
