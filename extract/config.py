@@ -55,7 +55,7 @@ class ExtractConfig:
     """Token id written on padding positions."""
     mask_token_id: int | None = None
     """The drafter's MASK token id, recorded in the cache (248070 for Qwen3.5; dflash-train can
-    override it)."""
+    override it). Default: none recorded, and dflash-train then needs its own --mask-token-id."""
     dtype: TargetDtype = "bfloat16"
     """Dtype the target runs in."""
     compute: ComputeMode = "dense"

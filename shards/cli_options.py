@@ -183,7 +183,7 @@ def gpus_option(fn: F) -> F:
     """`--gpus N|all`: start one process per GPU under torchrun (both CLIs)."""
     return click.option("--gpus", default=None, metavar="N|all",
                         help="Start one process per GPU under torchrun: a number or 'all'. "
-                             "Omit when you launch torchrun yourself.")(fn)
+                             "Default: one process, or whatever torchrun you launched yourself.")(fn)
 
 
 def relaunch_if_asked(module: str, gpus: str | None) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .codec import decode_hidden
-from .format import MANIFEST_FILE, CacheFormatError, bytes_per_shard, shard_path
+from .format import MANIFEST_FILE, TARGET_HEAD_FILE, CacheFormatError, bytes_per_shard, shard_path
 from .manifest import manifest_table, read_manifest
 from .reader import ShardError, ShardInfo, ShardReader, load_target_head
 
@@ -34,7 +35,11 @@ def summarize_cache(cache_dir: str | Path) -> dict:
         except ShardError as e:
             bad.append({"batch_id": b, "reason": e.reason})
     real = sum(i.num_tokens for i in infos)
-    disk = sum(p.stat().st_size for p in Path(cache_dir).rglob("*") if p.is_file())
+    # Quarantined shards are no part of the cache (verify --quarantine moved them out): counted apart.
+    quarantine = Path(cache_dir) / QUARANTINE_DIR
+    files = [p for p in Path(cache_dir).rglob("*") if p.is_file()]
+    held = [p for p in files if quarantine in p.parents]
+    disk = sum(p.stat().st_size for p in files) - sum(p.stat().st_size for p in held)
     expected = expected_batch_ids(reader)
     return {
         "cache": str(cache_dir),
@@ -54,6 +59,8 @@ def summarize_cache(cache_dir: str | Path) -> dict:
         "num_loss_tokens": sum(s.loss_tokens for i in infos for s in i.samples),
         "padding_efficiency": real / (len(infos) * cfg.token_budget) if infos else 0.0,
         "bytes_on_disk": disk,
+        "num_quarantined": len(held),
+        "bytes_quarantined": sum(p.stat().st_size for p in held),
         "bytes_per_token": bytes_per_shard(cfg) / cfg.token_budget,
         "dataset": dataclasses.asdict(cfg.dataset) if cfg.dataset is not None else None,
     }
@@ -61,13 +68,36 @@ def summarize_cache(cache_dir: str | Path) -> dict:
 
 @dataclass
 class VerifyReport:
+    cache_dir: str = ""
     checked: int = 0
     bad: list[dict] = field(default_factory=list)  # {"file", "batch_id", "reason"}
     quarantined: list[str] = field(default_factory=list)
+    extract_command: str | None = None  # the command that made the cache, from cache.json's provenance
 
     @property
     def ok(self) -> bool:
         return not self.bad
+
+    def remedy(self) -> str | None:
+        """The one next action that repairs everything reported (None when all is good)."""
+        if self.ok:
+            return None
+        head = [b for b in self.bad if b["batch_id"] is None and b["file"].endswith(TARGET_HEAD_FILE)]
+        shards = [b for b in self.bad if b["batch_id"] is not None]
+        in_place = [b for b in shards if b["reason"] != "missing" and "moved_to" not in b]
+        rerun = ("re-run the dflash-extract command that made this cache: it extracts the missing shards and "
+                 "rewrites the manifest")
+        if self.extract_command:
+            rerun += f" (cache.json records it: {self.extract_command})"
+        if head:
+            return ("the target head is damaged and a resume keeps it: extract again into a new --out, or pass "
+                    "--overwrite to the dflash-extract command that made this cache")
+        if in_place:
+            return (f"move the bad shards aside with `dflash-shards verify {self.cache_dir} --quarantine`, then "
+                    + rerun)
+        if shards:
+            return rerun
+        return f"rebuild the manifest from the shards with `dflash-shards index {self.cache_dir}`"
 
 
 def verify_cache(cache_dir: str | Path, quarantine: bool = False) -> VerifyReport:
@@ -76,8 +106,8 @@ def verify_cache(cache_dir: str | Path, quarantine: bool = False) -> VerifyRepor
     quarantine: move each bad shard into CACHE/quarantine/ so that a resumed extraction rewrites it.
     """
     cache_dir = Path(cache_dir)
-    report = VerifyReport()
     reader = ShardReader(cache_dir)
+    report = VerifyReport(cache_dir=str(cache_dir), extract_command=_extract_command(reader.config.provenance))
     try:
         load_target_head(cache_dir)
     except CacheFormatError as e:
@@ -91,12 +121,17 @@ def verify_cache(cache_dir: str | Path, quarantine: bool = False) -> VerifyRepor
         except ShardError as e:
             report.bad.append({"file": str(e.path), "batch_id": b, "reason": e.reason})
             if quarantine:
-                report.quarantined.append(str(_quarantine(cache_dir, e.path)))
+                report.bad[-1]["moved_to"] = str(_quarantine(cache_dir, e.path))
+                report.quarantined.append(report.bad[-1]["moved_to"])
     expected = expected_batch_ids(reader)
-    if expected is not None:
-        for b in sorted(set(expected) - set(present)):
-            report.bad.append({"file": str(shard_path(cache_dir, b)), "batch_id": b, "reason": "missing"})
-    manifest_problem = _check_manifest(cache_dir, good, len(good) == len(present))
+    if expected is None:  # no recorded plan (a cache not made by dflash-extract): what the manifest lists
+        expected = _manifest_batch_ids(cache_dir)
+    missing = sorted(set(expected) - set(present)) if expected is not None else []
+    for b in missing:
+        report.bad.append({"file": str(shard_path(cache_dir, b)), "batch_id": b, "reason": "missing"})
+    # With shards bad or missing the manifest is compared only for readability: the extraction that
+    # redoes them rewrites it, so "out of date" would only suggest a second, useless remedy.
+    manifest_problem = _check_manifest(cache_dir, good, len(good) == len(present) and not missing)
     if manifest_problem:
         report.bad.append({"file": str(cache_dir / MANIFEST_FILE), "batch_id": None, "reason": manifest_problem})
     return report
@@ -105,11 +140,27 @@ def verify_cache(cache_dir: str | Path, quarantine: bool = False) -> VerifyRepor
 def _check_manifest(cache_dir: Path, good: list[ShardInfo], all_good: bool) -> str | None:
     try:
         table = read_manifest(cache_dir)
-    except CacheFormatError as e:
-        return str(e).split(": ", 1)[-1]
+    except CacheFormatError as e:  # the reason only: the remedy is the report's one remedy line
+        return str(e).split(": ", 1)[-1].split("; rebuild it", 1)[0]
     if all_good and not table.equals(manifest_table(good)):
-        return f"out of date with the shards; rebuild it with `dflash-shards index {cache_dir}`"
+        return "out of date with the shards"
     return None
+
+
+def _manifest_batch_ids(cache_dir: Path) -> list[int] | None:
+    try:
+        return sorted(set(read_manifest(cache_dir).column("batch_id").to_pylist()))
+    except CacheFormatError:
+        return None
+
+
+def _extract_command(provenance: dict | None) -> str | None:
+    """The dflash-extract command line recorded in cache.json, as a user would type it."""
+    argv = (provenance or {}).get("argv")
+    # dflash-extract itself, or extract/cli.py under torchrun; anything else (a test, a script) is no command.
+    if not argv or Path(argv[0]).name not in ("dflash-extract", "cli.py"):
+        return None
+    return shlex.join(["dflash-extract", *argv[1:]])
 
 
 def _quarantine(cache_dir: Path, path: Path) -> Path:
@@ -120,8 +171,13 @@ def _quarantine(cache_dir: Path, path: Path) -> Path:
     return dest
 
 
-def find_sample(cache_dir: str | Path, sample_id: str) -> dict:
-    """A sample's tokens, loss mask and per-tap hidden-state statistics."""
+def find_sample(cache_dir: str | Path, sample_id: str, position: int | None = None) -> dict:
+    """A sample's tokens, loss mask and per-tap hidden-state statistics.
+
+    position: also the target's stored top-k next tokens at this position of the sample (0-based),
+    with the data's own next token and its rank among them. Raises ValueError when the cache stores
+    no top-k or the position is outside the sample.
+    """
     reader = ShardReader(cache_dir)
     batch_id = _locate(cache_dir, reader, sample_id)
     tensors, info = reader.read(batch_id, verify_checksum=True)
@@ -137,12 +193,32 @@ def find_sample(cache_dir: str | Path, sample_id: str) -> dict:
             "rms": h.pow(2).mean().sqrt().item(), "absmax": h.abs().max().item(),
             "finite": bool(torch.isfinite(h).all()),
         })
-    return {
+    out = {
         "sample_id": sample_id, "batch_id": batch_id, "offset": entry.offset, "length": entry.length,
         "loss_tokens": entry.loss_tokens,
         "input_ids": tensors["input_ids"][span].tolist(), "loss_mask": tensors["loss_mask"][span].tolist(),
         "hidden": taps,
     }
+    if position is not None:
+        out["target_topk"] = _topk_at(tensors, reader.config.target_topk, entry, position, cache_dir)
+    return out
+
+
+def _topk_at(tensors: dict, k: int, entry, position: int, cache_dir) -> dict:
+    if k == 0:
+        raise ValueError(f"{cache_dir} stores no target top-k (extracted with --target-topk 0); "
+                         "re-extract with --target-topk K to have it")
+    if not 0 <= position < entry.length:
+        raise ValueError(f"--position {position} is outside sample {entry.sample_id!r} "
+                         f"(positions 0..{entry.length - 1})")
+    row = entry.offset + position
+    ids = tensors["target_topk_ids"][row].tolist()
+    logprobs = tensors["target_topk_logprobs"][row].float().tolist()
+    # The stored distribution at position p is the target's prediction of the token at p + 1.
+    next_id = int(tensors["input_ids"][row + 1]) if position + 1 < entry.length else None
+    return {"position": position, "token_id": int(tensors["input_ids"][row]), "next_token_id": next_id,
+            "next_token_rank": ids.index(next_id) + 1 if next_id in ids else None,
+            "ids": ids, "logprobs": logprobs}
 
 
 def _locate(cache_dir: str | Path, reader: ShardReader, sample_id: str) -> int:

@@ -191,7 +191,8 @@ def test_stale_manifest_is_reported(cache):
     tensors, samples = _batch(cfg, 3)
     write_shard(cache_dir, cfg, 3, tensors, samples)
     report = verify_cache(cache_dir)
-    assert [b["reason"] for b in report.bad] == [f"out of date with the shards; rebuild it with `dflash-shards index {cache_dir}`"]
+    assert [b["reason"] for b in report.bad] == ["out of date with the shards"]
+    assert report.remedy() == f"rebuild the manifest from the shards with `dflash-shards index {cache_dir}`"
     rebuild_manifest(cache_dir)
     assert verify_cache(cache_dir).ok
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import click
 
 from shards import CacheFormatError, ShardError, ShardReader, rebuild_manifest
-from shards.inspect import find_sample, summarize_cache, verify_cache
-from shards.progress import format_bytes
+from shards.inspect import QUARANTINE_DIR, find_sample, summarize_cache, verify_cache
+from shards.progress import format_bytes, plural
 
 
 def _emit(obj: object, as_json: bool, text: str) -> None:
@@ -45,7 +46,9 @@ def info(cache: str, as_json: bool) -> None:
         f"samples          {s['num_samples']}",
         f"tokens           {s['num_tokens']} ({s['num_loss_tokens']} supervised)",
         f"padding eff.     {100 * s['padding_efficiency']:.2f}%",
-        f"on disk          {format_bytes(s['bytes_on_disk'])}",
+        f"on disk          {format_bytes(s['bytes_on_disk'])}"
+        + (f" (not counting {plural(s['num_quarantined'], 'quarantined file')}, "
+           f"{format_bytes(s['bytes_quarantined'])}, in {cache}/{QUARANTINE_DIR}/)" if s["num_quarantined"] else ""),
     ])
     _emit(s, as_json, text)
 
@@ -83,10 +86,14 @@ def verify(cache: str, quarantine: bool, as_json: bool) -> None:
     Exit code 0 when everything verifies, 1 when anything is bad (each bad file is listed).
     """
     report = _guard(verify_cache, cache, quarantine=quarantine)
-    obj = {"ok": report.ok, "checked": report.checked, "bad": report.bad, "quarantined": report.quarantined}
-    lines = [f"checked {report.checked} shards: " + ("all good" if report.ok else f"{len(report.bad)} problems")]
-    lines += [f"BAD {b['file']}: {b['reason']}" for b in report.bad]
-    lines += [f"moved to {q}" for q in report.quarantined]
+    remedy = report.remedy()
+    obj = {"ok": report.ok, "checked": report.checked, "bad": report.bad, "quarantined": report.quarantined,
+           "remedy": remedy}
+    lines = [f"checked {plural(report.checked, 'shard')}: " + ("all good" if report.ok else plural(len(report.bad), "problem"))]
+    lines += [f"BAD {b['file']}: {b['reason']}" + (f" (moved to {b['moved_to']})" if "moved_to" in b else "")
+              for b in report.bad]
+    if remedy:
+        lines.append(f"to repair: {remedy}")
     _emit(obj, as_json, "\n".join(lines))
     sys.exit(0 if report.ok else 1)
 
@@ -94,24 +101,44 @@ def verify(cache: str, quarantine: bool, as_json: bool) -> None:
 @main.command()
 @click.argument("cache", type=click.Path(exists=True, file_okay=False))
 @click.argument("sample_id")
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=0),
+              help="Tokens of input_ids and loss_mask printed; 0 = the whole sample (--json always has all).")
+@click.option("--position", type=click.IntRange(min=0), default=None,
+              help="Also print the target's stored top-k next tokens at this position of the sample (0-based). "
+                   "Default: none.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def show(cache: str, sample_id: str, as_json: bool) -> None:
-    """A sample's tokens, loss mask and per-tap hidden-state statistics."""
+def show(cache: str, sample_id: str, max_tokens: int, position: int | None, as_json: bool) -> None:
+    """A sample's tokens, loss mask, per-tap hidden-state statistics and, with --position, the target's top-k."""
     try:
-        s = find_sample(cache, sample_id)
+        s = find_sample(cache, sample_id, position=position)
     except KeyError as e:
         raise click.ClickException(str(e.args[0])) from e
-    except CacheFormatError as e:
+    except (CacheFormatError, ValueError) as e:
         raise click.ClickException(str(e)) from e
+    n = s["length"] if max_tokens == 0 else min(max_tokens, s["length"])
+    more = f" ... ({s['length'] - n} more; --max-tokens 0 shows all)" if n < s["length"] else ""
     lines = [
         f"sample {s['sample_id']}: batch {s['batch_id']}, offset {s['offset']}, length {s['length']}, "
         f"{s['loss_tokens']} supervised",
-        f"input_ids  {s['input_ids'][:64]}{' ...' if s['length'] > 64 else ''}",
-        f"loss_mask  {''.join(map(str, s['loss_mask'][:64]))}{' ...' if s['length'] > 64 else ''}",
+        f"input_ids  {' '.join(map(str, s['input_ids'][:n]))}{more}",
+        f"loss_mask  {''.join(map(str, s['loss_mask'][:n]))}{more}",
         f"{'layer':>6} {'mean':>10} {'std':>10} {'rms':>10} {'absmax':>10} finite",
     ]
     lines += [f"{t['layer']:>6} {t['mean']:>10.4f} {t['std']:>10.4f} {t['rms']:>10.4f} {t['absmax']:>10.4f} {t['finite']}" for t in s["hidden"]]
+    if "target_topk" in s:
+        lines += _topk_lines(s["target_topk"])
     _emit(s, as_json, "\n".join(lines))
+
+
+def _topk_lines(t: dict) -> list[str]:
+    nxt = "none (last position)" if t["next_token_id"] is None else (
+        f"{t['next_token_id']}, " + (f"rank {t['next_token_rank']} of the top-{len(t['ids'])}" if t["next_token_rank"]
+                                     else f"not in the top-{len(t['ids'])}"))
+    lines = [f"target top-{len(t['ids'])} at position {t['position']} (token {t['token_id']}); data's next token {nxt}",
+             f"{'rank':>6} {'token':>10} {'logprob':>10} {'prob':>8}"]
+    lines += [f"{r:>6} {i:>10} {lp:>10.4f} {math.exp(lp):>8.4f}" + ("  <- next" if i == t["next_token_id"] else "")
+              for r, (i, lp) in enumerate(zip(t["ids"], t["logprobs"]), start=1)]
+    return lines
 
 
 @main.command()

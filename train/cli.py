@@ -119,7 +119,7 @@ def _model_from_checkpoint(ckpt):
 
 @main.command(name="eval", context_settings=CONTEXT_SETTINGS)
 @config_options(EvalConfig)
-@click.option("--out", "out_json", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here (acceptance_length, acceptance_length_pooled, batch_ids, ...).")
+@click.option("--out", "out_json", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here (acceptance_length, acceptance_length_pooled, batch_ids, ...). Default: the table on stdout only.")
 def eval_cmd(out_json, **options) -> None:
     """Evaluate a drafter on held-out shards by walking them as greedy speculative decoding does.
 
