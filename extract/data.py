@@ -10,8 +10,8 @@ Each row carries
     id          string or int                             optional; "<file stem>:<row>" when absent
 Rows are counted from 0 within their file (a JSONL row is a line, so row r is line r + 1).
 
-scan_dataset() reads every row once, before any model loads, and raises DataError naming file, row
-and reason at the first bad row. It returns a DatasetIndex: per non-empty sample its id, length,
+scan_dataset() reads every row once, before any model loads, and raises one DataError naming file,
+row and reason of every bad row (the first MAX_REPORTED_PROBLEMS listed, all counted). It returns a DatasetIndex: per non-empty sample its id, length,
 loss tokens, file and row; small enough to plan the packing of millions of samples. Empty samples
 are skipped and counted in the index's ScanReport. load_samples() / SampleLoader fetch the token data
 of chosen samples later, one packed batch at a time, reading only the Parquet row groups or JSONL
@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .rows import DataError, iter_file, parquet_chunk, parquet_columns, parse_json_row, row_location
+from .rows import DataError, Problems, iter_file, parquet_chunk, parquet_columns, parse_json_row, row_location
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +152,10 @@ def scan_dataset(
 ) -> DatasetIndex:
     """Read and validate every row of the dataset at `path`; return its index.
 
-    Raises DataError at the first bad row (naming file, row and reason) or duplicate id (naming
-    both places). With `token_budget`, samples longer than it are counted, and with
-    long_seqs="error" the first one is refused here, before any model loads.
+    Raises one DataError after the whole scan, naming every bad row (file, row and reason) and
+    duplicate id (both places), the first MAX_REPORTED_PROBLEMS of them listed and all counted. With
+    `token_budget`, samples longer than it are counted, and with long_seqs="error" they are refused
+    here, before any model loads.
     """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
@@ -166,38 +167,18 @@ def scan_dataset(
     parts: dict[str, list[np.ndarray]] = {"lengths": [], "loss": [], "file": [], "rows": [], "offsets": []}
     token_hash, mask_hash = hashlib.sha256(), hashlib.sha256()
     num_rows, empty = 0, []
+    problems = Problems()  # every bad row of every file, reported together at the end
     for fi, file in enumerate(files):
         stem = Path(file).stem
-        for rows, row_ids, lengths, tokens, mask, offsets in iter_file(file, vocab_size):
-            num_rows += len(rows)
-            names = [f"{stem}:{r}" if i is None else str(i) for i, r in zip(row_ids, rows.tolist())]
-            for name, row in zip(names, rows.tolist()):
-                if name in seen:
-                    pf, prow = seen[name]
-                    raise DataError(
-                        f"duplicate sample id {name!r}: {row_location(files[pf], prow)} and {row_location(file, row)}"
-                    )
-                seen[name] = (fi, row)
-            if token_budget is not None and long_seqs == "error" and (lengths > token_budget).any():
-                k = int(np.argmax(lengths > token_budget))
-                raise DataError(
-                    f"{row_location(file, int(rows[k]))}: sample {names[k]!r} has {lengths[k]} tokens, more than "
-                    f"token_budget {token_budget}; use --long-seqs truncate or skip, or a larger --token-budget"
-                )
-            # Per-sample loss tokens: sum of the mask over each sample's slice of the flat array.
-            csum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
-            ends = np.cumsum(lengths)
-            loss = csum[ends] - csum[ends - lengths]
-            keep = lengths > 0
-            empty.extend(n for n, k in zip(names, keep.tolist()) if not k)
-            ids.extend(n for n, k in zip(names, keep.tolist()) if k)
-            parts["lengths"].append(lengths[keep])
-            parts["loss"].append(loss[keep])
-            parts["file"].append(np.full(int(keep.sum()), fi, dtype=np.int32))
-            parts["rows"].append(rows[keep])
-            parts["offsets"].append(offsets[keep] if offsets is not None else np.full(int(keep.sum()), -1, np.int64))
-            token_hash.update(tokens.astype("<i4").tobytes())
-            mask_hash.update(mask.tobytes())
+        try:
+            for chunk in iter_file(file, vocab_size, problems):
+                num_rows += _index_chunk(chunk, fi, files, stem, seen, ids, parts, empty, problems,
+                                         token_budget if long_seqs == "error" else None)
+                token_hash.update(chunk.tokens.astype("<i4").tobytes())
+                mask_hash.update(chunk.mask.tobytes())
+        except DataError as e:  # the file itself (unreadable, wrong columns): its other rows are unknown
+            problems.add(str(e))
+    problems.raise_if_any(str(path))
     cat = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in parts.items()}
     lengths = cat["lengths"].astype(np.int64)
     report = ScanReport(
@@ -226,6 +207,41 @@ def scan_dataset(
         content_sha256=hashlib.sha256(token_hash.digest() + mask_hash.digest()).hexdigest(),
         report=report,
     )
+
+
+def _index_chunk(chunk, fi: int, files: list[str], stem: str, seen: dict[str, tuple[int, int]], ids: list[str],
+                 parts: dict[str, list[np.ndarray]], empty: list[str], problems: Problems,
+                 refuse_longer_than: int | None) -> int:
+    """Add one chunk's good rows to the index being built; returns the rows it held."""
+    rows, row_ids, lengths, mask = chunk.rows, chunk.ids, chunk.lengths, chunk.mask
+    file = files[fi]
+    names = [f"{stem}:{r}" if i is None else str(i) for i, r in zip(row_ids, rows.tolist())]
+    for name, row in zip(names, rows.tolist()):
+        if name in seen:
+            pf, prow = seen[name]
+            problems.add(f"duplicate sample id {name!r}: {row_location(files[pf], prow)} and {row_location(file, row)}")
+        else:
+            seen[name] = (fi, row)
+    if refuse_longer_than is not None:
+        for k in np.flatnonzero(lengths > refuse_longer_than).tolist():
+            problems.add(
+                f"{row_location(file, int(rows[k]))}: sample {names[k]!r} has {lengths[k]} tokens, more than "
+                f"token_budget {refuse_longer_than}; use --long-seqs truncate or skip, or a larger --token-budget"
+            )
+    # Per-sample loss tokens: sum of the mask over each sample's slice of the flat array.
+    csum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+    ends = np.cumsum(lengths)
+    loss = csum[ends] - csum[ends - lengths]
+    keep = lengths > 0
+    empty.extend(n for n, k in zip(names, keep.tolist()) if not k)
+    ids.extend(n for n, k in zip(names, keep.tolist()) if k)
+    parts["lengths"].append(lengths[keep])
+    parts["loss"].append(loss[keep])
+    parts["file"].append(np.full(int(keep.sum()), fi, dtype=np.int32))
+    parts["rows"].append(rows[keep])
+    offsets = chunk.byte_offsets
+    parts["offsets"].append(offsets[keep] if offsets is not None else np.full(int(keep.sum()), -1, np.int64))
+    return len(rows)
 
 
 def dataset_fingerprint(index: DatasetIndex) -> str:

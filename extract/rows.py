@@ -1,6 +1,7 @@
 """Row formats: read, parse and validate the rows of JSON Lines and Parquet dataset files.
 
-Every problem is a DataError naming file, row (a JSONL row r is line r + 1) and reason. A file is
+Every problem is a DataError naming file, row (a JSONL row r is line r + 1) and reason; a scan
+collects them all (`Problems`) and reports them together. A file is
 read in chunks of rows (`Chunk`): row numbers, raw ids, lengths, and all tokens and masks of the
 chunk flattened, so a scan of millions of rows does no per-row Python work past parsing.
 """
@@ -25,6 +26,42 @@ class DataError(ValueError):
     """A dataset file or row that cannot be used; the message names file, row and reason."""
 
 
+MAX_REPORTED_PROBLEMS = 20  # bad rows listed in one error; the rest are counted
+
+
+class Problems:
+    """Bad rows and files met by a scan: every one counted, the first `limit` kept with their message.
+
+    A scan goes on past a bad row so that one run names every row to fix, not one per run.
+    """
+
+    def __init__(self, limit: int = MAX_REPORTED_PROBLEMS):
+        self.limit = limit
+        self.count = 0
+        self.messages: list[str] = []
+
+    def add(self, message: str) -> None:
+        self.count += 1
+        if len(self.messages) < self.limit:
+            self.messages.append(message)
+
+    def raise_if_any(self, where: str) -> None:
+        if self.count == 0:
+            return
+        if self.count == 1:
+            raise DataError(self.messages[0])
+        more = f"\n  ... and {self.count - len(self.messages)} more" if self.count > len(self.messages) else ""
+        raise DataError(f"{where}: {self.count} bad rows" + (f" (the first {len(self.messages)})" if more else "")
+                        + ":\n  " + "\n  ".join(self.messages) + more)
+
+
+def _report(problems: "Problems | None", message: str) -> None:
+    """Raise at once without a collector (loading one sample), else count it and go on."""
+    if problems is None:
+        raise DataError(message)
+    problems.add(message)
+
+
 def row_location(path: str, row: int) -> str:
     line = f" (line {row + 1})" if path.endswith(".jsonl") else ""
     return f"{path}, row {row}{line}"
@@ -41,20 +78,26 @@ class Chunk(NamedTuple):
     byte_offsets: np.ndarray | None  # [n] int64 start of each JSONL line; None for Parquet
 
 
-def _check_values(tokens: np.ndarray, mask: np.ndarray, lengths: np.ndarray, vocab_size: int, path: str, first_row: int) -> None:
-    """Raise at the first token id outside the vocabulary or mask value other than 0/1."""
+def _check_values(tokens: np.ndarray, mask: np.ndarray, lengths: np.ndarray, vocab_size: int, path: str, first_row: int,
+                  problems: Problems | None = None) -> None:
+    """Every row with a token id outside the vocabulary or a mask value other than 0/1 (its first bad
+    position each); raises at the first one without a collector."""
+    ends = np.cumsum(lengths)
     for name, bad in (
         ("input_ids", (tokens < 0) | (tokens >= vocab_size)),
         ("loss_mask", (mask != 0) & (mask != 1)),
     ):
-        if bad.any():
-            flat = int(np.argmax(bad))
-            ends = np.cumsum(lengths)
+        if not bad.any():
+            continue
+        flats = np.flatnonzero(bad)
+        rows = np.searchsorted(ends, flats, side="right")
+        firsts = flats[np.concatenate([[True], rows[1:] != rows[:-1]])]  # first bad position of each row
+        values = tokens if name == "input_ids" else mask
+        allowed = f"outside [0, {vocab_size}) (the target's vocabulary)" if name == "input_ids" else "not 0 or 1"
+        for flat in firsts.tolist():
             row = int(np.searchsorted(ends, flat, side="right"))
             pos = flat - (int(ends[row - 1]) if row else 0)
-            value = (tokens if name == "input_ids" else mask)[flat]
-            allowed = f"outside [0, {vocab_size}) (the target's vocabulary)" if name == "input_ids" else "not 0 or 1"
-            raise DataError(f"{row_location(path, first_row + row)}: {name}[{pos}] = {value} is {allowed}")
+            _report(problems, f"{row_location(path, first_row + row)}: {name}[{pos}] = {values[flat]} is {allowed}")
 
 
 def _int_list(value: object, name: str, where: str, allow_bool: bool, may_hold_bool: bool) -> np.ndarray:
@@ -107,21 +150,29 @@ def parse_json_row(line: bytes, path: str, row: int, vocab_size: int) -> tuple[o
     return sample_id, tokens.astype(np.int32), mask.astype(np.uint8)
 
 
-def _jsonl_chunk(path: str, items: list[tuple[int, int, bytes]], vocab_size: int) -> Chunk:
-    """Parse (row, byte offset, line) items of one JSONL file into a chunk."""
-    ids, toks, masks = [], [], []
-    for row, _, line in items:
-        sample_id, tokens, mask = parse_json_row(line, path, row, vocab_size)
+def _jsonl_chunk(path: str, items: list[tuple[int, int, bytes]], vocab_size: int, problems: Problems | None = None) -> Chunk | None:
+    """Parse (row, byte offset, line) items of one JSONL file into a chunk of its good rows (None: no good row)."""
+    ids, toks, masks, kept = [], [], [], []
+    for item in items:
+        row, _, line = item
+        try:
+            sample_id, tokens, mask = parse_json_row(line, path, row, vocab_size)
+        except DataError as e:
+            _report(problems, str(e))
+            continue
         ids.append(sample_id)
         toks.append(tokens)
         masks.append(mask)
-    rows = np.array([r for r, _, _ in items], dtype=np.int64)
-    offsets = np.array([o for _, o, _ in items], dtype=np.int64)
+        kept.append(item)
+    if not kept:
+        return None
+    rows = np.array([r for r, _, _ in kept], dtype=np.int64)
+    offsets = np.array([o for _, o, _ in kept], dtype=np.int64)
     lengths = np.array([t.shape[0] for t in toks], dtype=np.int64)
     return Chunk(rows, ids, lengths, np.concatenate(toks), np.concatenate(masks), offsets)
 
 
-def _iter_jsonl(path: str, vocab_size: int, rows_per_chunk: int = 4096) -> Iterator[Chunk]:
+def _iter_jsonl(path: str, vocab_size: int, problems: Problems | None = None, rows_per_chunk: int = 4096) -> Iterator[Chunk]:
     items: list[tuple[int, int, bytes]] = []
     offset = 0
     with open(path, "rb") as f:
@@ -129,10 +180,14 @@ def _iter_jsonl(path: str, vocab_size: int, rows_per_chunk: int = 4096) -> Itera
             items.append((row, offset, line))
             offset += len(line)
             if len(items) == rows_per_chunk:
-                yield _jsonl_chunk(path, items, vocab_size)
+                chunk = _jsonl_chunk(path, items, vocab_size, problems)
+                if chunk is not None:
+                    yield chunk
                 items = []
     if items:
-        yield _jsonl_chunk(path, items, vocab_size)
+        chunk = _jsonl_chunk(path, items, vocab_size, problems)
+        if chunk is not None:
+            yield chunk
 
 
 def _list_type_ok(t: pa.DataType, allow_bool: bool) -> bool:
@@ -157,41 +212,52 @@ def parquet_columns(schema: pa.Schema, path: str) -> list[str]:
     return [n for n in ("input_ids", "loss_mask", "id") if n in names]
 
 
-def _flat_list(col: pa.ChunkedArray, name: str, path: str, first_row: int) -> tuple[np.ndarray, np.ndarray]:
-    """(lengths [n] int64, flat values) of a list column, refusing null lists and null elements."""
+def _flat_list(col: pa.ChunkedArray, name: str, path: str, first_row: int,
+               problems: Problems | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(lengths [n] int64, flat values) of a list column; None (each bad row reported) when a list or an
+    element is null."""
     arr = col.combine_chunks()
     if arr.null_count:
-        row = int(np.argmax(arr.is_null().to_numpy(zero_copy_only=False)))
-        raise DataError(f"{row_location(path, first_row + row)}: {name} is null")
+        for row in np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False)).tolist():
+            _report(problems, f"{row_location(path, first_row + row)}: {name} is null")
+        return None
     lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False).astype(np.int64)
     values = arr.flatten()
     if values.null_count:
-        flat = int(np.argmax(values.is_null().to_numpy(zero_copy_only=False)))
-        row = int(np.searchsorted(np.cumsum(lengths), flat, side="right"))
-        raise DataError(f"{row_location(path, first_row + row)}: {name} contains a null value")
+        flats = np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))
+        rows = np.unique(np.searchsorted(np.cumsum(lengths), flats, side="right"))
+        for row in rows.tolist():
+            _report(problems, f"{row_location(path, first_row + row)}: {name} contains a null value")
+        return None
     return lengths, values.to_numpy(zero_copy_only=False)
 
 
-def parquet_chunk(table: pa.Table, path: str, first_row: int, vocab_size: int) -> Chunk:
+def parquet_chunk(table: pa.Table, path: str, first_row: int, vocab_size: int,
+                  problems: Problems | None = None) -> Chunk | None:
+    """The rows of one row group; None when a row is structurally bad (null lists, lengths differing),
+    after reporting every such row (its value checks would only repeat the problem)."""
     n = table.num_rows
-    lengths, tokens = _flat_list(table.column("input_ids"), "input_ids", path, first_row)
-    if "loss_mask" in table.column_names:
-        mask_lengths, mask = _flat_list(table.column("loss_mask"), "loss_mask", path, first_row)
+    flat = _flat_list(table.column("input_ids"), "input_ids", path, first_row, problems)
+    mask_flat = _flat_list(table.column("loss_mask"), "loss_mask", path, first_row, problems) if "loss_mask" in table.column_names else None
+    if flat is None or ("loss_mask" in table.column_names and mask_flat is None):
+        return None
+    lengths, tokens = flat
+    if mask_flat is not None:
+        mask_lengths, mask = mask_flat
         if not np.array_equal(mask_lengths, lengths):
-            row = int(np.argmax(mask_lengths != lengths))
-            raise DataError(
-                f"{row_location(path, first_row + row)}: loss_mask has {mask_lengths[row]} values, "
-                f"input_ids has {lengths[row]}"
-            )
+            for row in np.flatnonzero(mask_lengths != lengths).tolist():
+                _report(problems, f"{row_location(path, first_row + row)}: loss_mask has {mask_lengths[row]} values, "
+                                  f"input_ids has {lengths[row]}")
+            return None
     else:
         mask = np.ones(tokens.shape[0], dtype=np.uint8)
-    _check_values(tokens, mask, lengths, vocab_size, path, first_row)
+    _check_values(tokens, mask, lengths, vocab_size, path, first_row, problems)
     ids = table.column("id").to_pylist() if "id" in table.column_names else [None] * n
     rows = np.arange(first_row, first_row + n, dtype=np.int64)
     return Chunk(rows, ids, lengths, tokens.astype(np.int32), mask.astype(np.uint8), None)
 
 
-def _iter_parquet(path: str, vocab_size: int) -> Iterator[Chunk]:
+def _iter_parquet(path: str, vocab_size: int, problems: Problems | None = None) -> Iterator[Chunk]:
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as e:
@@ -200,9 +266,10 @@ def _iter_parquet(path: str, vocab_size: int) -> Iterator[Chunk]:
     first_row, largest = 0, 0
     for g in range(pf.num_row_groups):
         table = pf.read_row_group(g, columns=columns)
-        chunk = parquet_chunk(table, path, first_row, vocab_size)
-        largest = max(largest, int(chunk.tokens.shape[0]))
-        yield chunk
+        chunk = parquet_chunk(table, path, first_row, vocab_size, problems)
+        if chunk is not None:
+            largest = max(largest, int(chunk.tokens.shape[0]))
+            yield chunk
         first_row += table.num_rows
     if largest > LARGE_ROW_GROUP_TOKENS:
         logger.warning(
@@ -212,5 +279,9 @@ def _iter_parquet(path: str, vocab_size: int) -> Iterator[Chunk]:
         )
 
 
-def iter_file(path: str, vocab_size: int) -> Iterator[Chunk]:
-    return _iter_parquet(path, vocab_size) if path.endswith(".parquet") else _iter_jsonl(path, vocab_size)
+def iter_file(path: str, vocab_size: int, problems: Problems | None = None) -> Iterator[Chunk]:
+    """The file's chunks of validated rows. With `problems`, bad rows are reported there and left out
+    (the caller raises at the end); without, the first bad row raises."""
+    if path.endswith(".parquet"):
+        return _iter_parquet(path, vocab_size, problems)
+    return _iter_jsonl(path, vocab_size, problems)
