@@ -16,11 +16,13 @@ class EvalConfig:
     cache: str = cli_field(path="existing_dir")
     """Hidden-state cache holding the held-out shards."""
     shards: list[int] | None = None
-    """Held-out batch ids (exactly one of shards, eval_shards, holdout_frac)."""
+    """Held-out batch ids. No default: give exactly one of --shards, --eval-shards, --holdout-frac."""
     eval_shards: int | None = None
-    """The last N shards of the cache (as dflash-train train --eval-shards)."""
+    """The last N shards of the cache (as dflash-train train --eval-shards). No default: exactly one of
+    --shards, --eval-shards, --holdout-frac."""
     holdout_frac: float | None = None
-    """The last ceil(F x shards) shards of the cache, 0 < F <= 1."""
+    """The last ceil(F x shards) shards of the cache, 0 < F <= 1. No default: exactly one of --shards,
+    --eval-shards, --holdout-frac."""
     num_blocks: int | None = None
     """Random-anchor blocks per shard (held-out loss, diagnostics); None = one per 24 context tokens."""
     budgets: list[int] = field(default_factory=lambda: [16, 32, 64])
