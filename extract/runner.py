@@ -15,6 +15,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -58,6 +59,21 @@ from .target_config import TargetConfig
 from .writer import AsyncShardWriter
 
 log = logging.getLogger(__name__)
+
+
+class ShardSink(Protocol):
+    """Where extract_batches hands each batch: AsyncShardWriter, or a benchmark's stand-in."""
+
+    bytes_written: int  # bytes made durable so far
+    shards_written: int  # shards made durable so far
+    wait_s: float  # seconds the forward loop waited for the sink (the disk being slower)
+
+    def submit(self, batch_id: int, arrays: dict, hidden_nKH: torch.Tensor,
+               topk: tuple[torch.Tensor, torch.Tensor] | None, samples: list[SampleEntry]) -> None: ...
+
+    def close(self) -> None: ...
+
+    def close_quietly(self) -> None: ...
 
 
 class CacheMismatchError(ValueError):
@@ -260,7 +276,8 @@ def _extract(cfg, cache_cfg, index, todo, device, dist_info) -> ExtractSummary:
         cfg.target, device, dtype=getattr(torch, cfg.dtype), kernels=kernels,
         last_layer=None if with_head else cache_cfg.tap_layer_ids[-1], with_head=with_head, compute=cfg.compute,
     )
-    return extract_batches(model, cfg, cache_cfg, index, todo, device, dist_info.rank)
+    writer = AsyncShardWriter(cfg.out_dir, cache_cfg, device, num_buffers=cfg.writer_buffers)
+    return extract_batches(model, cfg, cache_cfg, index, todo, device, writer, dist_info.rank)
 
 
 def extract_batches(
@@ -270,18 +287,18 @@ def extract_batches(
     index,
     todo: list[PackedBatch],
     device: torch.device,
+    writer: ShardSink,
     rank: int = 0,
-    write: bool = True,
 ) -> ExtractSummary:
-    """Run `model` over `todo` and write one shard per batch (write=False: compute only, for benchmarks).
+    """Run `model` over `todo` and hand each batch's states to `writer` (an AsyncShardWriter; the
+    benchmark passes one that discards, to time the forward alone); closes `writer`.
 
     The loop only launches work: loading batch i+1 from the dataset overlaps the GPU's forward of
     batch i, and the writer thread's disk writes overlap both.
     """
     taps = cache_cfg.tap_layer_ids
     loader = SampleLoader(index)
-    writer = AsyncShardWriter(cfg.out_dir, cache_cfg, device, num_buffers=cfg.writer_buffers) if write else None
-    jsonl = Path(cfg.out_dir) / "logs" / f"extract-rank{rank}.jsonl" if write else None
+    jsonl = Path(cfg.out_dir) / "logs" / f"extract-rank{rank}.jsonl"
     # One bar, rank 0's, on a terminal; other ranks there print only their final line (eight bars
     # redrawn over each other are unreadable). Into a file every rank writes plain lines.
     interactive = is_interactive()
@@ -306,38 +323,33 @@ def extract_batches(
                 SampleEntry(sid, int(o), int(length), int(m))
                 for sid, o, length, m in zip(batch.sample_ids, arrays["sample_offsets"], arrays["sample_lengths"], arrays["sample_loss_tokens"])
             ]
-            if writer is not None:
-                writer.submit(batch.batch_id, arrays, hidden, topk, samples)
+            writer.submit(batch.batch_id, arrays, hidden, topk, samples)
             real_tokens += n
             if done < len(todo):
                 _report(progress, done, len(todo), real_tokens, writer, cfg.token_budget, rank, force=False)
-        if writer is not None:
-            writer.close()
+        writer.close()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         # The last line comes after the writer drained: every shard it counts is durable on disk.
         _report(progress, len(todo), len(todo), real_tokens, writer, cfg.token_budget, rank, force=True)
     except BaseException:
-        if writer is not None:
-            writer.close_quietly()
+        writer.close_quietly()
         raise
     finally:
         progress.close()
     return ExtractSummary(
-        cache_dir=cfg.out_dir, num_batches=cache_cfg.planned_batches, written=len(todo) if write else 0,
+        cache_dir=cfg.out_dir, num_batches=cache_cfg.planned_batches, written=writer.shards_written,
         resumed=0, tokens=real_tokens, seconds=progress.elapsed(),
         padding_efficiency=real_tokens / (len(todo) * cfg.token_budget),
-        bytes_written=writer.bytes_written if writer is not None else 0,
-        progress_log=str(jsonl) if jsonl is not None else None,
+        bytes_written=writer.bytes_written, progress_log=str(jsonl),
     )
 
 
-def _report(progress: ProgressLog, done: int, total: int, tokens: int, writer: AsyncShardWriter | None, budget: int, rank: int, force: bool) -> None:
+def _report(progress: ProgressLog, done: int, total: int, tokens: int, writer: ShardSink, budget: int, rank: int,
+            force: bool) -> None:
     """One progress record. Shards count as written once the writer thread made them durable."""
     elapsed = max(progress.elapsed(), 1e-9)
-    written = writer.bytes_written if writer is not None else 0
-    durable = writer.shards_written if writer is not None else 0
-    waited = writer.wait_s if writer is not None else 0.0
+    written, durable, waited = writer.bytes_written, writer.shards_written, writer.wait_s
     rec = {
         "rank": rank, "batches_done": done, "batches_total": total, "shards_written": durable, "tokens": tokens,
         "tokens_per_s": tokens / elapsed, "padding_efficiency": tokens / (done * budget),

@@ -35,6 +35,7 @@ from extract.kernels import select_kernels
 from extract.model import TargetModel
 from extract.packing import PackingConfig, load_batch, plan_batches
 from extract.runner import build_cache_config, extract_batches
+from extract.writer import AsyncShardWriter
 from extract.target_config import TargetConfig, qwen35_27b_config_dict, tiny_config_dict
 from shards import create_cache
 from tools.tiny_target import random_weights
@@ -55,6 +56,26 @@ def write_mix(path: Path, lengths: np.ndarray, vocab: int, seed: int) -> None:
         mask = (np.arange(n) >= n // 4).astype(np.uint8)
         samples.append(Sample(f"mix-{i}", ids, mask))
     write_parquet(path, samples)
+
+
+class DiscardingSink:
+    """A ShardSink that drops every batch: the extraction loop timed without the copy-out and disk."""
+
+    def __init__(self) -> None:
+        self.bytes_written, self.shards_written, self.wait_s = 0, 0, 0.0
+
+    def submit(self, batch_id, arrays, hidden_nKH, topk, samples) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def close_quietly(self) -> None:
+        pass
+
+
+def _sink(cfg: ExtractConfig, cache_cfg, device: torch.device, write: bool) -> AsyncShardWriter | DiscardingSink:
+    return AsyncShardWriter(cfg.out_dir, cache_cfg, device, num_buffers=cfg.writer_buffers) if write else DiscardingSink()
 
 
 def _sync(device: torch.device) -> None:
@@ -184,8 +205,9 @@ def main(out_path, cache_dir, num_samples, batches, layers, hf_layers, token_bud
         create_cache(cache_dir, cache_cfg, {"embed_tokens": torch.zeros(vocab, hidden, dtype=torch.bfloat16),
                                             "lm_head": torch.zeros(vocab, hidden, dtype=torch.bfloat16),
                                             "final_norm": torch.zeros(hidden, dtype=torch.bfloat16)})
-        extract_batches(model, cfg, cache_cfg, index, plan.batches[:warm], device, write=write)
-        s = extract_batches(model, cfg, cache_cfg, index, plan.batches[warm:need], device, write=write)
+        extract_batches(model, cfg, cache_cfg, index, plan.batches[:warm], device, _sink(cfg, cache_cfg, device, write))
+        s = extract_batches(model, cfg, cache_cfg, index, plan.batches[warm:need], device,
+                            _sink(cfg, cache_cfg, device, write))
         key = ("fp8_compute_" if mode == "fp8" else "") + (f"write_{storage}" if write else "no_write")
         result[key] = {"tokens_per_s": s.tokens_per_s, "seconds": s.seconds, "tokens": s.tokens,
                        "gb_written": s.bytes_written / 1e9, "write_gb_per_s": s.bytes_written / 1e9 / s.seconds}
