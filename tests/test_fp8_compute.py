@@ -12,7 +12,8 @@ from extract.data import Sample, write_jsonl
 from extract.kernels import select_kernels
 from extract.model import FP8_LINEARS, Fp8Input, Pointwise, TargetModel, linear, silu_mul, zero_centred_rmsnorm
 from extract.quantization import quantize_rows_fp8
-from extract.target_config import TargetConfig, qwen35_27b_config_dict, tiny_config_dict
+from extract.target_config import TargetConfig
+from tools.tiny_target import qwen35_27b_config_dict, tiny_config_dict
 from shards import read_cache_config
 from tools.tiny_target import random_weights, write_random_checkpoint
 
@@ -104,7 +105,7 @@ def test_fp8_model_is_close_to_dense_and_holds_only_fp8_linears():
 def test_fp8_compute_refusals(tmp_path):
     target = write_random_checkpoint(tmp_path / "t", seed=0)
     with pytest.raises(ValueError, match="--dtype.*bfloat16"):
-        ExtractConfig(target=str(target), data="x", out=str(tmp_path / "o"), compute="fp8", dtype="float32")
+        ExtractConfig(target=str(target), data="x", out_dir=str(tmp_path / "o"), compute="fp8", dtype="float32")
     (fp32,) = _models(["dense"], dtype=torch.float32)
     with pytest.raises(ValueError, match="bfloat16"):
         fp32.use_fp8_compute()

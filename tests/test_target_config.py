@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from extract.target_config import TargetConfig, default_tap_layer_ids, tiny_config_dict
+from extract.target_config import TargetConfig, default_tap_layer_ids
+from tools.tiny_target import tiny_config_dict
 
 # The Qwen3.6-27B text_config as published (reference/qwen35-target.md section 1.1).
 QWEN36_27B_TEXT = {

@@ -15,7 +15,8 @@ import torch
 
 from extract.kernels import select_kernels
 from extract.model import TargetModel
-from extract.target_config import TargetConfig, qwen35_27b_config_dict
+from extract.target_config import TargetConfig
+from tools.tiny_target import qwen35_27b_config_dict
 from tools.tiny_target import random_weights
 
 pytestmark = pytest.mark.gpu

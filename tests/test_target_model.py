@@ -12,7 +12,7 @@ import torch
 
 from extract.checkpoint import load_target_head
 from extract.model import TargetModel
-from extract.target_config import tiny_config_dict
+from tools.tiny_target import tiny_config_dict
 from tools.tiny_target import write_random_checkpoint
 
 transformers = pytest.importorskip("transformers")

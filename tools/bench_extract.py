@@ -36,9 +36,9 @@ from extract.model import TargetModel
 from extract.packing import PackingConfig, load_batch, plan_batches
 from extract.runner import build_cache_config, extract_batches
 from extract.writer import AsyncShardWriter
-from extract.target_config import TargetConfig, qwen35_27b_config_dict, tiny_config_dict
+from extract.target_config import TargetConfig
 from shards import create_cache
-from tools.tiny_target import random_weights
+from tools.tiny_target import qwen35_27b_config_dict, random_weights, tiny_config_dict
 
 log = logging.getLogger("bench_extract")
 

@@ -30,8 +30,8 @@ import torch
 
 from extract.kernels import ATTENTION_BACKENDS, CONV_BACKENDS, GDN_BACKENDS, select_kernels
 from extract.model import TargetModel
-from extract.target_config import TargetConfig, qwen35_27b_config_dict, tiny_config_dict
-from tools.tiny_target import random_weights
+from extract.target_config import TargetConfig
+from tools.tiny_target import qwen35_27b_config_dict, random_weights, tiny_config_dict
 
 logger = logging.getLogger(__name__)
 FULL_DEPTH = 64

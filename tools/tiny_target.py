@@ -29,7 +29,7 @@ from extract.checkpoint import INDEX_FILE, SINGLE_FILE, hf_name
 from extract.kernels import KernelChoice
 from extract.model import TargetModel
 from extract.quantization import Fp8BlockFormat, quantize_fp8_blocks, scale_name
-from extract.target_config import TargetConfig, tiny_config_dict
+from extract.target_config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,78 @@ NAMINGS = ("multimodal", "text")
 # Linear weights an FP8 release keeps unquantised: the GatedDeltaNet decay/beta projections (and
 # lm_head); embeddings, norms, the conv and the decay parameters are never quantised.
 FP8_KEEP_SUFFIXES = ("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight")
+
+
+def tiny_config_dict(
+    *,
+    num_hidden_layers: int = 8,
+    hidden_size: int = 64,
+    linear_num_key_heads: int = 2,
+    linear_num_value_heads: int = 6,
+    partial_rotary_factor: float = 0.25,
+    tie_word_embeddings: bool = False,
+    vocab_size: int = 512,
+) -> dict[str, Any]:
+    """A tiny Qwen3.5 text config (plain layout, HF Qwen3_5TextConfig fields) for tests and demos.
+
+    Defaults mirror the 27B's structure at toy width: 3:1 layout, GVA ratio 3 (2 q/k x 6 v heads),
+    GQA 4:2, partial RoPE 0.25, untied embeddings.
+    """
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_hidden_layers,
+        "layer_types": [
+            FULL_ATTENTION if (i + 1) % 4 == 0 else LINEAR_ATTENTION for i in range(num_hidden_layers)
+        ],
+        "full_attention_interval": 4,
+        "intermediate_size": 2 * hidden_size + 32,
+        "vocab_size": vocab_size,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "linear_num_key_heads": linear_num_key_heads,
+        "linear_num_value_heads": linear_num_value_heads,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_output_gate": True,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": partial_rotary_factor,
+            "mrope_interleaved": True,
+            "mrope_section": [11, 11, 10],
+        },
+        "partial_rotary_factor": partial_rotary_factor,
+        "tie_word_embeddings": tie_word_embeddings,
+        "initializer_range": 0.02,
+        "use_cache": False,
+        "dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+
+
+def qwen35_27b_config_dict(*, num_hidden_layers: int = 64, vocab_size: int = 248320) -> dict[str, Any]:
+    """The Qwen3.5/3.6-27B text config (plain layout); fewer layers or a smaller vocab for
+    benchmarks and GPU tests at full width."""
+    cfg = tiny_config_dict(num_hidden_layers=num_hidden_layers, vocab_size=vocab_size)
+    cfg.update({
+        "hidden_size": 5120, "intermediate_size": 17408, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+        "max_position_embeddings": 262144, "dtype": "bfloat16", "eos_token_id": 248044,
+        "bos_token_id": 248044, "pad_token_id": None,
+    })
+    return cfg
 
 
 def _tiny_vision_config(out_hidden_size: int) -> dict[str, Any]:
