@@ -97,8 +97,10 @@ def silu_mul(gate_TF: torch.Tensor, up_TF: torch.Tensor) -> torch.Tensor:
 # decay and beta, 0.6% of the layer's FLOPs) and the LM head stay dense.
 FP8_LINEARS = ("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
                "gate_proj", "up_proj", "down_proj")
-# Pointwise ops whose output feeds linear layers: under FP8 compute they also quantise it per token.
-FP8_SITES = ("zero_centred_rmsnorm", "add_zero_centred_rmsnorm", "gated_rmsnorm", "sigmoid_gate", "silu_mul")
+# Under FP8 compute these ops also quantise the output that feeds linear layers (the `_fp8` functions
+# below; `_fp8_dense` also returns the dense output).
+FP8_VARIANTS = ("zero_centred_rmsnorm_fp8", "zero_centred_rmsnorm_fp8_dense", "add_zero_centred_rmsnorm_fp8",
+                "gated_rmsnorm_fp8", "sigmoid_gate_fp8", "silu_mul_fp8")
 
 
 @dataclasses.dataclass
@@ -111,18 +113,35 @@ class Fp8Input:
     dense: torch.Tensor | None = None  # [T, ...] in the model dtype, or None when no dense layer reads it
 
 
-def _with_fp8_output(fn, keep_dense: bool):
-    """fn, whose last output feeds linear layers, followed by per-token quantisation of that output
-    (flattened to [T, X]); compiled together, the quantisation adds no pass over memory."""
+# The FP8 variants of the ops whose output feeds linear layers: the op, then per-token quantisation
+# of that output (flattened to [T, X]); compiled together, the quantisation adds no pass over memory.
+# One function (one code object) each: dynamo counts recompiles per code object, and a shared
+# wrapper would exceed its limit under fullgraph=True.
+def zero_centred_rmsnorm_fp8(x, w, eps: float):
+    return quantize_rows_fp8(zero_centred_rmsnorm(x, w, eps))
 
-    def run(*args):
-        out = fn(*args)
-        rest, y = (out[:-1], out[-1]) if isinstance(out, tuple) else ((), out)
-        x8, scale = quantize_rows_fp8(y.reshape(y.shape[0], -1))
-        return (*rest, y, x8, scale) if keep_dense else (*rest, x8, scale)
 
-    run.__name__ = f"{fn.__name__}_fp8"
-    return run
+def zero_centred_rmsnorm_fp8_dense(x, w, eps: float):
+    y = zero_centred_rmsnorm(x, w, eps)
+    return (y, *quantize_rows_fp8(y))
+
+
+def add_zero_centred_rmsnorm_fp8(h, delta, w, eps: float):
+    h, y = add_zero_centred_rmsnorm(h, delta, w, eps)
+    return (h, *quantize_rows_fp8(y))
+
+
+def gated_rmsnorm_fp8(o_TMD, z_TMD, w, eps: float):
+    y_TMD = gated_rmsnorm(o_TMD, z_TMD, w, eps)
+    return quantize_rows_fp8(y_TMD.reshape(y_TMD.shape[0], -1))
+
+
+def sigmoid_gate_fp8(o_TX, gate_TX):
+    return quantize_rows_fp8(sigmoid_gate(o_TX, gate_TX))
+
+
+def silu_mul_fp8(gate_TF, up_TF):
+    return quantize_rows_fp8(silu_mul(gate_TF, up_TF))
 
 
 def linear(layer: nn.Linear, x: torch.Tensor | Fp8Input) -> torch.Tensor:
@@ -142,8 +161,8 @@ class Pointwise:
     """The pointwise functions above, eager or each wrapped in torch.compile (one fused kernel or
     two per call instead of up to ten eager passes over [T, H]-sized fp32 temporaries).
 
-    With fp8 on, `feed` runs the variant of an FP8_SITES op that also quantises its output per token
-    (and keeps the dense output too when keep_dense)."""
+    With fp8 on, `feed` runs the FP8_VARIANTS function of an op, which also quantises its output per
+    token (and keeps the dense output too when keep_dense)."""
 
     NAMES = ("zero_centred_rmsnorm", "add_zero_centred_rmsnorm", "gated_rmsnorm", "gdn_gates",
              "qk_norm_rope", "sigmoid_gate", "silu_mul")
@@ -152,17 +171,15 @@ class Pointwise:
         self.compiled = compiled
         self.fp8 = False  # set by TargetModel.use_fp8_compute
         wrap = (lambda fn: torch.compile(fn, fullgraph=True)) if compiled else (lambda fn: fn)
-        for name in self.NAMES:
+        for name in self.NAMES + FP8_VARIANTS:
             setattr(self, name, wrap(globals()[name]))
-        self._fp8_fns = {(name, keep): wrap(_with_fp8_output(globals()[name], keep))
-                         for name in FP8_SITES for keep in (False, True)}
 
     def feed(self, name: str, *args, keep_dense: bool = False):
         """Run pointwise op `name` whose (last) output feeds linear layers: that output as a tensor,
         or under FP8 compute as an Fp8Input (other outputs, like the residual, unchanged)."""
         if not self.fp8:
             return getattr(self, name)(*args)
-        out = self._fp8_fns[(name, keep_dense)](*args)
+        out = getattr(self, f"{name}_fp8_dense" if keep_dense else f"{name}_fp8")(*args)
         if keep_dense:
             *rest, dense, x8, scale = out
         else:
