@@ -143,5 +143,29 @@ def eval_cmd(out_json, **options) -> None:
         Path(out_json).write_text(json.dumps(result.to_dict(), indent=1) + "\n")
 
 
+@main.command(context_settings=CONTEXT_SETTINGS)
+@click.argument("run", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", "out_png", type=click.Path(dir_okay=False), default=None,
+              help="PNG to write. Default: RUN/run.png.")
+def plot(run: str, out_png: str | None) -> None:
+    """Draw RUN's loss terms, learning rate, tokens/s and held-out acceptance against steps (a PNG).
+
+    \b
+    Reads RUN/metrics.jsonl (a resumed run's repeated steps: the later run wins). Needs matplotlib
+    (pip install -e '.[plot]'). Open the PNG with any image viewer, e.g. `xdg-open RUN/run.png`.
+    """
+    from .plot import PLOT_FILE, plot_run, read_run_metrics
+
+    out = Path(out_png) if out_png else Path(run) / PLOT_FILE
+    try:
+        drawn = plot_run(run, out)
+        metrics = read_run_metrics(run)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from e
+    evals = len(metrics.evals)
+    click.echo(f"wrote {out}: {len(drawn)} curves over steps {metrics.records[0]['step']}..{metrics.records[-1]['step']}"
+               f" ({len(metrics.records)} log records, {evals} evaluation{'s' if evals != 1 else ''})")
+
+
 if __name__ == "__main__":
     main()
