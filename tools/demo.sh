@@ -18,7 +18,7 @@ fi
 if ! command -v nvidia-smi >/dev/null 2>&1; then
     python -m pip install -q torch==2.13.0
 fi
-python -m pip install -q -e .
+python -m pip install -q -e '.[plot]'  # matplotlib, for dflash-train plot
 rm -rf "$work"
 mkdir -p "$work"
 
@@ -33,6 +33,9 @@ step dflash-shards info "$work/cache"
 step dflash-shards verify "$work/cache"
 # The last 3 shards are held out: evaluated before and after training, never trained on.
 step dflash-train train --cache "$work/cache" --out "$work/run" --eval-shards 3 --epochs 24 --lr 3e-3 --log-every 50
+# A picture of the run: loss terms, learning rate, tokens/s and held-out acceptance against steps.
+step dflash-train plot "$work/run"
 step dflash-train export "$work/run" "$work/drafter"
 step dflash-train eval --drafter "$work/drafter" --cache "$work/cache" --eval-shards 3
-printf '\nDone. The drafter is in %s (DFlashDraftModel layout); the run log is %s/metrics.jsonl.\n' "$work/drafter" "$work/run"
+printf '\nDone. The drafter is in %s (DFlashDraftModel layout); the run log is %s/metrics.jsonl,\nits plot %s/run.png (open it with any image viewer, e.g. xdg-open %s/run.png).\n' \
+    "$work/drafter" "$work/run" "$work/run" "$work/run"
