@@ -40,6 +40,7 @@ PATH_KINDS = {
     "existing_dir": dict(exists=True, file_okay=False),  # must exist, a directory
     "dir": dict(file_okay=False),  # a directory that may not exist yet
     "file": dict(dir_okay=False),  # a file that may not exist yet
+    "existing_file": dict(exists=True, dir_okay=False),  # must exist, a file
 }
 # Context settings every command of both CLIs uses: `-h` as well as `--help`, help text 110 wide.
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 110}

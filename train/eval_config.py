@@ -13,8 +13,8 @@ class EvalConfig:
 
     drafter: str = cli_field(path="existing_dir")
     """Exported drafter dir, checkpoint step-NNNNNNNN/ or run dir (its newest checkpoint)."""
-    cache: str = cli_field(path="existing_dir")
-    """Hidden-state cache holding the held-out shards."""
+    cache: str | None = cli_field(None, path="existing_dir")
+    """Hidden-state cache holding the held-out shards (the decoding walk); optional with --target."""
     shards: list[int] | None = None
     """Held-out batch ids. No default: give exactly one of --shards, --eval-shards, --holdout-frac."""
     eval_shards: int | None = None
@@ -35,10 +35,26 @@ class EvalConfig:
     """Weights and activations: bfloat16 | float32 | auto = the compute dtype the drafter was trained in."""
     lanes: int | None = None
     """Responses walked at once (blocks per drafter forward); None = the cache's max_seqs, whole flex tiles."""
+    target: str | None = cli_field(None, path="existing_dir")
+    """Target checkpoint dir: also run real greedy speculative decoding with the target in the loop (needs --prompts)."""
+    prompts: str | None = cli_field(None, path="existing_file")
+    """JSON Lines of prompts for --target: a list of token ids per line, or {"input_ids": [...], "loss_mask": [...]} rows (prompt = tokens before the first supervised one)."""
+    max_new_tokens: int = 64
+    """Tokens generated per prompt by --target decoding (speculative and plain greedy)."""
 
     def __post_init__(self) -> None:
-        if sum(x is not None for x in (self.shards, self.eval_shards, self.holdout_frac)) != 1:
-            raise ValueError("give exactly one of --shards, --eval-shards, --holdout-frac")
+        if self.cache is None and self.target is None:
+            raise ValueError("give --cache (the decoding walk on held-out shards), --target with --prompts (real "
+                             "speculative decoding with the target), or both")
+        if (self.target is None) != (self.prompts is None):
+            raise ValueError("--target and --prompts go together: decoding needs the target and the prompts")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens {self.max_new_tokens}: must be >= 1")
+        chosen = sum(x is not None for x in (self.shards, self.eval_shards, self.holdout_frac))
+        if self.cache is not None and chosen != 1:
+            raise ValueError("give exactly one of --shards, --eval-shards, --holdout-frac (which shards of --cache are held out)")
+        if self.cache is None and chosen:
+            raise ValueError("--shards, --eval-shards and --holdout-frac choose shards of --cache: give --cache too")
         if self.holdout_frac is not None and not 0 < self.holdout_frac <= 1:
             raise ValueError(f"--holdout-frac {self.holdout_frac}: must be in (0, 1]")
         if self.dtype not in ("auto", "bfloat16", "float32"):

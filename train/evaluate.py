@@ -328,25 +328,64 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
     return LoadedDrafter(model, cfg, identity.get("compute_dtype", "bfloat16"), f"checkpoint {ckpt.path}")
 
 
-def run_eval(cfg: EvalConfig) -> EvalResult:
-    """Everything `dflash-train eval` does with cached shards; raises ValueError naming flag and value."""
+@dataclass
+class EvalOutput:
+    """What `dflash-train eval` found: the walk on cached shards and/or real decoding with the target."""
+
+    walk: EvalResult | None
+    decoding: Any | None  # train.speculative.DecodeReport
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.walk.to_dict() if self.walk is not None else {"batch_ids": []}
+        if self.decoding is not None:
+            out["speculative_decoding"] = self.decoding.to_dict()
+        return out
+
+    def table(self) -> str:
+        parts = [self.walk.table()] if self.walk is not None else []
+        if self.decoding is not None:
+            parts.append(self.decoding.table())
+        return "\n\n".join(parts)
+
+
+def run_eval(cfg: EvalConfig) -> EvalOutput:
+    """Everything `dflash-train eval` does; raises ValueError naming flag and value."""
     from shards import load_target_head
     from shards.runtime import resolve_device
 
-    reader = ShardReader(cfg.cache)
-    ids = select_eval_shards(reader.batch_ids(), shards=cfg.shards, eval_shards=cfg.eval_shards,
-                             holdout_frac=cfg.holdout_frac, cache=cfg.cache)
+    reader = ShardReader(cfg.cache) if cfg.cache is not None else None
+    ids = None
+    if reader is not None:
+        ids = select_eval_shards(reader.batch_ids(), shards=cfg.shards, eval_shards=cfg.eval_shards,
+                                 holdout_frac=cfg.holdout_frac, cache=cfg.cache)
     loaded = load_drafter(cfg.drafter)
-    cc = reader.config
-    check_fits(loaded.config, cc, cfg.drafter, cfg.cache)
+    if reader is not None:
+        check_fits(loaded.config, reader.config, cfg.drafter, cfg.cache)
     device = resolve_device(cfg.device, 0)
     dtype_name = loaded.training_dtype if cfg.dtype == "auto" else cfg.dtype
     dtype = DTYPES[dtype_name]
-    log.info("eval: %s in %s (%s), %d held-out shards %s on %s", loaded.source, dtype_name,
-             "the training compute dtype" if cfg.dtype == "auto" else "--dtype", len(ids), ids, device)
+    log.info("eval: %s in %s (%s) on %s", loaded.source, dtype_name,
+             "the training compute dtype" if cfg.dtype == "auto" else "--dtype", device)
     model = eval_copy(loaded.model.to(device), dtype)
-    head_t = load_target_head(cfg.cache)
-    head = TargetHead(head_t["embed_tokens"].to(device, dtype), head_t["lm_head"].to(device, dtype))
-    attention = "flex" if device.type == "cuda" else "sdpa"
-    return evaluate_drafter(model, head, cfg.cache, ids, num_blocks=cfg.num_blocks, seed=cfg.seed,
-                            device=device, attention=attention, budgets=cfg.budgets, lanes=cfg.lanes)
+    walk = decoding = None
+    if reader is not None:
+        head_t = load_target_head(cfg.cache)
+        head = TargetHead(head_t["embed_tokens"].to(device, dtype), head_t["lm_head"].to(device, dtype))
+        log.info("eval: decoding walk over %d held-out shards %s", len(ids), ids)
+        walk = evaluate_drafter(model, head, cfg.cache, ids, num_blocks=cfg.num_blocks, seed=cfg.seed, device=device,
+                                attention="flex" if device.type == "cuda" else "sdpa", budgets=cfg.budgets,
+                                lanes=cfg.lanes)
+    if cfg.target is not None:
+        from .speculative import build_verifier, decode_prompts, read_prompts
+
+        prompts = read_prompts(cfg.prompts, loaded.config.vocab_size)  # user input checked before the target loads
+        verifier = build_verifier(cfg.target, loaded.config.tap_layer_ids, device, dtype)
+        if verifier.lm_head_VH.shape != (loaded.config.vocab_size, loaded.config.hidden_size):
+            raise ValueError(f"--target {cfg.target}: its LM head {tuple(verifier.lm_head_VH.shape)} does not fit "
+                             f"the drafter (vocab {loaded.config.vocab_size}, hidden {loaded.config.hidden_size})")
+        head = TargetHead(verifier.embed_tokens_VH.to(dtype), verifier.lm_head_VH.to(dtype))
+        # The drafter sees hidden states rounded as the cache stores them (bf16 also stands in for fp8).
+        log.info("eval: speculative and plain greedy decoding of %d prompts x %d tokens with %s", len(prompts),
+                 cfg.max_new_tokens, cfg.target)
+        decoding = decode_prompts(model, head, verifier, prompts, cfg.max_new_tokens, context_dtype=torch.bfloat16)
+    return EvalOutput(walk, decoding)
