@@ -32,7 +32,7 @@ import heapq
 import logging
 from bisect import bisect_left, insort
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -83,11 +83,6 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return sum(self.lengths)
 
-    @property
-    def offsets(self) -> list[int]:
-        """First token of each sample in the batch."""
-        return np.concatenate([[0], np.cumsum(self.lengths[:-1], dtype=np.int64)]).tolist() if self.lengths else []
-
 
 @dataclass
 class PackingPlan:
@@ -102,7 +97,6 @@ class PackingPlan:
     num_skipped: int  # samples dropped for being longer than token_budget (long_seqs="skip")
     num_skipped_tokens: int  # tokens of the dropped samples
     num_empty: int  # empty samples the scan skipped (never packed)
-    skipped_ids: list[str] = field(default_factory=list)  # ids of the dropped long samples
 
     @property
     def padding_efficiency(self) -> float:
@@ -233,7 +227,6 @@ def plan_batches(index: DatasetIndex, cfg: PackingConfig) -> PackingPlan:
         num_skipped=int(skipped.sum()),
         num_skipped_tokens=int(lengths[skipped].sum()),
         num_empty=index.report.num_empty,
-        skipped_ids=[index.sample_ids[i] for i in np.flatnonzero(skipped).tolist()],
     )
     logger.info("packing plan: %s", plan.summary())
     return plan

@@ -161,7 +161,7 @@ def test_skip_long_samples(tmp_path):
     cfg = PackingConfig(token_budget=100, max_seqs=4, long_seqs="skip")
     plan = plan_batches(index, cfg)
     check_plan(plan, index, cfg)
-    assert plan.num_skipped == 2 and plan.num_skipped_tokens == 221 and plan.skipped_ids == ["s1", "s3"]
+    assert plan.num_skipped == 2 and plan.num_skipped_tokens == 221
     assert plan.num_truncated == 0 and plan.num_tokens == 140
     assert not {"s1", "s3"} & {i for b in plan.batches for i in b.sample_ids}
 

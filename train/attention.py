@@ -32,6 +32,15 @@ Backend = Literal["sdpa", "flex"]
 _compiled_flex = None
 
 
+def choose_backend(requested: str, device: torch.device) -> Backend:
+    """The block-attention backend: "auto" = flex on CUDA (tiled, no [Q, L] mask), sdpa elsewhere."""
+    if requested == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if requested not in ("flex", "sdpa"):
+        raise ValueError(f"--attention {requested}: must be auto, flex or sdpa")
+    return requested
+
+
 def block_mask_dense(seq_start_N: torch.Tensor, anchor_N: torch.Tensor, *, num_ctx: int,
                      block_size: int) -> torch.Tensor:
     """Boolean [Q, L] mask (True = may attend) of the block-attention rule above."""

@@ -38,7 +38,7 @@ import torch
 
 from shards import ShardReader, decode_hidden
 
-from .attention import BlockAttentionLayout
+from .attention import BlockAttentionLayout, choose_backend
 from .blocks import default_num_blocks, sample_blocks
 from .drafter_config import DrafterConfig
 from .eval_config import EvalConfig
@@ -373,7 +373,7 @@ def run_eval(cfg: EvalConfig) -> EvalOutput:
         head = TargetHead(head_t["embed_tokens"].to(device, dtype), head_t["lm_head"].to(device, dtype))
         log.info("eval: decoding walk over %d held-out shards %s", len(ids), ids)
         walk = evaluate_drafter(model, head, cfg.cache, ids, num_blocks=cfg.num_blocks, seed=cfg.seed, device=device,
-                                attention="flex" if device.type == "cuda" else "sdpa", budgets=cfg.budgets,
+                                attention=choose_backend("auto", device), budgets=cfg.budgets,
                                 lanes=cfg.lanes)
     if cfg.target is not None:
         from .speculative import build_verifier, decode_prompts, read_prompts

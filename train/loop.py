@@ -27,7 +27,7 @@ from shards.durable import atomic_write_text
 from shards.provenance import provenance
 from shards.runtime import DistInfo, barrier, resolve_device
 
-from .attention import BlockAttentionLayout
+from .attention import BlockAttentionLayout, choose_backend
 from .batch import StaticBatch
 from .checkpoint import (check_resume_compatible, decode_rng, encode_rng, latest_checkpoint, load_model_state,
                          load_optimizer_state, save_checkpoint)
@@ -75,10 +75,6 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
         trainer.close()
 
 
-def _attention_backend(cfg: TrainConfig, device: torch.device) -> str:
-    return cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
-
-
 def build_step_state(cfg: TrainConfig, run: ResolvedRun, head: dict[str, torch.Tensor], device: torch.device,
                      rank: int = 0) -> StepState:
     """Everything train_step touches, on `device`: seeded fp32 drafter (rank 0's weights on every rank),
@@ -98,7 +94,7 @@ def build_step_state(cfg: TrainConfig, run: ResolvedRun, head: dict[str, torch.T
     cc = run.cache_config
     batch = StaticBatch(cc, device, compute_dtype, with_topk=cfg.kl_lambda > 0)
     layout = BlockAttentionLayout(num_ctx=cc.token_budget, num_blocks=run.num_blocks, block_size=cfg.block_size,
-                                  backend=_attention_backend(cfg, device), device=device)
+                                  backend=choose_backend(cfg.attention, device), device=device)
     # Anchor sampling: the default CUDA generator on GPU (graph-safe); a private one on CPU.
     generator = None if device.type == "cuda" else torch.Generator(device)
     if generator is None:
@@ -125,7 +121,7 @@ class Trainer:
         self.out_dir = Path(cfg.out_dir)
         if dist_info.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._announce(_attention_backend(cfg, device), torch.bfloat16 if cfg.compute_dtype == "bfloat16" else torch.float32)
+        self._announce(choose_backend(cfg.attention, device), torch.bfloat16 if cfg.compute_dtype == "bfloat16" else torch.float32)
 
         head = load_target_head(cfg.cache)
         self.state = build_step_state(cfg, run, head, device, rank=dist_info.rank)
