@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import click
 
@@ -31,12 +32,15 @@ def main(gpus: str | None, **options) -> None:
     if relaunch_if_asked("extract.cli", gpus):
         return
     cfg = build_config(ExtractConfig, options)
-    from .runner import CacheMismatchError, run_extract  # heavy imports after argument checks
+    from .runner import CacheMismatchError, ExtractionStopped, run_extract  # heavy imports after argument checks
 
     try:
         summary = run_extract(cfg)
     except (CacheMismatchError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from e
+    except ExtractionStopped as e:  # pre-empted: a clean stop, reported as 128 + SIGTERM like a killed job
+        click.echo(f"stopped: {e}", err=True)
+        sys.exit(143)
     click.echo(summary.report())
 
 

@@ -81,6 +81,9 @@ class ScanReport:
     token_budget: int | None  # budget the long-sample count refers to; None = not counted
     num_longer_than_budget: int  # samples longer than token_budget (0 when token_budget is None)
     empty_examples: tuple[str, ...]  # ids of the first few empty samples, for the log
+    # Supervised tokens whose next token in the same sample is supervised too: the positions a drafter
+    # can anchor a block at (train/blocks.py). 0 means nothing to learn from, whatever the mask count.
+    num_anchor_positions: int = 0
 
     def summary(self) -> str:
         long = "" if self.token_budget is None else f", {self.num_longer_than_budget} longer than {self.token_budget}"
@@ -166,7 +169,7 @@ def scan_dataset(
     ids: list[str] = []
     parts: dict[str, list[np.ndarray]] = {"lengths": [], "loss": [], "file": [], "rows": [], "offsets": []}
     token_hash, mask_hash = hashlib.sha256(), hashlib.sha256()
-    num_rows, empty = 0, []
+    num_rows, empty, anchors = 0, [], 0
     problems = Problems()  # every bad row of every file, reported together at the end
     for fi, file in enumerate(files):
         stem = Path(file).stem
@@ -174,6 +177,7 @@ def scan_dataset(
             for chunk in iter_file(file, vocab_size, problems):
                 num_rows += _index_chunk(chunk, fi, files, stem, seen, ids, parts, empty, problems,
                                          token_budget if long_seqs == "error" else None)
+                anchors += anchor_positions(chunk.lengths, chunk.mask)
                 token_hash.update(chunk.tokens.astype("<i4").tobytes())
                 mask_hash.update(chunk.mask.tobytes())
         except DataError as e:  # the file itself (unreadable, wrong columns): its other rows are unknown
@@ -192,6 +196,7 @@ def scan_dataset(
         token_budget=token_budget,
         num_longer_than_budget=int((lengths > token_budget).sum()) if token_budget is not None else 0,
         empty_examples=tuple(empty[:_NUM_EMPTY_EXAMPLES]),
+        num_anchor_positions=anchors,
     )
     logger.info("scanned %s: %s", path, report.summary())
     return DatasetIndex(
@@ -207,6 +212,18 @@ def scan_dataset(
         content_sha256=hashlib.sha256(token_hash.digest() + mask_hash.digest()).hexdigest(),
         report=report,
     )
+
+
+def anchor_positions(lengths: np.ndarray, mask: np.ndarray) -> int:
+    """Positions t with mask[t] and mask[t+1] in the same sample (rows back to back in `mask`): where a
+    drafter can anchor a training block (train/blocks.py). A pair across a row boundary does not count."""
+    m = mask.astype(bool)
+    if m.size == 0:
+        return 0
+    pairs = np.concatenate([[0], np.cumsum(m[:-1] & m[1:], dtype=np.int64)])  # pairs starting before t
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    return int((pairs[np.maximum(ends - 1, starts)] - pairs[starts]).sum())
 
 
 def _index_chunk(chunk, fi: int, files: list[str], stem: str, seen: dict[str, tuple[int, int]], ids: list[str],

@@ -11,7 +11,8 @@ Order of work, so that mistakes cost seconds and not GPU hours:
 from __future__ import annotations
 
 import logging
-import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,13 +36,14 @@ from shards.durable import TMP_PREFIX, remove_stale_temporaries
 from shards.format import (
     CACHE_CONFIG_FILE,
     MANIFEST_FILE,
-    SHARDS_DIR,
     TARGET_HEAD_FILE,
     DatasetRecord,
     PackingRecord,
     bytes_per_shard,
     checksum,
 )
+from shards.lock import LOCK_FILE, DirectoryLock
+from shards.ownership import describe, foreign_entries, nested, our_entries, remove_cache_files
 from shards.progress import ProgressLog, format_bytes, format_duration, is_interactive, plural
 from shards.provenance import provenance
 
@@ -124,37 +126,95 @@ def run_extract(cfg: ExtractConfig) -> ExtractSummary:
 
 def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
     start = time.monotonic()
+    _refuse_nesting(cfg)
     target = TargetConfig.from_dir(cfg.target)
     checkpoint_quantization(cfg.target)  # an unimplemented quantization is refused before any work
     taps = cfg.tap_layer_ids or target.default_tap_layer_ids(cfg.num_taps)
-    if taps[-1] >= target.num_hidden_layers:
-        raise ValueError(f"tap layer {taps[-1]} does not exist: the target has {target.num_hidden_layers} layers")
+    _refuse_impossible_settings(cfg, target, taps)
+    device = resolve_device(cfg.device, dist_info.local_rank)
     index = scan_dataset(cfg.data, vocab_size=target.vocab_size, token_budget=cfg.token_budget, long_seqs=cfg.long_seqs)
     if len(index) == 0:
         raise ValueError(f"{cfg.data}: no non-empty samples ({index.report.summary()})")
+    _refuse_unsupervised(cfg, index)
     plan = plan_batches(index, cfg.packing)
     cache_cfg = build_cache_config(cfg, target, taps, plan, index)
-    device = resolve_device(cfg.device, dist_info.local_rank)
     if dist_info.is_main:  # the packing plan itself was logged once by plan_batches
         shard_bytes = bytes_per_shard(cache_cfg)
         log.info("cache: %s, %s per token (%s), %s of %s on %s", cfg.out_dir, format_bytes(shard_bytes / cfg.token_budget),
                  cfg.storage_dtype, plural(len(plan.batches), "shard"), format_bytes(shard_bytes),
                  plural(dist_info.world_size, "rank"))
-    run_on_main(dist_info, lambda: _prepare_cache(cfg, cache_cfg))
-    barrier()
-    mine = shard_batches_for_rank(plan, dist_info.rank, dist_info.world_size)
-    todo, resumed = _pending(cfg, mine)
-    if resumed:
-        log.info("rank %d: %d of its %s already complete, %d to go", dist_info.rank, resumed,
-                 plural(len(mine), "shard"), len(todo))
-    summary = _extract(cfg, cache_cfg, index, todo, device, dist_info)
-    summary.resumed = resumed
-    barrier()
-    if dist_info.is_main:
-        _finish(cfg.out_dir, cache_cfg, plan)
-        summary.complete = True
-    summary.wall_s = time.monotonic() - start
-    return summary
+    # Rank 0 holds the cache's lock for the whole job (its ranks share it); a second job is refused.
+    lock = DirectoryLock(cfg.out_dir, "dflash-extract")
+    try:
+        run_on_main(dist_info, lambda: _prepare_cache(cfg, cache_cfg, lock))
+        barrier()
+        # Every rank writes shards under the identity rank 0 recorded (target head checksum included).
+        cache_cfg = read_cache_config(cfg.out_dir)
+        mine = shard_batches_for_rank(plan, dist_info.rank, dist_info.world_size)
+        todo, resumed = _pending(cfg, mine)
+        if resumed:
+            log.info("rank %d: %d of its %s already complete, %d to go", dist_info.rank, resumed,
+                     plural(len(mine), "shard"), len(todo))
+        with StopOnSigterm() as stop:
+            summary = _extract(cfg, cache_cfg, index, todo, device, dist_info, stop)
+        summary.resumed = resumed
+        barrier()
+        if dist_info.is_main:
+            _finish(cfg.out_dir, cache_cfg, plan)
+            summary.complete = True
+        summary.wall_s = time.monotonic() - start
+        return summary
+    finally:
+        lock.release()
+
+
+def _data_root(data: str) -> Path:
+    """The file or directory --data names (for a glob: the directory before its first wildcard)."""
+    cut = min((i for i, c in enumerate(data) if c in "*?["), default=None)
+    if cut is None:
+        return Path(data)
+    return Path(data[:cut]).parent if not data[:cut].endswith("/") else Path(data[:cut])
+
+
+def _refuse_nesting(cfg: ExtractConfig) -> None:
+    """--out must be neither --target nor --data, nor inside them, nor contain them: --overwrite and
+    the cleanup of a killed creation delete files in --out."""
+    for flag, path in (("--target", Path(cfg.target)), ("--data", _data_root(cfg.data))):
+        if path.exists() and nested(cfg.out_dir, path):
+            raise CacheMismatchError(
+                f"--out {cfg.out_dir} and {flag} {path} are the same directory or one lies inside the other; "
+                "choose an --out outside both the target checkpoint and the dataset"
+            )
+
+
+def _refuse_impossible_settings(cfg: ExtractConfig, target: TargetConfig, taps: list[int]) -> None:
+    """Settings that can never give a usable cache, refused before the dataset scan and cache.json."""
+    vocab, layers = target.vocab_size, target.num_hidden_layers
+    for flag, value in (("--mask-token-id", cfg.mask_token_id), ("--pad-token-id", cfg.pad_token_id)):
+        if value is not None and not 0 <= value < vocab:
+            raise ValueError(f"{flag} {value} is outside the target's vocabulary [0, {vocab}) "
+                             f"({Path(cfg.target) / 'config.json'}); pass an id below {vocab}")
+    if cfg.target_topk > vocab:
+        raise ValueError(f"--target-topk {cfg.target_topk} is more than the target's vocabulary of {vocab} tokens; "
+                         f"pass at most {vocab}")
+    if len(set(taps)) != len(taps):
+        raise ValueError(f"--num-taps {cfg.num_taps} asks for more taps than the target's {layers} layers give "
+                         f"distinct ones (the default spread would store layers {taps}); pass --num-taps "
+                         f"{len(set(taps))} or list distinct layers with --taps")
+    bad = [t for t in taps if not 0 <= t < layers]
+    if bad:
+        raise ValueError(f"--taps {bad}: the target has layers 0..{layers - 1} ({Path(cfg.target) / 'config.json'})")
+
+
+def _refuse_unsupervised(cfg: ExtractConfig, index) -> None:
+    """A drafter learns from supervised tokens whose successor is supervised too (its anchors)."""
+    report = index.report
+    if report.num_loss_tokens == 0 or report.num_anchor_positions == 0:
+        raise ValueError(
+            f"{cfg.data}: no supervised tokens in {len(index)} samples that a drafter can learn from "
+            f"({report.num_loss_tokens} tokens have loss_mask 1, none followed by another supervised token of "
+            "the same sample); check the loss_mask column (1 = train on this token)"
+        )
 
 
 def build_cache_config(cfg: ExtractConfig, target: TargetConfig, taps: list[int], plan: PackingPlan, index) -> CacheConfig:
@@ -188,39 +248,51 @@ def _quantization_record(ckpt_dir: str) -> str | None:
     return None if quant is None else f"{quant.describe()} (dequantised at load)"
 
 
-def _prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig) -> None:
+def _prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig, lock: DirectoryLock) -> None:
+    """Rank 0: take the cache's lock, then create the cache, check it for resume, or (--overwrite)
+    delete our files in it and create it again. Nothing that is not ours is ever deleted."""
     out = Path(cfg.out_dir)
+    if out.exists() and not out.is_dir():
+        raise CacheMismatchError(f"--out {out} is a file, not a directory; choose another --out")
+    if out.is_dir() and not (out / CACHE_CONFIG_FILE).exists():
+        foreign = foreign_entries(out)
+        if foreign:  # checked before the lock file is created: a foreign directory stays untouched
+            raise CacheMismatchError(f"{out} is not a dflash-extract cache and is not empty ({describe(foreign)}); "
+                                     "choose another (new or empty) --out")
+    out.mkdir(parents=True, exist_ok=True)
+    lock.acquire()
     raw = load_target_head(cfg.target)
     head = {"embed_tokens": raw["embed_tokens"], "lm_head": raw["lm_head"], "final_norm": raw["norm"]}
     # Part of the cache's identity: the same architecture with other weights must not resume into it.
     cache_cfg.target_head_checksum = checksum({k: v.contiguous() for k, v in head.items()})
+    ours, foreign = our_entries(out)
     if (out / CACHE_CONFIG_FILE).exists():
         if cfg.overwrite:
-            log.warning("--overwrite: deleting the existing cache at %s", out)
-            shutil.rmtree(out)
+            if foreign:
+                raise CacheMismatchError(f"--overwrite: {out} also holds files dflash-extract did not write "
+                                         f"({describe(foreign)}); nothing was deleted: move them away first")
+            log.warning("--overwrite: deleting the existing cache at %s (%d files of ours)", out, len(ours))
+            remove_cache_files(out)
         else:
             _check_resumable(out, cache_cfg)
             removed = clean_partial_shards(out) + len(remove_stale_temporaries(out))
             if removed:
                 log.info("removed %d partial file(s) left by a killed run", removed)
             return
-    elif out.exists() and any(out.iterdir()):
-        if not (cfg.overwrite or _is_unfinished_creation(out)):
-            raise CacheMismatchError(f"{out} exists, is not empty and holds no cache.json; choose another --out or pass --overwrite")
+    elif not _is_unfinished_creation(ours):
+        if not cfg.overwrite:
+            raise CacheMismatchError(f"{out} holds shards of a dflash-extract cache but no cache.json; pass "
+                                     "--overwrite to delete them and start over, or choose another --out")
+        remove_cache_files(out)
+    else:
         # A run killed while creating the cache (before cache.json) left nothing worth keeping.
-        shutil.rmtree(out)
+        remove_cache_files(out)
     create_cache(out, cache_cfg, head)
 
 
-def _is_unfinished_creation(out: Path) -> bool:
-    """Only what create_cache writes before cache.json: the target head, an empty shards/, temporaries."""
-    for p in out.iterdir():
-        if p.name == SHARDS_DIR and p.is_dir():
-            if any(not q.name.startswith(TMP_PREFIX) for q in p.iterdir()):
-                return False
-        elif p.name != TARGET_HEAD_FILE and not p.name.startswith(TMP_PREFIX):
-            return False
-    return True
+def _is_unfinished_creation(ours: list[Path]) -> bool:
+    """Only what create_cache writes before cache.json: the target head, temporaries, the lock."""
+    return all(p.name in (TARGET_HEAD_FILE, LOCK_FILE) or p.name.startswith(TMP_PREFIX) for p in ours)
 
 
 def _check_resumable(out: Path, want: CacheConfig) -> None:
@@ -262,12 +334,44 @@ def _pending(cfg: ExtractConfig, mine: list[PackedBatch]) -> tuple[list[PackedBa
                     continue
                 log.warning("%s holds other samples than the plan: extracting it again", info.path)
             except ShardError as e:
+                if "belongs to another cache" in e.reason:  # not ours to overwrite: the user decides
+                    raise CacheMismatchError(str(e)) from e
                 log.warning("extracting batch %d again: %s", batch.batch_id, e)
         todo.append(batch)
     return todo, kept
 
 
-def _extract(cfg, cache_cfg, index, todo, device, dist_info) -> ExtractSummary:
+class ExtractionStopped(RuntimeError):
+    """SIGTERM arrived: the shards in flight were written, the rest resume with the same command."""
+
+
+class StopOnSigterm:
+    """While active, SIGTERM (a scheduler's pre-emption notice) sets `requested` instead of killing.
+
+    The extraction loop checks it between batches: the batches already handed to the writer are
+    written completely, nothing new starts, and the run ends with ExtractionStopped. Only the main
+    thread may install handlers; elsewhere this does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __enter__(self) -> "StopOnSigterm":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+def _extract(cfg, cache_cfg, index, todo, device, dist_info, stop: StopOnSigterm | None = None) -> ExtractSummary:
     if not todo:
         return ExtractSummary(cfg.out_dir, cache_cfg.planned_batches, 0, 0, 0, 0.0, 0.0, 0)
     kernels = select_kernels(device, allow_slow_kernels=cfg.allow_slow_kernels)
@@ -277,7 +381,7 @@ def _extract(cfg, cache_cfg, index, todo, device, dist_info) -> ExtractSummary:
         last_layer=None if with_head else cache_cfg.tap_layer_ids[-1], with_head=with_head, compute=cfg.compute,
     )
     writer = AsyncShardWriter(cfg.out_dir, cache_cfg, device, num_buffers=cfg.writer_buffers)
-    return extract_batches(model, cfg, cache_cfg, index, todo, device, writer, dist_info.rank)
+    return extract_batches(model, cfg, cache_cfg, index, todo, device, writer, dist_info.rank, stop=stop)
 
 
 def extract_batches(
@@ -289,6 +393,7 @@ def extract_batches(
     device: torch.device,
     writer: ShardSink,
     rank: int = 0,
+    stop: StopOnSigterm | None = None,
 ) -> ExtractSummary:
     """Run `model` over `todo` and hand each batch's states to `writer` (an AsyncShardWriter; the
     benchmark passes one that discards, to time the forward alone); closes `writer`.
@@ -306,7 +411,11 @@ def extract_batches(
     progress = ProgressLog(log, jsonl, len(todo), interval_s, bar=interactive and rank == 0, desc=f"rank {rank}")
     real_tokens = 0
     try:
+        started = 0
         for done, batch in enumerate(todo, start=1):
+            if stop is not None and stop.requested:
+                break  # SIGTERM: nothing new starts; what the writer holds is written below
+            started = done
             arrays = load_batch(loader, batch, cfg.packing)
             n = batch.num_tokens
             ids = torch.from_numpy(arrays["input_ids"][:n]).to(device, non_blocking=True)
@@ -331,7 +440,13 @@ def extract_batches(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         # The last line comes after the writer drained: every shard it counts is durable on disk.
-        _report(progress, len(todo), len(todo), real_tokens, writer, cfg.token_budget, rank, force=True)
+        if started:
+            _report(progress, started, len(todo), real_tokens, writer, cfg.token_budget, rank, force=True)
+        if stop is not None and stop.requested:
+            raise ExtractionStopped(
+                f"SIGTERM: rank {rank} stopped after {writer.shards_written} of its {len(todo)} pending shards, each written "
+                f"completely; run the same command again to extract the rest into {cfg.out_dir}"
+            )
     except BaseException:
         writer.close_quietly()
         raise

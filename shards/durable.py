@@ -2,6 +2,8 @@
 
 Unique temporary name in the same directory, write, flush, fsync, os.replace, fsync the directory.
 A writer killed at any point leaves at most a `.tmp-*` file, which readers never look at.
+Files get mode 0o644 (mkstemp's 0o600 would hide a cache or an exported drafter from a serving
+process that runs as another user).
 """
 
 from __future__ import annotations
@@ -14,11 +16,16 @@ from typing import BinaryIO, Callable
 TMP_PREFIX = ".tmp-"
 
 
-def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
+FILE_MODE = 0o644  # owner writes, everyone reads
+DIR_MODE = 0o755
+
+
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], None], mode: int = FILE_MODE) -> None:
     """Call write(f) on a temporary file, then make it appear as `path` in one step."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -1,4 +1,4 @@
-"""The cache format, version 1: the one place that says what a cache holds.
+"""The cache format, version 2: the one place that says what a cache holds.
 
 A cache directory:
 
@@ -17,11 +17,19 @@ Shard tensors (T = token_budget, K = number of taps, H = target hidden size, S =
     cu_seqlens           [S + 1]     int32, padded by repeating the total of real tokens
     target_topk_ids      [T, Kt]     int32, only when Kt > 0
     target_topk_logprobs [T, Kt]     bf16, only when Kt > 0
+
+Shard metadata (safetensors __metadata__, all strings): format_version, batch_id, cache_id (the
+CacheConfig.cache_id() of the cache it was written for), storage_dtype, num_tokens, samples, checksum.
+
+Version history: 2 added cache_id to every shard header, so that a shard copied in from another cache
+of the same shapes (other target weights, other data) is refused by name; version 1 caches are refused
+with the advice to re-extract.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import zlib
 from dataclasses import dataclass, field
@@ -30,7 +38,7 @@ from typing import Any, Literal, Mapping, get_args
 
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 CACHE_CONFIG_FILE = "cache.json"
 TARGET_HEAD_FILE = "target_head.safetensors"
 MANIFEST_FILE = "manifest.parquet"
@@ -159,7 +167,14 @@ class CacheConfig:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
             raise CacheFormatError(f"{source}: not valid JSON ({e})") from e
-        version = raw.get("format_version")
+        version = raw.get("format_version") if isinstance(raw, dict) else None
+        if not isinstance(raw, dict):
+            raise CacheFormatError(f"{source}: not a JSON object")
+        if version == 1:
+            raise CacheFormatError(
+                f"{source}: cache format version 1 (shards without a cache identity); this dflash-pipeline "
+                f"reads version {FORMAT_VERSION}: re-run dflash-extract into a new --out to rebuild the cache"
+            )
         if version != FORMAT_VERSION:
             raise CacheFormatError(
                 f"{source}: cache format version {version!r}, this dflash-pipeline reads version "
@@ -179,6 +194,34 @@ class CacheConfig:
         d = dataclasses.asdict(self)
         d.pop("provenance")
         return d
+
+    def cache_id(self) -> str:
+        """What every shard header names: a digest of everything that decides a shard's content.
+
+        The target's weights (head checksum) and architecture, the dataset's content fingerprint, the
+        packing plan (batch count, policy) and the shapes and taps; not paths (a moved cache or target
+        is the same cache) nor settings that do not change the bytes (MASK id, provenance). Needs
+        target_head_checksum, which create_cache fills in.
+        """
+        if self.target_head_checksum is None:
+            raise ValueError("cache_id needs target_head_checksum: create the cache with create_cache first")
+        what = {
+            "target_head_checksum": self.target_head_checksum,
+            "target_config_hash": self.target.config_hash,
+            "target_dtype": self.target.dtype,
+            "target_quantization": self.target.quantization,
+            "target_compute": self.target.compute,
+            "dataset": {k: v for k, v in _plain(self.dataset).items() if k != "path"},
+            "packing": _plain(self.packing),
+            "tap_layer_ids": list(self.tap_layer_ids),
+            "token_budget": self.token_budget,
+            "max_seqs": self.max_seqs,
+            "storage_dtype": self.storage_dtype,
+            "target_topk": self.target_topk,
+            "pad_token_id": self.pad_token_id,
+        }
+        digest = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+        return f"sha256:{digest[:16]}"
 
 
 @dataclass(frozen=True)
@@ -248,6 +291,13 @@ def raw_bytes(t: Any) -> memoryview:
             raise ValueError("raw_bytes needs a contiguous CPU tensor")
         return memoryview(t.reshape(-1).view(torch.uint8).numpy())
     return memoryview(t).cast("B")
+
+
+def _plain(record: Any) -> dict[str, Any]:
+    """A record (dataclass, dict or None) as a plain dict."""
+    if record is None:
+        return {}
+    return dataclasses.asdict(record) if dataclasses.is_dataclass(record) else dict(record)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

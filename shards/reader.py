@@ -105,6 +105,10 @@ class ShardReader:
         self.cache_dir = Path(cache_dir)
         self.config = read_cache_config(self.cache_dir)
         self.specs = tensor_specs(self.config)
+        if self.config.target_head_checksum is None:
+            raise CacheFormatError(f"{self.cache_dir / CACHE_CONFIG_FILE}: no target_head_checksum; the cache "
+                                   "was not finished by dflash-extract (re-run it)")
+        self.cache_id = self.config.cache_id()
 
     def batch_ids(self) -> list[int]:
         return list_shards(self.cache_dir)
@@ -129,6 +133,16 @@ class ShardReader:
             )
         if meta.get("batch_id") != str(batch_id):
             raise ShardError(path, f"holds batch {meta.get('batch_id')!r}, its name says {batch_id}")
+        if meta.get("cache_id") != self.cache_id:
+            raise ShardError(
+                path, f"belongs to another cache (its header names cache {meta.get('cache_id')!r}, "
+                f"{self.cache_dir / CACHE_CONFIG_FILE} is cache {self.cache_id!r}: other target weights, data "
+                "or packing); remove it (dflash-shards verify --quarantine) and re-run dflash-extract to write "
+                "this cache's own shard"
+            )
+        planned = self.config.planned_batches
+        if planned is not None and not 0 <= batch_id < planned:
+            raise ShardError(path, f"batch {batch_id} is outside the plan of {planned} batches in cache.json")
         if set(header.entries) != set(self.specs):
             raise ShardError(path, f"tensors {sorted(header.entries)}, cache.json expects {sorted(self.specs)}")
         for name, spec in self.specs.items():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +34,11 @@ class SampleEntry:
     loss_tokens: int  # supervised tokens (loss_mask == 1) of the sample
 
 
-def create_cache(cache_dir: str | Path, cfg: CacheConfig, target_head: Mapping[str, torch.Tensor]) -> None:
+def create_cache(cache_dir: str | Path, cfg: CacheConfig, target_head: Mapping[str, torch.Tensor]) -> CacheConfig:
     """Write cache.json and target_head.safetensors and make the shard directory.
 
-    cache.json is written last, so a directory with a cache.json always has its target head.
+    cache.json is written last, so a directory with a cache.json always has its target head. Fills in
+    cfg.target_head_checksum (the shards' cache_id depends on it) and returns cfg.
     """
     cache_dir = Path(cache_dir)
     (cache_dir / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
@@ -58,7 +58,9 @@ def create_cache(cache_dir: str | Path, cfg: CacheConfig, target_head: Mapping[s
         raise ValueError(f"target head checksum {head_checksum} differs from the config's {cfg.target_head_checksum}")
     meta = {"format_version": str(FORMAT_VERSION), "checksum": head_checksum}
     atomic_write(cache_dir / TARGET_HEAD_FILE, lambda f: write_container(f, head, meta))
-    write_cache_config(cache_dir, dataclasses.replace(cfg, target_head_checksum=head_checksum))
+    cfg.target_head_checksum = head_checksum
+    write_cache_config(cache_dir, cfg)
+    return cfg
 
 
 def write_cache_config(cache_dir: str | Path, cfg: CacheConfig) -> None:
@@ -93,6 +95,7 @@ def write_shard(
     metadata = {
         "format_version": str(FORMAT_VERSION),
         "batch_id": str(batch_id),
+        "cache_id": cfg.cache_id(),
         "storage_dtype": cfg.storage_dtype,
         "num_tokens": str(sum(s.length for s in samples)),
         "samples": json.dumps([[s.sample_id, s.offset, s.length, s.loss_tokens] for s in samples]),

@@ -65,7 +65,9 @@ def flip_byte(path, offset=-10):
 
 
 def snapshot(cache):
-    return {str(p.relative_to(cache)): p.read_bytes() for p in sorted(cache.rglob("*")) if p.is_file()}
+    """Every file's bytes, except the lock file (its holder record changes with every run)."""
+    return {str(p.relative_to(cache)): p.read_bytes() for p in sorted(cache.rglob("*"))
+            if p.is_file() and p.name != ".dflash.lock"}
 
 
 # ---- 1. dflash-shards verify on a damaged cache -----------------------------------------------------------
@@ -120,7 +122,7 @@ def test_verify_names_each_damage(reference, tmp_path, damage):
 def test_verify_refuses_another_cache_format_version(reference, tmp_path):
     cache = copy_cache(reference, tmp_path)
     config = cache / "cache.json"
-    config.write_text(config.read_text().replace('"format_version": 1', '"format_version": 7'))
+    config.write_text(config.read_text().replace('"format_version": 2', '"format_version": 7'))
     result = CliRunner().invoke(shards_cli, ["verify", str(cache)])
     assert result.exit_code == 1
     assert str(config) in result.output and "format version 7" in result.output, result.output

@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner
 
 from shards import (
+    FORMAT_VERSION,
     CacheFormatError,
     ShardError,
     ShardLoader,
@@ -120,11 +121,15 @@ def test_verify_quarantine_moves_bad_shard(cache):
 def test_wrong_cache_format_version_is_refused(cache):
     cache_dir, _ = cache
     p = cache_dir / "cache.json"
-    p.write_text(p.read_text().replace('"format_version": 1', '"format_version": 2'))
-    with pytest.raises(CacheFormatError, match="format version 2"):
+    p.write_text(p.read_text().replace(f'"format_version": {FORMAT_VERSION}', '"format_version": 99'))
+    with pytest.raises(CacheFormatError, match="format version 99"):
         ShardReader(cache_dir)
     result = CliRunner().invoke(shards_cli, ["verify", str(cache_dir)])
-    assert result.exit_code != 0 and "format version 2" in result.output
+    assert result.exit_code != 0 and "format version 99" in result.output
+    # A version-1 cache (before shard headers named their cache) is refused with the way out.
+    p.write_text(p.read_text().replace('"format_version": 99', '"format_version": 1'))
+    with pytest.raises(CacheFormatError, match="version 1 .*re-run dflash-extract"):
+        ShardReader(cache_dir)
 
 def test_killed_writer_leaves_no_shard(cache, tmp_path):
     cache_dir, cfg = cache
