@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import zlib
 from pathlib import Path
 from typing import BinaryIO, Callable
 
@@ -67,3 +68,17 @@ def remove_stale_temporaries(directory: str | Path) -> list[Path]:
         except FileNotFoundError:
             pass
     return removed
+
+
+def file_checksum(path: str | Path, chunk_bytes: int = 16 << 20) -> str:
+    """crc32 of a file's bytes (same "crc32:xxxxxxxx" form as shards.format.checksum)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            crc = zlib.crc32(chunk, crc)
+    return f"crc32:{crc:08x}"
+
+
+def fsync_file(path: str | Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())

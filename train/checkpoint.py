@@ -1,9 +1,12 @@
 """Training checkpoints: OUT/step-NNNNNNNN/ {model.safetensors, optimizer.pt, train_state.json}.
 
-A checkpoint is built in a temporary directory beside its final name, every file fsynced, then
-renamed in one step; train_state.json is written last, and a folder counts only when it holds all
-three files and train_state.json parses. The newest valid folder wins; older ones beyond
-keep_checkpoints are deleted. Checkpoints are resume sources only (export is separate).
+A checkpoint is built in a temporary directory beside its final name (.tmp-step-*), every file
+fsynced, then renamed in one step and the run directory fsynced; train_state.json is written last
+and records the crc32 of model.safetensors and optimizer.pt. A folder counts only when it holds all
+three files, train_state.json parses and (when verified: resume, export) both checksums match; a
+damaged or partial newest checkpoint is skipped with a warning naming the file, and the previous
+valid one wins. Older ones beyond keep_checkpoints are deleted, and temporaries of a killed save are
+removed at the next start (remove_stale_temporaries). Checkpoints are resume sources only.
 
 train_state.json: step, epoch, data cursor (index of the next shard in this epoch's per-rank
 order), tokens seen, skipped shards, world size, config hash and identity, drafter config, cache
@@ -12,9 +15,11 @@ target fingerprint, and per-rank RNG states (torch CPU, CUDA, the block-sampling
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -23,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from shards.durable import fsync_dir
+from shards.durable import DIR_MODE, FILE_MODE, TMP_PREFIX, atomic_write_text, file_checksum, fsync_dir, fsync_file
 
 log = logging.getLogger(__name__)
 
@@ -56,31 +62,65 @@ def decode_rng(s: str | None) -> torch.Tensor | None:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file is damaged, partial or cannot be written; the message names the file."""
+
+
 def save_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict,
                     train_state: dict[str, Any], keep: int) -> Path:
     """Write step-{step:08d}/ durably (called on rank 0 only); prune to the newest `keep`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / checkpoint_name(step)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=out_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=out_dir))
+    current = tmp / MODEL_FILE
     try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / MODEL_FILE))
-        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
-        (tmp / STATE_FILE).write_text(json.dumps(train_state, indent=1, sort_keys=True) + "\n")
-        for name in (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE):
-            with open(tmp / name, "rb") as f:
-                os.fsync(f.fileno())
-        fsync_dir(tmp)
+        os.chmod(tmp, DIR_MODE)
+        save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(current))
+        current = tmp / OPTIMIZER_FILE
+        torch.save(optimizer_state, current)
+        checksums = {}
+        for name in (MODEL_FILE, OPTIMIZER_FILE):
+            current = tmp / name
+            os.chmod(current, FILE_MODE)
+            fsync_file(current)
+            checksums[name] = file_checksum(current)
+        current = tmp / STATE_FILE
+        atomic_write_text(current, json.dumps({**train_state, "checksums": checksums}, indent=1, sort_keys=True) + "\n")
         if final.exists():  # a checkpoint of the same step from a run that died after writing it
             shutil.rmtree(final)
+        current = final
         os.replace(tmp, final)
         fsync_dir(out_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            what = "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+            raise CheckpointError(
+                f"checkpoint of step {step}: writing {current} failed ({what}); nothing partial was kept. "
+                f"Free space (or fix {out_dir}) and re-run with --resume to continue from the last checkpoint"
+            ) from e
         raise
     log.info("checkpoint: saved %s", final)
     prune_checkpoints(out_dir, keep)
     return final
+
+
+def verify_checkpoint(ckpt: "Checkpoint") -> None:
+    """Raise CheckpointError naming the first file whose bytes differ from the recorded checksum."""
+    recorded = ckpt.state.get("checksums")
+    if not isinstance(recorded, dict):
+        log.warning("checkpoint %s records no checksums (written by an older dflash-train): not verified", ckpt.path)
+        return
+    for name in (MODEL_FILE, OPTIMIZER_FILE):
+        path = ckpt.path / name
+        try:
+            found = file_checksum(path)
+        except OSError as e:
+            raise CheckpointError(f"{path}: unreadable ({e.strerror or e})") from e
+        if found != recorded.get(name):
+            raise CheckpointError(f"{path}: checksum mismatch (recorded {recorded.get(name)}, file has {found}): "
+                                  "damaged or partial")
 
 
 def list_checkpoints(out_dir: str | Path) -> list[Checkpoint]:
@@ -105,25 +145,49 @@ def list_checkpoints(out_dir: str | Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.step)
 
 
-def latest_checkpoint(out_dir: str | Path) -> Checkpoint | None:
-    ckpts = list_checkpoints(out_dir)
-    return ckpts[-1] if ckpts else None
+def latest_checkpoint(out_dir: str | Path, verify: bool = True) -> Checkpoint | None:
+    """The newest checkpoint whose files match their checksums; a damaged newer one is skipped with a
+    warning naming the file (verify=False: the newest complete folder, files unchecked)."""
+    for ckpt in reversed(list_checkpoints(out_dir)):
+        if not verify:
+            return ckpt
+        try:
+            verify_checkpoint(ckpt)
+            return ckpt
+        except CheckpointError as e:
+            log.warning("checkpoint %s skipped: %s; falling back to the previous one", ckpt.path, e)
+    return None
 
 
 def prune_checkpoints(out_dir: str | Path, keep: int) -> None:
     for old in list_checkpoints(out_dir)[:-keep]:
         shutil.rmtree(old.path, ignore_errors=True)
         log.info("checkpoint: removed %s (keeping the newest %d)", old.path, keep)
-    for stale in Path(out_dir).glob(".tmp-step-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    remove_stale_temporaries(out_dir)
+
+
+def remove_stale_temporaries(out_dir: str | Path) -> int:
+    """Delete the .tmp-step-* folders of saves that were killed; returns how many (call with the run's lock)."""
+    stale = list(Path(out_dir).glob(f"{TMP_PREFIX}step-*"))
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return len(stale)
 
 
 def load_model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
-    return load_file(str(ckpt.path / MODEL_FILE))
+    path = ckpt.path / MODEL_FILE
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e}); use an earlier checkpoint") from e
 
 
 def load_optimizer_state(ckpt: Checkpoint) -> dict:
-    return torch.load(ckpt.path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    path = ckpt.path / OPTIMIZER_FILE
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e}); use an earlier checkpoint") from e
 
 
 def check_resume_compatible(ckpt: Checkpoint, identity: dict[str, Any], world_size: int,

@@ -86,34 +86,39 @@ def train(gpus: str | None, **options) -> None:
 @main.command(context_settings=CONTEXT_SETTINGS)
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.argument("out", type=click.Path(file_okay=False))
-def export(checkpoint: str, out: str) -> None:
+@click.option("--overwrite", is_flag=True, help="Replace an earlier export in OUT (any other non-empty OUT is refused).")
+def export(checkpoint: str, out: str, overwrite: bool) -> None:
     """Export CHECKPOINT (a step-NNNNNNNN dir, or a run dir: its newest) to OUT as a DFlashDraftModel."""
     _setup_logging()
-    from .checkpoint import latest_checkpoint, list_checkpoints
-    from .export import export_drafter
+    from .checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
+    from .export import check_export_target, export_drafter
 
     path = Path(checkpoint)
-    ckpt = next((c for c in list_checkpoints(path.parent) if c.path.resolve() == path.resolve()), None)
-    if ckpt is None:
-        ckpt = latest_checkpoint(path)
-    if ckpt is None:
-        raise click.ClickException(f"{checkpoint}: not a valid checkpoint (step-NNNNNNNN with train_state.json, "
-                                   "model.safetensors, optimizer.pt) nor a run directory holding one")
-    model, cfg = _model_from_checkpoint(ckpt)
-    export_drafter(model, cfg, out)
+    try:
+        check_export_target(Path(out), overwrite)  # before any work
+        ckpt = next((c for c in list_checkpoints(path.parent) if c.path.resolve() == path.resolve()), None)
+        if ckpt is not None:
+            verify_checkpoint(ckpt)  # the one asked for: refused when damaged, never replaced by another
+        else:
+            ckpt = latest_checkpoint(path)  # a run dir: its newest valid checkpoint
+        if ckpt is None:
+            raise click.ClickException(f"{checkpoint}: not a valid checkpoint (step-NNNNNNNN with train_state.json, "
+                                       "model.safetensors, optimizer.pt) nor a run directory holding one")
+        model, cfg = _model_from_checkpoint(ckpt)
+        export_drafter(model, cfg, out, overwrite=overwrite)
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        raise click.ClickException(str(e)) from e
     click.echo(f"exported {ckpt.path} (step {ckpt.step}) -> {out}")
 
 
 def _model_from_checkpoint(ckpt):
-    from safetensors.torch import load_file
-
-    from .checkpoint import MODEL_FILE
+    from .checkpoint import load_model_state
     from .drafter_config import DrafterConfig
     from .model import DFlashDrafter
 
     cfg = DrafterConfig(**ckpt.state["drafter"])
     model = DFlashDrafter(cfg)
-    model.load_state_dict(load_file(str(ckpt.path / MODEL_FILE)), strict=True)
+    model.load_state_dict(load_model_state(ckpt), strict=True)
     return model, cfg
 
 

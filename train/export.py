@@ -8,14 +8,18 @@ Export is for serving and evaluation, never a resume source (checkpoints are the
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from shards.container import read_header, write_container
+from shards.durable import DIR_MODE, TMP_PREFIX, atomic_write, atomic_write_text, remove_stale_temporaries
+from shards.format import CacheFormatError
 
 from .drafter_config import DrafterConfig
 from .model import DFlashDrafter
@@ -89,26 +93,53 @@ def drafter_config_from_hf(hf: dict, source: str = "config.json") -> DrafterConf
         vocab_size=hf["vocab_size"])
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+# Written into model.safetensors' metadata: how a later export recognises a directory it may replace.
+PRODUCER = "dflash-pipeline"
 
 
-def export_drafter(model: torch.nn.Module, cfg: DrafterConfig, out_dir: str | Path) -> Path:
+def export_status(out: Path) -> tuple[bool, list[Path]]:
+    """(is an earlier export of ours, entries that are neither ours nor temporaries) for an existing out."""
+    ours = {CONFIG_FILE, WEIGHTS_FILE}
+    foreign = [p for p in sorted(out.iterdir()) if p.name not in ours and not p.name.startswith(TMP_PREFIX)]
+    weights = out / WEIGHTS_FILE
+    produced = False
+    if weights.is_file():
+        try:
+            produced = read_header(weights).metadata.get("producer") == PRODUCER
+        except CacheFormatError:
+            produced = False
+    return produced and not foreign, foreign
+
+
+def check_export_target(out: Path, overwrite: bool) -> None:
+    """Refuse a non-empty directory that is not an earlier export of ours; replacing ours needs overwrite."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"export directory {out} is a file; choose a new or empty directory")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    ours, foreign = export_status(out)
+    if not ours:
+        shown = ", ".join(str(p) for p in (foreign or sorted(out.iterdir()))[:5])
+        raise ValueError(f"export directory {out} is not empty and is not a drafter exported by dflash-train "
+                         f"(found {shown}); nothing was written: choose a new or empty directory")
+    if not overwrite:
+        raise ValueError(f"export directory {out} holds an earlier export; pass --overwrite to replace it, "
+                         "or choose a new directory")
+
+
+def export_drafter(model: torch.nn.Module, cfg: DrafterConfig, out_dir: str | Path, overwrite: bool = False) -> Path:
     """Write config.json and model.safetensors (bf16, z-lab names) into out_dir; returns out_dir.
 
+    out_dir must be new, empty, or (with overwrite) an earlier export of ours: never anyone else's
+    files. Both files go through the durable-write path and are readable by every user (a serving
+    process often runs as another user).
     model: a DFlashDrafter, also wrapped in DDP or torch.compile."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    check_export_target(out, overwrite)
+    if not out.is_dir():
+        out.mkdir(parents=True)
+        os.chmod(out, DIR_MODE)  # mkdir applies the umask
+    remove_stale_temporaries(out)
     # DDP (.module) and torch.compile (._orig_mod) wrappers would prefix every name.
     while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module) or isinstance(
             getattr(model, "module", None), torch.nn.Module):
@@ -118,18 +149,13 @@ def export_drafter(model: torch.nn.Module, cfg: DrafterConfig, out_dir: str | Pa
     if sorted(state) != sorted(expected):
         raise ValueError(f"drafter state_dict names differ from z-lab's: extra {sorted(set(state) - set(expected))}, "
                          f"missing {sorted(set(expected) - set(state))}")
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{WEIGHTS_FILE}.")
-    os.close(fd)
+    meta = {"format": "pt", "producer": PRODUCER}
     try:
-        save_file(state, tmp, metadata={"format": "pt"})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out / WEIGHTS_FILE)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _atomic_write_bytes(out / CONFIG_FILE, (json.dumps(drafter_config_to_hf(cfg), indent=2) + "\n").encode())
+        atomic_write(out / WEIGHTS_FILE, lambda f: write_container(f, state, meta))
+        atomic_write_text(out / CONFIG_FILE, json.dumps(drafter_config_to_hf(cfg), indent=2) + "\n")
+    except OSError as e:
+        raise OSError(e.errno, f"exporting to {out} failed: {e.strerror or e}"
+                      + ("; free space and export again" if e.errno == errno.ENOSPC else "")) from e
     log.info("exported drafter (%d tensors) to %s", len(state), out)
     return out
 

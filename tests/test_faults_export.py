@@ -1,0 +1,168 @@
+"""Fault injection, training files: exports never replace what is not ours and are readable by others;
+checkpoints carry checksums, a damaged newest one falls back to the previous valid one; a full disk
+while checkpointing is one clear message; a shard of another cache is refused by name.
+
+Cases (tiny synthetic caches, training through the library and the dflash-train CLI):
+  1. Export into a target checkpoint folder, into a folder with a user file: refused, bytes unchanged.
+     Export twice: the second needs --overwrite. Files 0o644 and folder 0o755 under umask 077.
+  2. Newest checkpoint with a flipped byte in model.safetensors, a truncated optimizer.pt, a truncated
+     model.safetensors: resume and run-dir export fall back to the previous checkpoint with a warning
+     naming the file; exporting that checkpoint by name is refused naming the file.
+  3. ENOSPC while writing a checkpoint: "no space left" and the file named, exit 1, nothing partial.
+  4. A shard copied in from another cache of the same shapes: verify, the reader and training name it.
+"""
+
+import errno
+import logging
+import os
+import shutil
+import stat
+
+import pytest
+from click.testing import CliRunner
+
+from shards import ShardReader, shard_path
+from shards.inspect import verify_cache
+from test_faults_inputs import snapshot
+from test_train_support import read_records, tiny_cache, tiny_cli_args, tiny_config
+from tools.tiny_target import write_random_checkpoint
+from train.checkpoint import latest_checkpoint, list_checkpoints
+from train.cli import main as train_cli
+from train.loop import run_training
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run with checkpoints at steps 2 and 4."""
+    root = tmp_path_factory.mktemp("trained")
+    cache = tiny_cache(root / "cache", num_batches=4)
+    run = root / "run"
+    run_training(tiny_config(cache, run, epochs=1, checkpoint_every=2, keep_checkpoints=5))
+    assert [c.step for c in list_checkpoints(run)] == [2, 4]
+    return cache, run
+
+
+def export(*args):
+    return CliRunner().invoke(train_cli, ["export", *map(str, args)])
+
+
+# ---- 1. export refusals and permissions -------------------------------------------------------------------
+
+def test_export_into_a_target_checkpoint_is_refused(trained, tmp_path):
+    _, run = trained
+    target = write_random_checkpoint(tmp_path / "target", seed=1)
+    before = snapshot(target)
+    for flags in ([], ["--overwrite"]):
+        result = export(run, target, *flags)
+        assert result.exit_code == 1, result.output
+        assert "is not a drafter exported by dflash-train" in result.output, result.output
+        assert snapshot(target) == before, "the target checkpoint must be left byte for byte"
+
+
+def test_export_into_a_folder_with_user_files_is_refused(trained, tmp_path):
+    _, run = trained
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "README.md").write_text("mine")
+    result = export(run, out)
+    assert result.exit_code == 1 and "README.md" in result.output, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["README.md"]
+
+
+def test_replacing_an_export_needs_overwrite_and_files_are_readable_by_all(trained, tmp_path):
+    _, run = trained
+    out = tmp_path / "exported"
+    old = os.umask(0o077)  # a private umask must not make the export private
+    try:
+        assert export(run / "step-00000002", out).exit_code == 0
+        first = snapshot(out)
+        result = export(run, out)
+        assert result.exit_code == 1 and "pass --overwrite" in result.output, result.output
+        assert snapshot(out) == first
+        result = export(run, out, "--overwrite")
+        assert result.exit_code == 0, result.output
+    finally:
+        os.umask(old)
+    assert snapshot(out) != first, "the step-4 export replaced the step-2 one"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes == {"config.json": 0o644, "model.safetensors": 0o644}, modes
+
+
+# ---- 2. damaged checkpoints -------------------------------------------------------------------------------
+
+def _flip(path):
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:-64])
+
+
+DAMAGE = {"flipped weight byte": ("model.safetensors", _flip), "truncated optimizer": ("optimizer.pt", _truncate),
+          "truncated weights": ("model.safetensors", _truncate)}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(trained, tmp_path, caplog, case):
+    cache, full = trained
+    run = tmp_path / "run"
+    shutil.copytree(full, run)
+    name, damage = DAMAGE[case]
+    bad = run / "step-00000004" / name
+    damage(bad)
+    caplog.set_level(logging.WARNING)
+    assert latest_checkpoint(run).step == 2
+    assert str(bad) in caplog.text and "falling back" in caplog.text, caplog.text
+
+    result = export(run / "step-00000004", tmp_path / "e1")
+    assert result.exit_code == 1 and str(bad) in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), "no raw traceback"
+    assert not (tmp_path / "e1").exists() or not any((tmp_path / "e1").iterdir())
+    result = export(run, tmp_path / "e2")
+    assert result.exit_code == 0 and "step 2" in result.output, result.output
+
+    summary = run_training(tiny_config(cache, run, epochs=1, checkpoint_every=2, keep_checkpoints=5, resume=True))
+    assert summary.steps == 4
+    reference = {r["step"]: r["loss/total"] for r in read_records(full)}
+    got = {r["step"]: r["loss/total"] for r in read_records(run)}
+    assert abs(got[4] - reference[4]) <= 1e-6, "resumed from step 2, steps 3-4 retrained exactly"
+
+
+# ---- 3. full disk while checkpointing ---------------------------------------------------------------------
+
+def test_disk_full_while_checkpointing_names_the_file(tmp_path, monkeypatch):
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    run = tmp_path / "run"
+    import torch
+
+    def full(obj, f, *a, **kw):
+        with open(f, "wb") as out:
+            out.write(b"\0" * 100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", full)
+    result = CliRunner().invoke(train_cli, tiny_cli_args(cache, run, "--max-steps", "2"))
+    assert result.exit_code == 1, result.output
+    assert "no space left" in result.output and "optimizer.pt" in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), "no raw traceback"
+    assert list_checkpoints(run) == [] and not list(run.glob(".tmp-*"))
+
+
+# ---- 4. a shard of another cache --------------------------------------------------------------------------
+
+def test_a_shard_of_another_cache_is_refused_naming_it(tmp_path):
+    cache = tiny_cache(tmp_path / "a", num_batches=3, seed=0)
+    other = tiny_cache(tmp_path / "b", num_batches=3, seed=1)  # same shapes, other head and data
+    shutil.copy(shard_path(other, 1), shard_path(cache, 1))
+    foreign = shard_path(cache, 1)
+    report = verify_cache(cache)
+    assert [b["file"] for b in report.bad if b["batch_id"] == 1] == [str(foreign)]
+    assert "belongs to another cache" in report.bad[0]["reason"], report.bad
+    with pytest.raises(ValueError, match="belongs to another cache"):
+        ShardReader(cache).info(1)
+    result = CliRunner().invoke(train_cli, tiny_cli_args(cache, tmp_path / "run", "--max-steps", "3"))
+    assert result.exit_code == 1 and str(foreign) in result.output, result.output
+    assert "belongs to another cache" in result.output
