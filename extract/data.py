@@ -119,30 +119,30 @@ class DatasetIndex:
         return row_location(self.files[int(self.file_index[i])], int(self.rows[i]))
 
 
-def find_data_files(path: str | os.PathLike) -> list[str]:
-    """The data files named by `path` (file, directory or glob), sorted."""
+def find_data_files(path: str | os.PathLike, suffixes: tuple[str, ...] = DATA_SUFFIXES) -> list[str]:
+    """The data files named by `path` (file, directory or glob) whose names end in `suffixes`, sorted."""
     text = str(path)
     if any(c in text for c in "*?["):
         files = sorted(glob.glob(text, recursive=True))
         if not files:
             raise DataError(f"no files match {text!r}")
-        bad = [f for f in files if not f.endswith(DATA_SUFFIXES)]
+        bad = [f for f in files if not f.endswith(suffixes)]
         if bad:
-            raise DataError(f"{text!r} matches files that are neither Parquet nor JSONL: {bad[:5]}")
+            raise DataError(f"{text!r} matches files that are not {' or '.join(suffixes)}: {bad[:5]}")
         return files
     p = Path(text)
     if p.is_dir():
         found = sorted(str(f) for f in p.rglob("*") if f.is_file())
-        files = [f for f in found if f.endswith(DATA_SUFFIXES)]
+        files = [f for f in found if f.endswith(suffixes)]
         if len(files) < len(found):
-            logger.info("%s: ignoring %d files that are not %s", p, len(found) - len(files), DATA_SUFFIXES)
+            logger.info("%s: ignoring %d files that are not %s", p, len(found) - len(files), suffixes)
         if not files:
-            raise DataError(f"directory {p} holds no {' or '.join(DATA_SUFFIXES)} files")
+            raise DataError(f"directory {p} holds no {' or '.join(suffixes)} files")
         return files
     if not p.is_file():
         raise DataError(f"dataset path {p} does not exist")
-    if not text.endswith(DATA_SUFFIXES):
-        raise DataError(f"{p}: unsupported file type; expected one of {DATA_SUFFIXES}")
+    if not text.endswith(suffixes):
+        raise DataError(f"{p}: unsupported file type; expected one of {suffixes}")
     return [text]
 
 

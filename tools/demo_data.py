@@ -1,13 +1,17 @@
-"""Demo data: the target's own greedy continuations of random prompts, as a JSON Lines dataset.
+"""Demo data: chat conversations to regenerate, or the target's own greedy continuations of random prompts.
 
-A drafter learns to predict what its target would say, so the demo trains on exactly that: each
-sample is a random prompt (loss_mask 0) followed by the target's greedy continuation (loss_mask 1).
-Generation re-runs the packed forward for every new token (no KV cache): fine for the tiny target.
+With --conversations: OpenAI-format chats (word-salad user prompts, one or two user turns, some with
+a system prompt; assistant turns left empty), the input of `dflash-data regenerate`, which fills
+them with the target's replies. Without: token samples, a random prompt (loss_mask 0) followed by the
+target's greedy continuation (loss_mask 1). Generation re-runs the packed forward for every new token
+(no KV cache): fine for the tiny target.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 from pathlib import Path
 
 import click
@@ -16,6 +20,7 @@ import torch
 
 from extract.data import Sample, write_jsonl
 from extract.model import TargetModel
+from tools.tiny_tokenizer import WORDS
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +55,43 @@ def greedy_continuations(
     ]
 
 
+def demo_conversations(num_conversations: int, seed: int = 0) -> list[dict]:
+    """OpenAI-format conversations whose assistant turns are to be regenerated (empty here)."""
+    rng = random.Random(seed)
+
+    def prompt() -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))).capitalize() + "?"
+
+    rows = []
+    for i in range(num_conversations):
+        messages = [{"role": "system", "content": "You are a helpful assistant."}] if i % 3 == 0 else []
+        messages.append({"role": "user", "content": prompt()})
+        if i % 2:
+            messages += [{"role": "assistant", "content": ""}, {"role": "user", "content": prompt()}]
+        rows.append({"id": f"chat-{i}", "messages": messages})
+    return rows
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--target", required=True, type=click.Path(exists=True, file_okay=False), help="Target checkpoint directory.")
+@click.option("--target", default=None, type=click.Path(exists=True, file_okay=False), help="Target checkpoint directory (token samples).")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="JSON Lines file to write.")
 @click.option("--num-samples", default=64, show_default=True, help="Samples (prompts) to generate.")
 @click.option("--new-tokens", default=64, show_default=True, help="Greedy tokens generated per prompt (supervised).")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random prompts.")
-def main(target: str, out: str, num_samples: int, new_tokens: int, seed: int) -> None:
-    """Write a dataset of the target's greedy continuations of random prompts (for demos and tests)."""
+@click.option("--conversations", is_flag=True, help="Write chat conversations to regenerate (no target needed) instead of token samples.")
+def main(target: str | None, out: str, num_samples: int, new_tokens: int, seed: int, conversations: bool) -> None:
+    """Write a dataset of the target's greedy continuations of random prompts, or chats to regenerate."""
     logging.basicConfig(level=logging.WARNING)
-    samples = greedy_continuations(target, num_samples=num_samples, new_tokens=new_tokens, seed=seed)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
+    if conversations:
+        rows = demo_conversations(num_samples, seed)
+        with open(out, "w", encoding="ascii") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        click.echo(f"wrote {len(rows)} conversations to {out}")
+        return
+    if target is None:
+        raise click.UsageError("--target is needed to generate token samples (or pass --conversations)")
+    samples = greedy_continuations(target, num_samples=num_samples, new_tokens=new_tokens, seed=seed)
     write_jsonl(out, samples)
     click.echo(f"wrote {len(samples)} samples ({sum(len(s) for s in samples)} tokens) to {out}")
 

@@ -12,6 +12,9 @@ head whose logits spread over several units so greedy decoding does not collapse
 --fp8 writes the fine-grained FP8 format of Qwen's "-FP8" releases (extract/quantization.py): the
 decoder's linear weights as e4m3 with a weight_scale_inv per block, the rest unquantised, and a
 quantization_config naming the modules it left alone.
+
+With the tokenizer (on by default from the command line, `with_tokenizer` in the library) the
+directory also holds tokenizer.json, tokenizer_config.json and chat_template.jinja.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from extract.kernels import KernelChoice
 from extract.model import TargetModel
 from extract.quantization import Fp8BlockFormat, quantize_fp8_blocks, scale_name
 from extract.target_config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig
+from tools.tiny_tokenizer import write_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +201,7 @@ def write_random_checkpoint(
     with_mtp: bool = True,
     mixer_scale: float = 1.0,
     fp8_block: int | None = None,
+    with_tokenizer: bool = False,
 ) -> Path:
     """Write config.json + safetensors under `out_dir`; returns the directory.
 
@@ -210,6 +215,8 @@ def write_random_checkpoint(
         small drafter can learn in a CPU demo; 1 keeps the default scales.
     fp8_block: write the decoder's linear weights in fine-grained FP8 with fp8_block x fp8_block
         scale blocks (the releases use 128) and a quantization_config; None = unquantised.
+    with_tokenizer: also write a small trained tokenizer and a Qwen3.5-shaped chat template
+        (tools/tiny_tokenizer.py), as releases ship them; needs vocab_size >= 300.
     """
     if naming not in NAMINGS:
         raise ValueError(f"naming={naming!r}, expected one of {NAMINGS}")
@@ -241,6 +248,8 @@ def write_random_checkpoint(
     with open(out_dir / "config.json", "w", encoding="utf-8") as f:
         json.dump(full, f, indent=2, sort_keys=True)
     _write_shards(out_dir, tensors, shard_max_bytes)
+    if with_tokenizer:
+        write_tokenizer(out_dir, cfg.vocab_size)
     logger.info("wrote a random %s-naming checkpoint to %s (seed %d, %d tensors)", naming, out_dir, seed, len(tensors))
     return out_dir
 
@@ -286,13 +295,15 @@ def _write_shards(out_dir: Path, tensors: dict[str, torch.Tensor], shard_max_byt
 @click.option("--fp8", is_flag=True, help="Write the decoder's linear weights in fine-grained FP8 (e4m3 + weight_scale_inv blocks).")
 @click.option("--fp8-block", type=click.IntRange(min=1), default=128, show_default=True,
               help="Rows and columns per FP8 scale block (with --fp8).")
+@click.option("--tokenizer/--no-tokenizer", "with_tokenizer", default=True, show_default=True,
+              help="Also write a small trained tokenizer and a Qwen3.5-shaped chat template (for dflash-data).")
 def main(out_dir: Path, seed: int, naming: str, shard_max_bytes: int | None, tied: bool, mixer_scale: float,
-         fp8: bool, fp8_block: int) -> None:
+         fp8: bool, fp8_block: int, with_tokenizer: bool) -> None:
     """Write a tiny random Qwen3.5-style target checkpoint to OUT_DIR."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     write_random_checkpoint(out_dir, tiny_config_dict(tie_word_embeddings=tied), seed=seed, naming=naming,
                             shard_max_bytes=shard_max_bytes, mixer_scale=mixer_scale,
-                            fp8_block=fp8_block if fp8 else None)
+                            fp8_block=fp8_block if fp8 else None, with_tokenizer=with_tokenizer)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,236 @@
+"""Chat datasets: find, read and normalise conversations (OpenAI messages or ShareGPT).
+
+Input: JSON Lines (one conversation per line), JSON (a list of conversations) or Parquet (one per
+row); a file, a directory (searched recursively) or a glob; files in sorted order, rows counted
+from 0 within their file. A row is one of
+    {"id": ..., "messages": [{"role", "content", "reasoning_content"?, "tool_calls"?}, ...], "tools"?}
+    {"id": ..., "conversations": [{"from": "human"|"gpt"|"system"|..., "value": "..."}, ...], "tools"?}
+`id` is optional ("<file stem>:<row>" when absent) and must be unique.
+
+Every conversation becomes a `Conversation` of OpenAI-style messages: role in system / user /
+assistant / tool, content a string, reasoning in `reasoning_content`, tool calls as
+{"type": "function", "function": {"name", "arguments": {...}}} (JSON-string arguments are parsed:
+chat templates render the mapping). Anything else is a DataError naming file, row and reason;
+nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .data import find_data_files
+from .rows import DataError, row_location
+
+CONVERSATION_SUFFIXES = (".jsonl", ".json", ".parquet")
+ROLES = ("system", "user", "assistant", "tool")
+# ShareGPT speaker names -> OpenAI roles ("function_call" is an assistant turn holding one tool call).
+SHAREGPT_ROLES = {
+    "system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+    "tool": "tool", "observation": "tool", "function_response": "tool", "function_call": "assistant",
+}
+
+
+@dataclass
+class Conversation:
+    """One conversation in OpenAI message form, with where it came from."""
+
+    sample_id: str
+    messages: list[dict[str, Any]]  # normalised: see the module docstring
+    tools: list[dict[str, Any]] | None = None  # tool schemas given to the chat template
+    where: str = ""  # "file, row r", for messages
+    extra: dict[str, Any] = field(default_factory=dict)  # other row fields, carried through regenerate
+
+    def to_row(self) -> dict[str, Any]:
+        row = {"id": self.sample_id, "messages": self.messages}
+        if self.tools:
+            row["tools"] = self.tools
+        return row
+
+    @property
+    def num_assistant_turns(self) -> int:
+        return sum(m["role"] == "assistant" for m in self.messages)
+
+
+def _text(value: Any, what: str, where: str) -> str:
+    """Message content as one string: a string, None (empty) or a list of text parts."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if not isinstance(part, dict) or kind not in (None, "text") or not isinstance(part.get("text"), str):
+                raise DataError(f"{where}: {what} holds a content part of type {kind!r}; only text is supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise DataError(f"{where}: {what} must be a string or a list of text parts, found {type(value).__name__}")
+
+
+def _tool_call(call: Any, what: str, where: str) -> dict[str, Any]:
+    if not isinstance(call, dict):
+        raise DataError(f"{where}: {what} must be an object, found {type(call).__name__}")
+    fn = call.get("function", call)
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise DataError(f"{where}: {what} has no function name")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: {what}.arguments is not valid JSON ({e})") from e
+    if not isinstance(args, dict):
+        raise DataError(f"{where}: {what}.arguments must be a JSON object, found {type(args).__name__}")
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def _openai_message(msg: Any, i: int, where: str) -> dict[str, Any]:
+    what = f"messages[{i}]"
+    if not isinstance(msg, dict):
+        raise DataError(f"{where}: {what} must be an object, found {type(msg).__name__}")
+    role = msg.get("role")
+    if role not in ROLES:
+        raise DataError(f"{where}: {what} has unknown role {role!r}; expected one of {ROLES}")
+    out: dict[str, Any] = {"role": role, "content": _text(msg.get("content"), f"{what}.content", where)}
+    if role == "assistant":
+        reasoning = msg.get("reasoning_content", msg.get("reasoning"))
+        if reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise DataError(f"{where}: {what}.reasoning_content must be a string, found {type(reasoning).__name__}")
+            out["reasoning_content"] = reasoning
+        calls = msg.get("tool_calls")
+        if calls:
+            if not isinstance(calls, list):
+                raise DataError(f"{where}: {what}.tool_calls must be a list, found {type(calls).__name__}")
+            out["tool_calls"] = [_tool_call(c, f"{what}.tool_calls[{j}]", where) for j, c in enumerate(calls)]
+    elif role == "tool":
+        for key in ("tool_call_id", "name"):
+            if isinstance(msg.get(key), str):
+                out[key] = msg[key]
+    return out
+
+
+def _sharegpt_message(msg: Any, i: int, where: str) -> dict[str, Any]:
+    what = f"conversations[{i}]"
+    if isinstance(msg, dict) and "from" not in msg and "role" in msg:
+        return _openai_message(msg, i, where)  # some ShareGPT dumps already use role/content
+    if not isinstance(msg, dict):
+        raise DataError(f"{where}: {what} must be an object, found {type(msg).__name__}")
+    speaker = msg.get("from")
+    if speaker not in SHAREGPT_ROLES:
+        raise DataError(f"{where}: {what} has unknown speaker 'from': {speaker!r}; expected one of {sorted(SHAREGPT_ROLES)}")
+    value = _text(msg.get("value"), f"{what}.value", where)
+    if speaker == "function_call":
+        try:
+            call = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: {what} is a function_call whose value is not JSON ({e})") from e
+        return {"role": "assistant", "content": "", "tool_calls": [_tool_call(call, what, where)]}
+    return {"role": SHAREGPT_ROLES[speaker], "content": value}
+
+
+def conversation_from_row(row: Any, path: str, row_index: int) -> Conversation:
+    """Validate and normalise one dataset row; DataError naming file, row and reason."""
+    where = row_location(path, row_index)
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected an object with 'messages' or 'conversations', found {type(row).__name__}")
+    if row.get("messages") is not None:
+        raw, parse = row["messages"], _openai_message
+        key = "messages"
+    elif row.get("conversations") is not None:
+        raw, parse = row["conversations"], _sharegpt_message
+        key = "conversations"
+    else:
+        raise DataError(f"{where}: no 'messages' (OpenAI) or 'conversations' (ShareGPT) list (keys: {sorted(row)})")
+    if not isinstance(raw, list) or not raw:
+        raise DataError(f"{where}: {key} must be a non-empty list, found {raw!r:.60}")
+    messages = [parse(m, i, where) for i, m in enumerate(raw)]
+    system = row.get("system")  # ShareGPT variants carry the system prompt beside the turns
+    if isinstance(system, str) and system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    for i, m in enumerate(messages):
+        if m["role"] == "system" and i > 0:
+            raise DataError(f"{where}: {key}[{i}] is a system message after the first turn")
+    tools = row.get("tools")
+    if isinstance(tools, str):  # ShareGPT function-calling sets store the schemas as a JSON string
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: tools is not valid JSON ({e})") from e
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise DataError(f"{where}: tools must be a list of objects")
+    raw_id = row.get("id")
+    if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, (str, int))):
+        raise DataError(f"{where}: id must be a string or an integer, found {type(raw_id).__name__}")
+    sample_id = f"{Path(path).stem}:{row_index}" if raw_id is None else str(raw_id)
+    extra = {k: v for k, v in row.items() if k not in ("id", "messages", "conversations", "tools", "system")}
+    return Conversation(sample_id, messages, tools or None, where, extra)
+
+
+def _file_rows(path: str) -> Iterator[tuple[int, Any]]:
+    """(row index, parsed row) of one file; a malformed line comes as a DataError in place of the row,
+    an unreadable file raises."""
+    if path.endswith(".parquet"):
+        try:
+            pf = pq.ParquetFile(path)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise DataError(f"{path}: not a readable Parquet file ({e})") from e
+        row = 0
+        for g in range(pf.num_row_groups):
+            for item in pf.read_row_group(g).to_pylist():
+                yield row, item
+                row += 1
+    elif path.endswith(".json"):
+        try:
+            with open(path, encoding="utf-8") as f:
+                items = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{path}: not valid JSON ({e}); a .json file holds a list of conversations") from e
+        if not isinstance(items, list):
+            raise DataError(f"{path}: a .json file must hold a list of conversations, found {type(items).__name__}")
+        yield from enumerate(items)
+    else:
+        with open(path, "rb") as f:
+            for row, line in enumerate(f):
+                if not line.strip():
+                    yield row, DataError(f"{row_location(path, row)}: empty line; JSON Lines needs one object per line")
+                    continue
+                try:
+                    yield row, json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    yield row, DataError(f"{row_location(path, row)}: malformed JSON line ({e})")
+
+
+def iter_conversations(path: str | os.PathLike, errors: list[str] | None = None) -> Iterator[Conversation]:
+    """Every conversation under `path`, in file and row order; ids checked for uniqueness.
+
+    errors=None: raise at the first bad row. A list: append each bad row's message to it and go
+    on (the caller reports them all); a file that cannot be read at all still raises."""
+    seen: dict[str, str] = {}
+    for path_ in find_data_files(path, CONVERSATION_SUFFIXES):
+        for row_index, row in _file_rows(path_):
+            try:
+                if isinstance(row, DataError):
+                    raise row
+                conv = conversation_from_row(row, path_, row_index)
+                if conv.sample_id in seen:
+                    raise DataError(f"{conv.where}: duplicate id {conv.sample_id!r}, first at {seen[conv.sample_id]}")
+            except DataError as e:
+                if errors is None:
+                    raise
+                errors.append(str(e))
+                continue
+            seen[conv.sample_id] = conv.where
+            yield conv

@@ -1,0 +1,123 @@
+"""dflash-data prepare: conversations -> the token dataset dflash-extract reads (id, input_ids, loss_mask).
+
+Every conversation is rendered with the target's own chat template (chat.py); the output is one
+Parquet file with small row groups, plus OUT.summary.json: samples, tokens, supervised fraction,
+truncated and skipped samples with their reasons. Bad rows (no messages, unknown roles, no assistant
+turn, a template that refuses the conversation) are all listed and nothing is written, unless
+`skip_bad_rows`, which writes the rest and lists every skipped row in the summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .chat import ChatRenderer
+from .conversations import iter_conversations
+from .data import Sample, write_parquet
+from .rows import DataError
+from .target_config import TargetConfig
+
+logger = logging.getLogger(__name__)
+
+LONG_POLICIES = ("truncate", "skip", "error")
+_NUM_ERRORS_SHOWN = 20
+
+
+@dataclass(kw_only=True)
+class PrepareConfig:
+    target: str  # checkpoint directory holding config.json, tokenizer files and the chat template
+    data: str  # conversations: JSONL / JSON / Parquet file, directory or glob
+    out: str  # Parquet file to write (refused when it exists, unless overwrite)
+    thinking: bool = True  # render with enable_thinking (reasoning kept); False removes reasoning
+    max_length: int | None = None  # tokens per sample at most; None = no limit
+    long_seqs: str = "truncate"  # samples past max_length: cut, drop (listed) or refuse
+    skip_bad_rows: bool = False  # write the good rows and list the bad ones, instead of refusing
+    overwrite: bool = False  # replace an existing output file
+
+    def __post_init__(self) -> None:
+        if self.max_length is not None and self.max_length <= 0:
+            raise ValueError(f"max_length must be positive, got {self.max_length}")
+        if self.long_seqs not in LONG_POLICIES:
+            raise ValueError(f"long_seqs must be one of {LONG_POLICIES}, got {self.long_seqs!r}")
+        if not self.out.endswith(".parquet"):
+            raise ValueError(f"out must be a .parquet file, got {self.out!r}")
+
+
+@dataclass
+class PrepareSummary:
+    out: str
+    num_samples: int = 0  # written
+    num_tokens: int = 0
+    num_supervised: int = 0
+    num_truncated: int = 0  # cut to max_length (still written)
+    num_reasoning_dropped: int = 0  # assistant turns whose reasoning was removed (thinking off)
+    skipped: list[dict] = dataclasses.field(default_factory=list)  # {"row": where, "reason": ...}
+
+    @property
+    def supervised_fraction(self) -> float:
+        return self.num_supervised / self.num_tokens if self.num_tokens else 0.0
+
+    def line(self) -> str:
+        return (
+            f"{self.num_samples} samples, {self.num_tokens} tokens, {100 * self.supervised_fraction:.1f}% supervised, "
+            f"{self.num_truncated} truncated, {len(self.skipped)} skipped"
+            + (f", reasoning removed from {self.num_reasoning_dropped} turns (thinking off)" if self.num_reasoning_dropped else "")
+            + f" -> {self.out}"
+        )
+
+
+def prepare_dataset(cfg: PrepareConfig) -> PrepareSummary:
+    """Render, mask and write every conversation; DataError listing bad rows (see the module doc)."""
+    out = Path(cfg.out)
+    if out.exists() and not cfg.overwrite:
+        raise FileExistsError(f"{out} exists; choose another --out or pass --overwrite")
+    vocab_size = TargetConfig.from_dir(cfg.target).vocab_size
+    renderer = ChatRenderer(cfg.target, thinking=cfg.thinking, vocab_size=vocab_size)
+    summary = PrepareSummary(out=str(out))
+    errors: list[str] = []
+    samples: list[Sample] = []
+    for conv in iter_conversations(cfg.data, errors):
+        try:
+            ids, mask, dropped = renderer.encode(conv)
+        except DataError as e:
+            errors.append(str(e))
+            continue
+        if cfg.max_length is not None and len(ids) > cfg.max_length:
+            reason = f"{len(ids)} tokens, more than max_length {cfg.max_length}"
+            if cfg.long_seqs == "error":
+                raise DataError(f"{conv.where}: sample {conv.sample_id!r} has {reason}; use --long-seqs truncate or skip")
+            if cfg.long_seqs == "skip":
+                summary.skipped.append({"row": conv.where, "id": conv.sample_id, "reason": reason})
+                continue
+            ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
+            summary.num_truncated += 1
+        summary.num_reasoning_dropped += dropped
+        samples.append(Sample(conv.sample_id, ids, mask))
+        summary.num_tokens += len(ids)
+        summary.num_supervised += int(mask.sum())
+    if errors and not cfg.skip_bad_rows:
+        shown = "\n  ".join(errors[:_NUM_ERRORS_SHOWN])
+        more = f"\n  ... and {len(errors) - _NUM_ERRORS_SHOWN} more" if len(errors) > _NUM_ERRORS_SHOWN else ""
+        raise DataError(
+            f"{len(errors)} bad rows, nothing written:\n  {shown}{more}\n"
+            f"fix them, or pass --skip-bad-rows to write the other rows (the skipped ones are listed in the summary)"
+        )
+    summary.skipped.extend({"row": e.split(": ", 1)[0], "reason": e.split(": ", 1)[-1]} for e in errors)
+    if not samples:
+        raise DataError(f"{cfg.data}: no conversation could be prepared")
+    summary.num_samples = len(samples)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    write_parquet(tmp, samples)
+    os.replace(tmp, out)
+    record = {**dataclasses.asdict(summary), "supervised_fraction": summary.supervised_fraction,
+              "config": dataclasses.asdict(cfg)}
+    with open(f"{out}.summary.json", "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2)
+    logger.info("prepared %s", summary.line())
+    return summary

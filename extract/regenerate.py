@@ -1,0 +1,311 @@
+"""dflash-data regenerate: replace the assistant turns of conversations with the target's own replies.
+
+A DFlash drafter learns what its target says, so the training text should be the target's output.
+This client sends each conversation, turn by turn, to an OpenAI-compatible server (vLLM, SGLang,
+tools/tiny_server.py): for every assistant turn it asks for a reply given the conversation so far
+(earlier turns already replaced) and puts the reply in its place; a conversation that ends with a
+user or tool message also gets a final reply. Tool results stay as they were (tools are not run).
+Greedy by default; thinking on or off through `chat_template_kwargs: {enable_thinking}`; the
+reasoning the server returns (`reasoning_content`, or `reasoning`) is kept in `reasoning_content`.
+
+Output: JSON Lines of {"id", "messages", "tools"?}, the input format of `dflash-data prepare`,
+written in input order, one line per finished conversation, plus OUT.regenerate.json recording the
+settings. Resumable: a re-run of the same command keeps the conversations already in OUT (by id),
+removes a partial last line left by a killed run, and does the rest, so nothing is lost or
+duplicated; other settings are refused, naming each. Requests that time out or fail with 5xx / 429
+/ connection errors are retried with exponential backoff; a conversation that still fails is
+listed in the summary (id, row, reason) and left out of OUT, so the next run retries it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from .conversations import Conversation, iter_conversations
+from .rows import DataError
+
+logger = logging.getLogger(__name__)
+
+META_SUFFIX = ".regenerate.json"
+_META_KEYS = ("model", "temperature", "max_tokens", "thinking", "seed")  # settings a resume must share
+_MAX_BACKOFF_S = 60.0
+
+
+@dataclass(kw_only=True)
+class RegenerateConfig:
+    server: str  # base URL of the OpenAI-compatible API, e.g. http://localhost:8000/v1
+    model: str  # model name the server serves
+    data: str  # conversations: JSONL / JSON / Parquet file, directory or glob
+    out: str  # JSON Lines file to write or resume
+    temperature: float = 0.0  # 0 = greedy
+    max_tokens: int = 4096  # generated tokens per reply at most
+    thinking: bool = True  # enable_thinking in the server's chat template
+    seed: int | None = None  # sampling seed sent with every request (temperature > 0)
+    concurrency: int = 32  # conversations in flight at once
+    request_timeout_s: float = 600.0  # seconds one request may take before it is retried
+    max_retries: int = 5  # retries per request after timeouts, 5xx, 429 and connection errors
+    retry_backoff_s: float = 2.0  # wait before the first retry, doubled for each further one (cap 60 s)
+    api_key: str = "EMPTY"  # sent as the bearer token (vLLM and SGLang ignore it unless configured)
+    progress: bool = True  # show a progress bar (samples/s, generated tokens/s, ETA)
+
+    def __post_init__(self) -> None:
+        positive = {"max_tokens": self.max_tokens, "concurrency": self.concurrency,
+                    "request_timeout_s": self.request_timeout_s}
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        for name, value in {"temperature": self.temperature, "max_retries": self.max_retries,
+                            "retry_backoff_s": self.retry_backoff_s}.items():
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if urlsplit(self.server).scheme not in ("http", "https"):
+            raise ValueError(f"server must be an http(s) URL, got {self.server!r}")
+        if not self.out.endswith(".jsonl"):
+            raise ValueError(f"out must be a .jsonl file, got {self.out!r}")
+
+    @property
+    def base_url(self) -> str:
+        """The server URL with /v1 appended when it has no path (vLLM and SGLang serve under /v1)."""
+        url = self.server.rstrip("/")
+        return url + "/v1" if urlsplit(url).path in ("", "/") else url
+
+
+@dataclass
+class Failure:
+    sample_id: str
+    where: str  # file and row of the conversation
+    reason: str
+
+
+@dataclass
+class RegenerateSummary:
+    out: str
+    num_input: int = 0  # conversations in --data
+    num_kept: int = 0  # already in OUT from an earlier run
+    num_written: int = 0  # finished in this run
+    num_replies: int = 0  # replies generated in this run
+    num_truncated_replies: int = 0  # replies that hit max_tokens (finish_reason "length")
+    num_retries: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    torn_bytes_removed: int = 0  # partial last line of a killed run, removed at start
+    failures: list[Failure] = dataclasses.field(default_factory=list)
+
+    def line(self) -> str:
+        rate = self.generated_tokens / self.seconds if self.seconds else 0.0
+        return (
+            f"{self.num_written} conversations regenerated ({self.num_replies} replies, {self.generated_tokens} tokens, "
+            f"{rate:,.0f} tok/s, {self.num_truncated_replies} cut at max_tokens, {self.num_retries} retries), "
+            f"{self.num_kept} kept from an earlier run, {len(self.failures)} failed -> {self.out}"
+        )
+
+
+class _Retryable(Exception):
+    pass
+
+
+def _read_done(out: Path) -> tuple[set[str], int]:
+    """Ids already in OUT; a partial last line (no newline: the run was killed mid-write) is cut off.
+    Returns (ids, bytes removed)."""
+    raw = out.read_bytes()
+    cut = 0
+    if raw and not raw.endswith(b"\n"):
+        keep = raw.rfind(b"\n") + 1
+        cut = len(raw) - keep
+        with open(out, "r+b") as f:
+            f.truncate(keep)
+        raw = raw[:keep]
+        logger.warning("%s: removed a partial last line (%d bytes) left by an interrupted run", out, cut)
+    done = set()
+    for number, line in enumerate(raw.splitlines(), 1):
+        try:
+            done.add(str(json.loads(line)["id"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise DataError(f"{out}, line {number}: not a regenerated conversation ({e}); the file was edited") from e
+    return done, cut
+
+
+def _check_meta(cfg: RegenerateConfig, out: Path) -> None:
+    """Refuse an OUT this program did not start, or one made with other settings; record ours."""
+    meta_path = Path(str(out) + META_SUFFIX)
+    ours = {key: getattr(cfg, key) for key in _META_KEYS}
+    if out.exists():
+        if not meta_path.exists():
+            raise FileExistsError(f"{out} exists and was not written by dflash-data regenerate (no {meta_path.name}); choose another --out")
+        recorded = json.loads(meta_path.read_text())
+        diffs = [f"{k}: {recorded.get(k)!r} in {meta_path.name}, {ours[k]!r} now" for k in _META_KEYS if recorded.get(k) != ours[k]]
+        if diffs:
+            raise ValueError(f"{out} was made with other settings ({'; '.join(diffs)}); use the same settings to resume, or another --out")
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta_path.write_text(json.dumps(ours, indent=2) + "\n")
+    out.touch()
+
+
+def _wire_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A normalised message in OpenAI wire form (tool-call arguments as a JSON string)."""
+    if not m.get("tool_calls"):
+        return m
+    calls = [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}} for c in m["tool_calls"]]
+    return {**m, "tool_calls": [{"id": f"call_{i}", **c} for i, c in enumerate(calls)]}
+
+
+def _reply_message(message: Any) -> dict[str, Any]:
+    """The server's reply as a normalised assistant message."""
+    extra = message.model_extra or {}
+    reasoning = getattr(message, "reasoning_content", None) or extra.get("reasoning_content") or extra.get("reasoning")
+    out: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    calls = []
+    for call in message.tool_calls or []:
+        try:
+            args = json.loads(call.function.arguments or "{}")
+        except json.JSONDecodeError:
+            args = {"arguments": call.function.arguments}  # keep what the model wrote, never drop it
+        calls.append({"type": "function", "function": {"name": call.function.name, "arguments": args if isinstance(args, dict) else {"value": args}}})
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+class _Client:
+    def __init__(self, cfg: RegenerateConfig, summary: RegenerateSummary):
+        from openai import AsyncOpenAI
+
+        self.cfg = cfg
+        self.summary = summary
+        # Retries are ours (max_retries=0 here): counted, reported, and with the configured backoff.
+        self.api = AsyncOpenAI(base_url=cfg.base_url, api_key=cfg.api_key, max_retries=0, timeout=cfg.request_timeout_s)
+
+    async def check_server(self) -> None:
+        import openai
+
+        try:
+            models = [m.id async for m in self.api.models.list()]
+        except (openai.APIConnectionError, openai.APITimeoutError) as e:
+            raise ConnectionError(f"no OpenAI-compatible server answers at {self.cfg.base_url} ({e}); start it, or fix --server") from e
+        except openai.APIStatusError as e:
+            raise ConnectionError(f"{self.cfg.base_url}/models answered HTTP {e.status_code}: {e.message}; is --server an OpenAI-compatible API?") from e
+        if models and self.cfg.model not in models:
+            raise ValueError(f"--model {self.cfg.model!r} is not served at {self.cfg.base_url}; it serves {models}")
+
+    async def reply(self, context: list[dict[str, Any]], tools: list[dict] | None) -> dict[str, Any]:
+        import openai
+
+        cfg = self.cfg
+        request: dict[str, Any] = dict(
+            model=cfg.model, messages=[_wire_message(m) for m in context], temperature=cfg.temperature,
+            max_tokens=cfg.max_tokens, extra_body={"chat_template_kwargs": {"enable_thinking": cfg.thinking}},
+        )
+        if tools:
+            request["tools"] = tools
+        if cfg.seed is not None:
+            request["seed"] = cfg.seed
+        for attempt in range(cfg.max_retries + 1):
+            try:
+                response = await self.api.chat.completions.create(**request)
+                break
+            except (openai.APITimeoutError, openai.APIConnectionError, openai.InternalServerError, openai.RateLimitError) as e:
+                if attempt == cfg.max_retries:
+                    raise _Retryable(f"{type(e).__name__} after {attempt + 1} attempts: {e}") from e
+                self.summary.num_retries += 1
+                await asyncio.sleep(min(cfg.retry_backoff_s * 2**attempt, _MAX_BACKOFF_S))
+            except openai.APIStatusError as e:  # other 4xx: the request itself is wrong, retrying cannot help
+                raise _Retryable(f"HTTP {e.status_code}: {e.message}") from e
+        choice = response.choices[0]
+        self.summary.num_replies += 1
+        self.summary.num_truncated_replies += choice.finish_reason == "length"
+        if response.usage is not None:
+            self.summary.generated_tokens += response.usage.completion_tokens
+        return _reply_message(choice.message)
+
+    async def regenerate(self, conv: Conversation) -> dict[str, Any]:
+        new: list[dict[str, Any]] = []
+        for m in conv.messages:
+            new.append(await self.reply(new, conv.tools) if m["role"] == "assistant" else m)
+        if new[-1]["role"] in ("user", "tool"):
+            new.append(await self.reply(new, conv.tools))
+        return {**Conversation(conv.sample_id, new, conv.tools).to_row(), **conv.extra}
+
+
+async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: RegenerateSummary, out: Path) -> None:
+    from tqdm.auto import tqdm
+
+    client = _Client(cfg, summary)
+    await client.check_server()
+    window = 4 * cfg.concurrency  # finished conversations wait at most this far ahead of the next to write
+    state = {"next_index": 0, "written": 0}
+    results: dict[int, dict | None] = {}
+    cond = asyncio.Condition()
+    start = time.monotonic()
+    bar = tqdm(total=len(todo), unit="conv", dynamic_ncols=True, disable=not cfg.progress, file=sys.stderr,
+               desc="regenerate")
+    with open(out, "a", encoding="utf-8") as f:
+
+        def flush_in_order() -> None:
+            while state["written"] in results:
+                row = results.pop(state["written"])
+                if row is not None:
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")  # one write per line: a kill tears at most the last
+                    f.flush()
+                    summary.num_written += 1
+                state["written"] += 1
+
+        async def worker() -> None:
+            while state["next_index"] < len(todo):
+                i = state["next_index"]
+                state["next_index"] += 1
+                async with cond:
+                    await cond.wait_for(lambda: i < state["written"] + window)
+                conv = todo[i]
+                try:
+                    row = await client.regenerate(conv)
+                except _Retryable as e:
+                    summary.failures.append(Failure(conv.sample_id, conv.where, str(e)))
+                    row = None
+                async with cond:
+                    results[i] = row
+                    flush_in_order()
+                    cond.notify_all()
+                elapsed = time.monotonic() - start
+                bar.set_postfix_str(f"{summary.generated_tokens / elapsed:,.0f} gen tok/s, {len(summary.failures)} failed", refresh=False)
+                bar.update(1)
+
+        try:
+            await asyncio.gather(*(worker() for _ in range(min(cfg.concurrency, max(len(todo), 1)))))
+        finally:
+            bar.close()
+            f.flush()
+            os.fsync(f.fileno())
+            await client.api.close()
+
+
+def regenerate_dataset(cfg: RegenerateConfig) -> RegenerateSummary:
+    """Regenerate every conversation of cfg.data not yet in cfg.out; see the module docstring."""
+    out = Path(cfg.out)
+    convs = list(iter_conversations(cfg.data))
+    summary = RegenerateSummary(out=str(out), num_input=len(convs))
+    _check_meta(cfg, out)
+    done, summary.torn_bytes_removed = _read_done(out)
+    unknown = done - {c.sample_id for c in convs}
+    if unknown:
+        raise DataError(f"{out} holds ids that are not in {cfg.data} (e.g. {sorted(unknown)[:3]}); is it the output of another dataset?")
+    todo = [c for c in convs if c.sample_id not in done]
+    summary.num_kept = len(convs) - len(todo)
+    logger.info("regenerate: %d conversations, %d already in %s, %d to do", len(convs), summary.num_kept, out, len(todo))
+    start = time.monotonic()
+    if todo:
+        asyncio.run(_run(cfg, todo, summary, out))
+    summary.seconds = time.monotonic() - start
+    return summary
