@@ -1,0 +1,229 @@
+"""dflash-data regenerate over real HTTP against tools/tiny_server.py: replies, resume, retries, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from extract.data_cli import main as data_cli
+from extract.model import TargetModel
+from extract.target_config import tiny_config_dict
+from tools.tiny_server import Faults, TinyChatModel, make_server
+from tools.tiny_target import write_random_checkpoint
+
+MAX_TOKENS = 5
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("target"), tiny_config_dict(vocab_size=512),
+                                   naming="text", with_tokenizer=True, mixer_scale=0.1)
+
+
+@pytest.fixture(scope="module")
+def chat_model(target) -> TinyChatModel:
+    return TinyChatModel(target, max_batch=8)
+
+
+@contextmanager
+def serving(chat_model: TinyChatModel, faults: Faults | None = None):
+    server = make_server(chat_model, 0, faults)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _conversations(path: Path, n: int, multi_turn: bool = True) -> Path:
+    rows = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"Question number {i} about the weather?"}]
+        if multi_turn and i % 2:
+            messages += [{"role": "assistant", "content": "old answer"}, {"role": "user", "content": "And tomorrow?"},
+                         {"role": "assistant", "content": "old answer two"}]
+        rows.append({"id": f"c{i}", "messages": messages, "source": "test"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _regenerate(url: str, data: Path, out: Path, *extra: str):
+    args = ["regenerate", "--server", url, "--model", "tiny", "--data", str(data), "--out", str(out),
+            "--max-tokens", str(MAX_TOKENS), "--thinking", "off", "--no-progress", "--retry-backoff", "0.05", *extra]
+    return CliRunner().invoke(data_cli, args, catch_exceptions=False)
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _greedy_reference(target: Path, model: TargetModel, tokenizer, messages: list[dict]) -> str:
+    """The target's greedy reply, one sequence at a time, straight from the model."""
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False, tokenize=False)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    out = []
+    for _ in range(MAX_TOKENS):
+        seq = torch.tensor(ids + out)
+        cu = torch.tensor([0, len(seq)], dtype=torch.int32)
+        _, top, _ = model.topk_next_tokens(seq, torch.arange(len(seq)), cu, [0], k=1)
+        out.append(int(top[-1, 0]))
+        if out[-1] == tokenizer.eos_token_id:
+            break
+    return tokenizer.decode(out, skip_special_tokens=True)
+
+
+def test_regenerate_turn_by_turn_equals_greedy_reference(target, chat_model, tmp_path):
+    data = _conversations(tmp_path / "chats.jsonl", 6)
+    out = tmp_path / "regen.jsonl"
+    with serving(chat_model) as url:
+        result = _regenerate(url, data, out, "--concurrency", "3")
+    assert result.exit_code == 0, result.output
+    assert "6 conversations regenerated (9 replies" in result.output and "0 failed" in result.output
+    rows = _rows(out)
+    assert [r["id"] for r in rows] == [f"c{i}" for i in range(6)]  # input order, whatever the completion order
+    model = TargetModel.from_pretrained(target, "cpu", dtype=torch.float32, with_head=True)
+    tokenizer = chat_model.tokenizer
+    for i, row in enumerate(rows):
+        assert row["source"] == "test"  # other fields are carried through
+        messages = row["messages"]
+        assert [m["role"] for m in messages] == (["user", "assistant", "user", "assistant"] if i % 2 else ["user", "assistant"])
+        for k, m in enumerate(messages):
+            if m["role"] == "assistant":  # the reply to the conversation so far, earlier replies included
+                assert m["content"] == _greedy_reference(target, model, tokenizer, messages[:k])
+                assert m["content"] != "old answer" and "reasoning_content" not in m
+    meta = json.loads(Path(f"{out}.regenerate.json").read_text())
+    assert meta == {"model": "tiny", "temperature": 0.0, "max_tokens": MAX_TOKENS, "thinking": False, "seed": None}
+
+
+def test_thinking_on_keeps_reasoning(chat_model, tmp_path):
+    data = _conversations(tmp_path / "chats.jsonl", 1, multi_turn=False)
+    out = tmp_path / "regen.jsonl"
+    with serving(chat_model) as url:
+        args = ["regenerate", "--server", url, "--model", "tiny", "--data", str(data), "--out", str(out),
+                "--max-tokens", str(MAX_TOKENS), "--thinking", "on", "--no-progress"]
+        result = CliRunner().invoke(data_cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    reply = _rows(out)[0]["messages"][-1]
+    # The random target never closes </think> within 5 tokens: everything it wrote is reasoning.
+    assert reply["reasoning_content"] and reply["content"] == ""
+
+
+def test_kill_in_the_middle_then_resume_loses_and_duplicates_nothing(chat_model, tmp_path):
+    data = _conversations(tmp_path / "chats.jsonl", 8, multi_turn=False)
+    clean = tmp_path / "clean.jsonl"
+    out = tmp_path / "regen.jsonl"
+    with serving(chat_model) as url:
+        assert _regenerate(url, data, clean, "--concurrency", "2").exit_code == 0
+    # The server answers 3 requests, then hangs: with one conversation in flight exactly 3 are written.
+    with serving(chat_model, Faults(hang_after=3)) as url:
+        cmd = [sys.executable, "-m", "extract.data_cli", "regenerate", "--server", url, "--model", "tiny",
+               "--data", str(data), "--out", str(out), "--max-tokens", str(MAX_TOKENS), "--thinking", "off",
+               "--concurrency", "1", "--no-progress"]
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while not (out.exists() and out.read_text().count("\n") == 3):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode() if proc.poll() is not None else "timeout"
+                time.sleep(0.1)
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert [r["id"] for r in _rows(out)] == ["c0", "c1", "c2"]
+    with open(out, "a") as f:  # a write torn by the kill
+        f.write('{"id": "c3", "messages": [{"role": "us')
+    with serving(chat_model) as url:
+        result = _regenerate(url, data, out, "--concurrency", "3")
+    assert result.exit_code == 0, result.output
+    assert "5 conversations regenerated" in result.output and "3 kept from an earlier run" in result.output
+    ids = [r["id"] for r in _rows(out)]
+    assert sorted(ids) == sorted(f"c{i}" for i in range(8)) and len(ids) == len(set(ids))
+    assert sorted(_rows(out), key=lambda r: r["id"]) == sorted(_rows(clean), key=lambda r: r["id"])
+    # A third run has nothing left to do.
+    with serving(chat_model) as url:
+        result = _regenerate(url, data, out)
+    assert result.exit_code == 0 and "0 conversations regenerated" in result.output and "8 kept" in result.output
+
+
+def test_retries_after_5xx_and_timeouts(chat_model, tmp_path):
+    data = _conversations(tmp_path / "chats.jsonl", 2, multi_turn=False)
+    with serving(chat_model, Faults(fail_requests=frozenset({1, 2}))) as url:
+        result = _regenerate(url, data, tmp_path / "a.jsonl", "--concurrency", "1")
+    assert result.exit_code == 0 and "2 retries" in result.output and "0 failed" in result.output, result.output
+    assert len(_rows(tmp_path / "a.jsonl")) == 2
+    with serving(chat_model, Faults(delay_s={1: 3.0})) as url:
+        result = _regenerate(url, data, tmp_path / "b.jsonl", "--concurrency", "1", "--request-timeout", "1")
+    assert result.exit_code == 0 and "1 retries" in result.output, result.output
+    assert len(_rows(tmp_path / "b.jsonl")) == 2
+
+
+def test_failures_are_listed_never_dropped_and_retried_by_a_rerun(chat_model, tmp_path):
+    data = _conversations(tmp_path / "chats.jsonl", 3, multi_turn=False)
+    out = tmp_path / "regen.jsonl"
+    with serving(chat_model, Faults(fail_requests=frozenset({2, 3}))) as url:  # c1 fails twice: out of retries
+        result = _regenerate(url, data, out, "--concurrency", "1", "--max-retries", "1")
+    assert result.exit_code == 1
+    assert f"failed 'c1' ({data}, row 1 (line 2)): InternalServerError after 2 attempts" in result.output, result.output
+    assert "1 conversations failed and are not in" in result.output and "re-run the same command" in result.output
+    assert [r["id"] for r in _rows(out)] == ["c0", "c2"]
+    with serving(chat_model) as url:
+        result = _regenerate(url, data, out)
+    assert result.exit_code == 0 and "1 conversations regenerated" in result.output
+    assert sorted(r["id"] for r in _rows(out)) == ["c0", "c1", "c2"]
+
+
+def test_refusals_name_the_problem(chat_model, tmp_path):
+    data = _conversations(tmp_path / "chats.jsonl", 1, multi_turn=False)
+    out = tmp_path / "regen.jsonl"
+    with serving(chat_model) as url:
+        assert _regenerate(url, data, out).exit_code == 0
+        other = _regenerate(url, data, out, "--temperature", "0.5")
+        assert other.exit_code == 1 and "temperature: 0.0" in other.output and "0.5 now" in other.output
+        wrong = CliRunner().invoke(data_cli, ["regenerate", "--server", url, "--model", "nope", "--data", str(data),
+                                              "--out", str(tmp_path / "w.jsonl"), "--no-progress"])
+        assert wrong.exit_code == 1 and "--model 'nope' is not served" in wrong.output and "tiny" in wrong.output
+        foreign = tmp_path / "foreign.jsonl"
+        foreign.write_text("mine\n")
+        refused = _regenerate(url, data, foreign)
+        assert refused.exit_code == 1 and "was not written by dflash-data regenerate" in refused.output
+        assert foreign.read_text() == "mine\n"
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
+        refused = _regenerate(url, bad, tmp_path / "o.jsonl")
+        assert refused.exit_code == 1 and f"{bad}, row 0 (line 1): messages[0] has unknown role 'robot'" in refused.output
+    down = _regenerate(url, data, tmp_path / "down.jsonl")  # the server is gone now
+    assert down.exit_code == 1 and "no OpenAI-compatible server answers at" in down.output
+    assert "Traceback" not in down.output
+
+
+def test_server_batches_concurrent_requests_like_single_ones(chat_model, target):
+    """The tiny server's packed steps give each sequence the tokens it gets alone (the reference
+    the regenerate tests rely on), at several batch sizes."""
+    from tools.tiny_server import _Job
+
+    tok = chat_model.tokenizer
+    prompts = [tok(f"<|im_start|>user\nq{i}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"] for i in range(5)]
+    alone = []
+    for p in prompts:
+        job = chat_model.submit(_Job(p, 4, 0.0, None))
+        job.done.wait()
+        alone.append(job.out)
+    jobs = [chat_model.submit(_Job(p, 4, 0.0, None)) for p in prompts]
+    for job in jobs:
+        job.done.wait()
+    assert [job.out for job in jobs] == alone
+    assert all(0 <= t < 512 for seq in alone for t in seq) and np.unique(np.concatenate(alone)).size > 1
