@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole pipeline on the built-in tiny target, on CPU, in a few minutes:
-#   install -> tiny target -> its own greedy text -> extract -> verify -> train -> export -> eval.
+#   install -> tiny target -> chats -> the target's own replies (regenerate, over HTTP) -> prepare
+#   (chat template + loss mask) -> extract -> verify -> train -> export -> eval.
 # Every step is the real CLI, printed before it runs. Usage: bash tools/demo.sh [WORK_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,16 +19,28 @@ fi
 if ! command -v nvidia-smi >/dev/null 2>&1; then
     python -m pip install -q torch==2.13.0
 fi
-python -m pip install -q -e '.[plot]'  # matplotlib, for dflash-train plot
+python -m pip install -q -e '.[plot,data]'  # matplotlib for dflash-train plot; tokenizer + client for dflash-data
 rm -rf "$work"
 mkdir -p "$work"
 
 # A random-weight Qwen3.5-style target (8 layers, 3:1 GatedDeltaNet/attention, GVA ratio 3). Its
 # token mixers are scaled down so that its greedy text has structure a tiny drafter can learn quickly.
 step python -m tools.tiny_target "$work/target" --seed 0 --mixer-scale 0.1
-# Training data for a drafter is its target's own output: greedy continuations of random prompts.
-step python -m tools.demo_data --target "$work/target" --out "$work/data.jsonl" --num-samples 256 --new-tokens 48
-step dflash-extract --target "$work/target" --data "$work/data.jsonl" --out "$work/cache" \
+# Training data for a drafter is its target's own output. Start from chats, let the target answer
+# them through an OpenAI-compatible server (here a tiny one; vllm serve / SGLang for a real target),
+# then render them with the target's chat template, the loss mask on what the model wrote.
+step python -m tools.demo_data --conversations --out "$work/chats.jsonl" --num-samples 128
+printf '\n%s$ python -m tools.tiny_server --target %s --port-file %s --max-batch 64 &%s\n' "$bold" "$work/target" "$work/port" "$plain"
+python -m tools.tiny_server --target "$work/target" --port-file "$work/port" --max-batch 64 &
+server_pid=$!
+trap 'kill "$server_pid" 2>/dev/null || true' EXIT
+for _ in $(seq 120); do [ -s "$work/port" ] && break; sleep 0.5; done
+[ -s "$work/port" ] || { echo "the tiny server did not start" >&2; exit 1; }
+step dflash-data regenerate --server "http://127.0.0.1:$(cat "$work/port")/v1" --model tiny \
+    --data "$work/chats.jsonl" --out "$work/regenerated.jsonl" --thinking off --max-tokens 48 --concurrency 64
+kill "$server_pid" 2>/dev/null || true
+step dflash-data prepare --target "$work/target" --data "$work/regenerated.jsonl" --out "$work/data.parquet" --thinking off
+step dflash-extract --target "$work/target" --data "$work/data.parquet" --out "$work/cache" \
     --token-budget 1024 --max-seqs 32 --mask-token-id 511 --dtype float32 --progress-interval 2
 step dflash-shards info "$work/cache"
 step dflash-shards verify "$work/cache"
