@@ -20,8 +20,7 @@ from extract.chat import ChatRenderer
 from extract.conversations import conversation_from_row
 from extract.data import scan_dataset
 from extract.data_cli import main as data_cli
-from extract.target_config import tiny_config_dict
-from tools.tiny_target import write_random_checkpoint
+from tools.tiny_target import tiny_config_dict, write_random_checkpoint
 from tools.tiny_tokenizer import CHAT_TEMPLATE
 
 VOCAB = 512

@@ -19,9 +19,8 @@ from click.testing import CliRunner
 
 from extract.data_cli import main as data_cli
 from extract.model import TargetModel
-from extract.target_config import tiny_config_dict
 from tools.tiny_server import Faults, TinyChatModel, make_server
-from tools.tiny_target import write_random_checkpoint
+from tools.tiny_target import tiny_config_dict, write_random_checkpoint
 
 MAX_TOKENS = 5
 REPO = Path(__file__).resolve().parents[1]
