@@ -37,7 +37,7 @@ trap 'kill "$server_pid" 2>/dev/null || true' EXIT
 for _ in $(seq 120); do [ -s "$work/port" ] && break; sleep 0.5; done
 [ -s "$work/port" ] || { echo "the tiny server did not start" >&2; exit 1; }
 step dflash-data regenerate --server "http://127.0.0.1:$(cat "$work/port")/v1" --model tiny \
-    --data "$work/chats.jsonl" --out "$work/regenerated.jsonl" --thinking off --max-tokens 48 --concurrency 64
+    --data "$work/chats.jsonl" --out "$work/regenerated.jsonl" --thinking off --max-tokens 32 --concurrency 64
 kill "$server_pid" 2>/dev/null || true
 step dflash-data prepare --target "$work/target" --data "$work/regenerated.jsonl" --out "$work/data.parquet" --thinking off
 step dflash-extract --target "$work/target" --data "$work/data.parquet" --out "$work/cache" \
