@@ -4,6 +4,7 @@ The decoding walk itself is tested in test_train_walk.py."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import pytest
@@ -108,3 +109,14 @@ def test_training_raises_held_out_acceptance(tmp_path):
     # Decoding anchors right after rejections, where the drafter is weakest: random anchors read higher.
     assert trained.random_anchor_chain_length > trained.acceptance_length
     assert trained.tree_acceptance[16] >= trained.acceptance_length
+
+
+def test_held_out_eval_runs_every_epoch_by_default(tmp_path):
+    """--eval-shards alone evaluates before training, after every epoch and at the end, with the held-out
+    loss next to the acceptance (overfitting shows as a rising loss)."""
+    cache = tiny_cache(tmp_path / "cache", num_batches=3)
+    run_training(tiny_config(cache, tmp_path / "run", epochs=3, eval_shards=1))  # 2 training shards: 2 steps/epoch
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    evals = [r for r in map(json.loads, lines) if r.get("event") == "eval"]
+    assert [r["step"] for r in evals] == [0, 2, 4, 6]
+    assert all(r["eval/heldout_loss"] > 0 and r["eval/acceptance_length"] >= 1 for r in evals)

@@ -79,8 +79,10 @@ def train(gpus: str | None, **options) -> None:
         if summary.eval is not None:
             click.echo(summary.eval.table())
         if summary.eval_before is not None and summary.eval is not None:
-            click.echo(f"acceptance length on held-out shards: {summary.eval_before.acceptance_length:.3f} untrained "
-                       f"-> {summary.eval.acceptance_length:.3f} after {summary.steps} steps")
+            before, after = summary.eval_before, summary.eval
+            click.echo(f"acceptance length on held-out shards (decoding walk): {before.acceptance_length:.3f} untrained "
+                       f"-> {after.acceptance_length:.3f} after {summary.steps} steps; held-out loss "
+                       f"{before.heldout_loss:.4f} -> {after.heldout_loss:.4f}")
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)

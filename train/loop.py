@@ -226,7 +226,9 @@ class Trainer:
                 checkpoint_due = bool(cfg.checkpoint_every) and self.step % cfg.checkpoint_every == 0
                 if self.metrics.should_log(self.step) or checkpoint_due or done:
                     self._log()
-                if cfg.eval_every and self.step % cfg.eval_every == 0 and run.eval_ids:
+                # In-training eval by default: every epoch, or every --eval-every steps (the end is evaluated below).
+                every = cfg.eval_every or run.steps_per_epoch
+                if run.eval_ids and self.step % every == 0 and not done:
                     self._evaluate()
                 if checkpoint_due and not done:
                     self._save()

@@ -101,7 +101,7 @@ class TrainConfig:
     eval_shards: int = 0
     """Hold out the last N shards of the cache (highest batch ids) for evaluation; never trained on."""
     eval_every: int = 0
-    """Evaluate on the held-out shards every N steps; 0 = only at the end (when --eval-shards > 0)."""
+    """Evaluate on the held-out shards every N steps; 0 = at the end of every epoch (with --eval-shards > 0; also before training and at the end)."""
     eval_max_shards: int = 8
     """Evaluate on at most this many held-out shards each time."""
     tensorboard: bool = False
