@@ -15,6 +15,9 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
+
+from shards.cli_options import cli_field, config_error
 
 from .chat import ChatRenderer
 from .conversations import iter_conversations
@@ -24,28 +27,43 @@ from .target_config import TargetConfig
 
 logger = logging.getLogger(__name__)
 
-LONG_POLICIES = ("truncate", "skip", "error")
+LongPolicy = Literal["truncate", "skip", "error"]
+Thinking = Literal["on", "off"]  # enable_thinking in the chat template
 _NUM_ERRORS_SHOWN = 20
 
 
 @dataclass(kw_only=True)
 class PrepareConfig:
-    target: str  # checkpoint directory holding config.json, tokenizer files and the chat template
-    data: str  # conversations: JSONL / JSON / Parquet file, directory or glob
-    out: str  # Parquet file to write (refused when it exists, unless overwrite)
-    thinking: bool = True  # render with enable_thinking (reasoning kept); False removes reasoning
-    max_length: int | None = None  # tokens per sample at most; None = no limit
-    long_seqs: str = "truncate"  # samples past max_length: cut, drop (listed) or refuse
-    skip_bad_rows: bool = False  # write the good rows and list the bad ones, instead of refusing
-    overwrite: bool = False  # replace an existing output file
+    """One dflash-data prepare run: conversations -> token dataset."""
+
+    target: str = cli_field(path="existing_dir")
+    """Target checkpoint directory: config.json, tokenizer.json, tokenizer_config.json,
+    chat_template.jinja."""
+    data: str
+    """Conversations: .jsonl / .json / .parquet file, directory or glob."""
+    out: str = cli_field(path="file")
+    """Parquet file to write (id, input_ids, loss_mask), plus OUT.summary.json."""
+    thinking: Thinking = "on"
+    """Render as served with thinking on (reasoning kept where the template keeps it) or off
+    (reasoning removed). Must match how the target will be served."""
+    max_length: int | None = None
+    """Tokens per sample at most. Default: no limit."""
+    long_seqs: LongPolicy = "truncate"
+    """Samples past --max-length: cut (truncate), drop and list in the summary (skip) or refuse (error)."""
+    skip_bad_rows: bool = False
+    """Write the good rows and list the bad ones in the summary, instead of refusing."""
+    overwrite: bool = False
+    """Replace an existing --out file."""
 
     def __post_init__(self) -> None:
         if self.max_length is not None and self.max_length <= 0:
-            raise ValueError(f"max_length must be positive, got {self.max_length}")
-        if self.long_seqs not in LONG_POLICIES:
-            raise ValueError(f"long_seqs must be one of {LONG_POLICIES}, got {self.long_seqs!r}")
+            raise config_error(self, "max_length", "must be positive")
+        if self.long_seqs not in get_args(LongPolicy):
+            raise config_error(self, "long_seqs", f"must be one of {get_args(LongPolicy)}")
+        if self.thinking not in get_args(Thinking):
+            raise config_error(self, "thinking", f"must be one of {get_args(Thinking)}")
         if not self.out.endswith(".parquet"):
-            raise ValueError(f"out must be a .parquet file, got {self.out!r}")
+            raise config_error(self, "out", "must be a .parquet file")
 
 
 @dataclass
@@ -77,7 +95,7 @@ def prepare_dataset(cfg: PrepareConfig) -> PrepareSummary:
     if out.exists() and not cfg.overwrite:
         raise FileExistsError(f"{out} exists; choose another --out or pass --overwrite")
     vocab_size = TargetConfig.from_dir(cfg.target).vocab_size
-    renderer = ChatRenderer(cfg.target, thinking=cfg.thinking, vocab_size=vocab_size)
+    renderer = ChatRenderer(cfg.target, thinking=cfg.thinking == "on", vocab_size=vocab_size)
     summary = PrepareSummary(out=str(out))
     errors: list[str] = []
     samples: list[Sample] = []

@@ -28,10 +28,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 from urllib.parse import urlsplit
 
+from shards.cli_options import cli_field, config_error
+
 from .conversations import Conversation, iter_conversations
+from .prepare import Thinking
 from .rows import DataError
 
 logger = logging.getLogger(__name__)
@@ -43,35 +46,50 @@ _MAX_BACKOFF_S = 60.0
 
 @dataclass(kw_only=True)
 class RegenerateConfig:
-    server: str  # base URL of the OpenAI-compatible API, e.g. http://localhost:8000/v1
-    model: str  # model name the server serves
-    data: str  # conversations: JSONL / JSON / Parquet file, directory or glob
-    out: str  # JSON Lines file to write or resume
-    temperature: float = 0.0  # 0 = greedy
-    max_tokens: int = 4096  # generated tokens per reply at most
-    thinking: bool = True  # enable_thinking in the server's chat template
-    seed: int | None = None  # sampling seed sent with every request (temperature > 0)
-    concurrency: int = 32  # conversations in flight at once
-    request_timeout_s: float = 600.0  # seconds one request may take before it is retried
-    max_retries: int = 5  # retries per request after timeouts, 5xx, 429 and connection errors
-    retry_backoff_s: float = 2.0  # wait before the first retry, doubled for each further one (cap 60 s)
-    api_key: str = "EMPTY"  # sent as the bearer token (vLLM and SGLang ignore it unless configured)
-    progress: bool = True  # show a progress bar (samples/s, generated tokens/s, ETA)
+    """One dflash-data regenerate run: conversations x server -> conversations with the target's replies."""
+
+    server: str
+    """OpenAI-compatible API base URL, e.g. http://localhost:8000/v1 (vllm serve, SGLang)."""
+    model: str
+    """Model name as the server serves it."""
+    data: str
+    """Conversations: .jsonl / .json / .parquet file, directory or glob."""
+    out: str = cli_field(path="file")
+    """JSON Lines file to write; re-running the same command resumes it."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 = greedy."""
+    max_tokens: int = 4096
+    """Generated tokens per reply at most."""
+    thinking: Thinking = "on"
+    """enable_thinking in the server's chat template; the reasoning is kept in reasoning_content."""
+    seed: int | None = None
+    """Sampling seed sent with every request. Default: none sent."""
+    concurrency: int = 32
+    """Conversations in flight at once."""
+    request_timeout_s: float = cli_field(600.0, flag="--request-timeout")
+    """Seconds one request may take before it is retried."""
+    max_retries: int = 5
+    """Retries per request after timeouts, HTTP 5xx / 429 and connection errors."""
+    retry_backoff_s: float = cli_field(2.0, flag="--retry-backoff")
+    """Seconds before the first retry, doubled for each further one (at most 60)."""
+    api_key: str = "EMPTY"
+    """Bearer token, for servers started with an API key (vLLM and SGLang ignore it otherwise)."""
+    progress: bool = True
+    """Progress bar with conversations/s, generated tokens/s and ETA."""
 
     def __post_init__(self) -> None:
-        positive = {"max_tokens": self.max_tokens, "concurrency": self.concurrency,
-                    "request_timeout_s": self.request_timeout_s}
-        for name, value in positive.items():
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        for name, value in {"temperature": self.temperature, "max_retries": self.max_retries,
-                            "retry_backoff_s": self.retry_backoff_s}.items():
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+        for name in ("max_tokens", "concurrency", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise config_error(self, name, "must be positive")
+        for name in ("temperature", "max_retries", "retry_backoff_s"):
+            if getattr(self, name) < 0:
+                raise config_error(self, name, "must be >= 0")
+        if self.thinking not in get_args(Thinking):
+            raise config_error(self, "thinking", f"must be one of {get_args(Thinking)}")
         if urlsplit(self.server).scheme not in ("http", "https"):
-            raise ValueError(f"server must be an http(s) URL, got {self.server!r}")
+            raise config_error(self, "server", "must be an http(s) URL, e.g. http://localhost:8000/v1")
         if not self.out.endswith(".jsonl"):
-            raise ValueError(f"out must be a .jsonl file, got {self.out!r}")
+            raise config_error(self, "out", "must be a .jsonl file")
 
     @property
     def base_url(self) -> str:
@@ -206,7 +224,7 @@ class _Client:
         cfg = self.cfg
         request: dict[str, Any] = dict(
             model=cfg.model, messages=[_wire_message(m) for m in context], temperature=cfg.temperature,
-            max_tokens=cfg.max_tokens, extra_body={"chat_template_kwargs": {"enable_thinking": cfg.thinking}},
+            max_tokens=cfg.max_tokens, extra_body={"chat_template_kwargs": {"enable_thinking": cfg.thinking == "on"}},
         )
         if tools:
             request["tools"] = tools

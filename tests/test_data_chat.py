@@ -331,3 +331,13 @@ def test_tiny_tokenizer_is_deterministic_and_fits_the_vocabulary(target, tmp_pat
     text = "Hello world, <think>\nreasoning\n</think>\n\n<tool_call>x</tool_call><|im_end|>"
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == text and tok.convert_tokens_to_ids("<|im_end|>") in ids
+
+
+def test_bad_settings_name_the_flag(target, tmp_path):
+    data = _write_rows(tmp_path / "chats.jsonl", [{"messages": CHAIN}])
+    result = CliRunner().invoke(data_cli, ["prepare", "--target", str(target), "--data", str(data),
+                                           "--out", str(tmp_path / "o.parquet"), "--max-length", "0"])
+    assert result.exit_code == 2 and "--max-length 0: must be positive" in result.output
+    result = CliRunner().invoke(data_cli, ["regenerate", "--server", "http://127.0.0.1:1/v1", "--model", "m",
+                                           "--data", str(data), "--out", str(tmp_path / "o.jsonl"), "--concurrency", "0"])
+    assert result.exit_code == 2 and "--concurrency 0: must be positive" in result.output

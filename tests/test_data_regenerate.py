@@ -106,7 +106,7 @@ def test_regenerate_turn_by_turn_equals_greedy_reference(target, chat_model, tmp
                 assert m["content"] == _greedy_reference(target, model, tokenizer, messages[:k])
                 assert m["content"] != "old answer" and "reasoning_content" not in m
     meta = json.loads(Path(f"{out}.regenerate.json").read_text())
-    assert meta == {"model": "tiny", "temperature": 0.0, "max_tokens": MAX_TOKENS, "thinking": False, "seed": None}
+    assert meta == {"model": "tiny", "temperature": 0.0, "max_tokens": MAX_TOKENS, "thinking": "off", "seed": None}
 
 
 def test_thinking_on_keeps_reasoning(chat_model, tmp_path):
