@@ -17,18 +17,40 @@ def random_ranges(num_ctx: int, num_blocks: int, seed: int):
     return torch.where(pad, anchor, seq_start).int(), anchor.int()
 
 
-def loop_mask(seq_start, anchor, num_ctx, block_size):
+def loop_mask(seq_start, anchor, num_ctx, block_size, window=None):
+    """Pair by pair. A sliding layer (window W) is a causal window over positions: the query at
+    position p sees a visible key at position p' iff 0 <= p - p' <= W - 1 (context token j sits at
+    position j relative to its sequence, block slot s at anchor + s, the query of slot k at anchor + k)."""
     nb = len(anchor)
     rows = []
     for q in range(nb * block_size):
-        n = q // block_size
+        n, k = divmod(q, block_size)
         row = []
         for j in range(num_ctx + nb * block_size):
             ctx = seq_start[n] <= j < anchor[n]
             own = num_ctx + n * block_size <= j < num_ctx + (n + 1) * block_size
+            if window is not None:
+                key_pos = j if j < num_ctx else anchor[n] + (j - num_ctx) % block_size
+                query_pos = anchor[n] + k
+                ctx = ctx and 0 <= query_pos - key_pos <= window - 1
+                own = own and 0 <= query_pos - key_pos <= window - 1
             row.append(bool(ctx or own))
         rows.append(row)
     return torch.tensor(rows)
+
+
+def ranges_at_sequence_starts(num_ctx, num_blocks, seed):
+    """Like random_ranges, but half of the anchors sit exactly at a sequence start (empty context)."""
+    seq_start, anchor = random_ranges(num_ctx, num_blocks, seed)
+    starts = sorted(set(seq_start.tolist()) | {0})
+    for n in range(0, num_blocks, 2):
+        anchor[n] = seq_start[n] = starts[n % len(starts)]
+    order = torch.argsort(anchor, stable=True)
+    return seq_start[order].int(), anchor[order].int()
+
+
+# Windows: one token, shorter than the block, the block, between, far larger than any context.
+WINDOWS = [None, 1, 3, 4, 9, 10_000]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -39,18 +61,46 @@ def test_dense_mask_matches_loops(seed):
     assert torch.equal(got, loop_mask(seq_start.tolist(), anchor.tolist(), num_ctx, bs))
 
 
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("ranges", [random_ranges, ranges_at_sequence_starts])
+def test_dense_mask_with_windows_matches_loops(seed, window, ranges):
+    num_ctx, nb, bs = 37, 6, 4
+    seq_start, anchor = ranges(num_ctx, nb, seed)
+    got = block_mask_dense(seq_start, anchor, num_ctx=num_ctx, block_size=bs, sliding_window=window)
+    want = loop_mask(seq_start.tolist(), anchor.tolist(), num_ctx, bs, window)
+    assert torch.equal(got, want)
+    assert want.any(1).all(), "every query must see at least itself"
+
+
+def test_window_larger_than_context_is_causal_full_context():
+    num_ctx, nb, bs = 37, 6, 4
+    seq_start, anchor = random_ranges(num_ctx, nb, 3)
+    full = block_mask_dense(seq_start, anchor, num_ctx=num_ctx, block_size=bs)
+    wide = block_mask_dense(seq_start, anchor, num_ctx=num_ctx, block_size=bs, sliding_window=10_000)
+    assert torch.equal(wide[:, :num_ctx], full[:, :num_ctx])  # the whole context before the anchor
+    own = full[:, num_ctx:] & ~wide[:, num_ctx:]  # what the causal block hides: later slots only
+    slot_q, slot_k = torch.arange(nb * bs).view(-1, 1) % bs, torch.arange(nb * bs).view(1, -1) % bs
+    assert torch.equal(own, full[:, num_ctx:] & (slot_k > slot_q))
+
+
 def ordered_to_set(num, idx):
     return {(i, int(idx[i, c])) for i in range(num.shape[0]) for c in range(int(num[i]))}
 
 
-@pytest.mark.parametrize("seed,num_ctx", [(0, 37), (1, 40), (2, 61)])
-def test_flex_block_mask_tiles_match_loops(seed, num_ctx):
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("seed,num_ctx,ranges", [(0, 37, random_ranges), (1, 40, random_ranges),
+                                                 (2, 61, random_ranges), (3, 61, ranges_at_sequence_starts),
+                                                 (4, 200, random_ranges)])
+def test_flex_block_mask_tiles_match_loops(seed, num_ctx, ranges, window):
     nb, bs, tile = 8, 4, 8
-    seq_start, anchor = random_ranges(num_ctx, nb, seed)
-    layout = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", tile_size=tile)
+    seq_start, anchor = ranges(num_ctx, nb, seed)
+    layout = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", tile_size=tile,
+                                  sliding_window=window)
     layout.update(seq_start, anchor)
-    bm = layout.block_mask
-    dense = loop_mask(seq_start.tolist(), anchor.tolist(), num_ctx, bs)
+    flex = layout.flex_mask(sliding=window is not None)
+    bm, mask_mod = flex.block_mask, flex.mask_mod
+    dense = loop_mask(seq_start.tolist(), anchor.tolist(), num_ctx, bs, window)
     nq, nkv = bm.kv_indices.shape[-2:]
     partial = ordered_to_set(bm.kv_num_blocks[0, 0], bm.kv_indices[0, 0])
     full = ordered_to_set(bm.full_kv_num_blocks[0, 0], bm.full_kv_indices[0, 0])
@@ -72,7 +122,26 @@ def test_flex_block_mask_tiles_match_loops(seed, num_ctx):
     # mask_mod, evaluated element-wise, is the same rule.
     q_idx = torch.arange(nb * bs).view(-1, 1)
     kv_idx = torch.arange(num_ctx + nb * bs).view(1, -1)
-    assert torch.equal(layout.mask_mod(0, 0, q_idx, kv_idx), dense)
+    assert torch.equal(mask_mod(0, 0, q_idx, kv_idx), dense)
+
+
+def test_sliding_flex_mask_skips_tiles_outside_the_window():
+    """Long sequences: the sliding mask visits a bounded number of kv tiles per query tile."""
+    num_ctx, nb, bs, tile, window = 4096, 64, 16, 128, 256
+    anchor = torch.sort(torch.randperm(num_ctx - 1, generator=torch.Generator().manual_seed(0))[:nb] + 1).values
+    seq_start = torch.zeros(nb, dtype=torch.int32)  # one long sequence
+    layout = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", tile_size=tile,
+                                  sliding_window=window)
+    layout.update(seq_start, anchor.int())
+    visited = {}
+    for sliding in (False, True):
+        bm = layout.flex_mask(sliding).block_mask
+        visited[sliding] = (bm.kv_num_blocks + bm.full_kv_num_blocks)[0, 0]
+    # A q tile holds 8 consecutive anchors; its window reaches (W-1) before the first of them.
+    span_I = anchor.view(-1, tile // bs)[:, -1] - anchor.view(-1, tile // bs)[:, 0]
+    bound_I = (span_I + window - 1) // tile + 2 + 1  # context tiles (+ straddling) + the tile of its own blocks
+    assert (visited[True] <= bound_I).all(), (visited[True], bound_I)
+    assert visited[True].sum() < visited[False].sum() / 2, (visited[True].sum(), visited[False].sum())
 
 
 def test_update_reuses_tensors():
@@ -91,19 +160,20 @@ def attend_reference(q, k, v, mask):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_eager_matches_sdpa_on_cpu():
+@pytest.mark.parametrize("window", [None, 3, 9, 10_000])
+def test_flex_eager_matches_sdpa_on_cpu(window):
     num_ctx, nb, bs = 45, 8, 4
-    seq_start, anchor = random_ranges(num_ctx, nb, 5)
+    seq_start, anchor = ranges_at_sequence_starts(num_ctx, nb, 5)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(nb * bs, 4, 8, generator=g)
     k, v = torch.randn(2, num_ctx + nb * bs, 2, 8, generator=g)
-    dense = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs).update(seq_start, anchor)
+    dense = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs, sliding_window=window)
     flex = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", tile_size=8,
-                                compile_flex=False).update(seq_start, anchor)
-    ref = attend_reference(q, k, v, loop_mask(seq_start.tolist(), anchor.tolist(), num_ctx, bs))
+                                compile_flex=False, sliding_window=window)
+    ref = attend_reference(q, k, v, loop_mask(seq_start.tolist(), anchor.tolist(), num_ctx, bs, window))
     with torch.no_grad():  # eager flex on CPU has no backward
-        for layout in (dense, flex):
-            diff = (block_attention(q, k, v, layout) - ref).abs().max().item()
+        for layout in (dense.update(seq_start, anchor), flex.update(seq_start, anchor)):
+            diff = (block_attention(q, k, v, layout, sliding=window is not None) - ref).abs().max().item()
             assert diff < 1e-5, f"{layout.backend}: max abs diff {diff}"
 
 

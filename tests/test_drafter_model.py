@@ -43,10 +43,30 @@ def test_for_target_scales_to_other_widths(hidden):
 
 
 @pytest.mark.parametrize("field,value", [("num_key_value_heads", 3), ("head_dim", 7), ("mask_token_id", 97),
-                                         ("tap_layer_ids", [0, 4]), ("block_size", 1), ("tap_layer_ids", [])])
+                                         ("tap_layer_ids", [0, 4]), ("block_size", 1), ("tap_layer_ids", []),
+                                         ("layer_types", ["full_attention"]), ("layer_types", ["full", "full"]),
+                                         ("sliding_window", 64)])
 def test_config_rejects_bad_fields(field, value):
     with pytest.raises(ValueError, match=field if field != "num_key_value_heads" else "num_attention_heads"):
         tiny_config(**{field: value})
+
+
+@pytest.mark.parametrize("window", [None, 0, -3, True])
+def test_config_sliding_layers_need_a_window(window):
+    with pytest.raises(ValueError, match="sliding_window"):
+        tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=window)
+
+
+def test_layout_without_window_refuses_sliding_drafter():
+    cfg = tiny_config(**LAYOUTS["sliding_w3"])
+    model, head = tiny_model_and_head(cfg)
+    batch = make_batch([20, 28], 48, 4, cfg.num_taps, cfg.hidden_size)
+    blocks = batch_blocks(batch, num_blocks=4, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id)
+    layout = BlockAttentionLayout(num_ctx=48, num_blocks=4, block_size=cfg.block_size).update(
+        blocks.seq_start_N, blocks.anchor_N)
+    with pytest.raises(ValueError, match="sliding_window"):
+        model(batch["hidden_TKH"], batch["position_ids_T"], head.embed(blocks.block_ids_NB), blocks.block_pos_NB,
+              layout)
 
 
 # ---- float64 naive reference, written from the architecture text ---------------------------------
@@ -69,7 +89,8 @@ def ref_rope(x, pos, theta):
 
 
 def ref_forward_block(params, cfg, ctx_hidden_LKH, ctx_pos, block_embed_BH, block_pos):
-    """One block attending to its whole context and itself, in float64 with explicit softmax loops."""
+    """One block attending to its whole context and itself, in float64 with explicit softmax loops.
+    A sliding layer's query at position p only sees keys at positions p-(W-1) .. p (causal window)."""
     P = {k: v.detach().double() for k, v in params.items()}
     eps, N, M, D = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     ctx = ref_rms(ctx_hidden_LKH.double().flatten(1) @ P["fc.weight"].T, P["hidden_norm.weight"], eps)
@@ -90,6 +111,9 @@ def ref_forward_block(params, cfg, ctx_hidden_LKH, ctx_pos, block_embed_BH, bloc
             for head in range(N):
                 kvh = head // (N // M)
                 scores = [float(q[qi, head] @ k[j, kvh]) / math.sqrt(D) for j in range(L + B)]
+                if cfg.layer_types[i] == "sliding_attention":
+                    seen = [0 <= int(block_pos[qi]) - int(kv_pos[j]) < cfg.sliding_window for j in range(L + B)]
+                    scores = [sc if ok else -math.inf for sc, ok in zip(scores, seen)]
                 mx = max(scores)
                 ws = [math.exp(s - mx) for s in scores]
                 tot = sum(ws)
@@ -102,8 +126,15 @@ def ref_forward_block(params, cfg, ctx_hidden_LKH, ctx_pos, block_embed_BH, bloc
     return ref_rms(x, P["norm.weight"], eps)
 
 
-def test_forward_block_matches_float64_reference():
-    cfg = tiny_config()
+SLIDING = "sliding_attention"
+LAYOUTS = {"full": {}, "sliding_w3": dict(layer_types=[SLIDING, "full_attention"], sliding_window=3),
+           "sliding_w7": dict(layer_types=["full_attention", SLIDING], sliding_window=7),
+           "all_sliding_w100": dict(layer_types=[SLIDING, SLIDING], sliding_window=100)}
+
+
+@pytest.mark.parametrize("layers", sorted(LAYOUTS))
+def test_forward_block_matches_float64_reference(layers):
+    cfg = tiny_config(**LAYOUTS[layers])
     model, head = tiny_model_and_head(cfg)
     g = torch.Generator().manual_seed(5)
     ctx_hidden = torch.randn(6, cfg.num_taps, cfg.hidden_size, generator=g)
@@ -121,12 +152,14 @@ def blocks_and_layout(cfg, batch, num_blocks):
     """Seeded blocks over a 48-token batch and the dense attention layout they imply."""
     blocks = batch_blocks(batch, num_blocks=num_blocks, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                           generator=torch.Generator().manual_seed(0))
-    layout = BlockAttentionLayout(num_ctx=48, num_blocks=num_blocks, block_size=cfg.block_size)
+    layout = BlockAttentionLayout(num_ctx=48, num_blocks=num_blocks, block_size=cfg.block_size,
+                                  sliding_window=cfg.attention_window)
     return blocks, layout.update(blocks.seq_start_N, blocks.anchor_N)
 
 
-def test_training_forward_matches_inference_forward_per_block():
-    cfg = tiny_config()
+@pytest.mark.parametrize("layers", sorted(LAYOUTS))
+def test_training_forward_matches_inference_forward_per_block(layers):
+    cfg = tiny_config(**LAYOUTS[layers])
     model, head = tiny_model_and_head(cfg)
     batch = make_batch([9, 14, 3, 11], 48, 6, cfg.num_taps, cfg.hidden_size, unsupervised=(20,))
     blocks, layout = blocks_and_layout(cfg, batch, num_blocks=12)

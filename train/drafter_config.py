@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 # The published Qwen3.5-27B drafter (z-lab): 5 layers at width 5120, MLP 17408, 32 q / 8 kv heads of dim 128.
 _PUBLISHED_27B_WIDTH = 5120
 _PUBLISHED_27B_HEADS = (32, 8, 128)  # (q heads, kv heads, head dim)
+# Layer kinds, spelled as config.json layer_types spells them (HF Qwen3, vLLM, SGLang).
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
 @dataclass(kw_only=True)
@@ -45,6 +49,11 @@ class DrafterConfig:
     """Decoder layers of the target (recorded in config.json as num_target_layers)."""
     vocab_size: int
     """Rows of the target's embed_tokens / lm_head."""
+    layer_types: list[str] | None = None
+    """Per layer "full_attention" or "sliding_attention" (config.json layer_types); None = all full."""
+    sliding_window: int | None = None
+    """Tokens a sliding layer's query sees, itself included (config.json sliding_window); needed iff a
+    layer is sliding. The published Qwen3.6-27B layout: 4 sliding + 1 full, window 2048."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -75,11 +84,34 @@ class DrafterConfig:
             raise ValueError(f"DrafterConfig.tap_layer_ids {self.tap_layer_ids}: {bad} outside "
                              f"[0, num_target_layers={self.num_target_layers})")
         self.tap_layer_ids = [int(t) for t in self.tap_layer_ids]
+        if self.layer_types is None:
+            self.layer_types = [FULL_ATTENTION] * self.num_layers
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+            raise ValueError(f"DrafterConfig.layer_types must give one of {LAYER_TYPES} for each of the "
+                             f"{self.num_layers} layers, got {self.layer_types}")
+        if any(self.sliding_layers):
+            if not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or self.sliding_window < 1:
+                raise ValueError(f"DrafterConfig.sliding_window must be a positive int when a layer is "
+                                 f"{SLIDING_ATTENTION}, got {self.sliding_window!r}")
+        elif self.sliding_window is not None:
+            raise ValueError(f"DrafterConfig.sliding_window {self.sliding_window} given but no layer is "
+                             f"{SLIDING_ATTENTION} (layer_types {self.layer_types}); drop the window or make layers sliding")
 
     @property
     def num_taps(self) -> int:
         """Tapped target layers, K: the context input is [T, K, hidden_size]."""
         return len(self.tap_layer_ids)
+
+    @property
+    def sliding_layers(self) -> list[bool]:
+        """Per layer: True for a sliding-window (causal) layer, False for a full (bidirectional) one."""
+        return [t == SLIDING_ATTENTION for t in self.layer_types]
+
+    @property
+    def attention_window(self) -> int | None:
+        """The window a BlockAttentionLayout needs for this drafter: W with sliding layers, else None."""
+        return self.sliding_window if any(self.sliding_layers) else None
 
     def replace(self, **changes) -> DrafterConfig:
         """A copy with some fields changed (validated again)."""
@@ -89,7 +121,8 @@ class DrafterConfig:
     def for_target(cls, *, hidden_size: int, intermediate_size: int, vocab_size: int, num_target_layers: int,
                    tap_layer_ids: list[int], mask_token_id: int, num_layers: int = 5, block_size: int = 16,
                    rms_norm_eps: float = 1e-6, rope_theta: float = 1e7,
-                   max_position_embeddings: int = 262144) -> DrafterConfig:
+                   max_position_embeddings: int = 262144, layer_types: list[str] | None = None,
+                   sliding_window: int | None = None) -> DrafterConfig:
         """Drafter at the target's width.
 
         A 5120-wide target gets the published 27B drafter heads (32 q, 8 kv, dim 128: ~1.73B parameters
@@ -112,4 +145,5 @@ class DrafterConfig:
                    rms_norm_eps=rms_norm_eps, rope_theta=rope_theta,
                    max_position_embeddings=max_position_embeddings, block_size=block_size,
                    mask_token_id=mask_token_id, tap_layer_ids=list(tap_layer_ids),
-                   num_target_layers=num_target_layers, vocab_size=vocab_size)
+                   num_target_layers=num_target_layers, vocab_size=vocab_size, layer_types=layer_types,
+                   sliding_window=sliding_window)

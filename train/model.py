@@ -10,6 +10,8 @@ What is unusual about this model (z-lab's DFlashDraftModel, which serving engine
 - RMSNorms are Qwen3's (w * x_normed, w initialised to ones), not the target's (1 + w).
 - RoPE rotates the whole head; context key t sits at its position id, block slot k at
   pos(anchor)+k; queries at the block positions.
+- Layers are full (the block sees all its context and itself bidirectionally) or sliding
+  (config.layer_types "sliding_attention": causal, window sliding_window), as attention.py defines.
 
 Parameter names equal z-lab's: fc, hidden_norm, norm, layers.N.{input_layernorm,
 post_attention_layernorm}, layers.N.self_attn.{q,k,v,o}_proj / {q,k}_norm, layers.N.mlp.{gate,up,down}_proj.
@@ -19,6 +21,7 @@ L = T + Q keys, A query heads, M kv heads, D head dim, I MLP width, V vocab.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -26,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from .attention import BlockAttentionLayout, block_attention, full_attention
+from .attention import BlockAttentionLayout, block_attention, full_attention, window_attention
 from .drafter_config import DrafterConfig
 
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -130,12 +133,13 @@ class DFlashDrafter(nn.Module):
         """[T, K, H] tapped target states -> [T, H] fused context hidden_norm(fc(concat_k))."""
         return self.hidden_norm(self.fc(hidden_TKH.flatten(1)))
 
-    def _run_layers(self, ctx_TH, ctx_pos_T, x_QH, blk_pos_Q, attend: AttendFn,
+    def _run_layers(self, ctx_TH, ctx_pos_T, x_QH, blk_pos_Q, attends: list[AttendFn],
                     checkpoint_layers: bool = False) -> torch.Tensor:
+        """attends: one attention function per layer (full or sliding)."""
         cfg = self.config
         rope_ctx = rope_cos_sin(ctx_pos_T, cfg.head_dim, cfg.rope_theta, x_QH.dtype)
         rope_blk = rope_cos_sin(blk_pos_Q, cfg.head_dim, cfg.rope_theta, x_QH.dtype)
-        for layer in self.layers:
+        for layer, attend in zip(self.layers, attends, strict=True):
             if checkpoint_layers and torch.is_grad_enabled():
                 # Recompute each layer in backward: Q = NB*B block tokens at MLP width dominate memory.
                 x_QH = torch.utils.checkpoint.checkpoint(layer, x_QH, ctx_TH, rope_ctx, rope_blk, attend,
@@ -158,15 +162,24 @@ class DFlashDrafter(nn.Module):
         dtype = block_embed_NBH.dtype
         ctx_TH = self.fuse_context(hidden_TKH.to(dtype))
         x_QH = block_embed_NBH.reshape(NB * B, H)
-        out_QH = self._run_layers(ctx_TH, position_ids_T, x_QH, block_pos_NB.reshape(NB * B),
-                                  lambda q, k, v: block_attention(q, k, v, layout), checkpoint_layers)
+        if any(self.config.sliding_layers) and layout.sliding_window != self.config.sliding_window:
+            raise ValueError(f"the drafter's sliding layers use window {self.config.sliding_window}, the attention "
+                             f"layout has {layout.sliding_window}: build BlockAttentionLayout with "
+                             "sliding_window=DrafterConfig.attention_window")
+        attends = [partial(block_attention, layout=layout, sliding=s) for s in self.config.sliding_layers]
+        out_QH = self._run_layers(ctx_TH, position_ids_T, x_QH, block_pos_NB.reshape(NB * B), attends,
+                                  checkpoint_layers)
         return out_QH.view(NB, B, H)
 
     def forward_block(self, hidden_LKH: torch.Tensor, ctx_pos_L: torch.Tensor, block_embed_BH: torch.Tensor,
                       block_pos_B: torch.Tensor) -> torch.Tensor:
         """Inference forward: one block over one sequence's prefix (all of it visible); [B, H]."""
         ctx_LH = self.fuse_context(hidden_LKH.to(block_embed_BH.dtype))
-        return self._run_layers(ctx_LH, ctx_pos_L, block_embed_BH, block_pos_B, full_attention)
+        key_pos_L = torch.cat([ctx_pos_L, block_pos_B])
+        sliding = partial(window_attention, q_pos_Q=block_pos_B, k_pos_L=key_pos_L,
+                          sliding_window=self.config.sliding_window)
+        attends = [sliding if s else full_attention for s in self.config.sliding_layers]
+        return self._run_layers(ctx_LH, ctx_pos_L, block_embed_BH, block_pos_B, attends)
 
 
 @torch.no_grad()
