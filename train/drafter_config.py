@@ -54,6 +54,12 @@ class DrafterConfig:
     sliding_window: int | None = None
     """Tokens a sliding layer's query sees, itself included (config.json sliding_window); needed iff a
     layer is sliding. The published Qwen3.6-27B layout: 4 sliding + 1 full, window 2048."""
+    bos_token_id: int | None = None
+    """The target's bos id (config.json bos_token_id, copied from the target); None = unknown."""
+    eos_token_id: int | list[int] | None = None
+    """The target's eos id or ids (config.json eos_token_id); None = unknown."""
+    pad_token_id: int | None = None
+    """The target's pad id (config.json pad_token_id); None = the target declares none."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -84,6 +90,12 @@ class DrafterConfig:
             raise ValueError(f"DrafterConfig.tap_layer_ids {self.tap_layer_ids}: {bad} outside "
                              f"[0, num_target_layers={self.num_target_layers})")
         self.tap_layer_ids = [int(t) for t in self.tap_layer_ids]
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            ids = value if isinstance(value, list) else [value]
+            if value is not None and not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise ValueError(f"DrafterConfig.{name} must be a token id (or, for eos, a list of them) or None, "
+                                 f"got {value!r}")
         if self.layer_types is None:
             self.layer_types = [FULL_ATTENTION] * self.num_layers
         self.layer_types = list(self.layer_types)

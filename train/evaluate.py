@@ -174,9 +174,10 @@ def evaluate_drafter(model: DFlashDrafter, head: TargetHead, cache_dir: str, bat
     # Random anchors independent of the run's settings, so `eval` later draws the very same blocks.
     num_blocks = num_blocks or default_num_blocks(cc.token_budget, B)
     random_layout = BlockAttentionLayout(num_ctx=cc.token_budget, num_blocks=num_blocks, block_size=B,
-                                         backend=attention, device=device)
+                                         backend=attention, device=device,
+                                         sliding_window=cfg.attention_window)
     walk_layout = BlockAttentionLayout(num_ctx=cc.token_budget, num_blocks=lanes, block_size=B,
-                                       backend=attention, device=device)
+                                       backend=attention, device=device, sliding_window=cfg.attention_window)
     rules: list[int | None] = [None, *budgets]
     width = len(WalkCounts(B).as_vector())
     sums = Sums({**{_walk_key(rule): width for rule in rules}, "shards": 1, "ce": 1, "blocks": 1, "chain": 1,

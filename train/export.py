@@ -4,6 +4,25 @@ OUT/config.json        architectures ["DFlashDraftModel"], model_type "qwen3", b
                        num_target_layers, dflash_config {mask_token_id, target_layer_ids}, Qwen3 fields
 OUT/model.safetensors  the drafter's parameters under z-lab's names, bf16
 
+config.json leaves nothing to an engine's defaults (what each engine reads, from their loaders):
+- RoPE: vLLM reads only rope_parameters.rope_theta (1e6 when absent, not our 1e7); SGLang reads
+  rope_parameters, else rope_theta. Both are written, equal.
+- Layer kinds: layer_types per layer; sliding layers need sliding_window and use_sliding_window true
+  (HF Qwen3Config drops sliding_window when use_sliding_window is false, and vLLM / SGLang then refuse
+  the sliding layers). vLLM makes a layer causal iff it is sliding unless is_causal or
+  dflash_config.causal say otherwise, so neither is written.
+- Taps: dflash_config.target_layer_ids in z-lab's "output of layer j" convention; vLLM and SGLang add 1
+  for their "input of layer j+1" capture. eagle_aux_hidden_state_layer_ids is not written: vLLM would
+  take it as-is in place of target_layer_ids + 1.
+- fc input: vLLM sizes it target_hidden_size (else hidden_size) x taps; written, equal to hidden_size.
+- block_size, num_target_layers, mask_token_id (SGLang reads them top-level or in dflash_config;
+  vLLM reads dflash_config.mask_token_id and takes the block size from --speculative-config).
+- The target's bos / eos / pad ids, as the published configs carry them.
+
+load_exported_drafter reads ours and published directories (model.safetensors, or shards listed in
+model.safetensors.index.json) and refuses fields whose meaning we do not train (is_causal, use_swa,
+attention sinks, rope scaling), naming them.
+
 Export is for serving and evaluation, never a resume source (checkpoints are the loop's business).
 """
 from __future__ import annotations
@@ -28,6 +47,10 @@ log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"  # sharded checkpoints: {"weight_map": {name: file}}
+# Fields whose presence would make an engine read the drafter differently from how it was trained here.
+_FOREIGN_FIELDS = ("is_causal", "use_swa", "swa_window_size", "causal", "attention_sink_bias",
+                   "add_swa_attention_sink_bias", "draft_vocab_size")
 
 
 def zlab_parameter_names(cfg: DrafterConfig) -> list[str]:
@@ -43,12 +66,14 @@ def zlab_parameter_names(cfg: DrafterConfig) -> list[str]:
 
 def drafter_config_to_hf(cfg: DrafterConfig) -> dict:
     """config.json of the exported drafter (Qwen3Config fields plus the DFlash keys)."""
+    sliding = any(cfg.sliding_layers)
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.tap_layer_ids)},
+        "target_hidden_size": cfg.hidden_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers,
@@ -60,37 +85,76 @@ def drafter_config_to_hf(cfg: DrafterConfig) -> dict:
         "attention_dropout": 0.0,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "rope_scaling": None,
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": False,
-        "layer_types": ["full_attention"] * cfg.num_layers,
-        "sliding_window": None,
-        "use_sliding_window": False,
+        "layer_types": list(cfg.layer_types),
+        "sliding_window": cfg.sliding_window if sliding else None,
+        "use_sliding_window": sliding,
+        "max_window_layers": cfg.num_layers,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
         "initializer_range": 0.02,
+        "use_cache": True,
         "dtype": "bfloat16",
     }
 
 
-def drafter_config_from_hf(hf: dict, source: str = "config.json") -> DrafterConfig:
-    """Inverse of drafter_config_to_hf; also reads published z-lab configs."""
+def drafter_config_from_hf(hf: dict, source: str = "config.json",
+                           mask_token_id: int | None = None) -> DrafterConfig:
+    """Inverse of drafter_config_to_hf; also reads published z-lab / SpecForge configs.
+
+    mask_token_id: used when the config's dflash_config.mask_token_id is null (some published configs)."""
     if "DFlashDraftModel" not in hf.get("architectures", []):
         raise ValueError(f"{source}: architectures {hf.get('architectures')} does not name DFlashDraftModel")
     dflash = hf.get("dflash_config") or {}
     missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
     if missing:
         raise ValueError(f"{source}: dflash_config lacks {missing}")
-    rope_theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta"))
+    def foreign_in(d: dict) -> set[str]:  # is_causal / causal override vLLM's per-layer causality either way
+        return {k for k in _FOREIGN_FIELDS if d.get(k) is not None and (d[k] is not False or "causal" in k)}
+
+    foreign = sorted(foreign_in(hf) | {f"dflash_config.{k}" for k in foreign_in(dflash)})
+    if foreign:
+        raise ValueError(f"{source}: {foreign} change how engines run this drafter's attention or vocabulary, "
+                         "which dflash-train does not model; use a plain DFlashDraftModel (Qwen3 layers)")
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+        raise ValueError(f"{source}: rope_parameters.rope_type {rope.get('rope_type')!r} / rope_scaling "
+                         f"{hf.get('rope_scaling')!r}: only default RoPE is implemented")
+    thetas = {float(t) for t in (rope.get("rope_theta"), hf.get("rope_theta")) if t is not None}
+    if len(thetas) != 1:
+        raise ValueError(f"{source}: RoPE theta rope_parameters.rope_theta {rope.get('rope_theta')!r} vs "
+                         f"rope_theta {hf.get('rope_theta')!r}: exactly one value must be given")
+    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias", False):
+        raise ValueError(f"{source}: hidden_act {hf.get('hidden_act')!r} / attention_bias "
+                         f"{hf.get('attention_bias')!r}: only silu without attention bias is implemented")
+    if hf.get("target_hidden_size") not in (None, hf["hidden_size"]):
+        raise ValueError(f"{source}: target_hidden_size {hf['target_hidden_size']} differs from hidden_size "
+                         f"{hf['hidden_size']}; the drafter must be as wide as its target")
+    layer_types = hf.get("layer_types")
+    sliding = bool(layer_types) and "sliding_attention" in layer_types
+    window = hf.get("sliding_window") if sliding else None
+    if sliding and not hf.get("use_sliding_window", False):
+        raise ValueError(f"{source}: layer_types has sliding_attention layers but use_sliding_window is "
+                         f"{hf.get('use_sliding_window')!r}: HF, vLLM and SGLang then see no window (set it true)")
+    mask = dflash["mask_token_id"] if dflash["mask_token_id"] is not None else mask_token_id
+    if mask is None:
+        raise ValueError(f"{source}: dflash_config.mask_token_id is null; pass --mask-token-id")
     num_heads = hf["num_attention_heads"]
     return DrafterConfig(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"], num_attention_heads=num_heads,
         num_key_value_heads=hf.get("num_key_value_heads", num_heads),
         head_dim=hf.get("head_dim", hf["hidden_size"] // num_heads), rms_norm_eps=hf["rms_norm_eps"],
-        rope_theta=float(rope_theta), max_position_embeddings=hf["max_position_embeddings"],
-        block_size=hf["block_size"], mask_token_id=dflash["mask_token_id"],
+        rope_theta=thetas.pop(), max_position_embeddings=hf["max_position_embeddings"],
+        block_size=hf.get("block_size", dflash.get("block_size", 16)), mask_token_id=mask,
         tap_layer_ids=list(dflash["target_layer_ids"]), num_target_layers=hf["num_target_layers"],
-        vocab_size=hf["vocab_size"])
+        vocab_size=hf["vocab_size"], layer_types=layer_types, sliding_window=window,
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"))
 
 
 # Written into model.safetensors' metadata: how a later export recognises a directory it may replace.
@@ -160,20 +224,58 @@ def export_drafter(model: torch.nn.Module, cfg: DrafterConfig, out_dir: str | Pa
     return out
 
 
-def load_exported_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16,
-                          device: torch.device | str = "cpu") -> tuple[DFlashDrafter, DrafterConfig]:
-    """Load a DFlashDraftModel directory (ours or a published one) into a DFlashDrafter."""
+def read_drafter_config(path: str | Path, mask_token_id: int | None = None) -> DrafterConfig:
+    """The DrafterConfig of a DFlashDraftModel directory's config.json (no weights read)."""
+    config_path = Path(path) / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path}: not found; expected an exported DFlash drafter directory")
+    try:
+        hf = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path}: not valid JSON ({e})") from e
+    try:
+        return drafter_config_from_hf(hf, source=str(config_path), mask_token_id=mask_token_id)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{config_path}: not a DFlashDraftModel config ({type(e).__name__}: {e})") from e
+
+
+def read_drafter_weights(path: str | Path, cfg: DrafterConfig) -> dict[str, torch.Tensor]:
+    """The drafter tensors of a directory: model.safetensors, or the shards model.safetensors.index.json
+    lists; names must be exactly z-lab's for cfg (the error lists the extra and missing ones)."""
     path = Path(path)
-    config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
-    for p in (config_path, weights_path):
-        if not p.is_file():
-            raise FileNotFoundError(f"{p}: not found; expected an exported DFlash drafter directory")
-    cfg = drafter_config_from_hf(json.loads(config_path.read_text()), source=str(config_path))
-    state = load_file(str(weights_path))
+    index_path, single = path / WEIGHTS_INDEX_FILE, path / WEIGHTS_FILE
+    if single.is_file():
+        files, where = [single], single
+    elif index_path.is_file():
+        weight_map = json.loads(index_path.read_text()).get("weight_map") or {}
+        files, where = [path / f for f in sorted(set(weight_map.values()))], index_path
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent or not files:
+            raise FileNotFoundError(f"{index_path}: lists shards that are not there: {absent or 'none at all'}")
+    else:
+        raise FileNotFoundError(f"{path}: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}; expected an exported "
+                                "DFlash drafter directory")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
     expected = zlab_parameter_names(cfg)
     extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
     if extra or missing:
-        raise ValueError(f"{weights_path}: tensor names differ from DFlashDraftModel: extra {extra}, missing {missing}")
+        raise ValueError(f"{where}: tensor names differ from DFlashDraftModel: extra {extra}, missing {missing}")
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in DFlashDrafter(cfg).named_parameters()}
+    bad = {n: (tuple(t.shape), shapes[n]) for n, t in state.items() if tuple(t.shape) != shapes[n]}
+    if bad:
+        raise ValueError(f"{where}: tensor shapes differ from config.json's (found, expected): {bad}")
+    return state
+
+
+def load_exported_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16,
+                          device: torch.device | str = "cpu",
+                          mask_token_id: int | None = None) -> tuple[DFlashDrafter, DrafterConfig]:
+    """Load a DFlashDraftModel directory (ours or a published one) into a DFlashDrafter."""
+    cfg = read_drafter_config(path, mask_token_id=mask_token_id)
+    state = read_drafter_weights(path, cfg)
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
     model = model.to_empty(device=device).to(dtype)

@@ -94,7 +94,8 @@ def build_step_state(cfg: TrainConfig, run: ResolvedRun, head: dict[str, torch.T
     cc = run.cache_config
     batch = StaticBatch(cc, device, compute_dtype, with_topk=cfg.kl_lambda > 0)
     layout = BlockAttentionLayout(num_ctx=cc.token_budget, num_blocks=run.num_blocks, block_size=cfg.block_size,
-                                  backend=choose_backend(cfg.attention, device), device=device)
+                                  backend=choose_backend(cfg.attention, device), device=device,
+                                  sliding_window=run.drafter.attention_window)
     # Anchor sampling: the default CUDA generator on GPU (graph-safe); a private one on CPU.
     generator = None if device.type == "cuda" else torch.Generator(device)
     if generator is None:
