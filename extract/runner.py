@@ -57,7 +57,7 @@ from .distributed import init_distributed, run_on_main
 from .kernels import select_kernels
 from .model import TargetModel
 from .packing import PACKING_ALGORITHM, PackedBatch, PackingPlan, load_batch, plan_batches, shard_batches_for_rank
-from .target_config import TargetConfig
+from .target_config import TargetConfig, special_token_ids
 from .writer import AsyncShardWriter
 
 log = logging.getLogger(__name__)
@@ -224,6 +224,7 @@ def build_cache_config(cfg: ExtractConfig, target: TargetConfig, taps: list[int]
             name=str(Path(cfg.target).resolve()), config_hash=target.fingerprint(), hidden_size=target.hidden_size,
             num_layers=target.num_hidden_layers, vocab_size=target.vocab_size, dtype=cfg.dtype,
             intermediate_size=target.intermediate_size, quantization=_quantization_record(cfg.target),
+            **special_token_ids(cfg.target),
             compute=cfg.compute,
         ),
         tap_layer_ids=list(taps),

@@ -140,6 +140,21 @@ class TargetConfig:
             return cls.from_hf_dict(json.load(f), source=str(config_path))
 
 
+def special_token_ids(path: str | Path) -> dict[str, Any]:
+    """bos / eos / pad token ids of a checkpoint's config.json (text_config first, then the top level;
+    None where undeclared). Not part of TargetConfig: they do not change the decoder's math."""
+    with open(Path(path) / "config.json", encoding="utf-8") as f:
+        top = json.load(f)
+    text = top.get("text_config") if isinstance(top.get("text_config"), dict) else {}
+    out = {}
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = text.get(name, top.get(name))
+        ok = value is None or (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, list) and name == "eos_token_id" and all(isinstance(v, int) for v in value))
+        out[name] = value if ok else None
+    return out
+
+
 def default_tap_layer_ids(num_layers: int, num_taps: int) -> list[int]:
     """DFlash's `build_target_layer_ids`: [1, 16, 31, 46, 61] for 64 layers and 5 taps."""
     if num_taps <= 0:

@@ -48,6 +48,8 @@ StorageDtype = Literal["bf16", "fp8"]
 STORAGE_DTYPES = get_args(StorageDtype)
 # Names inside target_head.safetensors. lm_head is always present (a copy of embed_tokens when tied).
 TARGET_HEAD_TENSORS = ("embed_tokens", "lm_head", "final_norm")
+# TargetInfo's special-token fields (what the drafter export copies; not part of a cache's identity).
+TARGET_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Largest finite float8 e4m3fn value; per-row scales map each row's amax onto it.
 FP8_E4M3_MAX = 448.0
 
@@ -70,6 +72,11 @@ class TargetInfo:
     # The checkpoint's weight quantization ("fp8 e4m3, 128x128 blocks": dequantised at load); None = none.
     quantization: str | None = None
     compute: str = "dense"  # the target's linear layers: "dense" (matmuls in `dtype`) or "fp8" (e4m3 matmuls)
+    # The target's special token ids from its config.json (None = not declared / older cache); an
+    # exported drafter's config.json carries them as the published drafters do.
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -193,6 +200,8 @@ class CacheConfig:
         """The settings that must match for a resumed extraction to add to this cache."""
         d = dataclasses.asdict(self)
         d.pop("provenance")
+        for name in TARGET_TOKEN_ID_FIELDS:  # metadata for export, not the hidden states: older caches resume
+            d["target"].pop(name)
         return d
 
     def cache_id(self) -> str:

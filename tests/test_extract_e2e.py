@@ -246,6 +246,31 @@ def test_drafter_copies_the_target_mlp_width_from_the_cache(target, data, tmp_pa
     assert run.drafter.intermediate_size == width
 
 
+def test_drafter_export_carries_the_target_token_ids_from_the_cache(target, data, tmp_path):
+    from extract.target_config import special_token_ids
+    from train.export import drafter_config_to_hf
+    from train.train_config import TrainConfig, resolve_run
+
+    out = tmp_path / "cache"
+    run_extract(_cfg(target, data, out))
+    raw = json.loads((target / "config.json").read_text())
+    raw = raw.get("text_config", raw) if "bos_token_id" in raw.get("text_config", {}) else raw
+    want = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    assert special_token_ids(target) == want and None not in want.values()
+    cached = ShardReader(out).config.target
+    assert {k: getattr(cached, k) for k in want} == want
+    drafter = resolve_run(TrainConfig(cache=str(out), out_dir=str(tmp_path / "run"))).drafter
+    hf = drafter_config_to_hf(drafter)
+    assert {k: hf[k] for k in want} == want
+    # A cache written before these fields existed still resumes: they are not part of its identity.
+    path = out / "cache.json"
+    old = json.loads(path.read_text())
+    for k in want:
+        old["target"].pop(k)
+    path.write_text(json.dumps(old))
+    run_extract(_cfg(target, data, out))
+
+
 def test_a_refusal_on_rank_0_stops_every_rank(target, data, tmp_path):
     out = tmp_path / "cache"
     run_extract(_cfg(target, data, out))

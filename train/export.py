@@ -281,3 +281,13 @@ def load_exported_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     model = model.to_empty(device=device).to(dtype)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
     return model, cfg
+
+
+@torch.no_grad()
+def load_drafter_weights_(model: DFlashDrafter, path: str | Path) -> None:
+    """Copy a DFlashDraftModel directory's weights into `model` in place (its dtype and device kept);
+    the directory must describe model's shape (read_drafter_weights checks names and shapes)."""
+    state = read_drafter_weights(path, model.config)
+    for name, p in model.named_parameters():
+        p.copy_(state[name].to(p.dtype))
+    log.info("initialised the drafter from %s (%d tensors)", path, len(state))

@@ -34,6 +34,7 @@ from .checkpoint import (check_resume_compatible, decode_rng, encode_rng, latest
 from .data import Batch, rank_batches
 from .distributed import FlatGrads, all_gather_objects, broadcast_parameters, init_distributed
 from .evaluate import EvalResult, eval_copy, evaluate_drafter
+from .export import load_drafter_weights_
 from .losses import LossConfig
 from .metrics import MetricsLogger, StepTotals
 from .model import DFlashDrafter, TargetHead
@@ -84,6 +85,8 @@ def build_step_state(cfg: TrainConfig, run: ResolvedRun, head: dict[str, torch.T
     compute_dtype = torch.bfloat16 if bf16 else torch.float32
     torch.manual_seed(cfg.seed)  # identical init on every rank; the broadcast makes sure
     model = DFlashDrafter(run.drafter).to(device)  # fp32 master weights
+    if cfg.init_from is not None:  # a resumed run overwrites these with its checkpoint's
+        load_drafter_weights_(model, cfg.init_from)
     broadcast_parameters(model)
     target_head = TargetHead(head["embed_tokens"].to(device, compute_dtype), head["lm_head"].to(device, compute_dtype))
     params = list(model.parameters())

@@ -22,7 +22,7 @@ from shards.cli_options import cli_field, config_error, flag_name, shown
 from shards.container import read_header
 
 from .blocks import default_num_blocks
-from .drafter_config import DrafterConfig
+from .drafter_config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, DrafterConfig
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,15 @@ class TrainConfig:
     """Drafter head dim. Default: derived from the width (128 from width 1024 up, width / 8 below)."""
     rope_theta: float = 1e7
     """RoPE base of the drafter (Qwen3.5 targets: 1e7)."""
+    layer_types: list[str] | None = None
+    """Per drafter layer full or sliding (e.g. sliding,sliding,sliding,sliding,full: the published
+    Qwen3.6-27B layout); None = all full. Sliding layers are causal with a window (train/attention.py)."""
+    sliding_window: int | None = None
+    """Tokens a sliding layer's query sees, itself included (published 27B: 2048); needed iff a layer slides."""
+    init_from: str | None = cli_field(None, path="existing_dir")
+    """Start from this exported or published DFlashDraftModel directory (config.json + safetensors) instead
+    of random weights; its shape is used (shape options may stay unset or must agree) and it must fit the
+    cache (hidden size, taps, target layers, vocab, mask id) and --block-size. None = random init."""
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)
@@ -181,6 +190,28 @@ class TrainConfig:
             flags = ", ".join(f"{flag_name(TrainConfig, h)} {shown(getattr(self, h))}" for h in heads)
             raise ValueError(f"{flags}: give the three together or none of them (then they are derived "
                              "from the target's width)")
+        if self.layer_types is not None:
+            aliases = {"full": FULL_ATTENTION, "sliding": SLIDING_ATTENTION}
+            self.layer_types = [aliases.get(str(t).strip(), str(t).strip()) for t in self.layer_types]
+            if not self.layer_types or any(t not in LAYER_TYPES for t in self.layer_types):
+                raise config_error(self, "layer_types", "each entry must be full or sliding (or "
+                                   f"{' / '.join(LAYER_TYPES)})")
+            if self.init_from is None and len(self.layer_types) != self.num_layers:
+                raise config_error(self, "layer_types", f"{len(self.layer_types)} entries for --num-layers "
+                                   f"{self.num_layers}: give one per layer (or --num-layers {len(self.layer_types)})")
+        sliding = self.layer_types is not None and SLIDING_ATTENTION in self.layer_types
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise config_error(self, "sliding_window", "must be a positive number of tokens; omit it for none")
+        if sliding and self.sliding_window is None and self.init_from is None:
+            raise config_error(self, "layer_types", "has sliding layers but --sliding-window is not set "
+                               "(the published 27B drafter uses 2048)")
+        if self.sliding_window is not None and self.layer_types is not None and not sliding:
+            raise config_error(self, "sliding_window", f"would be ignored: --layer-types {shown(self.layer_types)} "
+                               "has no sliding layer")
+        if self.init_from is not None and not Path(self.init_from).is_dir():
+            raise config_error(self, "init_from", "is not a directory (an exported or published DFlashDraftModel: "
+                               "config.json + safetensors)")
         if not Path(self.cache).is_dir():
             raise config_error(self, "cache", "is not a directory; pass the --out of dflash-extract")
 
@@ -245,23 +276,31 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
         raise ValueError(f"--kl-lambda {cfg.kl_lambda} needs a cache with --target-topk > 0, but cache {cfg.cache} "
                          "stores no target top-k; re-extract with --target-topk 8 or pass --kl-lambda 0")
     mask_token_id = cfg.mask_token_id if cfg.mask_token_id is not None else cache_cfg.mask_token_id
-    if mask_token_id is None:
-        raise ValueError(f"no MASK token id: cache {cfg.cache} records none (cache.json mask_token_id null); "
-                         "pass --mask-token-id (248070 for Qwen3.5)")
     target = cache_cfg.target
-    try:
-        drafter = DrafterConfig.for_target(
-            hidden_size=target.hidden_size,
-            intermediate_size=(cfg.intermediate_size or target.intermediate_size
-                               or default_intermediate_size(target.hidden_size)),
-            vocab_size=target.vocab_size, num_target_layers=target.num_layers,
-            tap_layer_ids=list(cache_cfg.tap_layer_ids), mask_token_id=mask_token_id,
-            num_layers=cfg.num_layers, block_size=cfg.block_size, rope_theta=cfg.rope_theta)
-        if cfg.num_attention_heads is not None:
-            drafter = drafter.replace(num_attention_heads=cfg.num_attention_heads,
-                                      num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
-    except ValueError as e:
-        raise ValueError(f"drafter shape for cache {cfg.cache}: {e}") from e
+    token_ids = {name: getattr(target, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    if cfg.init_from is not None:
+        drafter = _drafter_from_init(cfg, cache_cfg, mask_token_id)
+        # The target's own ids win over whatever the published drafter recorded.
+        drafter = drafter.replace(**{k: v for k, v in token_ids.items() if v is not None})
+    else:
+        if mask_token_id is None:
+            raise ValueError(f"no MASK token id: cache {cfg.cache} records none (cache.json mask_token_id null); "
+                             "pass --mask-token-id (248070 for Qwen3.5)")
+        try:
+            drafter = DrafterConfig.for_target(
+                hidden_size=target.hidden_size,
+                intermediate_size=(cfg.intermediate_size or target.intermediate_size
+                                   or default_intermediate_size(target.hidden_size)),
+                vocab_size=target.vocab_size, num_target_layers=target.num_layers,
+                tap_layer_ids=list(cache_cfg.tap_layer_ids), mask_token_id=mask_token_id,
+                num_layers=cfg.num_layers, block_size=cfg.block_size, rope_theta=cfg.rope_theta,
+                layer_types=cfg.layer_types, sliding_window=cfg.sliding_window)
+            if cfg.num_attention_heads is not None:
+                drafter = drafter.replace(num_attention_heads=cfg.num_attention_heads,
+                                          num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+            drafter = drafter.replace(**token_ids)
+        except ValueError as e:
+            raise ValueError(f"drafter shape for cache {cfg.cache}: {e}") from e
 
     num_blocks = cfg.num_blocks or default_num_blocks(cache_cfg.token_budget, cfg.block_size)
     if num_blocks > cache_cfg.token_budget:
@@ -287,6 +326,45 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
         cache_config=cache_cfg, drafter=drafter, num_blocks=num_blocks, train_ids=train_ids,
         eval_ids=eval_ids, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         warmup_steps=int(math.ceil(cfg.warmup_ratio * total_steps)))
+
+
+# TrainConfig shape fields that --init-from takes from the drafter's config.json (and DrafterConfig names).
+_INIT_SHAPE_FIELDS = {"num_layers": "num_layers", "intermediate_size": "intermediate_size",
+                      "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
+                      "head_dim": "head_dim", "rope_theta": "rope_theta", "layer_types": "layer_types",
+                      "sliding_window": "sliding_window"}
+
+
+def _drafter_from_init(cfg: TrainConfig, cache_cfg: CacheConfig, mask_token_id: int | None) -> DrafterConfig:
+    """The --init-from drafter's shape, refused (every differing field named) when it does not fit."""
+    from .export import read_drafter_config  # export imports the model; keep resolve_run's imports light
+
+    try:
+        drafter = read_drafter_config(cfg.init_from, mask_token_id=mask_token_id)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--init-from {cfg.init_from}: {e}") from e
+    target = cache_cfg.target
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    problems = []
+    for option, field_name in _INIT_SHAPE_FIELDS.items():
+        ours, theirs = getattr(cfg, option), getattr(drafter, field_name)
+        if ours is not None and ours != defaults[option] and ours != theirs:
+            problems.append(f"{option}: drafter {theirs!r}, this run {ours!r} (drop --{option.replace('_', '-')})")
+    for name, theirs, cache_value in (
+            ("hidden_size", drafter.hidden_size, target.hidden_size),
+            ("tap_layer_ids", drafter.tap_layer_ids, list(cache_cfg.tap_layer_ids)),
+            ("num_target_layers", drafter.num_target_layers, target.num_layers),
+            ("vocab_size", drafter.vocab_size, target.vocab_size)):
+        if theirs != cache_value:
+            problems.append(f"{name}: drafter {theirs!r}, cache {cache_value!r}")
+    if drafter.block_size != cfg.block_size:
+        problems.append(f"block_size: drafter {drafter.block_size}, this run {cfg.block_size} "
+                        f"(pass --block-size {drafter.block_size})")
+    if mask_token_id is not None and drafter.mask_token_id != mask_token_id:
+        problems.append(f"mask_token_id: drafter {drafter.mask_token_id}, cache/run {mask_token_id}")
+    if problems:
+        raise ValueError(f"--init-from {cfg.init_from} does not fit cache {cfg.cache}: " + "; ".join(problems))
+    return drafter
 
 
 def _check_taps(cfg: TrainConfig, cache_cfg: CacheConfig) -> None:
