@@ -183,20 +183,22 @@ def test_flex_rejects_partial_query_tiles():
 
 
 @pytest.mark.gpu
-def test_flex_compiled_matches_dense_bf16_forward_backward():
+@pytest.mark.parametrize("window", [None, 7, 300, 100_000])
+def test_flex_compiled_matches_dense_bf16_forward_backward(window):
     device = "cuda"
     num_ctx, nb, bs, heads, kv_heads, dim = 3000, 64, 16, 8, 2, 128
-    seq_start, anchor = random_ranges(num_ctx, nb, 7)
+    seq_start, anchor = ranges_at_sequence_starts(num_ctx, nb, 7)
     seq_start, anchor = seq_start.to(device), anchor.to(device)
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(nb * bs, heads, dim, device=device, generator=g, dtype=torch.bfloat16)
     k, v = torch.randn(2, num_ctx + nb * bs, kv_heads, dim, device=device, generator=g, dtype=torch.bfloat16)
     grad_out = torch.randn_like(q)
-    flex = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", device=device)
+    flex = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", device=device,
+                                sliding_window=window)
     flex.update(seq_start, anchor)
-    mask = block_mask_dense(seq_start, anchor, num_ctx=num_ctx, block_size=bs)
+    mask = block_mask_dense(seq_start, anchor, num_ctx=num_ctx, block_size=bs, sliding_window=window)
     results = []
-    for fn in (lambda a, b, c: block_attention(a, b, c, flex),
+    for fn in (lambda a, b, c: block_attention(a, b, c, flex, sliding=window is not None),
                lambda a, b, c: attend_reference(a.float(), b.float(), c.float(), mask)):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         out = fn(*leaves)

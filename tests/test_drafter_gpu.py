@@ -53,10 +53,16 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
+# The published Qwen3.6-27B layout (4 sliding + 1 full); window 512 < the 2048-token batch so it bites.
+LAYOUTS = {"full": {}, "sliding": dict(layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=512)}
+
+
+@pytest.mark.parametrize("layers", sorted(LAYOUTS))
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
-def test_flex_matches_sdpa_at_27b_width(param_dtype):
+def test_flex_matches_sdpa_at_27b_width(param_dtype, layers):
     cfg = DrafterConfig.for_target(hidden_size=5120, intermediate_size=17408, vocab_size=248320,
-                                   num_target_layers=64, tap_layer_ids=[1, 16, 31, 46, 61], mask_token_id=248070)
+                                   num_target_layers=64, tap_layer_ids=[1, 16, 31, 46, 61], mask_token_id=248070,
+                                   **LAYOUTS[layers])
     model, head = build(cfg, param_dtype=param_dtype)
     batch = cuda_batch(cfg, [700, 900, 300, 100], 2048, 8)
     num_blocks = 64
@@ -69,7 +75,7 @@ def test_flex_matches_sdpa_at_27b_width(param_dtype):
     for backend in ("flex", "sdpa"):
         model.zero_grad(set_to_none=True)
         layout = BlockAttentionLayout(num_ctx=2048, num_blocks=num_blocks, block_size=cfg.block_size,
-                                      backend=backend, device=DEVICE)
+                                      backend=backend, device=DEVICE, sliding_window=cfg.attention_window)
         parts = run_step(model, head, batch, blocks, layout, loss_cfg)
         results.append((parts.total.detach().float(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (loss_f, grads_f), (loss_s, grads_s) = results
@@ -80,16 +86,18 @@ def test_flex_matches_sdpa_at_27b_width(param_dtype):
         assert err < 5e-2, f"{name}: relative grad error {err}"
 
 
-def test_training_step_captures_into_cuda_graph_and_replays():
+@pytest.mark.parametrize("layers", ["full", "sliding"])
+def test_training_step_captures_into_cuda_graph_and_replays(layers):
+    shape = {} if layers == "full" else dict(layer_types=["sliding_attention", "full_attention"], sliding_window=200)
     cfg = DrafterConfig.for_target(hidden_size=256, intermediate_size=512, vocab_size=1000, num_target_layers=8,
-                                   tap_layer_ids=[1, 3, 5], mask_token_id=999, num_layers=2)
+                                   tap_layer_ids=[1, 3, 5], mask_token_id=999, num_layers=2, **shape)
     model, head = build(cfg, param_dtype=torch.float32)  # fp32 master weights under autocast, as the trainer
     reference = copy.deepcopy(model)
     batch = cuda_batch(cfg, [300, 400, 200], 1024, 4)
     num_blocks = 32
     loss_cfg = LossConfig(kl_lambda=0.0, cap_lambda=0.5, chunk_blocks=8)
     layout = BlockAttentionLayout(num_ctx=1024, num_blocks=num_blocks, block_size=cfg.block_size, backend="flex",
-                                  device=DEVICE)
+                                  device=DEVICE, sliding_window=cfg.attention_window)
 
     def step():
         # Default CUDA generator: graph-safe, so each replay draws new anchors.
@@ -120,7 +128,8 @@ def test_training_step_captures_into_cuda_graph_and_replays():
     assert not torch.equal(*anchors_seen), "replays must draw fresh anchors"
 
     replayed = TrainingBlocks(**{k: v.clone() for k, v in vars(blocks).items()})
-    dense = BlockAttentionLayout(num_ctx=1024, num_blocks=num_blocks, block_size=cfg.block_size, device=DEVICE)
+    dense = BlockAttentionLayout(num_ctx=1024, num_blocks=num_blocks, block_size=cfg.block_size, device=DEVICE,
+                                 sliding_window=cfg.attention_window)
     eager = run_step(reference, head, batch, replayed, dense, loss_cfg)
     assert torch.isfinite(parts.total).item()
     assert abs(parts.total.item() - eager.total.item()) < 2e-2, f"{parts.total.item()} vs {eager.total.item()}"

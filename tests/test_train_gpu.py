@@ -39,6 +39,18 @@ def test_cuda_graph_step_equals_eager_step(tmp_path):
 
 
 @pytest.mark.gpu
+def test_cuda_graph_step_equals_eager_step_with_sliding_layers(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=4, **GPU_CACHE)
+    sliding = dict(layer_types=["sliding", "full"], sliding_window=100)  # sequences are longer than 100 tokens
+    run_training(gpu_config(cache, tmp_path / "eager", cuda_graphs=False, **sliding))
+    run_training(gpu_config(cache, tmp_path / "graph", cuda_graphs=True, **sliding))
+    eager, graph = losses(tmp_path / "eager"), losses(tmp_path / "graph")
+    assert sorted(eager) == sorted(graph) == list(range(1, 9))
+    diffs = {s: abs(eager[s] - graph[s]) / abs(eager[s]) for s in eager}
+    assert max(diffs.values()) <= 2e-2, f"max relative loss diff graph vs eager {max(diffs.values()):.3e}: {diffs}"
+
+
+@pytest.mark.gpu
 def test_cuda_graph_resume_continues_the_loss_sequence(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=4, **GPU_CACHE)
     full = tmp_path / "full"

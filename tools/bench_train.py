@@ -8,17 +8,26 @@ build_step_state + train.step.StepRunner), no metrics steps. Two sizes by defaul
 Also measures the bf16 matmul peak of this GPU, the MFU denominator.
 
 FLOPs per step (printed by the script), with Q = blocks x block size query tokens, T context tokens,
-L layers, keys = mean keys a query attends to (its context before the anchor + its block):
+L layers, keys_l = mean keys a query of layer l attends to (full: its context before the anchor + its
+block; sliding: the part of both inside its window):
   layers      6 x P_layers x Q                (P_layers: trainable parameters of the decoder layers)
   ctx K/V     6 x L x (2 x H x M x D) x T     (each layer's k/v projections of the fused context)
-  attention   12 x L x N x D x keys x Q       (QK^T and AV, forward 4, backward 8)
+  attention   12 x N x D x sum_l keys_l x Q   (QK^T and AV, forward 4, backward 8)
   LM head     4 x V x H x Q                   (frozen: logits forward and input gradient only)
   fc          4 x (K x H) x H x T             (forward and weight gradient; its input is frozen)
 
+Sliding layers and long contexts: --layer-types (repeatable: one layout per run, e.g. all full vs the
+published sliding,sliding,sliding,sliding,full) with --sliding-window, and --seq-lens (the packed
+sequence length, i.e. the context length, one run each). Each result also counts the kv tiles the
+flex BlockMasks visit per query tile (full and sliding masks): what the kernel skips outside the window.
+
 Usage: python -m tools.bench_train --out bench_train.json [--sizes 27b,4b] [--steps 5]
+       python -m tools.bench_train --sizes 27b --modes graphs --seq-lens 4096,32768 \
+           --layer-types full,full,full,full,full --layer-types sliding,sliding,sliding,sliding,full
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -80,12 +89,49 @@ def bf16_matmul_peak(device: torch.device, n: int = 8192, iters: int = 20) -> fl
     return best
 
 
-def drafter_config(size: Size) -> DrafterConfig:
+def drafter_config(size: Size, layer_types: list[str] | None = None, sliding_window: int | None = None) -> DrafterConfig:
     q, kv, d = size.heads
+    sliding = layer_types is not None and "sliding_attention" in layer_types
     return DrafterConfig(num_layers=size.layers, hidden_size=size.hidden, intermediate_size=size.mlp,
                          num_attention_heads=q, num_key_value_heads=kv, head_dim=d, block_size=size.block_size,
                          mask_token_id=size.vocab - 1, tap_layer_ids=list(range(size.taps)),
-                         num_target_layers=64, vocab_size=size.vocab)
+                         num_target_layers=64, vocab_size=size.vocab, layer_types=layer_types,
+                         sliding_window=sliding_window if sliding else None)
+
+
+def parse_layer_types(spec: str) -> list[str]:
+    """'sliding,full' -> ['sliding_attention', 'full_attention']."""
+    names = {"full": "full_attention", "sliding": "sliding_attention"}
+    out = [names.get(t.strip(), t.strip()) for t in spec.split(",") if t.strip()]
+    if not out or any(t not in names.values() for t in out):
+        raise click.BadParameter(f"--layer-types entries must be full or sliding, got {spec!r}")
+    return out
+
+
+def mean_keys_per_layer(blocks, cfg: DrafterConfig) -> list[float]:
+    """Mean keys a valid block's query attends to, per layer (attention.py's rule, counted analytically)."""
+    valid = blocks.block_valid_N
+    ctx_N1 = (blocks.anchor_N - blocks.seq_start_N).float()[valid].unsqueeze(1)  # context before the anchor
+    B = cfg.block_size
+    k_1B = torch.arange(B, device=ctx_N1.device, dtype=torch.float32).unsqueeze(0)
+    full = float((ctx_N1 + B).mean())
+    if cfg.attention_window is None:
+        return [full] * cfg.num_layers
+    W = cfg.attention_window
+    sliding = float((ctx_N1.clamp(max=W - 1 - k_1B).clamp(min=0) + (k_1B + 1).clamp(max=W)).mean())
+    return [sliding if s else full for s in cfg.sliding_layers]
+
+
+def visited_kv_tiles(layout) -> dict[str, float]:
+    """Mean kv tiles (partial + full) each flex query tile visits, per mask kind (full / sliding)."""
+    out = {}
+    if layout.backend != "flex":
+        return out
+    for sliding in ([False, True] if layout.sliding_window is not None else [False]):
+        bm = layout.flex_mask(sliding).block_mask
+        out["sliding" if sliding else "full"] = float((bm.kv_num_blocks + bm.full_kv_num_blocks).float().mean())
+    out["of"] = float(bm.kv_indices.shape[-1])
+    return out
 
 
 def fill_random_batch(state, size: Size, gen: torch.Generator) -> None:
@@ -109,7 +155,7 @@ def fill_random_batch(state, size: Size, gen: torch.Generator) -> None:
     b.batch_id.fill_(0)
 
 
-def step_flops(size: Size, cfg: DrafterConfig, num_blocks: int, mean_keys: float) -> dict[str, float]:
+def step_flops(size: Size, cfg: DrafterConfig, num_blocks: int, mean_keys: list[float]) -> dict[str, float]:
     H, L, V, T = size.hidden, size.layers, size.vocab, size.token_budget
     N, M, D = size.heads
     Q = num_blocks * size.block_size
@@ -118,14 +164,15 @@ def step_flops(size: Size, cfg: DrafterConfig, num_blocks: int, mean_keys: float
     return {
         "layers": 6 * layer_params * Q,
         "ctx_kv": 6 * L * (2 * H * M * D) * T,
-        "attention": 12 * L * N * D * mean_keys * Q,
+        "attention": 12 * N * D * sum(mean_keys) * Q,
         "lm_head": 4 * V * H * Q,
         "fc": 4 * fc_params * T,
     }
 
 
-def bench_one(size: Size, mode: str, num_blocks: int, steps: int, device: torch.device, peak: float) -> dict:
-    dcfg = drafter_config(size)
+def bench_one(size: Size, mode: str, num_blocks: int, steps: int, device: torch.device, peak: float,
+              layer_types: list[str] | None = None, sliding_window: int | None = None) -> dict:
+    dcfg = drafter_config(size, layer_types, sliding_window)
     cc = CacheConfig(target=TargetInfo(name="random", config_hash="random", hidden_size=size.hidden, num_layers=64,
                                        vocab_size=size.vocab, dtype="bfloat16"),
                      tap_layer_ids=list(range(size.taps)), token_budget=size.token_budget, max_seqs=64,
@@ -144,8 +191,9 @@ def bench_one(size: Size, mode: str, num_blocks: int, steps: int, device: torch.
     blocks = sample_blocks(input_ids_T=state.batch.input_ids_T, position_ids_T=state.batch.position_ids_T,
                            loss_mask_T=state.batch.loss_mask_T, cu_seqlens_S1=state.batch.cu_seqlens_S1,
                            num_blocks=num_blocks, block_size=size.block_size, mask_token_id=size.vocab - 1)
-    valid = blocks.block_valid_N
-    mean_keys = float(((blocks.anchor_N - blocks.seq_start_N).float()[valid].mean() + size.block_size).item())
+    mean_keys = mean_keys_per_layer(blocks, dcfg)
+    state.layout.update(blocks.seq_start_N, blocks.anchor_N)
+    tiles = visited_kv_tiles(state.layout)
     t_setup = time.perf_counter()
     runner = StepRunner(state, cuda_graphs=mode == "graphs", warmup_iters=2)
     for _ in range(2):
@@ -165,7 +213,9 @@ def bench_one(size: Size, mode: str, num_blocks: int, steps: int, device: torch.
         "context_tokens": size.token_budget, "step_ms": step_s * 1e3,
         "query_tokens_per_s": num_blocks * size.block_size / step_s, "context_tokens_per_s": size.token_budget / step_s,
         "tflops": total / step_s / 1e12, "mfu": total / step_s / peak, "flops_per_step": flops,
-        "mean_keys_per_query": mean_keys, "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "layer_types": list(dcfg.layer_types), "sliding_window": dcfg.attention_window, "seq_len": size.seq_len,
+        "mean_keys_per_query": sum(mean_keys) / len(mean_keys), "mean_keys_per_layer": mean_keys,
+        "kv_tiles_per_q_tile": tiles, "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
         "setup_s": setup_s, "mean_loss": loss, "params": count_parameters(dcfg),
     }
     del runner, state, head, blocks
@@ -174,13 +224,14 @@ def bench_one(size: Size, mode: str, num_blocks: int, steps: int, device: torch.
     return result
 
 
-def bench_size(size: Size, modes: list[str], steps: int, device: torch.device, peak: float) -> list[dict]:
+def bench_size(size: Size, modes: list[str], steps: int, device: torch.device, peak: float,
+               layer_types: list[str] | None = None, sliding_window: int | None = None) -> list[dict]:
     num_blocks = size.num_blocks or default_num_blocks(size.token_budget, size.block_size)
     results = []
     for mode in modes:
         while True:
             try:
-                results.append(bench_one(size, mode, num_blocks, steps, device, peak))
+                results.append(bench_one(size, mode, num_blocks, steps, device, peak, layer_types, sliding_window))
                 log.info("%s %s: %s", size.name, mode, _row(results[-1]))
                 break
             except torch.cuda.OutOfMemoryError:
@@ -195,12 +246,22 @@ def bench_size(size: Size, modes: list[str], steps: int, device: torch.device, p
     return results
 
 
+def _layout_name(r: dict) -> str:
+    types = r.get("layer_types") or []
+    if not any(t == "sliding_attention" for t in types):
+        return "full"
+    return "".join("s" if t == "sliding_attention" else "f" for t in types) + f"/{r['sliding_window']}"
+
+
 def _row(r: dict) -> str:
     if "error" in r:
         return f"{r['size']:<5} {r['mode']:<7} {r['num_blocks']:>6}  {r['error']}"
-    return (f"{r['size']:<5} {r['mode']:<7} {r['num_blocks']:>6} {r['query_tokens_per_s']:>12,.0f} "
-            f"{r['context_tokens_per_s']:>10,.0f} {r['step_ms']:>9.1f} {r['tflops']:>8.1f} {100 * r['mfu']:>6.1f}% "
-            f"{r['peak_mem_gib']:>7.1f}")
+    tiles = r.get("kv_tiles_per_q_tile") or {}
+    tile_text = "/".join(f"{tiles[k]:.0f}" for k in ("full", "sliding") if k in tiles)
+    return (f"{r['size']:<5} {r['mode']:<7} {_layout_name(r):<12} {r['seq_len']:>7} {r['num_blocks']:>6} "
+            f"{r['query_tokens_per_s']:>12,.0f} {r['context_tokens_per_s']:>10,.0f} {r['step_ms']:>9.1f} "
+            f"{r['tflops']:>8.1f} {100 * r['mfu']:>6.1f}% {r['peak_mem_gib']:>7.1f} {r['mean_keys_per_query']:>8.0f} "
+            f"{tile_text:>9}")
 
 
 @click.command()
@@ -208,7 +269,11 @@ def _row(r: dict) -> str:
 @click.option("--sizes", default="27b,4b", show_default=True, help="Comma-separated: 27b, 4b, launch.")
 @click.option("--modes", default="graphs,eager", show_default=True, help="Comma-separated: graphs, eager.")
 @click.option("--steps", default=5, show_default=True, help="Timed steps per configuration (after warm-up).")
-def main(out_path: str, sizes: str, modes: str, steps: int) -> None:
+@click.option("--layer-types", "layouts", multiple=True, help="Drafter layer kinds, e.g. sliding,sliding,sliding,sliding,full; repeat the option to compare layouts. Default: all full.")
+@click.option("--sliding-window", default=2048, show_default=True, help="Window of the sliding layers (tokens, the query included).")
+@click.option("--seq-lens", default=None, help="Comma-separated packed sequence lengths (context length) to run each size at; default: the size's own.")
+def main(out_path: str, sizes: str, modes: str, steps: int, layouts: tuple[str, ...], sliding_window: int,
+         seq_lens: str | None) -> None:
     """Drafter training throughput (query tokens/s per GPU) and MFU, CUDA graphs vs eager."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if not torch.cuda.is_available():
@@ -218,11 +283,22 @@ def main(out_path: str, sizes: str, modes: str, steps: int) -> None:
     peak = bf16_matmul_peak(device)
     log.info("bf16 matmul peak (8192^3): %.1f TFLOP/s on %s", peak / 1e12, torch.cuda.get_device_name(device))
     log.info("FLOPs/step = 6*P_layers*Q + 6*L*(2*H*M*D)*T + 12*L*N*D*keys*Q + 4*V*H*Q + 4*(K*H)*H*T")
+    layer_specs = [parse_layer_types(spec) for spec in layouts] or [None]
     results = []
     for name in sizes.split(","):
-        results += bench_size(SIZES[name.strip()], [m.strip() for m in modes.split(",")], steps, device, peak)
-    header = (f"{'size':<5} {'mode':<7} {'blocks':>6} {'query tok/s':>12} {'ctx tok/s':>10} {'step ms':>9} "
-              f"{'TFLOP/s':>8} {'MFU':>7} {'mem GiB':>7}")
+        base = SIZES[name.strip()]
+        lengths = [int(v) for v in seq_lens.split(",")] if seq_lens else [base.seq_len]
+        for length in lengths:
+            if not 1 <= length <= base.token_budget:
+                raise click.BadParameter(f"--seq-lens {length}: must be in [1, token budget {base.token_budget}]")
+            for types in layer_specs:
+                if types is not None and len(types) != base.layers:
+                    raise click.BadParameter(f"--layer-types {','.join(types)}: {base.name} has {base.layers} layers")
+                size = dataclasses.replace(base, seq_len=length)
+                results += bench_size(size, [m.strip() for m in modes.split(",")], steps, device, peak, types,
+                                      sliding_window)
+    header = (f"{'size':<5} {'mode':<7} {'layout':<12} {'seq len':>7} {'blocks':>6} {'query tok/s':>12} "
+              f"{'ctx tok/s':>10} {'step ms':>9} {'TFLOP/s':>8} {'MFU':>7} {'mem GiB':>7} {'keys/q':>8} {'kv tiles':>9}")
     click.echo(header)
     click.echo("-" * len(header))
     for r in results:
