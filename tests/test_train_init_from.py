@@ -2,12 +2,15 @@
 differing field named) when it does not fit the cache; sliding-layer drafters train end to end."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from click.testing import CliRunner
 
 from shards import ShardReader, decode_hidden, epoch_shard_order, load_target_head
 from test_train_support import read_records, tiny_cache, tiny_cli_args, tiny_config
+from train.attention import BlockAttentionLayout
 from train.blocks import sample_blocks
 from train.cli import main as train_cli
 from train.config import DrafterConfig
@@ -31,8 +34,6 @@ def first_step_loss_of(drafter_dir, cache, cfg) -> float:
     blocks = sample_blocks(input_ids_T=t["input_ids"], position_ids_T=t["position_ids"], loss_mask_T=t["loss_mask"],
                            cu_seqlens_S1=t["cu_seqlens"], num_blocks=cfg.num_blocks, block_size=cfg.block_size,
                            mask_token_id=dcfg.mask_token_id, gamma=cfg.gamma, generator=gen)
-    from train.attention import BlockAttentionLayout
-
     layout = BlockAttentionLayout(num_ctx=reader.config.token_budget, num_blocks=cfg.num_blocks,
                                   block_size=cfg.block_size, sliding_window=dcfg.attention_window)
     layout.update(blocks.seq_start_N, blocks.anchor_N)
@@ -105,8 +106,7 @@ def test_sliding_layer_flags_through_the_cli(tmp_path):
     result = CliRunner().invoke(train_cli, tiny_cli_args(cache, out, "--num-layers", "2", "--layer-types",
                                                          "sliding,full", "--sliding-window", "6", "--max-steps", "2"))
     assert result.exit_code == 0, result.output
-    runner = CliRunner()
-    result = runner.invoke(train_cli, ["export", str(out), str(tmp_path / "exported")])
+    result = CliRunner().invoke(train_cli, ["export", str(out), str(tmp_path / "exported")])
     assert result.exit_code == 0, result.output
     _, cfg = load_exported_drafter(tmp_path / "exported")
     assert cfg.layer_types == ["sliding_attention", "full_attention"] and cfg.sliding_window == 6
@@ -115,5 +115,4 @@ def test_sliding_layer_flags_through_the_cli(tmp_path):
                           (["--layer-types", "sliding,diagonal", "--sliding-window", "6"], "full or sliding")):
         result = CliRunner().invoke(train_cli, tiny_cli_args(cache, tmp_path / "bad", "--num-layers", "2", *args))
         assert result.exit_code != 0 and "Traceback" not in result.output
-        import re
         assert re.search(message, result.output), result.output
