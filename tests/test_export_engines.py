@@ -21,7 +21,7 @@ import torch
 
 from test_drafter_helpers import tiny_config, tiny_model_and_head
 from train.attention import block_mask_dense
-from train.config import DrafterConfig
+from train.drafter_config import DrafterConfig
 from train.export import drafter_config_to_hf, export_drafter
 
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -13,7 +13,7 @@ from test_train_support import read_records, tiny_cache, tiny_cli_args, tiny_con
 from train.attention import BlockAttentionLayout
 from train.blocks import sample_blocks
 from train.cli import main as train_cli
-from train.config import DrafterConfig
+from train.drafter_config import DrafterConfig
 from train.export import export_drafter, load_exported_drafter
 from train.loop import anchor_seed, run_training
 from train.losses import LossConfig, block_loss
