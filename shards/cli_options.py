@@ -86,7 +86,7 @@ class NumberList(click.ParamType):
 
     def __init__(self, kind: type = int) -> None:
         self.kind = kind
-        self.name = "ints" if kind is int else "numbers"
+        self.name = {int: "ints", float: "numbers"}.get(kind, "list")  # the metavar in --help
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list:
         if isinstance(value, (list, tuple)):

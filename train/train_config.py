@@ -133,13 +133,15 @@ class TrainConfig:
     """RoPE base of the drafter (Qwen3.5 targets: 1e7)."""
     layer_types: list[str] | None = None
     """Per drafter layer full or sliding (e.g. sliding,sliding,sliding,sliding,full: the published
-    Qwen3.6-27B layout); None = all full. Sliding layers are causal with a window (train/attention.py)."""
+    Qwen3.6-27B layout). Sliding layers are causal with a window (train/attention.py). Default: all full
+    (or the --init-from drafter's)."""
     sliding_window: int | None = None
-    """Tokens a sliding layer's query sees, itself included (published 27B: 2048); needed iff a layer slides."""
+    """Tokens a sliding layer's query sees, itself included (published 27B: 2048); needed iff a layer
+    slides. Default: none (or the --init-from drafter's)."""
     init_from: str | None = cli_field(None, path="existing_dir")
     """Start from this exported or published DFlashDraftModel directory (config.json + safetensors) instead
     of random weights; its shape is used (shape options may stay unset or must agree) and it must fit the
-    cache (hidden size, taps, target layers, vocab, mask id) and --block-size. None = random init."""
+    cache (hidden size, taps, target layers, vocab, mask id) and --block-size. Default: random init."""
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)
