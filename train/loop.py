@@ -160,6 +160,9 @@ class Trainer:
                  r.drafter.num_layers, r.drafter.hidden_size, r.drafter.intermediate_size,
                  r.drafter.num_attention_heads, r.drafter.num_key_value_heads, r.drafter.head_dim,
                  r.drafter.block_size, r.num_blocks)
+        if r.drafter.attention_window is not None:
+            log.info("drafter layers: %s (sliding: causal, window %d tokens)", ",".join(
+                "sliding" if s else "full" for s in r.drafter.sliding_layers), r.drafter.attention_window)
         log.info("kernels: attention %s, compute %s (fp32 master weights), step %s on %s", backend,
                  str(compute_dtype).removeprefix("torch."), "CUDA graph" if self.use_graphs else "eager", self.device)
 
