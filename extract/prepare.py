@@ -15,13 +15,17 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Literal, get_args
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from shards.cli_options import cli_field, config_error
 
 from .chat import ChatRenderer
 from .conversations import iter_conversations
-from .data import Sample, write_parquet
+from .data import Sample
 from .rows import DataError
 from .target_config import TargetConfig
 
@@ -89,16 +93,20 @@ class PrepareSummary:
         )
 
 
-def prepare_dataset(cfg: PrepareConfig) -> PrepareSummary:
-    """Render, mask and write every conversation; DataError listing bad rows (see the module doc)."""
-    out = Path(cfg.out)
-    if out.exists() and not cfg.overwrite:
-        raise FileExistsError(f"{out} exists; choose another --out or pass --overwrite")
-    vocab_size = TargetConfig.from_dir(cfg.target).vocab_size
-    renderer = ChatRenderer(cfg.target, thinking=cfg.thinking == "on", vocab_size=vocab_size)
-    summary = PrepareSummary(out=str(out))
-    errors: list[str] = []
-    samples: list[Sample] = []
+_ROW_GROUP = 256  # rows per Parquet row group: dflash-extract decodes one whole group per sample it loads
+_SCHEMA = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8()))])
+
+
+def _table(samples: list[Sample]) -> pa.Table:
+    return pa.table({
+        "id": pa.array([s.sample_id for s in samples], type=pa.string()),
+        "input_ids": pa.array([s.input_ids for s in samples], type=pa.list_(pa.int32())),
+        "loss_mask": pa.array([s.loss_mask for s in samples], type=pa.list_(pa.uint8())),
+    }, schema=_SCHEMA)
+
+
+def _encoded(cfg: PrepareConfig, renderer: ChatRenderer, summary: PrepareSummary, errors: list[str]) -> Iterator[Sample]:
+    """Every good conversation as a Sample; bad rows go to `errors`, counts to `summary`."""
     for conv in iter_conversations(cfg.data, errors):
         try:
             ids, mask, dropped = renderer.encode(conv)
@@ -115,24 +123,47 @@ def prepare_dataset(cfg: PrepareConfig) -> PrepareSummary:
             ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
             summary.num_truncated += 1
         summary.num_reasoning_dropped += dropped
-        samples.append(Sample(conv.sample_id, ids, mask))
+        summary.num_samples += 1
         summary.num_tokens += len(ids)
         summary.num_supervised += int(mask.sum())
-    if errors and not cfg.skip_bad_rows:
-        shown = "\n  ".join(errors[:_NUM_ERRORS_SHOWN])
-        more = f"\n  ... and {len(errors) - _NUM_ERRORS_SHOWN} more" if len(errors) > _NUM_ERRORS_SHOWN else ""
-        raise DataError(
-            f"{len(errors)} bad rows, nothing written:\n  {shown}{more}\n"
-            f"fix them, or pass --skip-bad-rows to write the other rows (the skipped ones are listed in the summary)"
-        )
-    summary.skipped.extend({"row": e.split(": ", 1)[0], "reason": e.split(": ", 1)[-1]} for e in errors)
-    if not samples:
-        raise DataError(f"{cfg.data}: no conversation could be prepared")
-    summary.num_samples = len(samples)
+        yield Sample(conv.sample_id, ids, mask)
+
+
+def prepare_dataset(cfg: PrepareConfig) -> PrepareSummary:
+    """Render, mask and write every conversation; DataError listing bad rows (see the module doc)."""
+    out = Path(cfg.out)
+    if out.exists() and not cfg.overwrite:
+        raise FileExistsError(f"{out} exists; choose another --out or pass --overwrite")
+    vocab_size = TargetConfig.from_dir(cfg.target).vocab_size
+    renderer = ChatRenderer(cfg.target, thinking=cfg.thinking == "on", vocab_size=vocab_size)
+    summary = PrepareSummary(out=str(out))
+    errors: list[str] = []
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    write_parquet(tmp, samples)
-    os.replace(tmp, out)
+    try:
+        # Streamed, ROW_GROUP rows at a time: memory stays flat however large the dataset.
+        with pq.ParquetWriter(tmp, _SCHEMA) as writer:
+            pending: list[Sample] = []
+            for sample in _encoded(cfg, renderer, summary, errors):
+                pending.append(sample)
+                if len(pending) == _ROW_GROUP:
+                    writer.write_table(_table(pending))
+                    pending = []
+            if pending:
+                writer.write_table(_table(pending))
+        if errors and not cfg.skip_bad_rows:
+            shown = "\n  ".join(errors[:_NUM_ERRORS_SHOWN])
+            more = f"\n  ... and {len(errors) - _NUM_ERRORS_SHOWN} more" if len(errors) > _NUM_ERRORS_SHOWN else ""
+            raise DataError(
+                f"{len(errors)} bad rows, nothing written:\n  {shown}{more}\n"
+                f"fix them, or pass --skip-bad-rows to write the other rows (the skipped ones are listed in the summary)"
+            )
+        if not summary.num_samples:
+            raise DataError(f"{cfg.data}: no conversation could be prepared")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)  # ours: the partial output of a refused or failed run
+    summary.skipped.extend({"row": e.split(": ", 1)[0], "reason": e.split(": ", 1)[-1]} for e in errors)
     record = {**dataclasses.asdict(summary), "supervised_fraction": summary.supervised_fraction,
               "config": dataclasses.asdict(cfg)}
     with open(f"{out}.summary.json", "w", encoding="utf-8") as f:
