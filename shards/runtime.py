@@ -38,9 +38,19 @@ def resolve_device(spec: str, local_rank: int) -> torch.device:
     """"auto" = cuda:LOCAL_RANK when CUDA exists, else cpu; a bare "cuda" also means this rank's GPU."""
     if spec == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(spec)
+    try:
+        device = torch.device(spec)
+    except RuntimeError as e:
+        raise ValueError(f"--device {spec!r} is not a device (use auto, cpu, cuda or cuda:N): {e}") from None
     if device.type == "cuda" and device.index is None:
         device = torch.device(f"cuda:{local_rank}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {spec}: CUDA is not available on this machine "
+                             f"(torch {torch.__version__}, no visible GPU); use --device cpu or auto")
+        if device.index >= count:
+            raise ValueError(f"--device {device}: this machine has {count} CUDA device(s), 0..{count - 1}")
     return device
 
 

@@ -191,8 +191,11 @@ def load_optimizer_state(ckpt: Checkpoint) -> dict:
 
 
 def check_resume_compatible(ckpt: Checkpoint, identity: dict[str, Any], world_size: int,
-                            target_config_hash: str) -> None:
-    """Refuse to resume under different settings, naming every field that differs."""
+                            target_config_hash: str, cache_identity: dict[str, Any] | None = None) -> None:
+    """Refuse to resume under different settings or another cache, naming every field that differs.
+
+    cache_identity: target head checksum, dataset fingerprint, shard count and cache id of the cache
+    now (loop.cache_identity); checkpoints written before it was recorded are checked without it."""
     recorded = ckpt.state.get("config_identity", {})
     diffs = [f"{k}: checkpoint {recorded.get(k)!r}, now {identity.get(k)!r}"
              for k in sorted(set(recorded) | set(identity)) if recorded.get(k) != identity.get(k)]
@@ -202,6 +205,10 @@ def check_resume_compatible(ckpt: Checkpoint, identity: dict[str, Any], world_si
     if ckpt.state.get("target_config_hash") != target_config_hash:
         diffs.append(f"cache target config_hash: checkpoint {ckpt.state.get('target_config_hash')!r}, "
                      f"now {target_config_hash!r}")
+    recorded_cache = ckpt.state.get("cache_identity")
+    if cache_identity is not None and isinstance(recorded_cache, dict):
+        diffs += [f"cache {k}: checkpoint {recorded_cache.get(k)!r}, now {cache_identity.get(k)!r}"
+                  for k in sorted(cache_identity) if recorded_cache.get(k) != cache_identity.get(k)]
     if diffs:
         raise ValueError(f"cannot resume from {ckpt.path}: settings differ ({'; '.join(diffs)}); "
                          "use the original settings or a new --out directory")

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 
 import click
@@ -71,7 +72,19 @@ def train(gpus: str | None, **options) -> None:
         if isinstance(e, NonFiniteError):
             raise click.ClickException(str(e)) from e
         raise
-    if os.environ.get("RANK", "0") == "0":
+    main_rank = os.environ.get("RANK", "0") == "0"
+    if summary.already_complete:
+        if main_rank:
+            click.echo(f"run {cfg.out_dir} is already complete: step {summary.steps} of {summary.steps}, checkpoint "
+                       f"{summary.last_checkpoint}; nothing to train (export it with `dflash-train export "
+                       f"{cfg.out_dir} DIR`, or train longer in a new --out)")
+        return
+    if summary.stopped:
+        if main_rank:
+            click.echo(f"stopped by SIGTERM after step {summary.steps}: checkpoint {summary.last_checkpoint}; "
+                       "run the same command with --resume to continue", err=True)
+        sys.exit(143)  # 128 + SIGTERM: the job did not finish, and nothing was lost
+    if main_rank:
         rec = summary.last_record or {}
         click.echo(f"done: {summary.steps} steps, {summary.tokens_seen} tokens, final loss "
                    f"{rec.get('loss/total', float('nan')):.4f}, {len(summary.skipped_shards)} shards skipped; "

@@ -25,7 +25,8 @@ import torch
 from shards import ShardReader, load_target_head
 from shards.durable import atomic_write_text
 from shards.provenance import provenance
-from shards.runtime import DistInfo, barrier, resolve_device
+from shards.lock import DirectoryLock
+from shards.runtime import DistInfo, barrier, rank_info, resolve_device
 
 from .attention import BlockAttentionLayout, choose_backend
 from .batch import StaticBatch
@@ -38,6 +39,8 @@ from .export import load_drafter_weights_
 from .losses import LossConfig
 from .metrics import MetricsLogger, StepTotals
 from .model import DFlashDrafter, TargetHead
+from .preempt import StopOnSigterm
+from .rundir import check_run_dir, clean_stale_temporaries, truncate_metrics
 from .step import StepRunner, StepState, WarmupCosine, load_optimizer_state_, make_optimizer
 from .train_config import ResolvedRun, TrainConfig, resolve_run
 
@@ -53,6 +56,8 @@ class TrainSummary:
     eval: EvalResult | None
     skipped_shards: list[tuple[int, str]]
     eval_before: EvalResult | None = None  # the untrained drafter, when a fresh run has held-out shards
+    already_complete: bool = False  # --resume found the run finished: nothing was trained
+    stopped: bool = False  # SIGTERM: checkpointed at `steps` and stopped early; --resume continues
 
 
 def anchor_seed(seed: int, rank: int) -> int:
@@ -64,16 +69,41 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
     """Train a drafter as configured; returns what happened. Raises ValueError on bad settings/data."""
     # Every check that needs no model, GPU or process group comes first.
     run = resolve_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    if not cfg.resume and latest_checkpoint(cfg.out_dir) is not None:
-        raise ValueError(f"{cfg.out_dir} already holds checkpoints; pass --resume to continue that run "
-                         "or choose another --out")
-    dist_info = init_distributed(resolve_device(cfg.device, 0).type)
-    device = resolve_device(cfg.device, dist_info.local_rank)
-    trainer = Trainer(cfg, run, dist_info, device)
+    check_run_dir(cfg.out_dir, cfg.cache)
+    device = resolve_device(cfg.device, 0)
+    # Rank 0 holds the run directory's lock for the whole run (its ranks share it); a second run is refused.
+    lock = DirectoryLock(cfg.out_dir, "dflash-train")
     try:
-        return trainer.train()
+        if rank_info().is_main:
+            Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+            lock.acquire()
+            clean_stale_temporaries(cfg.out_dir)
+        newest = latest_checkpoint(cfg.out_dir)
+        if not cfg.resume and newest is not None:
+            raise ValueError(f"{cfg.out_dir} already holds checkpoints; pass --resume to continue that run "
+                             "or choose another --out")
+        if cfg.resume and newest is not None and newest.step >= run.total_steps:
+            check_resume_compatible(newest, cfg.identity(), int(os.environ.get("WORLD_SIZE", "1")),
+                                    run.cache_config.target.config_hash, cache_identity(run))
+            return TrainSummary(newest.step, newest.state.get("tokens_seen", 0), None, newest.path, None, [],
+                                already_complete=True)
+        dist_info = init_distributed(device.type)
+        device = resolve_device(cfg.device, dist_info.local_rank)
+        trainer = Trainer(cfg, run, dist_info, device)
+        try:
+            return trainer.train()
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
+        lock.release()
+
+
+def cache_identity(run: ResolvedRun) -> dict[str, Any]:
+    """What a resumed run must find again in its cache: the same target weights, data and shards."""
+    cc = run.cache_config
+    return {"target_head_checksum": cc.target_head_checksum,
+            "dataset_fingerprint": cc.dataset.fingerprint if cc.dataset is not None else None,
+            "num_shards": len(run.train_ids) + len(run.eval_ids), "cache_id": cc.cache_id()}
 
 
 def build_step_state(cfg: TrainConfig, run: ResolvedRun, head: dict[str, torch.Tensor], device: torch.device,
@@ -136,11 +166,19 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         if cfg.resume:
             tokens_seen, skipped = self._resume()
+        if dist_info.is_main:
+            # Records after the resumed step belong to the run that died: dropped, so no step has two.
+            dropped = truncate_metrics(self.out_dir, self.step)
+            if dropped:
+                log.info("metrics.jsonl: %d record(s) after step %d dropped (they are trained again)", dropped, self.step)
         self.metrics = MetricsLogger(out_dir=self.out_dir, total_steps=run.total_steps, log_every=cfg.log_every,
                                      metrics_every=cfg.metrics_every, metrics_topk=cfg.metrics_topk,
                                      is_main=dist_info.is_main, device=device, tensorboard=cfg.tensorboard,
                                      start_step=self.step)
         self.metrics.tokens_seen, self.metrics.skipped_shards = tokens_seen, skipped
+        if cfg.resume:
+            self.metrics.write_event({"event": "resume", "step": self.step,
+                                      "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None})
         self.skipped: list[tuple[int, str]] = []
         self._last_record: dict[str, Any] | None = None
         self._logged_step = -1
@@ -156,6 +194,12 @@ class Trainer:
         log.info("run: %d train shards, %d held out; %d ranks; %d steps (%d per epoch), warmup %d",
                  len(r.train_ids), len(r.eval_ids), self.dist.world_size, r.total_steps, r.steps_per_epoch,
                  r.warmup_steps)
+        left_out = len(r.train_ids) % self.dist.world_size
+        if left_out:
+            log.warning("%d of the %d training shards are left out of each epoch (a different set each epoch, "
+                        "drawn by the epoch's shuffle): each of the %d ranks must run the same number of steps. "
+                        "Use a shard count divisible by the rank count to train on every shard every epoch",
+                        left_out, len(r.train_ids), self.dist.world_size)
         log.info("drafter: %d layers, hidden %d, MLP %d, heads %d/%d x %d, block %d, %d blocks per batch",
                  r.drafter.num_layers, r.drafter.hidden_size, r.drafter.intermediate_size,
                  r.drafter.num_attention_heads, r.drafter.num_key_value_heads, r.drafter.head_dim,
@@ -183,6 +227,7 @@ class Trainer:
         record = {"config": self.cfg.to_dict(), "config_hash": self.cfg.config_hash(),
                   "drafter": _drafter_dict(self.run), "num_blocks": self.run.num_blocks,
                   "total_steps": self.run.total_steps, "world_size": self.dist.world_size,
+                  "shards_left_out_per_epoch": len(self.run.train_ids) % self.dist.world_size,
                   "cache_target": self.run.cache_config.target.__dict__, "provenance": provenance()}
         name = "run.json" if not self.cfg.resume else f"run-resume-{self.step:08d}.json"
         atomic_write_text(self.out_dir / name, json.dumps(record, indent=1, default=str) + "\n")
@@ -193,7 +238,7 @@ class Trainer:
             log.info("resume: no checkpoint in %s, starting from step 0", self.out_dir)
             return 0, 0
         check_resume_compatible(ckpt, self.cfg.identity(), self.dist.world_size,
-                                self.run.cache_config.target.config_hash)
+                                self.run.cache_config.target.config_hash, cache_identity(self.run))
         model_state = load_model_state(ckpt)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
@@ -213,40 +258,59 @@ class Trainer:
         # A fresh run measures its starting point, so every run reports what training bought.
         eval_before = self._evaluate() if run.eval_ids and self.step == 0 else None
         batches = self._batches()
+        stopped = False
         try:
-            while self.step < run.total_steps:
-                wait_start = time.monotonic()
-                batch = next(batches)  # this rank's next shard, read ahead on the loader thread
-                self.metrics.add_data_wait(time.monotonic() - wait_start)
-                self._count_skipped(batch.skipped)
-                self.epoch, self.cursor = batch.epoch, batch.cursor
-                if batch.end:  # every epoch used up: shards were skipped, so fewer steps than planned
-                    break
-                if batch.shard is not None:  # None: a skipped shard's stand-in, the buffers hold the last batch
-                    self.batch.load(batch.shard)
-                self.metrics.add_tokens(batch.num_tokens)
-
-                self.step += 1
-                self.runner.run(with_metrics=self.metrics.should_compute_metrics(self.step))
-
-                done = self.step >= run.total_steps
-                checkpoint_due = bool(cfg.checkpoint_every) and self.step % cfg.checkpoint_every == 0
-                if self.metrics.should_log(self.step) or checkpoint_due or done:
-                    self._log()
-                # In-training eval by default: every epoch, or every --eval-every steps (the end is evaluated below).
-                every = cfg.eval_every or run.steps_per_epoch
-                if run.eval_ids and self.step % every == 0 and not done:
-                    self._evaluate()
-                if checkpoint_due and not done:
-                    self._save()
+            with StopOnSigterm(self.device, self.dist.world_size) as stop:
+                stopped = self._steps(batches, stop)
         finally:
             batches.close()
             self.batch.close()
         if self.step > 0 and (self.last_checkpoint is None or self.last_checkpoint.name != f"step-{self.step:08d}"):
             self._save()
+        if stopped:
+            self.metrics.write_event({"event": "stopped", "step": self.step, "reason": "SIGTERM",
+                                      "checkpoint": str(self.last_checkpoint)})
+            log.warning("SIGTERM: stopped after step %d, checkpoint %s; --resume continues", self.step,
+                        self.last_checkpoint)
+            return TrainSummary(self.step, self.metrics.tokens_seen, self._last_record, self.last_checkpoint,
+                                None, self.skipped, eval_before, stopped=True)
         eval_result = self._evaluate() if run.eval_ids else None
         return TrainSummary(self.step, self.metrics.tokens_seen, self._last_record, self.last_checkpoint,
                             eval_result, self.skipped, eval_before)
+
+    def _steps(self, batches: Iterator[Batch], stop: StopOnSigterm) -> bool:
+        """Run steps until the budget or the data is used up (False) or SIGTERM asks to stop (True)."""
+        cfg, run = self.cfg, self.run
+        while self.step < run.total_steps:
+            wait_start = time.monotonic()
+            batch = next(batches)  # this rank's next shard, read ahead on the loader thread
+            self.metrics.add_data_wait(time.monotonic() - wait_start)
+            self._count_skipped(batch.skipped)
+            self.epoch, self.cursor = batch.epoch, batch.cursor
+            if batch.end:  # every epoch used up: shards were skipped, so fewer steps than planned
+                break
+            if batch.shard is not None:  # None: a skipped shard's stand-in, the buffers hold the last batch
+                self.batch.load(batch.shard)
+            self.metrics.add_tokens(batch.num_tokens)
+
+            self.step += 1
+            self.runner.run(with_metrics=self.metrics.should_compute_metrics(self.step))
+
+            done = self.step >= run.total_steps
+            checkpoint_due = bool(cfg.checkpoint_every) and self.step % cfg.checkpoint_every == 0
+            if self.metrics.should_log(self.step) or checkpoint_due or done:
+                self._log()
+            # In-training eval by default: every epoch, or every --eval-every steps (the end is evaluated below).
+            every = cfg.eval_every or run.steps_per_epoch
+            if run.eval_ids and self.step % every == 0 and not done:
+                self._evaluate()
+            if checkpoint_due and not done:
+                self._save()
+            if stop.poll() and not done:
+                if self._logged_step != self.step:
+                    self._log()
+                return True
+        return False
 
     def _batches(self) -> Iterator[Batch]:
         """This rank's batches from the resume point (epoch, cursor) to the end of the last epoch."""
@@ -280,6 +344,7 @@ class Trainer:
                 "world_size": self.dist.world_size, "config_hash": self.cfg.config_hash(),
                 "config_identity": self.cfg.identity(), "drafter": _drafter_dict(self.run),
                 "target_config_hash": self.run.cache_config.target.config_hash, "rng": rngs,
+                "cache_identity": cache_identity(self.run),
                 "provenance": provenance(),
             }
             self.last_checkpoint = save_checkpoint(self.out_dir, self.step, self.model.state_dict(),

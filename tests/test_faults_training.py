@@ -1,0 +1,183 @@
+"""Fault injection, training side: the run directory is ours alone, pre-emption loses nothing, resume
+checks the cache it continues on, and metrics.jsonl keeps one record per step.
+
+Cases (tiny synthetic caches, the dflash-train CLI):
+  1. --out that is the cache, inside the cache, or a folder with a user file: refused, untouched.
+  2. A second run on a locked run directory: refused naming host and pid.
+  3. SIGTERM delivered in step k (a deterministic point): checkpoint of step k, exit code 143, a
+     "stopped" event; --resume then reproduces the uninterrupted run's losses exactly.
+  4. --resume on a finished run says it is complete (and trains nothing).
+  5. A resumed run marks the resume in metrics.jsonl and leaves exactly one record per step.
+  6. --resume onto a cache with another shard count (same target): refused naming the field.
+  7. --device cuda without CUDA, for dflash-train and dflash-extract: one message, exit 1, no traceback.
+"""
+
+import json
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from extract.cli import main as extract_cli
+from shards.lock import DirectoryLock
+from test_faults_inputs import snapshot
+from test_train_support import read_records, tiny_cache, tiny_cli_args, tiny_config
+from train.checkpoint import latest_checkpoint, list_checkpoints
+from train.cli import main as train_cli
+from train.loop import run_training
+from train.step import StepRunner
+
+
+def train(cache, run, *extra):
+    return CliRunner().invoke(train_cli, tiny_cli_args(cache, run, *extra))
+
+
+def no_traceback(result):
+    return result.exception is None or isinstance(result.exception, SystemExit)
+
+
+# ---- 1-2. the run directory -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["the cache", "inside the cache", "a folder with a user file"])
+def test_a_run_directory_that_is_not_ours_is_refused(tmp_path, where):
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    out = {"the cache": cache, "inside the cache": cache / "shards" / "run",
+           "a folder with a user file": tmp_path / "mine"}[where]
+    if where == "a folder with a user file":
+        out.mkdir()
+        (out / "notes.md").write_text("mine")
+    before = snapshot(tmp_path)
+    result = train(cache, out, "--max-steps", "1")
+    assert result.exit_code == 1 and no_traceback(result), result.output
+    expected = "notes.md" if where == "a folder with a user file" else "one lies inside the other"
+    assert expected in result.output, result.output
+    assert snapshot(tmp_path) == before, "nothing may be written or deleted"
+
+
+def test_a_second_run_on_a_locked_run_directory_is_refused(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    run = tmp_path / "run"
+    run.mkdir()
+    with DirectoryLock(run, "dflash-train"):
+        result = train(cache, run, "--max-steps", "1")
+    assert result.exit_code == 1 and f"pid {os.getpid()}" in result.output, result.output
+    assert "in use by another dflash-train" in result.output
+    assert train(cache, run, "--max-steps", "1").exit_code == 0, "released with its holder"
+
+
+# ---- 3. SIGTERM -------------------------------------------------------------------------------------------
+
+SETTINGS = dict(epochs=2, checkpoint_every=3, keep_checkpoints=5, metrics_every=2)
+CLI_SETTINGS = ["--epochs", "2", "--checkpoint-every", "3", "--keep-checkpoints", "5", "--metrics-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("full")
+    cache = tiny_cache(root / "cache", num_batches=4)
+    run_training(tiny_config(cache, root / "run", **SETTINGS))
+    return cache, root / "run", {r["step"]: r["loss/total"] for r in read_records(root / "run")}
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_sigterm_checkpoints_the_step_and_resume_is_exact(uninterrupted, tmp_path, monkeypatch, k):
+    cache, _, reference = uninterrupted
+    run = tmp_path / "run"
+    real = StepRunner.run
+    calls = [0]
+
+    def terminated(self, **kw):
+        calls[0] += 1
+        if calls[0] == k:  # the scheduler's notice arrives while step k runs
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, **kw)
+
+    monkeypatch.setattr(StepRunner, "run", terminated)
+    result = train(cache, run, *CLI_SETTINGS)
+    assert result.exit_code == 143 and no_traceback(result), result.output
+    assert f"stopped by SIGTERM after step {k}" in result.output, result.output
+    assert latest_checkpoint(run).step == k, "the step in flight is finished and checkpointed: nothing lost"
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e.get("event") == "stopped"] == [k]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    monkeypatch.undo()
+    result = train(cache, run, *CLI_SETTINGS, "--resume")
+    assert result.exit_code == 0, result.output
+    got = {r["step"]: r["loss/total"] for r in read_records(run)}
+    assert sorted(got) == sorted(reference)
+    worst = max(abs(got[s] - reference[s]) for s in reference)
+    assert worst <= 1e-6, f"max abs loss diff {worst}"
+
+
+# ---- 4-5. resume bookkeeping ------------------------------------------------------------------------------
+
+def test_resume_on_a_finished_run_says_it_is_complete(uninterrupted, tmp_path):
+    cache, full, _ = uninterrupted
+    run = tmp_path / "run"
+    shutil.copytree(full, run)
+    before = (run / "metrics.jsonl").read_text()
+    result = train(cache, run, *CLI_SETTINGS, "--resume")
+    assert result.exit_code == 0, result.output
+    assert "is already complete: step 8 of 8" in result.output and "nan" not in result.output, result.output
+    assert (run / "metrics.jsonl").read_text() == before, "nothing trained, nothing logged"
+
+
+def test_a_resumed_run_marks_the_resume_and_logs_each_step_once(uninterrupted, tmp_path):
+    cache, full, reference = uninterrupted
+    run = tmp_path / "run"
+    shutil.copytree(full, run)
+    for ckpt in list_checkpoints(run):
+        if ckpt.step > 3:
+            shutil.rmtree(ckpt.path)  # as if killed after step 8 was logged but before its checkpoints
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 9, "loss/tot')  # and a line cut by the kill
+    result = train(cache, run, *CLI_SETTINGS, "--resume")
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in lines if "event" not in r]
+    assert steps == sorted(reference), f"one record per step, in order: {steps}"
+    resumes = [r for r in lines if r.get("event") == "resume"]
+    assert [r["step"] for r in resumes] == [3] and resumes[0]["checkpoint"].endswith("step-00000003")
+    assert lines.index(resumes[0]) == steps.index(4), "the marker sits between steps 3 and 4"
+
+
+# ---- 6. resume identity -----------------------------------------------------------------------------------
+
+def test_resume_onto_a_cache_with_other_shards_is_refused(tmp_path):
+    run = tmp_path / "run"
+    first = tiny_cache(tmp_path / "a", num_batches=2, seed=0)
+    assert train(first, run, "--max-steps", "2").exit_code == 0
+    other = tiny_cache(tmp_path / "b", num_batches=3, seed=0)  # same target and head, one more shard
+    result = train(other, run, "--max-steps", "4", "--resume")
+    assert result.exit_code == 1, result.output
+    assert "cache num_shards: checkpoint 2, now 3" in result.output, result.output
+
+
+# ---- 7. no raw tracebacks for a missing GPU ---------------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_is_one_message(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    args = tiny_cli_args(cache, tmp_path / "run")
+    args[args.index("--device") + 1] = "cuda"
+    result = CliRunner().invoke(train_cli, args)
+    assert result.exit_code == 1 and no_traceback(result), result.output
+    assert "--device cuda: CUDA is not available" in result.output, result.output
+
+    from test_faults import cli_args, dataset_file, tiny_target_dir  # noqa: F401
+
+    class Factory:
+        def mktemp(self, name):
+            p = tmp_path / name
+            p.mkdir()
+            return p
+
+    target, data = tiny_target_dir(Factory()), dataset_file(Factory())
+    result = CliRunner().invoke(extract_cli, cli_args(target, data, tmp_path / "c", "--device", "cuda"))
+    assert result.exit_code == 1 and no_traceback(result), result.output
+    assert "--device cuda: CUDA is not available" in result.output, result.output
+    assert not (tmp_path / "c").exists()

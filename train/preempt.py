@@ -1,0 +1,60 @@
+"""Pre-emption: SIGTERM (what schedulers send before they kill a job) becomes a clean stop.
+
+The handler only sets a flag. The loop polls it at every step boundary; the run then checkpoints
+that step and exits, so at most the step in flight is lost. Under several ranks every rank must stop
+after the same step (a rank that stops early hangs the others' all-reduce), so the flags are
+MAX-all-reduced each step on the device, and the result is read one step later: no host sync in the
+step, and all ranks decide on the same reduced value.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+
+class StopOnSigterm:
+    """`with StopOnSigterm(device, world_size) as stop:` ... `if stop.poll(): break` at step boundaries."""
+
+    def __init__(self, device: torch.device, world_size: int):
+        self.signalled = False  # this rank received SIGTERM
+        self._previous = None
+        self._collective = world_size > 1 and dist.is_initialized()
+        if self._collective:
+            cuda = device.type == "cuda"
+            self._flag = torch.zeros(1, dtype=torch.int32, device=device)
+            self._host = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)
+            self._event = torch.cuda.Event() if cuda else None
+            self._pending = False
+
+    def _handle(self, signum, frame) -> None:
+        self.signalled = True
+
+    def poll(self) -> bool:
+        """True when every rank should stop after the step that just finished."""
+        if not self._collective:
+            return self.signalled
+        decided = False
+        if self._pending:  # the previous step's reduction: every rank reads the same value
+            if self._event is not None:
+                self._event.synchronize()
+            decided = bool(self._host.item())
+        self._flag.fill_(int(self.signalled))
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
+        self._host.copy_(self._flag, non_blocking=self._event is not None)
+        if self._event is not None:
+            self._event.record()
+        self._pending = True
+        return decided
+
+    def __enter__(self) -> "StopOnSigterm":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None

@@ -1,0 +1,75 @@
+"""The run directory: only dflash-train's files in it, one training run at a time, its metrics history.
+
+A run directory holds step-NNNNNNNN/ checkpoints, metrics.jsonl, run.json and run-resume-*.json,
+eval.json, tb/ (TensorBoard), run*.png (dflash-train plot), the lock file and temporaries (.tmp-*).
+Training refuses an --out that is a cache, lies inside or around the cache, or holds anything else:
+a run writes and prunes files there, and must never touch what it did not make.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+from shards.durable import TMP_PREFIX, atomic_write_text, remove_stale_temporaries
+from shards.format import CACHE_CONFIG_FILE
+from shards.lock import LOCK_FILE
+from shards.ownership import describe, nested
+
+from . import checkpoint
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+_OURS = re.compile(r"^(step-\d{8}|metrics\.jsonl|run\.json|run-resume-\d{8}\.json|eval\.json|tb|run.*\.png)$")
+
+
+def check_run_dir(out_dir: str | Path, cache_dir: str | Path) -> None:
+    """Refuse an --out that is (or nests with) the cache, or holds files dflash-train does not write."""
+    out = Path(out_dir)
+    if nested(out, cache_dir):
+        raise ValueError(f"--out {out} and --cache {cache_dir} are the same directory or one lies inside the "
+                         "other; choose a run directory outside the cache")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; choose a new or empty run directory")
+    if not out.is_dir():
+        return
+    if (out / CACHE_CONFIG_FILE).exists():
+        raise ValueError(f"--out {out} is a dflash-extract cache ({out / CACHE_CONFIG_FILE}); choose a new or empty "
+                         "run directory")
+    foreign = [p for p in sorted(out.iterdir())
+               if not (_OURS.match(p.name) or p.name == LOCK_FILE or p.name.startswith(TMP_PREFIX))]
+    if foreign:
+        raise ValueError(f"--out {out} holds files dflash-train did not write ({describe(foreign)}); choose a new "
+                         "or empty run directory (a run prunes and replaces files in it)")
+
+
+def clean_stale_temporaries(out_dir: str | Path) -> int:
+    """Remove what killed runs left half written (checkpoint folders, run.json temporaries)."""
+    n = checkpoint.remove_stale_temporaries(out_dir) + len(remove_stale_temporaries(out_dir))
+    if n:
+        log.info("removed %d temporary file(s) left in %s by a killed run", n, out_dir)
+    return n
+
+
+def truncate_metrics(out_dir: str | Path, step: int) -> int:
+    """Keep only metrics.jsonl records of steps <= `step` (what the checkpoint being resumed had seen);
+    returns how many were dropped. A resumed run then writes each later step exactly once."""
+    path = Path(out_dir) / METRICS_FILE
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill: it was never a complete record
+            dropped += 1
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
+            dropped += 1
+            continue
+        kept.append(line)
+    if dropped:
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+    return dropped
