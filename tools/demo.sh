@@ -49,6 +49,11 @@ step dflash-train train --cache "$work/cache" --out "$work/run" --eval-shards 3 
 # A picture of the run: loss terms, learning rate, tokens/s and held-out acceptance against steps.
 step dflash-train plot "$work/run"
 step dflash-train export "$work/run" "$work/drafter"
-step dflash-train eval --drafter "$work/drafter" --cache "$work/cache" --eval-shards 3
+# The decoding walk on the held-out shards: anchors where greedy speculative decoding puts them.
+step dflash-train eval --drafter "$work/drafter" --cache "$work/cache" --eval-shards 3 --out "$work/eval.json"
+# Real speculative decoding with the target in the loop (float32: the tiny target's own precision);
+# its output must equal plain greedy decoding token for token, and it reports tokens/s of both.
+step dflash-train eval --drafter "$work/drafter" --target "$work/target" --prompts "$work/data.parquet" \
+    --max-prompts 16 --max-new-tokens 32 --dtype float32
 printf '\nDone. The drafter is in %s (DFlashDraftModel layout); the run log is %s/metrics.jsonl,\nits plot %s/run.png (open it with any image viewer, e.g. xdg-open %s/run.png).\n' \
     "$work/drafter" "$work/run" "$work/run" "$work/run"

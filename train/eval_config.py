@@ -38,7 +38,9 @@ class EvalConfig:
     target: str | None = cli_field(None, path="existing_dir")
     """Target checkpoint dir: also run real greedy speculative decoding with the target in the loop (needs --prompts)."""
     prompts: str | None = cli_field(None, path="existing_file")
-    """JSON Lines of prompts for --target: a list of token ids per line, or {"input_ids": [...], "loss_mask": [...]} rows (prompt = tokens before the first supervised one)."""
+    """Prompts for --target: JSON Lines (a list of token ids per line, or {"input_ids": [...], "loss_mask": [...]}) or a Parquet dataset (prompt = the tokens before the first supervised one)."""
+    max_prompts: int = 0
+    """Decode only the first N prompts of --prompts; 0 = all."""
     max_new_tokens: int = 64
     """Tokens generated per prompt by --target decoding (speculative and plain greedy)."""
 
@@ -48,6 +50,8 @@ class EvalConfig:
                              "speculative decoding with the target), or both")
         if (self.target is None) != (self.prompts is None):
             raise ValueError("--target and --prompts go together: decoding needs the target and the prompts")
+        if self.max_prompts < 0:
+            raise ValueError(f"--max-prompts {self.max_prompts}: must be >= 0 (0 = all)")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {self.max_new_tokens}: must be >= 1")
         chosen = sum(x is not None for x in (self.shards, self.eval_shards, self.holdout_frac))

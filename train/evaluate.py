@@ -379,7 +379,7 @@ def run_eval(cfg: EvalConfig) -> EvalOutput:
     if cfg.target is not None:
         from .speculative import build_verifier, decode_prompts, read_prompts
 
-        prompts = read_prompts(cfg.prompts, loaded.config.vocab_size)  # user input checked before the target loads
+        prompts = read_prompts(cfg.prompts, loaded.config.vocab_size, cfg.max_prompts)  # user input checked before the target loads
         verifier = build_verifier(cfg.target, loaded.config.tap_layer_ids, device, dtype)
         if verifier.lm_head_VH.shape != (loaded.config.vocab_size, loaded.config.hidden_size):
             raise ValueError(f"--target {cfg.target}: its LM head {tuple(verifier.lm_head_VH.shape)} does not fit "

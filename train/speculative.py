@@ -182,19 +182,37 @@ def decode_prompts(model: DFlashDrafter, head: TargetHead, verifier: Verifier, p
     return DecodeReport(counts, len(prompts), identical, mismatch, total / spec_s, total / greedy_s)
 
 
-def read_prompts(path: str | Path, vocab_size: int) -> list[list[int]]:
-    """JSON Lines: each line a list of token ids, or an object with "input_ids" (and optionally
-    "loss_mask": the prompt is then the tokens before the first supervised one, as in the dataset)."""
-    prompts = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+def _rows(path: Path):
+    """(where, row) per line of a JSON Lines file, or per row of a Parquet file (input_ids, loss_mask)."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        if "input_ids" not in table.column_names:
+            raise ValueError(f"--prompts {path}: no input_ids column (columns: {table.column_names})")
+        for n, row in enumerate(table.select([c for c in ("input_ids", "loss_mask") if c in table.column_names])
+                                .to_pylist()):
+            yield f"--prompts {path} row {n}", row
+        return
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         where = f"--prompts {path} line {n}"
         try:
-            row = json.loads(line)
+            yield where, json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: not JSON ({e.msg}); write one list of token ids or one "
                              '{"input_ids": [...]} object per line') from None
+
+
+def read_prompts(path: str | Path, vocab_size: int, max_prompts: int = 0) -> list[list[int]]:
+    """The first `max_prompts` prompts (0 = all) of a JSON Lines file (each line a list of token ids, or
+    an object with "input_ids" and optionally "loss_mask": the prompt is then the tokens before the
+    first supervised one, as in the dataset) or of a Parquet dataset with those columns."""
+    prompts = []
+    for where, row in _rows(Path(path)):
+        if max_prompts and len(prompts) == max_prompts:
+            break
         ids = row.get("input_ids") if isinstance(row, dict) else row
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
             raise ValueError(f"{where}: expected a non-empty list of token ids (or an object with input_ids)")
