@@ -115,3 +115,17 @@ def test_eval_cli_with_target_and_prompts(setup, tmp_path):
     bad.write_text("[1, 2, 99999]\n")
     res = CliRunner().invoke(train_cli, args[:6] + [str(bad)])
     assert res.exit_code == 1 and "line 1" in res.output and "outside the vocabulary" in res.output
+
+
+def test_read_prompts_from_a_parquet_dataset(tmp_path):
+    import numpy as np
+
+    from extract.data import Sample, write_parquet
+
+    samples = [Sample(f"s{i}", np.arange(10, dtype=np.int32) + i, (np.arange(10) >= 3 + i).astype(np.uint8))
+               for i in range(4)]
+    write_parquet(tmp_path / "d.parquet", samples)
+    assert read_prompts(tmp_path / "d.parquet", 64) == [list(range(i, 3 + 2 * i)) for i in range(4)]
+    assert len(read_prompts(tmp_path / "d.parquet", 64, max_prompts=2)) == 2
+    with pytest.raises(ValueError, match="row 2: token ids \\[5, 6\\] outside the vocabulary"):
+        read_prompts(tmp_path / "d.parquet", 5)
