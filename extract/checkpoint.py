@@ -23,7 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .quantization import FP8_DTYPE, Fp8BlockFormat, checkpoint_quantization, dequantize_fp8_blocks, scale_name
@@ -36,6 +36,23 @@ IGNORED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 FP32_PARAM_SUFFIXES = (".A_log", ".dt_bias")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+
+
+class MissingTensorError(KeyError, ValueError):
+    """A tensor config.json implies is absent from the checkpoint (a ValueError for the CLIs' one-line
+    messages; a KeyError for callers that look names up)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _open(path: str | Path, **kw):
+    """safe_open naming the file when it is not a readable safetensors file (truncated, not safetensors)."""
+    try:
+        return safe_open(str(path), framework="pt", **kw)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e}); re-download or re-convert the "
+                         "checkpoint") from e
 
 
 def storage_dtype(local_name: str, dtype: torch.dtype) -> torch.dtype:
@@ -57,8 +74,11 @@ def tensor_locations(ckpt_dir: str | Path) -> dict[str, Path]:
     ckpt_dir = Path(ckpt_dir)
     index_path = ckpt_dir / INDEX_FILE
     if index_path.is_file():
-        with open(index_path, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{index_path}: not valid JSON ({e})") from e
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index_path}: no 'weight_map' object")
         missing = sorted({name for name in weight_map.values() if not (ckpt_dir / name).is_file()})
@@ -70,7 +90,7 @@ def tensor_locations(ckpt_dir: str | Path) -> dict[str, Path]:
         raise FileNotFoundError(f"{ckpt_dir}: no {INDEX_FILE}, {SINGLE_FILE} or *.safetensors")
     locations: dict[str, Path] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
+        with _open(path) as f:
             for name in f.keys():
                 locations[name] = path
     return locations
@@ -92,12 +112,13 @@ def _source_name(local_name: str, naming: str, locations: dict[str, Path], tied:
     name = hf_name(local_name, naming)
     if local_name == "lm_head.weight" and (tied or name not in locations):
         if not tied:
-            raise KeyError(
+            raise MissingTensorError(
                 f"{ckpt_dir}: lm_head.weight is missing and config.json says tie_word_embeddings=false"
             )
         name = hf_name("embed_tokens.weight", naming)
     if name not in locations:
-        raise KeyError(f"{ckpt_dir}: tensor {name!r} (for {local_name}) is not in the checkpoint")
+        raise MissingTensorError(f"{ckpt_dir}: tensor {name!r} (for {local_name}) is not in the checkpoint; "
+                                 "is the checkpoint complete and does config.json describe it?")
     return name
 
 
@@ -118,7 +139,7 @@ def load_weights_into(model: nn.Module, ckpt_dir: str | Path, device: torch.devi
     read_cache: dict[str, torch.Tensor] = {}  # only tied embeddings are read twice
     dequantised = 0
     for path, pairs in by_file.items():
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with _open(path, device="cpu") as f:
             for local, source in pairs:
                 if source in read_cache:
                     loaded[local] = read_cache[source]
@@ -160,7 +181,7 @@ def read_tensor(f, path: Path, source: str, locations: dict[str, Path], quant: F
     if locations[scale] == path:
         scale_inv = f.get_tensor(scale)
     else:
-        with safe_open(str(locations[scale]), framework="pt", device="cpu") as g:
+        with _open(locations[scale], device="cpu") as g:
             scale_inv = g.get_tensor(scale)
     if w8.ndim != 2 or w8.dtype != FP8_DTYPE:
         raise ValueError(f"{path}: {source} is {w8.dtype} {tuple(w8.shape)}; FP8 weights must be 2-D {FP8_DTYPE}")
@@ -188,7 +209,7 @@ def load_target_head(ckpt_dir: str | Path, device: torch.device | str = "cpu") -
     out: dict[str, torch.Tensor] = {}
     for key, local in (("embed_tokens", "embed_tokens.weight"), ("lm_head", "lm_head.weight"), ("norm", "norm.weight")):
         source = _source_name(local, naming, locations, cfg.tie_word_embeddings, ckpt_dir)
-        with safe_open(str(locations[source]), framework="pt", device="cpu") as f:
+        with _open(locations[source], device="cpu") as f:
             # An FP8 head (rare: releases keep it unquantised) is dequantised to bf16.
             if f.get_slice(source).get_dtype() == "F8_E4M3":
                 tensor = read_tensor(f, locations[source], source, locations, quant, device, torch.bfloat16)[0]

@@ -136,8 +136,12 @@ class TargetConfig:
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path}: no config.json in the target checkpoint directory")
-        with open(config_path, encoding="utf-8") as f:
-            return cls.from_hf_dict(json.load(f), source=str(config_path))
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_path}: not valid JSON ({e}); fix or re-download the checkpoint's config") from e
+        return cls.from_hf_dict(raw, source=str(config_path))
 
 
 def special_token_ids(path: str | Path) -> dict[str, Any]:

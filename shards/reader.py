@@ -131,6 +131,9 @@ class ShardReader:
                 path, f"format version {meta.get('format_version')!r}, expected {FORMAT_VERSION}; "
                 "re-run dflash-extract to rebuild this shard"
             )
+        planned = self.config.planned_batches
+        if planned is not None and not 0 <= batch_id < planned:
+            raise ShardError(path, f"batch {batch_id} is outside the plan of {planned} batches in cache.json")
         if meta.get("batch_id") != str(batch_id):
             raise ShardError(path, f"holds batch {meta.get('batch_id')!r}, its name says {batch_id}")
         if meta.get("cache_id") != self.cache_id:
@@ -140,9 +143,6 @@ class ShardReader:
                 "or packing); remove it (dflash-shards verify --quarantine) and re-run dflash-extract to write "
                 "this cache's own shard"
             )
-        planned = self.config.planned_batches
-        if planned is not None and not 0 <= batch_id < planned:
-            raise ShardError(path, f"batch {batch_id} is outside the plan of {planned} batches in cache.json")
         if set(header.entries) != set(self.specs):
             raise ShardError(path, f"tensors {sorted(header.entries)}, cache.json expects {sorted(self.specs)}")
         for name, spec in self.specs.items():
