@@ -259,6 +259,12 @@ def tensor_specs(cfg: CacheConfig) -> dict[str, TensorSpec]:
     return specs
 
 
+def target_head_shapes(target: TargetInfo) -> dict[str, tuple[int, ...]]:
+    """Shape of each TARGET_HEAD_TENSORS entry for this target: [vocab, hidden] twice, then [hidden]."""
+    vocab, hidden = target.vocab_size, target.hidden_size
+    return {"embed_tokens": (vocab, hidden), "lm_head": (vocab, hidden), "final_norm": (hidden,)}
+
+
 def bytes_per_shard(cfg: CacheConfig) -> int:
     return sum(_numel(s.shape) * _itemsize(s.dtype) for s in tensor_specs(cfg).values())
 

@@ -20,6 +20,7 @@ from .format import (
     CacheConfig,
     checksum,
     shard_path,
+    target_head_shapes,
     tensor_specs,
 )
 
@@ -45,10 +46,8 @@ def create_cache(cache_dir: str | Path, cfg: CacheConfig, target_head: Mapping[s
     missing = [n for n in TARGET_HEAD_TENSORS if n not in target_head]
     if missing:
         raise ValueError(f"target head is missing {missing}; expected {list(TARGET_HEAD_TENSORS)}")
-    vocab, hidden = cfg.target.vocab_size, cfg.target.hidden_size
-    expected = {"embed_tokens": (vocab, hidden), "lm_head": (vocab, hidden), "final_norm": (hidden,)}
     head = {}
-    for name, shape in expected.items():
+    for name, shape in target_head_shapes(cfg.target).items():
         t = target_head[name].detach().to("cpu").contiguous()
         if tuple(t.shape) != shape:
             raise ValueError(f"target head tensor {name} has shape {tuple(t.shape)}, expected {shape}")

@@ -14,9 +14,8 @@ from safetensors.torch import load_file
 from shards import ShardReader, epoch_shard_order, load_target_head
 from test_train_support import tiny_cache, tiny_cli_args, tiny_config
 from train.attention import BlockAttentionLayout
-from train.blocks import sample_blocks
+from train.blocks import anchor_seed, sample_blocks
 from train.losses import LossConfig, block_loss
-from train.loop import anchor_seed
 from train.model import DFlashDrafter, TargetHead
 from train.train_config import resolve_run
 
@@ -51,7 +50,7 @@ def test_two_gloo_ranks_equal_one_process_averaging_both_batches(tmp_path):
         blocks = sample_blocks(input_ids_T=t["input_ids"], position_ids_T=t["position_ids"],
                                loss_mask_T=t["loss_mask"], cu_seqlens_S1=t["cu_seqlens"], num_blocks=8,
                                block_size=4, mask_token_id=run.drafter.mask_token_id, gamma=cfg.gamma,
-                               generator=torch.Generator().manual_seed(anchor_seed(cfg.seed, rank)))
+                               generator=torch.Generator().manual_seed(anchor_seed(cfg.seed, rank=rank)))
         layout.update(blocks.seq_start_N, blocks.anchor_N)
         hidden = model(t["hidden"].float(), t["position_ids"], head.embed(blocks.block_ids_NB), blocks.block_pos_NB,
                        layout)

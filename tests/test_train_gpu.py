@@ -70,3 +70,15 @@ def test_fp8_cache_trains_under_graphs(tmp_path):
     summary = run_training(gpu_config(cache, tmp_path / "run", epochs=1, eval_shards=1))
     assert summary.steps == 2 and math.isfinite(summary.last_record["loss/total"])
     assert summary.eval is not None and summary.eval.num_blocks > 0
+
+
+@pytest.mark.gpu
+def test_checkpoint_layers_under_graphs_follows_the_plain_loss_sequence(tmp_path):
+    """Activation checkpointing inside the captured step: the same losses as the plain step."""
+    cache = tiny_cache(tmp_path / "cache", num_batches=4, **GPU_CACHE)
+    run_training(gpu_config(cache, tmp_path / "plain"))
+    run_training(gpu_config(cache, tmp_path / "ckpt", checkpoint_layers=True))
+    plain, ckpt = losses(tmp_path / "plain"), losses(tmp_path / "ckpt")
+    assert sorted(plain) == sorted(ckpt) == list(range(1, 9))
+    diffs = {s: abs(plain[s] - ckpt[s]) / abs(plain[s]) for s in plain}
+    assert max(diffs.values()) <= 1e-2, f"checkpointed vs plain relative loss diffs {diffs}"

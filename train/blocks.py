@@ -74,6 +74,20 @@ def decay_weights(block_size: int, gamma: float, device: torch.device | str = "c
     return torch.where(k_B >= 1, torch.exp(-(k_B - 1) / gamma), torch.zeros_like(k_B))
 
 
+_SEED_STRIDE = 1_000_003  # a prime: seeds of different batches and ranks never coincide for small seeds
+
+
+def anchor_seed(seed: int, *, batch_id: int | None = None, rank: int | None = None) -> int:
+    """Seed of one anchor-sampling generator. Held-out batch `batch_id`: seed * stride + batch_id
+    (evaluation draws the same anchors on any device and any number of ranks). Training rank `rank`:
+    seed + stride * (rank + 1) (ranks draw different anchors). Give exactly one of batch_id and rank."""
+    if (batch_id is None) == (rank is None):
+        raise ValueError(f"anchor_seed needs exactly one of batch_id and rank, got batch_id={batch_id}, rank={rank}")
+    if batch_id is not None:
+        return seed * _SEED_STRIDE + batch_id
+    return seed + _SEED_STRIDE * (rank + 1)
+
+
 def sample_blocks(*, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, loss_mask_T: torch.Tensor,
                   cu_seqlens_S1: torch.Tensor, num_blocks: int, block_size: int, mask_token_id: int,
                   gamma: float = 7.0, generator: torch.Generator | None = None) -> TrainingBlocks:

@@ -58,7 +58,6 @@ class FlatGrads:
     """One contiguous gradient buffer; each parameter's .grad is a view of its slice."""
 
     def __init__(self, params: list[nn.Parameter]):
-        self.params = params
         numel = sum(p.numel() for p in params)
         self.flat = torch.zeros(numel, dtype=torch.float32, device=params[0].device)
         offset = 0

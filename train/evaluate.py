@@ -39,12 +39,13 @@ import torch
 from shards import ShardReader, decode_hidden
 
 from .attention import BlockAttentionLayout, choose_backend
-from .blocks import default_num_blocks, sample_blocks
+from .blocks import anchor_seed, default_num_blocks, sample_blocks
 from .drafter_config import DrafterConfig
 from .eval_config import EvalConfig
 from .losses import LossConfig, block_loss
 from .metrics_math import accepted_prefix_length
 from .model import DFlashDrafter, TargetHead
+from .precision import DTYPES
 from .sums import COUNT, Sums
 from .tree import tree_acceptance  # noqa: F401  (re-exported: the DDTree rule lives in train/tree.py)
 from .walk import WalkCounts, response_spans, walk_shard
@@ -52,7 +53,6 @@ from .walk import WalkCounts, response_spans, walk_shard
 log = logging.getLogger(__name__)
 
 DEFAULT_BUDGETS = (16, 32, 64)
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass
@@ -192,7 +192,7 @@ def evaluate_drafter(model: DFlashDrafter, head: TargetHead, cache_dir: str, bat
             counts = walk_shard(model, head, hidden_TKH, ids_T, pos_T, responses, walk_layout, budget=rule,
                                 chunk_blocks=chunk_blocks)
             sums.add(_walk_key(rule), torch.tensor(counts.as_vector(), dtype=torch.float64))
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + batch_id)
+        gen = torch.Generator().manual_seed(anchor_seed(seed, batch_id=batch_id))
         blocks = sample_blocks(input_ids_T=tensors["input_ids"], position_ids_T=tensors["position_ids"],
                                loss_mask_T=tensors["loss_mask"], cu_seqlens_S1=tensors["cu_seqlens"],
                                num_blocks=num_blocks, block_size=B, mask_token_id=cfg.mask_token_id, gamma=gamma,

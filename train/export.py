@@ -191,23 +191,18 @@ def check_export_target(out: Path, overwrite: bool) -> None:
                          "or choose a new directory")
 
 
-def export_drafter(model: torch.nn.Module, cfg: DrafterConfig, out_dir: str | Path, overwrite: bool = False) -> Path:
+def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path, overwrite: bool = False) -> Path:
     """Write config.json and model.safetensors (bf16, z-lab names) into out_dir; returns out_dir.
 
     out_dir must be new, empty, or (with overwrite) an earlier export of ours: never anyone else's
     files. Both files go through the durable-write path and are readable by every user (a serving
-    process often runs as another user).
-    model: a DFlashDrafter, also wrapped in DDP or torch.compile."""
+    process often runs as another user)."""
     out = Path(out_dir)
     check_export_target(out, overwrite)
     if not out.is_dir():
         out.mkdir(parents=True)
         os.chmod(out, DIR_MODE)  # mkdir applies the umask
     remove_stale_temporaries(out)
-    # DDP (.module) and torch.compile (._orig_mod) wrappers would prefix every name.
-    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module) or isinstance(
-            getattr(model, "module", None), torch.nn.Module):
-        model = getattr(model, "_orig_mod", None) or model.module
     state = {name: t.detach().to("cpu", torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
     expected = zlab_parameter_names(cfg)
     if sorted(state) != sorted(expected):

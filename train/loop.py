@@ -30,15 +30,16 @@ from shards.runtime import DistInfo, barrier, rank_info, resolve_device
 
 from .attention import BlockAttentionLayout, choose_backend
 from .batch import StaticBatch
+from .blocks import anchor_seed
 from .checkpoint import (check_resume_compatible, decode_rng, encode_rng, latest_checkpoint, load_model_state,
                          load_optimizer_state, save_checkpoint)
 from .data import Batch, rank_batches
 from .distributed import FlatGrads, all_gather_objects, broadcast_parameters, init_distributed
 from .evaluate import EvalResult, eval_copy, evaluate_drafter
 from .export import load_drafter_weights_
-from .losses import LossConfig
 from .metrics import MetricsLogger, StepTotals
 from .model import DFlashDrafter, TargetHead
+from .precision import autocast_dtype, torch_dtype
 from .preempt import StopOnSigterm
 from .rundir import check_run_dir, clean_stale_temporaries, truncate_metrics
 from .step import StepRunner, StepState, WarmupCosine, load_optimizer_state_, make_optimizer
@@ -58,11 +59,6 @@ class TrainSummary:
     eval_before: EvalResult | None = None  # the untrained drafter, when a fresh run has held-out shards
     already_complete: bool = False  # --resume found the run finished: nothing was trained
     stopped: bool = False  # SIGTERM: checkpointed at `steps` and stopped early; --resume continues
-
-
-def anchor_seed(seed: int, rank: int) -> int:
-    """Seed of rank `rank`'s anchor-sampling generator: ranks draw different anchors."""
-    return seed + 1_000_003 * (rank + 1)
 
 
 def run_training(cfg: TrainConfig) -> TrainSummary:
@@ -111,8 +107,7 @@ def build_step_state(cfg: TrainConfig, run: ResolvedRun, head: dict[str, torch.T
     """Everything train_step touches, on `device`: seeded fp32 drafter (rank 0's weights on every rank),
     frozen head in the compute dtype, flat grads, schedule, optimizer, static batch, attention layout,
     totals and the seeded anchor generator."""
-    bf16 = cfg.compute_dtype == "bfloat16"
-    compute_dtype = torch.bfloat16 if bf16 else torch.float32
+    compute_dtype = torch_dtype(cfg.compute_dtype)
     torch.manual_seed(cfg.seed)  # identical init on every rank; the broadcast makes sure
     model = DFlashDrafter(run.drafter).to(device)  # fp32 master weights
     if cfg.init_from is not None:  # a resumed run overwrites these with its checkpoint's
@@ -132,16 +127,14 @@ def build_step_state(cfg: TrainConfig, run: ResolvedRun, head: dict[str, torch.T
     # Anchor sampling: the default CUDA generator on GPU (graph-safe); a private one on CPU.
     generator = None if device.type == "cuda" else torch.Generator(device)
     if generator is None:
-        torch.cuda.manual_seed(anchor_seed(cfg.seed, rank))
+        torch.cuda.manual_seed(anchor_seed(cfg.seed, rank=rank))
     else:
-        generator.manual_seed(anchor_seed(cfg.seed, rank))
+        generator.manual_seed(anchor_seed(cfg.seed, rank=rank))
     return StepState(
         model=model, head=target_head, batch=batch, layout=layout, optimizer=optimizer, schedule=schedule,
-        grads=grads, totals=StepTotals(cfg.block_size, device),
-        loss_cfg=LossConfig(kl_lambda=cfg.kl_lambda, cap_lambda=cfg.cap_lambda, chunk_blocks=cfg.loss_chunk_blocks),
-        num_blocks=run.num_blocks, block_size=cfg.block_size, mask_token_id=run.drafter.mask_token_id,
-        gamma=cfg.gamma, grad_clip=cfg.grad_clip, metrics_topk=cfg.metrics_topk,
-        autocast_dtype=torch.bfloat16 if bf16 else None, generator=generator, params=params)
+        grads=grads, totals=StepTotals(cfg.block_size, device), loss=cfg.loss_config(), grad_clip=cfg.grad_clip,
+        metrics_topk=cfg.metrics_topk, autocast_dtype=autocast_dtype(compute_dtype), generator=generator,
+        checkpoint_layers=cfg.checkpoint_layers, params=params)
 
 
 class Trainer:
@@ -155,7 +148,7 @@ class Trainer:
         self.out_dir = Path(cfg.out_dir)
         if dist_info.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._announce(choose_backend(cfg.attention, device), torch.bfloat16 if cfg.compute_dtype == "bfloat16" else torch.float32)
+        self._announce(choose_backend(cfg.attention, device), torch_dtype(cfg.compute_dtype))
 
         head = load_target_head(cfg.cache)
         self.state = build_step_state(cfg, run, head, device, rank=dist_info.rank)
@@ -358,10 +351,10 @@ class Trainer:
         cfg, run = self.cfg, self.run
         ids = run.eval_ids[: cfg.eval_max_shards]
         # One number per set of weights: the fp32 master weights rounded to the compute dtype, no autocast.
-        model = eval_copy(self.model, self.state.autocast_dtype or torch.float32)
+        model = eval_copy(self.model, torch_dtype(cfg.compute_dtype))
         result = evaluate_drafter(
             model, self.head, cfg.cache, ids, device=self.device,  # eval's own anchors: the same as `eval`'s
-            attention=self.state.layout.backend, chunk_blocks=cfg.loss_chunk_blocks, gamma=cfg.gamma,
+            attention=self.state.layout.backend, chunk_blocks=self.state.loss.chunk_blocks, gamma=self.state.loss.gamma,
             rank=self.dist.rank, world_size=self.dist.world_size)
         del model
         self.metrics.write_event({"event": "eval", "step": self.step, **result.to_record(),

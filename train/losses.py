@@ -30,8 +30,10 @@ from .model import lm_head_weight
 
 @dataclass(kw_only=True)
 class LossConfig:
-    """Loss mix and chunking."""
+    """Loss weights and chunking: the one owner of every loss setting of a run."""
 
+    gamma: float = 7.0
+    """Decay of the slot weights: slot k >= 1 is weighted exp(-(k-1)/gamma) (recipe: 7 for block 16)."""
     kl_lambda: float = 0.0
     """Weight of KL(target || drafter) on the stored target top-k; 0 disables it (no top-k needed)."""
     cap_lambda: float = 0.0
@@ -40,6 +42,8 @@ class LossConfig:
     """Blocks per LM-head chunk: the chunk's float32 logits take chunk_blocks*B*V*4 bytes (x~3 live)."""
 
     def __post_init__(self) -> None:
+        if not self.gamma > 0:
+            raise ValueError(f"LossConfig.gamma must be > 0, got {self.gamma}")
         if self.kl_lambda < 0:
             raise ValueError(f"LossConfig.kl_lambda must be >= 0, got {self.kl_lambda}")
         if self.cap_lambda < 0:

@@ -142,8 +142,9 @@ class DFlashDrafter(nn.Module):
         for layer, attend in zip(self.layers, attends, strict=True):
             if checkpoint_layers and torch.is_grad_enabled():
                 # Recompute each layer in backward: Q = NB*B block tokens at MLP width dominate memory.
+                # No RNG inside a layer (no dropout): skipping the RNG stash keeps it CUDA-graph-capturable.
                 x_QH = torch.utils.checkpoint.checkpoint(layer, x_QH, ctx_TH, rope_ctx, rope_blk, attend,
-                                                         use_reentrant=False)
+                                                         use_reentrant=False, preserve_rng_state=False)
             else:
                 x_QH = layer(x_QH, ctx_TH, rope_ctx, rope_blk, attend)
         return self.norm(x_QH)
@@ -212,9 +213,6 @@ class TargetHead(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed_tokens_VH)
-
-    def logits(self, hidden_XH: torch.Tensor) -> torch.Tensor:
-        return hidden_XH @ self.lm_head_VH.T
 
 
 def lm_head_weight(head: TargetHead | torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,6 @@ Legend: T token budget, K taps, H hidden, NB blocks, B block size.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from .losses import LossConfig, block_loss
 from .metrics import StepTotals
 from .metrics_math import block_metrics
 from .model import DFlashDrafter, TargetHead
+from .precision import compute_autocast
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,10 @@ class WarmupCosine:
 
 @dataclass
 class StepState:
-    """Everything one step touches; built once by the loop, every tensor at a fixed address."""
+    """Everything one step touches; built once by the loop, every tensor at a fixed address.
+
+    Shapes come from their owners: block size and MASK id from model.config, the number of blocks
+    from layout, the loss settings (gamma included) from loss."""
 
     model: DFlashDrafter
     head: TargetHead
@@ -83,39 +86,35 @@ class StepState:
     schedule: WarmupCosine
     grads: FlatGrads
     totals: StepTotals
-    loss_cfg: LossConfig
-    num_blocks: int
-    block_size: int
-    mask_token_id: int
-    gamma: float
-    grad_clip: float
-    metrics_topk: int
+    loss: LossConfig
+    grad_clip: float  # clip the global gradient L2 norm to this; 0 = off
+    metrics_topk: int  # k of the top-k metrics
     autocast_dtype: torch.dtype | None  # None = no autocast (fp32 compute)
     generator: torch.Generator | None  # None on CUDA = the default CUDA generator (graph-safe)
+    checkpoint_layers: bool = False  # recompute each drafter layer in backward (activation checkpointing)
     params: list[nn.Parameter] = field(default_factory=list)
 
     def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        # cache_enabled=False: cached casts would be captured once and go stale across replays.
-        return torch.autocast(self.batch.device.type, dtype=self.autocast_dtype, cache_enabled=False)
+        return compute_autocast(self.batch.device, self.autocast_dtype)
 
 
 def train_step(s: StepState, *, with_metrics: bool) -> None:
-    b = s.batch
+    b, drafter = s.batch, s.model.config
     blocks = sample_blocks(input_ids_T=b.input_ids_T, position_ids_T=b.position_ids_T, loss_mask_T=b.loss_mask_T,
-                           cu_seqlens_S1=b.cu_seqlens_S1, num_blocks=s.num_blocks, block_size=s.block_size,
-                           mask_token_id=s.mask_token_id, gamma=s.gamma, generator=s.generator)
+                           cu_seqlens_S1=b.cu_seqlens_S1, num_blocks=s.layout.num_blocks,
+                           block_size=drafter.block_size, mask_token_id=drafter.mask_token_id,
+                           gamma=s.loss.gamma, generator=s.generator)
     s.layout.update(blocks.seq_start_N, blocks.anchor_N)
     with s.autocast():
         block_embed_NBH = s.head.embed(blocks.block_ids_NB)  # [NB, B, H]
-        hidden_NBH = s.model(b.hidden_TKH, b.position_ids_T, block_embed_NBH, blocks.block_pos_NB, s.layout)
-        loss = block_loss(hidden_NBH, s.head, blocks, s.loss_cfg, b.topk_ids_TK, b.topk_logprobs_TK)
+        hidden_NBH = s.model(b.hidden_TKH, b.position_ids_T, block_embed_NBH, blocks.block_pos_NB, s.layout,
+                             checkpoint_layers=s.checkpoint_layers)
+        loss = block_loss(hidden_NBH, s.head, blocks, s.loss, b.topk_ids_TK, b.topk_logprobs_TK)
     loss.total.backward()
     if with_metrics:
         with s.autocast():
             s.totals.add_metrics(block_metrics(hidden_NBH.detach(), s.head, blocks, topk=s.metrics_topk,
-                                               chunk_blocks=s.loss_cfg.chunk_blocks))
+                                               chunk_blocks=s.loss.chunk_blocks))
     s.grads.average_across_ranks()
     grad_norm = torch.linalg.vector_norm(s.grads.flat)  # global L2 norm, before clipping
     if s.grad_clip > 0:

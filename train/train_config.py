@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from shards import CacheConfig, ShardReader, read_cache_config
-from shards.format import TARGET_HEAD_FILE
+from shards.format import TARGET_HEAD_FILE, target_head_shapes
 from shards.cli_options import cli_field, config_error, flag_name, shown
 from shards.container import read_header
 
 from .blocks import default_num_blocks
 from .drafter_config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, DrafterConfig
+from .losses import LossConfig
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,9 @@ class TrainConfig:
     """Continue from the newest valid checkpoint in --out (refused if the run's settings differ)."""
     cuda_graphs: bool | None = None
     """Capture the whole step as one CUDA graph. Default: on with CUDA; ignored on CPU."""
+    checkpoint_layers: bool = False
+    """Recompute each drafter layer in backward (activation checkpointing): same loss and gradients,
+    less activation memory for about one more forward; what makes denser anchors fit at 27B width."""
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     """Block attention backend: flex (CUDA), sdpa (dense mask; CPU, tests); auto = flex on CUDA, sdpa on
     CPU."""
@@ -225,10 +229,15 @@ class TrainConfig:
         d = self.to_dict()
         for name in ("out_dir", "resume", "log_every", "checkpoint_every", "keep_checkpoints", "tensorboard",
                      "num_buffers", "eval_every", "eval_max_shards", "verify_checksums", "device", "cache",
-                     "metrics_every", "metrics_topk", "skip_bad_shards", "cuda_graphs"):
+                     "metrics_every", "metrics_topk", "skip_bad_shards", "cuda_graphs", "checkpoint_layers"):
             d.pop(name)
         d["betas"] = list(d["betas"])
         return d
+
+    def loss_config(self) -> LossConfig:
+        """The loss settings of this run (LossConfig owns them from here on)."""
+        return LossConfig(gamma=self.gamma, kl_lambda=self.kl_lambda, cap_lambda=self.cap_lambda,
+                          chunk_blocks=self.loss_chunk_blocks)
 
     def config_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:16]
@@ -382,8 +391,7 @@ def _check_target_head(cache_dir: str, cache_cfg: CacheConfig) -> None:
         raise ValueError(f"{path}: not found; the cache has no target head (re-run dflash-extract)")
     entries = read_header(path).entries
     vocab, hidden = cache_cfg.target.vocab_size, cache_cfg.target.hidden_size
-    expected = {"embed_tokens": (vocab, hidden), "lm_head": (vocab, hidden), "final_norm": (hidden,)}
-    for name, shape in expected.items():
+    for name, shape in target_head_shapes(cache_cfg.target).items():
         if name not in entries:
             raise ValueError(f"{path}: tensor {name} missing; expected shape {shape}")
         if tuple(entries[name].shape) != shape:
