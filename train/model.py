@@ -214,6 +214,9 @@ class TargetHead(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed_tokens_VH)
 
+    def logits(self, hidden_XH: torch.Tensor) -> torch.Tensor:
+        return hidden_XH @ self.lm_head_VH.T
+
 
 def lm_head_weight(head: TargetHead | torch.Tensor) -> torch.Tensor:
     """The [V, H] lm_head of a TargetHead, or the tensor itself (losses and metrics take either)."""
