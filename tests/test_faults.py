@@ -14,6 +14,10 @@ Cases (tiny random target, 24 samples packed into 5 batches of token budget 256,
      its samples; the shards before it are kept, and the rerun (target fixed) equals the reference.
   5. A finished cache with one damaged shard (flipped bit, truncated): the same command redoes that shard only.
 Corrupted caches, bad inputs, setting mismatches and training faults: tests/test_faults_inputs.py.
+--overwrite and nesting, locks, impossible settings, SIGTERM during extraction: test_faults_ownership.py;
+exports, damaged checkpoints, disk full while checkpointing, foreign shards: test_faults_export.py;
+run directory, SIGTERM during training, resume bookkeeping: test_faults_training.py; damaged targets
+and foreign or unplanned shards by name: test_faults_messages.py.
 """
 
 import errno
