@@ -6,8 +6,8 @@ done, so it coordinates over gloo (CPU) on every platform.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import torch.distributed as dist
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -243,7 +244,7 @@ def _pick_gdn(on_cuda: bool, forced: str | None, fns: dict) -> tuple[str, str]:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception as exc:  # fla raises ImportError, or RuntimeError from triton without a driver
         if forced == "fla":
-            raise RuntimeError(f"gated_delta backend 'fla' forced but fla-core is not importable: {_import_error(exc)}")
+            raise RuntimeError(f"gated_delta backend 'fla' forced but fla-core is not importable: {_import_error(exc)}") from exc
         return "torch", f"fla-core not importable ({_import_error(exc)}): pure-torch chunked rule"
     fns["fla_gdn"] = chunk_gated_delta_rule
     try:
@@ -271,7 +272,7 @@ def _pick_conv(on_cuda: bool, forced: str | None, fns: dict) -> tuple[str, str]:
             return "causal_conv1d", f"causal-conv1d {_version('causal-conv1d', 'causal_conv1d')} causal_conv1d_fn with seq_idx"
         except Exception as exc:
             if forced == "causal_conv1d":
-                raise RuntimeError(f"conv backend 'causal_conv1d' forced but not importable: {_import_error(exc)}")
+                raise RuntimeError(f"conv backend 'causal_conv1d' forced but not importable: {_import_error(exc)}") from exc
             why_not.append(f"causal-conv1d not importable ({_import_error(exc)})")
     try:
         try:
@@ -282,7 +283,7 @@ def _pick_conv(on_cuda: bool, forced: str | None, fns: dict) -> tuple[str, str]:
         return "fla", "; ".join(why_not + ["fla Triton causal_conv1d with cu_seqlens"])
     except Exception as exc:
         if forced == "fla":
-            raise RuntimeError(f"conv backend 'fla' forced but fla-core is not importable: {_import_error(exc)}")
+            raise RuntimeError(f"conv backend 'fla' forced but fla-core is not importable: {_import_error(exc)}") from exc
         why_not.append(f"fla-core not importable ({_import_error(exc)})")
     return "torch", "; ".join(why_not + ["torch shifted-sum conv"])
 
@@ -306,7 +307,7 @@ def _pick_attention(on_cuda: bool, forced: str | None, fns: dict, device: torch.
             return "torch_varlen", f"torch {torch.__version__} nn.attention.varlen flash, causal, {how}", expand
         except Exception as exc:
             if forced == "torch_varlen":
-                raise RuntimeError(f"attention backend 'torch_varlen' forced but unusable: {_import_error(exc)}")
+                raise RuntimeError(f"attention backend 'torch_varlen' forced but unusable: {_import_error(exc)}") from exc
             why_not.append(f"torch varlen attention unusable ({_import_error(exc)})")
     try:
         from fla.ops.attn import parallel_attn
@@ -314,7 +315,7 @@ def _pick_attention(on_cuda: bool, forced: str | None, fns: dict, device: torch.
         return "fla", "; ".join(why_not + ["fla Triton parallel_attn with cu_seqlens, native GQA"]), False
     except Exception as exc:
         if forced == "fla":
-            raise RuntimeError(f"attention backend 'fla' forced but fla-core is not importable: {_import_error(exc)}")
+            raise RuntimeError(f"attention backend 'fla' forced but fla-core is not importable: {_import_error(exc)}") from exc
         why_not.append(f"fla-core not importable ({_import_error(exc)})")
     return "sdpa", "; ".join(why_not + ["per-sequence SDPA"]), False
 

@@ -341,7 +341,7 @@ class TargetModel(nn.Module):
         last_layer: int | None = None,
         with_head: bool = False,
         compute: str = "dense",
-    ) -> "TargetModel":
+    ) -> TargetModel:
         """Build on the meta device, then stream the checkpoint's tensors onto `device` one by one.
 
         kernels: None selects them for `device` (raising on CUDA when a fast kernel is missing).
@@ -370,7 +370,7 @@ class TargetModel(nn.Module):
         last_layer: int | None = None,
         with_head: bool = False,
         compute: str = "dense",
-    ) -> "TargetModel":
+    ) -> TargetModel:
         """Build from in-memory tensors named like our parameters (tests, benchmarks); tensors are
         cast to `dtype` on their own device, except A_log and dt_bias which stay fp32."""
         from extract.checkpoint import storage_dtype
@@ -387,7 +387,7 @@ class TargetModel(nn.Module):
         model.load_state_dict(cast, strict=True, assign=True)
         return model.requires_grad_(False).set_compute(compute).eval()
 
-    def set_compute(self, compute: str) -> "TargetModel":
+    def set_compute(self, compute: str) -> TargetModel:
         """"dense" (as loaded) or "fp8" (use_fp8_compute); announces the linear-layer kernel."""
         if compute == "fp8":
             return self.use_fp8_compute()
@@ -396,7 +396,7 @@ class TargetModel(nn.Module):
         logger.info("kernel linear: dense matmuls in %s", self.embed_tokens.weight.dtype)
         return self
 
-    def use_fp8_compute(self) -> "TargetModel":
+    def use_fp8_compute(self) -> TargetModel:
         """Put the FP8_LINEARS on e4m3 matmuls, in place: each weight is quantised once, one scale per
         output channel (amax / 448), and its dense copy freed; activations are quantised per token by
         the pointwise op before them (Pointwise.feed). Needs bf16 weights, and on CUDA sm_89+."""

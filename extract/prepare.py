@@ -13,9 +13,9 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Literal, get_args
 
 import pyarrow as pa

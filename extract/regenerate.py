@@ -285,7 +285,7 @@ async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: Regener
                 i = state["next_index"]
                 state["next_index"] += 1
                 async with cond:
-                    await cond.wait_for(lambda: i < state["written"] + window)
+                    await cond.wait_for(lambda i=i: i < state["written"] + window)
                 conv = todo[i]
                 try:
                     row = await client.regenerate(conv)

@@ -55,7 +55,7 @@ class Problems:
                         + ":\n  " + "\n  ".join(self.messages) + more)
 
 
-def _report(problems: "Problems | None", message: str) -> None:
+def _report(problems: Problems | None, message: str) -> None:
     """Raise at once without a collector (loading one sample), else count it and go on."""
     if problems is None:
         raise DataError(message)

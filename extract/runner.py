@@ -46,17 +46,16 @@ from shards.lock import LOCK_FILE, DirectoryLock
 from shards.ownership import describe, foreign_entries, nested, our_entries, remove_cache_files
 from shards.progress import ProgressLog, format_bytes, format_duration, is_interactive, plural
 from shards.provenance import provenance
-
-from .checkpoint import load_target_head
-from .quantization import checkpoint_quantization
-from .config import ExtractConfig
-from .data import SampleLoader, dataset_fingerprint, scan_dataset
 from shards.runtime import DistInfo, barrier, resolve_device, shutdown
 
+from .checkpoint import load_target_head
+from .config import ExtractConfig
+from .data import SampleLoader, dataset_fingerprint, scan_dataset
 from .distributed import init_distributed, run_on_main
 from .kernels import select_kernels
 from .model import TargetModel
 from .packing import PACKING_ALGORITHM, PackedBatch, PackingPlan, load_batch, plan_batches, shard_batches_for_rank
+from .quantization import checkpoint_quantization
 from .target_config import TargetConfig, special_token_ids
 from .writer import AsyncShardWriter
 
@@ -361,7 +360,7 @@ class StopOnSigterm:
     def _handle(self, signum, frame) -> None:
         self.requested = True
 
-    def __enter__(self) -> "StopOnSigterm":
+    def __enter__(self) -> StopOnSigterm:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         return self

@@ -124,7 +124,7 @@ class TargetConfig:
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
-    def from_hf_dict(cls, config: dict[str, Any], source: str = "config.json") -> "TargetConfig":
+    def from_hf_dict(cls, config: dict[str, Any], source: str = "config.json") -> TargetConfig:
         """Resolve a config.json dict (multimodal with "text_config", or plain text)."""
         text = config.get("text_config", config)
         if not isinstance(text, dict):
@@ -132,7 +132,7 @@ class TargetConfig:
         return cls(**_resolve_text_fields(text, top=config, source=source))
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "TargetConfig":
+    def from_dir(cls, path: str | Path) -> TargetConfig:
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path}: no config.json in the target checkpoint directory")

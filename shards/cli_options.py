@@ -19,8 +19,8 @@ It lives in shards/ because that is the one package both stages import.
 
 from __future__ import annotations
 
-import dataclasses
 import ast
+import dataclasses
 import inspect
 import os
 import sys

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import mmap
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Mapping
+from typing import BinaryIO
 
 import torch
 
@@ -129,7 +130,7 @@ class MappedContainer:
                 pass  # tensors still view the map; it is released when the last of them goes
             self._map = None
 
-    def __enter__(self) -> "MappedContainer":
+    def __enter__(self) -> MappedContainer:
         return self
 
     def __exit__(self, *exc: object) -> None:

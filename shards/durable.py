@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import tempfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 TMP_PREFIX = ".tmp-"
 

@@ -32,9 +32,10 @@ import dataclasses
 import hashlib
 import json
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -169,7 +170,7 @@ class CacheConfig:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, source: str = CACHE_CONFIG_FILE) -> "CacheConfig":
+    def from_json(cls, text: str, source: str = CACHE_CONFIG_FILE) -> CacheConfig:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:

@@ -38,7 +38,7 @@ class DirectoryLock:
     def held(self) -> bool:
         return self._fd is not None
 
-    def acquire(self) -> "DirectoryLock":
+    def acquire(self) -> DirectoryLock:
         if self._fd is not None:
             return self
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -70,7 +70,7 @@ class DirectoryLock:
         finally:
             os.close(fd)
 
-    def __enter__(self) -> "DirectoryLock":
+    def __enter__(self) -> DirectoryLock:
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:

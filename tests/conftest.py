@@ -1,6 +1,8 @@
-"""One rule for GPU tests: marked `gpu`, skipped where CUDA is absent."""
+"""Shared test setup: one rule for GPU tests (marked `gpu`, skipped where CUDA is absent), one torch
+thread, and the module-scoped extraction fixtures of the fault tests (each module gets its own)."""
 import pytest
 import torch
+from extract_helpers import dataset_file, extract_reference, tiny_target_dir
 
 
 def pytest_collection_modifyitems(config, items):
@@ -16,3 +18,22 @@ def pytest_collection_modifyitems(config, items):
 def one_torch_thread():
     # Tiny matmuls on a shared 2-core machine: OpenMP spinning makes 2 threads ~10x slower than 1.
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny random Qwen3.5-style checkpoint directory (fp32)."""
+    return tiny_target_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A JSON Lines dataset of NUM_SAMPLES random samples over the tiny target's vocabulary."""
+    return dataset_file(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(target, data, tmp_path_factory):
+    """The uninterrupted extraction of `data` by `target`, which faulted runs must reproduce."""
+    return extract_reference(target, data, tmp_path_factory)
+

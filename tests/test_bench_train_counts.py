@@ -1,7 +1,7 @@
 """tools/bench_train's analytic counts (keys per query per layer, kv tiles visited) against the masks."""
 import torch
+from drafter_helpers import ranges_at_sequence_starts
 
-from test_drafter_attention import ranges_at_sequence_starts
 from tools.bench_train import SIZES, drafter_config, mean_keys_per_layer, parse_layer_types, visited_kv_tiles
 from train.attention import BlockAttentionLayout, block_mask_dense
 from train.blocks import TrainingBlocks

@@ -9,6 +9,7 @@ from typing import Literal
 import click
 import pytest
 from click.testing import CliRunner
+from train_helpers import tiny_cache, tiny_cli_args
 
 from extract.cli import main as extract_cli
 from extract.config import ExtractConfig
@@ -21,7 +22,6 @@ from shards.cli_options import (
     flag_name,
     parse_number_list,
 )
-from test_train_support import tiny_cache, tiny_cli_args
 from tools.shards_cli import main as shards_cli
 from train.cli import main as train_cli
 from train.train_config import TrainConfig

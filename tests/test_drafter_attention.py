@@ -2,19 +2,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from drafter_helpers import random_ranges, ranges_at_sequence_starts
 
 from train.attention import BlockAttentionLayout, block_attention, block_mask_dense
-
-
-def random_ranges(num_ctx: int, num_blocks: int, seed: int):
-    """Sorted anchors over random sequences; about one block in five is padding (seq_start == anchor)."""
-    g = torch.Generator().manual_seed(seed)
-    cuts = sorted(set(torch.randint(1, num_ctx, (4,), generator=g).tolist()))
-    bounds = [0] + cuts + [num_ctx]
-    anchor = torch.sort(torch.randperm(num_ctx, generator=g)[:num_blocks]).values
-    seq_start = torch.tensor([max(b for b in bounds if b <= a) for a in anchor.tolist()])
-    pad = torch.rand(num_blocks, generator=g) < 0.2
-    return torch.where(pad, anchor, seq_start).int(), anchor.int()
 
 
 def loop_mask(seq_start, anchor, num_ctx, block_size, window=None):
@@ -37,16 +27,6 @@ def loop_mask(seq_start, anchor, num_ctx, block_size, window=None):
             row.append(bool(ctx or own))
         rows.append(row)
     return torch.tensor(rows)
-
-
-def ranges_at_sequence_starts(num_ctx, num_blocks, seed):
-    """Like random_ranges, but half of the anchors sit exactly at a sequence start (empty context)."""
-    seq_start, anchor = random_ranges(num_ctx, num_blocks, seed)
-    starts = sorted(set(seq_start.tolist()) | {0})
-    for n in range(0, num_blocks, 2):
-        anchor[n] = seq_start[n] = starts[n % len(starts)]
-    order = torch.argsort(anchor, stable=True)
-    return seq_start[order].int(), anchor[order].int()
 
 
 # Windows: one token, shorter than the block, the block, between, far larger than any context.

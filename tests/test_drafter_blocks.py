@@ -3,8 +3,8 @@ import math
 
 import pytest
 import torch
+from drafter_helpers import MASK_ID, batch_blocks, make_batch
 
-from test_drafter_helpers import MASK_ID, batch_blocks, make_batch
 from train.blocks import valid_anchors
 
 SEQ_LENS = [9, 14, 3, 11]

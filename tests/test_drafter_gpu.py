@@ -8,8 +8,8 @@ import copy
 
 import pytest
 import torch
+from drafter_helpers import make_batch
 
-from test_drafter_helpers import make_batch
 from train.attention import BlockAttentionLayout
 from train.blocks import TrainingBlocks, sample_blocks
 from train.drafter_config import DrafterConfig

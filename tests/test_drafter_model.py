@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
+from drafter_helpers import batch_blocks, make_batch, tiny_config, tiny_model_and_head
 
-from test_drafter_helpers import batch_blocks, make_batch, tiny_config, tiny_model_and_head
 from train.attention import BlockAttentionLayout
 from train.drafter_config import DrafterConfig
 from train.export import zlab_parameter_names
@@ -25,7 +25,7 @@ def test_27b_width_has_published_shape_and_1_73b_parameters():
                                    num_target_layers=64, tap_layer_ids=[1, 16, 31, 46, 61], mask_token_id=248070)
     assert (cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (5, 32, 8, 128)
     # Closed form: fc + 5 x (q, k, v, o, gate/up/down, 4 norms) + 2 norms.
-    H, I, qd, kvd = 5120, 17408, 32 * 128, 8 * 128
+    H, I, qd, kvd = 5120, 17408, 32 * 128, 8 * 128  # noqa: E741 (I: the MLP width, as in the legend)
     layer = H * qd + 2 * H * kvd + qd * H + 3 * H * I + 2 * H + 2 * 128
     expected = 5 * H * H + 5 * layer + 2 * H
     got = count_parameters(cfg)
@@ -97,7 +97,9 @@ def ref_forward_block(params, cfg, ctx_hidden_LKH, ctx_pos, block_embed_BH, bloc
     x = block_embed_BH.double()
     L, B = ctx.shape[0], x.shape[0]
     for i in range(cfg.num_layers):
-        p = lambda n: P[f"layers.{i}.{n}.weight"]
+        def p(n, i=i):
+            return P[f"layers.{i}.{n}.weight"]
+
         h = ref_rms(x, p("input_layernorm"), eps)
         q = ref_rope(ref_rms((h @ p("self_attn.q_proj").T).view(B, N, D), p("self_attn.q_norm"), eps), block_pos,
                      cfg.rope_theta)

@@ -3,9 +3,9 @@ import json
 
 import pytest
 import torch
+from drafter_helpers import tiny_config, tiny_model_and_head
 from safetensors import safe_open
 
-from test_drafter_helpers import tiny_config, tiny_model_and_head
 from train.export import export_drafter, load_exported_drafter, zlab_parameter_names
 
 
@@ -96,7 +96,8 @@ def test_export_refuses_a_wrapped_model_instead_of_guessing_names(tmp_path):
 
 
 def test_sliding_drafter_export_and_reload_gives_identical_logits(tmp_path):
-    from test_drafter_helpers import batch_blocks, make_batch
+    from drafter_helpers import batch_blocks, make_batch
+
     from train.attention import BlockAttentionLayout
 
     cfg = tiny_config(num_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],

@@ -18,8 +18,8 @@ import json
 
 import pytest
 import torch
+from drafter_helpers import tiny_config, tiny_model_and_head
 
-from test_drafter_helpers import tiny_config, tiny_model_and_head
 from train.attention import block_mask_dense
 from train.drafter_config import DrafterConfig
 from train.export import drafter_config_to_hf, export_drafter

@@ -96,6 +96,7 @@ def test_cache_equals_direct_forward_of_each_sample(target, data, tmp_path, stor
     assert sorted(manifest.column("sample_id").to_pylist()) == sorted(samples)
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_gives_identical_cache(target, data, tmp_path):
     reference = tmp_path / "reference"
     run_extract(_cfg(target, data, reference))
@@ -140,6 +141,7 @@ def test_sigkill_then_resume_gives_identical_cache(target, data, tmp_path):
     assert read_manifest(out).equals(read_manifest(reference))
 
 
+@pytest.mark.slow
 def test_two_ranks_cover_the_plan_disjointly(target, data, tmp_path):
     out = tmp_path / "cache"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "extract.cli",
@@ -271,6 +273,7 @@ def test_drafter_export_carries_the_target_token_ids_from_the_cache(target, data
     run_extract(_cfg(target, data, out))
 
 
+@pytest.mark.slow
 def test_a_refusal_on_rank_0_stops_every_rank(target, data, tmp_path):
     out = tmp_path / "cache"
     run_extract(_cfg(target, data, out))

@@ -20,11 +20,11 @@ import stat
 
 import pytest
 from click.testing import CliRunner
+from extract_helpers import snapshot
+from train_helpers import read_records, tiny_cache, tiny_cli_args, tiny_config
 
 from shards import ShardReader, shard_path
 from shards.inspect import verify_cache
-from test_faults_inputs import snapshot
-from test_train_support import read_records, tiny_cache, tiny_cli_args, tiny_config
 from tools.tiny_target import write_random_checkpoint
 from train.checkpoint import latest_checkpoint, list_checkpoints
 from train.cli import main as train_cli

@@ -23,7 +23,6 @@ Cases (the tiny target and reference cache of test_faults.py; training through t
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -34,16 +33,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
+from extract_helpers import REPO, VOCAB, cli_args, copy_cache, corrupt_shard, extract_cfg, make_samples, snapshot
+from train_helpers import read_records, tiny_cache, tiny_cli_args, tiny_config
 
 from extract.cli import main as extract_cli
 from extract.data import Sample, write_jsonl
 from extract.runner import CacheMismatchError, run_extract
 from shards import ShardReader, shard_path, write_manifest
-# The module-scoped target, dataset and reference-cache fixtures are test_faults'; importing them here
-# gives this module its own instances of the same fixtures.
-from test_faults import REPO, VOCAB, cli_args, data, extract_cfg, make_samples, reference, target  # noqa: F401
-from test_shards_format import _corrupt
-from test_train_support import read_records, tiny_cache, tiny_cli_args, tiny_config
 from tools.shards_cli import main as shards_cli
 from tools.tiny_target import write_random_checkpoint
 from train.checkpoint import latest_checkpoint
@@ -51,23 +47,10 @@ from train.cli import main as train_cli
 from train.loop import run_training
 
 
-
-def copy_cache(reference, tmp_path):
-    out = tmp_path / "cache"
-    shutil.copytree(reference["dir"], out)
-    return out
-
-
 def flip_byte(path, offset=-10):
     raw = bytearray(path.read_bytes())
     raw[offset] ^= 0xFF
     path.write_bytes(bytes(raw))
-
-
-def snapshot(cache):
-    """Every file's bytes, except the lock file (its holder record changes with every run)."""
-    return {str(p.relative_to(cache)): p.read_bytes() for p in sorted(cache.rglob("*"))
-            if p.is_file() and p.name != ".dflash.lock"}
 
 
 # ---- 1. dflash-shards verify on a damaged cache -----------------------------------------------------------
@@ -138,7 +121,7 @@ def _damage_shard(cache, how):
     if how == "missing":
         path.unlink()
         return path, "missing"
-    _corrupt(path, how)
+    corrupt_shard(path, how)
     return path, {"truncate": "truncated", "version": "format version"}[how]
 
 
@@ -344,6 +327,7 @@ TRAIN_KILL_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_training_killed_while_checkpointing_resumes_exactly(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=4)
     settings = dict(epochs=4, checkpoint_every=4, keep_checkpoints=3, metrics_every=3)

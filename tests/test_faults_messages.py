@@ -13,14 +13,14 @@ import shutil
 import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+from test_faults import cli_args, data, extract_cfg, make_samples, reference, target  # noqa: F401
+from test_faults_inputs import copy_cache
 
 from extract.cli import main as extract_cli
 from extract.data import write_jsonl
 from extract.runner import CacheMismatchError, run_extract
 from shards import shard_path
 from shards.inspect import verify_cache
-from test_faults import cli_args, data, extract_cfg, make_samples, reference, target  # noqa: F401
-from test_faults_inputs import copy_cache
 
 
 def _weights(ckpt):

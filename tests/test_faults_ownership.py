@@ -25,6 +25,16 @@ import textwrap
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from extract_helpers import (
+    REPO,
+    VOCAB,
+    assert_equals_reference,
+    cli_args,
+    copy_cache,
+    extract_cfg,
+    snapshot,
+    temporaries,
+)
 
 from extract.cli import main as extract_cli
 from extract.data import Sample, write_jsonl
@@ -32,9 +42,6 @@ from extract.model import TargetModel
 from extract.runner import run_extract
 from shards import ShardReader
 from shards.lock import LOCK_FILE, DirectoryLock, DirectoryLockedError
-from test_faults import (REPO, VOCAB, assert_equals_reference, cli_args, data, extract_cfg,  # noqa: F401
-                         reference, target, temporaries)
-from test_faults_inputs import copy_cache, snapshot
 
 
 def user_folder(path):

@@ -20,11 +20,11 @@ import signal
 import pytest
 import torch
 from click.testing import CliRunner
+from extract_helpers import snapshot
+from train_helpers import read_records, tiny_cache, tiny_cli_args, tiny_config
 
 from extract.cli import main as extract_cli
 from shards.lock import DirectoryLock
-from test_faults_inputs import snapshot
-from test_train_support import read_records, tiny_cache, tiny_cli_args, tiny_config
 from train.checkpoint import latest_checkpoint, list_checkpoints
 from train.cli import main as train_cli
 from train.loop import run_training

@@ -13,9 +13,8 @@ from extract.kernels import select_kernels
 from extract.model import FP8_LINEARS, Fp8Input, Pointwise, TargetModel, linear, silu_mul, zero_centred_rmsnorm
 from extract.quantization import quantize_rows_fp8
 from extract.target_config import TargetConfig
-from tools.tiny_target import qwen35_27b_config_dict, tiny_config_dict
 from shards import read_cache_config
-from tools.tiny_target import random_weights, write_random_checkpoint
+from tools.tiny_target import qwen35_27b_config_dict, random_weights, tiny_config_dict, write_random_checkpoint
 
 
 def _rel(a, b):

@@ -3,8 +3,8 @@ import math
 
 import pytest
 import torch
+from drafter_helpers import MASK_ID, VOCAB, batch_blocks, make_batch
 
-from test_drafter_helpers import MASK_ID, VOCAB, batch_blocks, make_batch
 from train.losses import LossConfig, block_loss, block_loss_unchunked
 from train.metrics_math import block_metrics
 

@@ -1,9 +1,9 @@
 """What extraction prints while it runs: human sizes, a bar on a terminal, plain lines in a file, true
 final figures, a rerun on a complete cache that says so."""
 
+import fcntl
 import json
 import logging
-import fcntl
 import os
 import pty
 import struct
@@ -103,6 +103,7 @@ def _cli_command(args):
     return [sys.executable, "-m", "extract.cli", *args], env
 
 
+@pytest.mark.slow
 def test_redirected_output_has_plain_lines_and_no_terminal_codes(target, data, tmp_path):
     cmd, env = _cli_command(_args(target, data, tmp_path / "cache", "--progress-interval", "0"))
     proc = subprocess.run(cmd, capture_output=True, timeout=240, cwd=REPO, env=env)
@@ -112,6 +113,7 @@ def test_redirected_output_has_plain_lines_and_no_terminal_codes(target, data, t
     assert "[rank 0] batch 1/" in text and "done in " in text
 
 
+@pytest.mark.slow
 def test_a_terminal_gets_a_progress_bar(target, data, tmp_path):
     cmd, env = _cli_command(_args(target, data, tmp_path / "cache", "--progress-interval", "0"))
     parent, child = pty.openpty()

@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import struct
 import subprocess
 import sys
 import textwrap
@@ -11,6 +10,7 @@ import textwrap
 import pytest
 import torch
 from click.testing import CliRunner
+from extract_helpers import corrupt_shard
 
 from shards import (
     FORMAT_VERSION,
@@ -32,6 +32,7 @@ from shards import (
 from shards.inspect import verify_cache
 from tools.shards_cli import main as shards_cli
 from tools.synthetic_cache import _random_batch, write_synthetic_cache
+
 
 @pytest.fixture(params=["bf16", "fp8"])
 def cache(tmp_path, request):
@@ -71,25 +72,6 @@ def test_fp8_round_trip_error_is_small():
     assert max(per_tap) < 0.04  # e4m3 has 3 mantissa bits: measured 2.6% relative L2 on Gaussian rows
     assert encode_hidden(hidden, "bf16")["hidden"].dtype == torch.bfloat16
 
-def _corrupt(path, how):
-    data = bytearray(path.read_bytes())
-    if how == "truncate":
-        path.write_bytes(bytes(data[: len(data) - 100]))
-    elif how == "flip":
-        data[-50] ^= 0x40
-        path.write_bytes(bytes(data))
-    elif how in ("version", "shape"):
-        (n,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8 : 8 + n])
-        if how == "version":
-            header["__metadata__"]["format_version"] = "99"
-        else:
-            # Same byte count, another shape: only a shape check can catch it.
-            t = header["input_ids"]["shape"][0]
-            header["input_ids"]["shape"] = [t // 2, 2]
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        path.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n :])
-
 @pytest.mark.parametrize(
     "how,expect",
     [("truncate", "truncated"), ("flip", "checksum mismatch"), ("version", "format version"), ("shape", "input_ids")],
@@ -97,7 +79,7 @@ def _corrupt(path, how):
 def test_corruption_is_caught_by_reader_and_verify(cache, how, expect):
     cache_dir, cfg = cache
     path = shard_path(cache_dir, 1)
-    _corrupt(path, how)
+    corrupt_shard(path, how)
     reader = ShardReader(cache_dir)
     with pytest.raises(ShardError) as e:
         reader.read(1, verify_checksum=True)
@@ -112,7 +94,7 @@ def test_corruption_is_caught_by_reader_and_verify(cache, how, expect):
 
 def test_verify_quarantine_moves_bad_shard(cache):
     cache_dir, _ = cache
-    _corrupt(shard_path(cache_dir, 2), "flip")
+    corrupt_shard(shard_path(cache_dir, 2), "flip")
     report = verify_cache(cache_dir, quarantine=True)
     assert not report.ok and not shard_path(cache_dir, 2).exists()
     assert (cache_dir / "quarantine" / shard_path(cache_dir, 2).name).exists()
@@ -131,6 +113,7 @@ def test_wrong_cache_format_version_is_refused(cache):
     with pytest.raises(CacheFormatError, match="version 1 .*re-run dflash-extract"):
         ShardReader(cache_dir)
 
+@pytest.mark.slow
 def test_killed_writer_leaves_no_shard(cache, tmp_path):
     cache_dir, cfg = cache
     # A child process starts writing a shard and is SIGKILLed half way through the data.
@@ -221,7 +204,7 @@ def test_epoch_order_deterministic_and_disjoint():
 
 def test_loader_reads_ahead_and_skips_bad_shards(cache):
     cache_dir, _ = cache
-    _corrupt(shard_path(cache_dir, 1), "truncate")
+    corrupt_shard(shard_path(cache_dir, 1), "truncate")
     reader = ShardReader(cache_dir)
     strict = ShardLoader(reader, [0, 1, 2], num_buffers=2)
     with pytest.raises(ShardError, match="b00000001"):

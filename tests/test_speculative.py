@@ -21,8 +21,13 @@ from train.cli import main as train_cli
 from train.evaluate import evaluate_drafter, load_drafter
 from train.loop import run_training
 from train.model import TargetHead
-from train.speculative import (decode_prompts, greedy_generate, read_prompts, register_verifier_factory,
-                               speculative_generate)
+from train.speculative import (
+    decode_prompts,
+    greedy_generate,
+    read_prompts,
+    register_verifier_factory,
+    speculative_generate,
+)
 from train.train_config import TrainConfig
 
 NEW_TOKENS = 20

@@ -16,8 +16,7 @@ import torch
 from extract.kernels import select_kernels
 from extract.model import TargetModel
 from extract.target_config import TargetConfig
-from tools.tiny_target import qwen35_27b_config_dict
-from tools.tiny_target import random_weights
+from tools.tiny_target import qwen35_27b_config_dict, random_weights
 
 pytestmark = pytest.mark.gpu
 SEQ_LENS = [1000, 1, 77, 2000, 130]  # boundaries mid-chunk, a 1-token sequence

@@ -12,8 +12,7 @@ import torch
 
 from extract.checkpoint import load_target_head
 from extract.model import TargetModel
-from tools.tiny_target import tiny_config_dict
-from tools.tiny_target import write_random_checkpoint
+from tools.tiny_target import tiny_config_dict, write_random_checkpoint
 
 transformers = pytest.importorskip("transformers")
 REL_TOL = 1e-4

@@ -8,12 +8,11 @@ import math
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
+from train_helpers import read_records, rewrite_shard, tiny_cache, tiny_cli_args
 
 from shards import CacheConfig, read_cache_config, shard_path, write_cache_config
-from test_train_support import read_records, rewrite_shard, tiny_cache, tiny_cli_args
 from train.cli import main
 from train.export import load_exported_drafter
-
 
 
 def invoke(args):

@@ -3,10 +3,10 @@ skipped shard either carried to the next batch (one process) or replaced by a st
 from __future__ import annotations
 
 import pytest
+from train_helpers import tiny_cache
 
 from shards import ShardReader, epoch_shard_order
 from shards.format import shard_path
-from test_train_support import tiny_cache
 from train.data import rank_batches
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_helpers import tiny_cache, tiny_cli_args, tiny_config
 
 from shards import ShardReader, epoch_shard_order, load_target_head
-from test_train_support import tiny_cache, tiny_cli_args, tiny_config
 from train.attention import BlockAttentionLayout
 from train.blocks import anchor_seed, sample_blocks
 from train.losses import LossConfig, block_loss
@@ -22,6 +22,7 @@ from train.train_config import resolve_run
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_equal_one_process_averaging_both_batches(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=4)
     out = tmp_path / "run"

@@ -9,15 +9,14 @@ import random
 
 import pytest
 import torch
+from train_helpers import make_learnable, tiny_cache, tiny_config
 
 from shards import ShardReader, decode_hidden, load_target_head
-from test_train_support import make_learnable, tiny_cache, tiny_config
 from train.blocks import sample_blocks
 from train.drafter_config import DrafterConfig
 from train.evaluate import evaluate_drafter, tree_acceptance
 from train.loop import run_training
 from train.model import DFlashDrafter, TargetHead
-
 
 
 def brute_force_tree_acceptance(logp, ids, labels, valid, budget):

@@ -6,8 +6,8 @@ import math
 import shutil
 
 import pytest
+from train_helpers import read_records, tiny_cache, tiny_config
 
-from test_train_support import read_records, tiny_cache, tiny_config
 from train.loop import run_training
 
 GPU_CACHE = dict(hidden_size=256, vocab_size=2048, token_budget=1024, max_seqs=4, tap_layer_ids=(1, 3, 5))

@@ -7,9 +7,9 @@ import re
 import pytest
 import torch
 from click.testing import CliRunner
+from train_helpers import read_records, tiny_cache, tiny_cli_args, tiny_config
 
 from shards import ShardReader, decode_hidden, epoch_shard_order, load_target_head
-from test_train_support import read_records, tiny_cache, tiny_cli_args, tiny_config
 from train.attention import BlockAttentionLayout
 from train.blocks import sample_blocks
 from train.cli import main as train_cli

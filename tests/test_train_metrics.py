@@ -6,11 +6,10 @@ import math
 
 import pytest
 import torch
+from train_helpers import read_records, tiny_cache, tiny_config
 
-from test_train_support import read_records, tiny_cache, tiny_config
 from train.loop import run_training
 from train.metrics import MetricsLogger, StepTotals
-
 
 
 def test_loss_logged_every_step_and_metrics_on_their_own_cadence(tmp_path):

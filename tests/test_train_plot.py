@@ -5,8 +5,8 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from train_helpers import read_records, tiny_cache, tiny_cli_args
 
-from test_train_support import read_records, tiny_cache, tiny_cli_args
 from train.cli import main
 from train.plot import plot_run, read_run_metrics
 

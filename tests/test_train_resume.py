@@ -10,7 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from test_train_support import read_records, tiny_cache, tiny_cli_args, tiny_config
+import pytest
+from train_helpers import read_records, tiny_cache, tiny_cli_args, tiny_config
+
 from train.checkpoint import latest_checkpoint, list_checkpoints
 from train.loop import run_training
 
@@ -49,6 +51,7 @@ def test_resume_from_checkpoints_matches_uninterrupted_run(tmp_path):
         assert_same_losses(got, reference, range(start + 1, 13))
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume_matches_uninterrupted_run(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=4)
     extra = ["--epochs", "40", "--checkpoint-every", "8", "--keep-checkpoints", "2", "--metrics-every", "3"]

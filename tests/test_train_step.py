@@ -49,8 +49,9 @@ def test_make_optimizer_leaves_weights_unchanged_and_state_zero():
 def test_checkpoint_layers_gives_the_plain_steps_loss_and_gradients(tmp_path):
     """--checkpoint-layers recomputes each layer in backward: the same loss and the same gradients
     (captured just before the optimizer step) as the plain step, from the same state and anchors."""
-    from shards import LoadedShard, ShardReader, load_target_head
     from test_train_support import tiny_cache, tiny_config
+
+    from shards import LoadedShard, ShardReader, load_target_head
     from train.loop import build_step_state
     from train.step import train_step
     from train.train_config import resolve_run

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from train_helpers import rewrite_shard, tiny_cache
 
 from shards import ShardReader, decode_hidden, load_target_head
-from test_train_support import rewrite_shard, tiny_cache
 from train.attention import BlockAttentionLayout
 from train.drafter_config import DrafterConfig
 from train.evaluate import evaluate_drafter

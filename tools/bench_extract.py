@@ -35,8 +35,8 @@ from extract.kernels import select_kernels
 from extract.model import TargetModel
 from extract.packing import PackingConfig, load_batch, plan_batches
 from extract.runner import build_cache_config, extract_batches
-from extract.writer import AsyncShardWriter
 from extract.target_config import TargetConfig
+from extract.writer import AsyncShardWriter
 from shards import create_cache
 from tools.tiny_target import qwen35_27b_config_dict, random_weights, tiny_config_dict
 

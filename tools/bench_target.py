@@ -22,8 +22,9 @@ import gc
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 import torch
@@ -121,9 +122,9 @@ def op_timings(cfg: TargetConfig, tokens: int, seq_len: int, device: torch.devic
             continue
         batch = choice.prepare(cu, T, device)
         slow = backend in ("torch", "sdpa")
-        fn = {"gated_delta": lambda: choice.gated_delta_rule(q, k, v, g, beta, batch),
-              "conv": lambda: choice.conv1d_silu(x, w, batch),
-              "attention": lambda: choice.attention(aq, ak, av, batch, cfg.head_dim ** -0.5)}[op]
+        fn = {"gated_delta": lambda choice=choice, batch=batch: choice.gated_delta_rule(q, k, v, g, beta, batch),
+              "conv": lambda choice=choice, batch=batch: choice.conv1d_silu(x, w, batch),
+              "attention": lambda choice=choice, batch=batch: choice.attention(aq, ak, av, batch, cfg.head_dim ** -0.5)}[op]
         with torch.inference_mode():
             try:
                 out[f"{op}/{backend}_ms"] = 1e3 * timer(fn, 1 if slow else 3, 2 if slow else 10)
@@ -170,7 +171,7 @@ def bench_hf(cfg_dict, state, tokens, seq_len, device, timer, warmup, iters, tap
     seconds = timer(run, warmup, iters)
     out = run()
     hidden = torch.stack([out.hidden_states[t + 1].reshape(-1, cfg_dict["hidden_size"]) for t in taps], dim=1)
-    del hf, out
+    hf = out = None  # free the HF model before the next measurement
     return seconds, hidden
 
 

@@ -106,7 +106,7 @@ def save_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torch
     return final
 
 
-def verify_checkpoint(ckpt: "Checkpoint") -> None:
+def verify_checkpoint(ckpt: Checkpoint) -> None:
     """Raise CheckpointError naming the first file whose bytes differ from the recorded checksum."""
     recorded = ckpt.state.get("checksums")
     if not isinstance(recorded, dict):

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import sys
 from pathlib import Path
 
 import click
 
-from shards.cli_options import CONTEXT_SETTINGS, INT_LIST, build_config, config_options, gpus_option, relaunch_if_asked
+from shards.cli_options import CONTEXT_SETTINGS, build_config, config_options, gpus_option, relaunch_if_asked
 
 from .eval_config import EvalConfig
 from .train_config import TrainConfig

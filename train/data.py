@@ -13,8 +13,8 @@ has `end` set: every epoch is used up (it may still carry skipped shards of the 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from shards import LoadedShard, ShardLoader, ShardReader, epoch_shard_order
 
@@ -40,7 +40,7 @@ def rank_batches(reader: ShardReader, train_ids: list[int], *, epoch: int, curso
                  skip_bad_shards: bool) -> Iterator[Batch]:
     """Batches from shard `cursor` of epoch `epoch` to the end of epoch `epochs - 1`, then an end Batch."""
     skipped: list[tuple[int, str]] = []
-    for epoch in range(epoch, epochs):
+    for epoch in range(epoch, epochs):  # noqa: B020 (from the resumed epoch on)
         order = epoch_shard_order(train_ids, epoch, seed, rank, world_size)
         position_of = {batch_id: i for i, batch_id in enumerate(order)}
         loader = ShardLoader(reader, order[cursor:], num_buffers=num_buffers, pin_memory=pin_memory,

@@ -16,23 +16,31 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from shards import ShardReader, load_target_head
 from shards.durable import atomic_write_text
-from shards.provenance import provenance
 from shards.lock import DirectoryLock
+from shards.provenance import provenance
 from shards.runtime import DistInfo, barrier, rank_info, resolve_device
 
 from .attention import BlockAttentionLayout, choose_backend
 from .batch import StaticBatch
 from .blocks import anchor_seed
-from .checkpoint import (check_resume_compatible, decode_rng, encode_rng, latest_checkpoint, load_model_state,
-                         load_optimizer_state, save_checkpoint)
+from .checkpoint import (
+    check_resume_compatible,
+    decode_rng,
+    encode_rng,
+    latest_checkpoint,
+    load_model_state,
+    load_optimizer_state,
+    save_checkpoint,
+)
 from .data import Batch, rank_batches
 from .distributed import FlatGrads, all_gather_objects, broadcast_parameters, init_distributed
 from .evaluate import EvalResult, eval_copy, evaluate_drafter
@@ -247,7 +255,7 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------
     def train(self) -> TrainSummary:
-        cfg, run = self.cfg, self.run
+        run = self.run
         # A fresh run measures its starting point, so every run reports what training bought.
         eval_before = self._evaluate() if run.eval_ids and self.step == 0 else None
         batches = self._batches()

@@ -21,8 +21,8 @@ L = T + Q keys, A query heads, M kv heads, D head dim, I MLP width, V vocab.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn as nn

@@ -7,7 +7,7 @@ and go stale across replays (the weights change every step).
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -26,7 +26,7 @@ def autocast_dtype(compute_dtype: torch.dtype) -> torch.dtype | None:
     return None if compute_dtype == torch.float32 else compute_dtype
 
 
-def compute_autocast(device: torch.device, dtype: torch.dtype | None) -> ContextManager:
+def compute_autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager:
     """autocast to `dtype` on `device` (weight-cast cache off), or nothing when dtype is None."""
     if dtype is None:
         return contextlib.nullcontext()

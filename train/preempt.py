@@ -49,7 +49,7 @@ class StopOnSigterm:
         self._pending = True
         return decided
 
-    def __enter__(self) -> "StopOnSigterm":
+    def __enter__(self) -> StopOnSigterm:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         return self

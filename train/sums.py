@@ -13,7 +13,7 @@ float64 keeps long intervals exact (counts to 2^53).
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from shards import CacheConfig, ShardReader, read_cache_config
-from shards.format import TARGET_HEAD_FILE, target_head_shapes
 from shards.cli_options import cli_field, config_error, flag_name, shown
 from shards.container import read_header
+from shards.format import TARGET_HEAD_FILE, target_head_shapes
 
 from .blocks import default_num_blocks
 from .drafter_config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, DrafterConfig

@@ -11,7 +11,7 @@ Legend: S depths (draft slots), R ranks kept per depth.
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def tree_acceptance(logp_SR: Sequence[Sequence[float]], ids_SR: Sequence[Sequence[int]],

@@ -61,7 +61,7 @@ def make_learnable(cache: Path, stride: int = 1) -> None:
     for batch_id in reader.batch_ids():
         _, info = reader.read(batch_id)
 
-        def edit(t, info=info):
+        def edit(t, info=info, batch_id=batch_id):
             for i, s in enumerate(info.samples):
                 start = (batch_id * 13 + i * 5) % (vocab - 1)
                 ids = (start + stride * torch.arange(s.length)) % (vocab - 1)
