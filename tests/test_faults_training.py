@@ -168,7 +168,7 @@ def test_device_cuda_without_cuda_is_one_message(tmp_path):
     assert result.exit_code == 1 and no_traceback(result), result.output
     assert "--device cuda: CUDA is not available" in result.output, result.output
 
-    from test_faults import cli_args, dataset_file, tiny_target_dir  # noqa: F401
+    from extract_helpers import cli_args, dataset_file, tiny_target_dir  # noqa: F401
 
     class Factory:
         def mktemp(self, name):
