@@ -12,9 +12,8 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
+from extract_helpers import cli_args, copy_cache, extract_cfg, make_samples
 from safetensors.torch import load_file, save_file
-from test_faults import cli_args, data, extract_cfg, make_samples, reference, target  # noqa: F401
-from test_faults_inputs import copy_cache
 
 from extract.cli import main as extract_cli
 from extract.data import write_jsonl

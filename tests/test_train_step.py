@@ -49,7 +49,7 @@ def test_make_optimizer_leaves_weights_unchanged_and_state_zero():
 def test_checkpoint_layers_gives_the_plain_steps_loss_and_gradients(tmp_path):
     """--checkpoint-layers recomputes each layer in backward: the same loss and the same gradients
     (captured just before the optimizer step) as the plain step, from the same state and anchors."""
-    from test_train_support import tiny_cache, tiny_config
+    from train_helpers import tiny_cache, tiny_config
 
     from shards import LoadedShard, ShardReader, load_target_head
     from train.loop import build_step_state
@@ -65,8 +65,9 @@ def test_checkpoint_layers_gives_the_plain_steps_loss_and_gradients(tmp_path):
         tensors, info = reader.read(1)
         state.batch.load(LoadedShard(1, tensors, info, release=lambda: None))
         grads, layer_calls = [], []
-        state.optimizer.register_step_pre_hook(lambda opt, args, kwargs: grads.append(state.grads.flat.clone()))
-        state.model.layers[0].register_forward_pre_hook(lambda module, args: layer_calls.append(1))
+        state.optimizer.register_step_pre_hook(
+            lambda opt, args, kwargs, grads=grads, state=state: grads.append(state.grads.flat.clone()))
+        state.model.layers[0].register_forward_pre_hook(lambda module, args, calls=layer_calls: calls.append(1))
         train_step(state, with_metrics=True)
         # The recomputation in backward is the proof that checkpointing ran at all.
         assert len(layer_calls) == (2 if checkpoint_layers else 1), f"layer 0 ran {len(layer_calls)} times"
