@@ -43,7 +43,8 @@ class Sums:
         """flat[name] += value: a scalar (also broadcast over a vector field) or a [size] tensor."""
         view = self.view(name)
         if isinstance(value, torch.Tensor):
-            value = value.detach().to(torch.float64).reshape(-1)
+            # Host-side counts (the walk's) join device sums: the copy goes to the sums' device.
+            value = value.detach().to(device=view.device, dtype=torch.float64).reshape(-1)
         view += value
 
     def reset(self) -> None:
