@@ -195,3 +195,11 @@ def test_gpus_takes_a_count_or_all(tmp_path, monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     res = CliRunner().invoke(train_cli, tiny_cli_args(tmp_path, tmp_path / "run", "--gpus", "two"))
     assert res.exit_code == 2 and "--gpus two: expected a number of GPUs or 'all'" in res.output
+
+
+def test_bad_drafter_heads_name_the_three_flags(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    res = CliRunner().invoke(train_cli, tiny_cli_args(cache, tmp_path / "run", "--num-attention-heads", "3",
+                                                      "--num-key-value-heads", "2", "--head-dim", "8"))
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert "--num-attention-heads 3 --num-key-value-heads 2 --head-dim 8:" in res.output

@@ -307,8 +307,13 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
                 num_layers=cfg.num_layers, block_size=cfg.block_size, rope_theta=cfg.rope_theta,
                 layer_types=cfg.layer_types, sliding_window=cfg.sliding_window)
             if cfg.num_attention_heads is not None:
-                drafter = drafter.replace(num_attention_heads=cfg.num_attention_heads,
-                                          num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+                try:
+                    drafter = drafter.replace(num_attention_heads=cfg.num_attention_heads,
+                                              num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+                except ValueError as e:
+                    raise ValueError(f"--num-attention-heads {cfg.num_attention_heads} --num-key-value-heads "
+                                     f"{cfg.num_key_value_heads} --head-dim {cfg.head_dim}: {e}; pick query heads "
+                                     "divisible by the kv heads and an even head dim, or omit all three") from e
             drafter = drafter.replace(**token_ids)
         except ValueError as e:
             raise ValueError(f"drafter shape for cache {cfg.cache}: {e}") from e
