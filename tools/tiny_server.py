@@ -144,6 +144,11 @@ def _completion(model: TinyChatModel, body: dict, thinking: bool, job: _Job, req
     }
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # a hanging handler (--hang-after) must not keep the process alive
+    request_queue_size = 256  # the default backlog of 5 resets connections under --concurrency 64
+
+
 def make_server(model: TinyChatModel, port: int = 0, faults: Faults | None = None,
                 model_name: str = "tiny") -> ThreadingHTTPServer:
     """An HTTP server bound to 127.0.0.1:port (0 = a free port); call serve_forever() to run it."""
@@ -191,8 +196,8 @@ def make_server(model: TinyChatModel, port: int = 0, faults: Faults | None = Non
             if faults.hang_after is not None and number > faults.hang_after:
                 closing.wait()
                 return
-            if number in faults.delay_s:
-                time.sleep(faults.delay_s[number])
+            if number in faults.delay_s and closing.wait(faults.delay_s[number]):
+                return  # the server stopped meanwhile: no generation while the process exits
             if number in faults.fail_requests:
                 return self._error(500, f"injected failure of request {number}")
             if body.get("stream"):
@@ -222,8 +227,7 @@ def make_server(model: TinyChatModel, port: int = 0, faults: Faults | None = Non
                 return self._error(500, job.error)
             self._send(200, _completion(model, body, thinking, job, f"chatcmpl-{number}"))
 
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    server.daemon_threads = True
+    server = _Server(("127.0.0.1", port), Handler)
     original_close = server.server_close
 
     def server_close():
