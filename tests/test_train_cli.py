@@ -25,7 +25,7 @@ def test_train_checkpoint_export_eval_end_to_end(tmp_path):
     res = invoke(tiny_cli_args(cache, run, "--max-steps", "4", "--checkpoint-every", "2", "--eval-shards", "1",
                                "--keep-checkpoints", "1"))
     assert res.exit_code == 0, res.output
-    assert "done: 4 steps" in res.output and "acceptance length" in res.output
+    assert "done in " in res.output and ": 4 steps, " in res.output and "acceptance length" in res.output
     assert sorted(p.name for p in run.glob("step-*")) == ["step-00000004"], "keep-checkpoints 1 keeps the newest"
     run_json = json.loads((run / "run.json").read_text())
     assert run_json["provenance"]["argv"] and "git_sha" in run_json["provenance"]
@@ -88,7 +88,7 @@ def test_default_command_is_train(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
     res = invoke(tiny_cli_args(cache, tmp_path / "run", "--max-steps", "1")[1:])
     assert res.exit_code == 0, res.output
-    assert "done: 1 steps" in res.output
+    assert ": 1 step, " in res.output
 
 
 def test_existing_run_needs_resume_and_resume_refuses_changed_settings(tmp_path):

@@ -84,10 +84,7 @@ def train(gpus: str | None, **options) -> None:
                        "run the same command with --resume to continue", err=True)
         sys.exit(143)  # 128 + SIGTERM: the job did not finish, and nothing was lost
     if main_rank:
-        rec = summary.last_record or {}
-        click.echo(f"done: {summary.steps} steps, {summary.tokens_seen} tokens, final loss "
-                   f"{rec.get('loss/total', float('nan')):.4f}, {len(summary.skipped_shards)} shards skipped; "
-                   f"checkpoint {summary.last_checkpoint}")
+        click.echo(summary.report())
         if summary.eval is not None:
             click.echo(summary.eval.table())
         if summary.eval_before is not None and summary.eval is not None:

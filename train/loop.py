@@ -25,6 +25,7 @@ import torch
 
 from shards import ShardReader, load_target_head
 from shards.durable import atomic_write_text
+from shards.progress import format_duration, plural
 from shards.lock import DirectoryLock
 from shards.provenance import provenance
 from shards.runtime import DistInfo, barrier, rank_info, resolve_device
@@ -46,7 +47,8 @@ from .distributed import FlatGrads, all_gather_objects, broadcast_parameters, in
 from .evaluate import EvalResult, eval_copy, evaluate_drafter
 from .export import load_drafter_weights_
 from .metrics import MetricsLogger, StepTotals
-from .model import DFlashDrafter, TargetHead
+from .flops import drafter_step_flops, peak_flops
+from .model import DFlashDrafter, TargetHead, count_parameters
 from .precision import autocast_dtype, torch_dtype
 from .preempt import StopOnSigterm
 from .rundir import check_run_dir, clean_stale_temporaries, truncate_metrics
@@ -67,10 +69,33 @@ class TrainSummary:
     eval_before: EvalResult | None = None  # the untrained drafter, when a fresh run has held-out shards
     already_complete: bool = False  # --resume found the run finished: nothing was trained
     stopped: bool = False  # SIGTERM: checkpointed at `steps` and stopped early; --resume continues
+    wall_s: float = 0.0  # the whole run: checks, set-up, steps, checkpoints, evaluations
+    out_dir: Path | None = None
+    tensorboard_dir: Path | None = None  # OUT/tb when TensorBoard scalars were written
+    tokens_this_run: int = 0  # tokens_seen minus what a resumed checkpoint had seen
+
+    def report(self) -> str:
+        """The final summary: what was done, how long it took, how fast, and where every output is."""
+        rec = self.last_record or {}
+        rate = self.tokens_this_run / self.wall_s if self.wall_s > 0 else 0.0
+        lines = [f"done in {format_duration(self.wall_s)}: {plural(self.steps, 'step')}, {self.tokens_seen:,} tokens "
+                 f"({rate:,.0f} tok/s over the whole run, set-up and evaluations included), final loss "
+                 f"{rec.get('loss/total', float('nan')):.4f}, {plural(len(self.skipped_shards), 'shard')} skipped"]
+        out = self.out_dir
+        if out is not None:
+            where = [f"checkpoint {self.last_checkpoint}", f"metrics {out / 'metrics.jsonl'}", f"run record {out / 'run.json'}"]
+            if self.eval is not None:
+                where.append(f"evaluation {out / 'eval.json'}")
+            if self.tensorboard_dir is not None:
+                where.append(f"TensorBoard {self.tensorboard_dir}")
+            lines.append("outputs: " + ", ".join(where))
+            lines.append(f"plot it: dflash-train plot {out}; export it: dflash-train export {out} DRAFTER_DIR")
+        return "\n".join(lines)
 
 
 def run_training(cfg: TrainConfig) -> TrainSummary:
     """Train a drafter as configured; returns what happened. Raises ValueError on bad settings/data."""
+    start = time.monotonic()
     # Every check that needs no model, GPU or process group comes first.
     run = resolve_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_run_dir(cfg.out_dir, cfg.cache)
@@ -95,9 +120,14 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
         device = resolve_device(cfg.device, dist_info.local_rank)
         trainer = Trainer(cfg, run, dist_info, device)
         try:
-            return trainer.train()
+            summary = trainer.train()
         finally:
             trainer.close()
+        summary.wall_s, summary.out_dir = time.monotonic() - start, Path(cfg.out_dir)
+        summary.tokens_this_run = summary.tokens_seen - trainer.tokens_at_start
+        if trainer.metrics.has_tensorboard:
+            summary.tensorboard_dir = Path(cfg.out_dir) / "tb"
+        return summary
     finally:
         lock.release()
 
@@ -156,7 +186,11 @@ class Trainer:
         self.out_dir = Path(cfg.out_dir)
         if dist_info.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._announce(choose_backend(cfg.attention, device), torch_dtype(cfg.compute_dtype))
+        compute_dtype = torch_dtype(cfg.compute_dtype)
+        self.loss_terms = tuple(t for t, w in (("kl", cfg.kl_lambda), ("cap", cfg.cap_lambda)) if w > 0)
+        self.flops_per_step = drafter_step_flops(run.drafter, run.cache_config.token_budget, run.num_blocks)
+        self.peak_flops, self._peak_source = peak_flops(device, compute_dtype)
+        self._announce(choose_backend(cfg.attention, device), compute_dtype)
 
         head = load_target_head(cfg.cache)
         self.state = build_step_state(cfg, run, head, device, rank=dist_info.rank)
@@ -175,11 +209,13 @@ class Trainer:
         self.metrics = MetricsLogger(out_dir=self.out_dir, total_steps=run.total_steps, log_every=cfg.log_every,
                                      metrics_every=cfg.metrics_every, metrics_topk=cfg.metrics_topk,
                                      is_main=dist_info.is_main, device=device, tensorboard=cfg.tensorboard,
-                                     start_step=self.step)
+                                     start_step=self.step, loss_terms=self.loss_terms,
+                                     flops_per_step=self.flops_per_step, peak_flops=self.peak_flops)
         self.metrics.tokens_seen, self.metrics.skipped_shards = tokens_seen, skipped
         if cfg.resume:
             self.metrics.write_event({"event": "resume", "step": self.step,
                                       "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None})
+        self.tokens_at_start = tokens_seen  # a resumed run's earlier tokens, left out of its tokens/s
         self.skipped: list[tuple[int, str]] = []
         self._last_record: dict[str, Any] | None = None
         self._logged_step = -1
@@ -192,19 +228,23 @@ class Trainer:
         if not self.dist.is_main:
             return
         r = self.run
-        log.info("run: %d train shards, %d held out; %d ranks; %d steps (%d per epoch), warmup %d",
-                 len(r.train_ids), len(r.eval_ids), self.dist.world_size, r.total_steps, r.steps_per_epoch,
-                 r.warmup_steps)
+        log.info("run: %d train shards, %d held out; %s; %d steps (%d per epoch), warmup %d",
+                 len(r.train_ids), len(r.eval_ids), plural(self.dist.world_size, "rank"), r.total_steps,
+                 r.steps_per_epoch, r.warmup_steps)
         left_out = len(r.train_ids) % self.dist.world_size
         if left_out:
             log.warning("%d of the %d training shards are left out of each epoch (a different set each epoch, "
                         "drawn by the epoch's shuffle): each of the %d ranks must run the same number of steps. "
                         "Use a shard count divisible by the rank count to train on every shard every epoch",
                         left_out, len(r.train_ids), self.dist.world_size)
-        log.info("drafter: %d layers, hidden %d, MLP %d, heads %d/%d x %d, block %d, %d blocks per batch",
-                 r.drafter.num_layers, r.drafter.hidden_size, r.drafter.intermediate_size,
-                 r.drafter.num_attention_heads, r.drafter.num_key_value_heads, r.drafter.head_dim,
-                 r.drafter.block_size, r.num_blocks)
+        log.info("drafter: %s parameters, %d layers, hidden %d, MLP %d, heads %d/%d x %d, block %d, %d blocks per batch",
+                 f"{count_parameters(r.drafter):,}", r.drafter.num_layers, r.drafter.hidden_size,
+                 r.drafter.intermediate_size, r.drafter.num_attention_heads, r.drafter.num_key_value_heads,
+                 r.drafter.head_dim, r.drafter.block_size, r.num_blocks)
+        mfu = (f"MFU against {self.peak_flops / 1e12:.0f} TFLOP/s bf16 peak ({self._peak_source})" if self.peak_flops
+               else f"no MFU figure: {self._peak_source}")
+        log.info("FLOPs per step: %.4g (drafter and LM-head matmuls, forward and backward, per rank; attention "
+                 "not counted, see train/flops.py); %s", self.flops_per_step, mfu)
         if r.drafter.attention_window is not None:
             log.info("drafter layers: %s (sliding: causal, window %d tokens)", ",".join(
                 "sliding" if s else "full" for s in r.drafter.sliding_layers), r.drafter.attention_window)

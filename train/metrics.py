@@ -96,7 +96,10 @@ class MetricsLogger:
 
     def __init__(self, *, out_dir: str | Path, total_steps: int, log_every: int, metrics_every: int,
                  metrics_topk: int, is_main: bool, device: torch.device, tensorboard: bool = False,
-                 start_step: int = 0):
+                 start_step: int = 0, loss_terms: tuple[str, ...] = (), flops_per_step: int | None = None,
+                 peak_flops: float | None = None):
+        """loss_terms: the optional loss terms that are on ("kl", "cap"), printed in the console line.
+        flops_per_step / peak_flops: for perf/mfu (train/flops.py); no MFU when either is None."""
         self.total_steps, self.log_every, self.metrics_every = total_steps, log_every, metrics_every
         self.topk, self.is_main, self.device = metrics_topk, is_main, device
         self.tokens_seen = 0  # real tokens of all steps so far (host count from shard headers)
@@ -106,8 +109,13 @@ class MetricsLogger:
         self._interval_start = time.monotonic()
         self._run_start = time.monotonic()
         self._start_step = start_step
+        self._last_log_step = start_step
+        self.loss_terms = tuple(loss_terms)
+        self.flops_per_step, self.peak_flops = flops_per_step, peak_flops
+        self._pending_eval: dict[str, Any] | None = None  # an evaluation since the last console line
         self._file: IO[str] | None = None
         self._tb = None
+        self._tb_used = False  # a writer existed (it is None again after close)
         if is_main:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             self._file = open(Path(out_dir) / "metrics.jsonl", "a", buffering=1)
@@ -157,6 +165,10 @@ class MetricsLogger:
         record.update(self._monitoring(host))
         if self.device.type == "cuda":
             record["mem/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if self.flops_per_step and self.peak_flops:
+            # This rank's steps in the interval (host count: the summed "steps" counts every rank's).
+            record["perf/mfu"] = self.flops_per_step * (step - self._last_log_step) / interval_s / self.peak_flops
+        self._last_log_step = step
         self._interval_tokens, self._interval_wait_s, self._interval_start = 0, 0.0, now
         return record
 
@@ -178,23 +190,48 @@ class MetricsLogger:
         if not self.is_main:
             return
         self._file.write(json.dumps({"time": time.time(), **record}) + "\n")
-        line = (f"step {record['step']}/{self.total_steps} ep {record['epoch']} loss {record['loss/total']:.4f} "
-                f"ce {record['loss/ce']:.4f} lr {record['opt/lr']:.2e} gnorm {record['opt/grad_norm']:.3f} "
-                f"{record['perf/tokens_per_s']:,.0f} tok/s ETA {format_duration(record['perf/eta_s'])}")
-        if "accept/streak" in record:
-            line += f" | acc1 {record.get('acc/slot_01', float('nan')):.3f} streak {record['accept/streak']:.2f}"
-        if "mem/peak_gib" in record:
-            line += f" | {record['mem/peak_gib']:.1f} GiB"
-        log.info(line)
+        log.info(self.console_line(record))
+        self._pending_eval = None
         if self._tb is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
                     self._tb.add_scalar(key, value, record["step"])
 
+    def console_line(self, record: dict) -> str:
+        """One line of a step record: the loss terms that are on, optimiser, speed, data wait, MFU,
+        ETA, monitoring metrics when computed, memory, and the figures of an evaluation since the last line."""
+        terms = " ".join(f"{t} {record[f'loss/{t}']:.4f}" for t in ("ce", *self.loss_terms) if f"loss/{t}" in record)
+        line = (f"step {record['step']}/{self.total_steps} ep {record['epoch']} | loss {record['loss/total']:.4f} {terms} "
+                f"| lr {record['opt/lr']:.2e} gnorm {record['opt/grad_norm']:.3f} "
+                f"| {record['perf/tokens_per_s']:,.0f} tok/s, data wait {100 * record['perf/data_wait_frac']:.0f}%")
+        if "perf/mfu" in record:
+            line += f", MFU {100 * record['perf/mfu']:.1f}%"
+        line += f" | ETA {format_duration(record['perf/eta_s'])}"
+        if "accept/streak" in record:
+            line += f" | acc1 {record.get('acc/slot_01', float('nan')):.3f} streak {record['accept/streak']:.2f}"
+        if "mem/peak_gib" in record:
+            line += f" | {record['mem/peak_gib']:.1f} GiB"
+        if self._pending_eval is not None:
+            line += " | " + eval_figures(self._pending_eval)
+        return line
+
     def write_event(self, record: dict) -> None:
-        """A non-step record (eval results, skipped shards) into metrics.jsonl."""
-        if self.is_main and self._file is not None:
-            self._file.write(json.dumps({"time": time.time(), **record}) + "\n")
+        """A non-step record (eval results, skipped shards) into metrics.jsonl; eval scalars also to TensorBoard
+        and into the next console line."""
+        if not (self.is_main and self._file is not None):
+            return
+        self._file.write(json.dumps({"time": time.time(), **record}) + "\n")
+        if record.get("event") == "eval":
+            self._pending_eval = record
+            if self._tb is not None:
+                for key, value in record.items():
+                    if key.startswith("eval/") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                        self._tb.add_scalar(key, value, record["step"])
+
+
+    @property
+    def has_tensorboard(self) -> bool:
+        return self._tb is not None or self._tb_used
 
     def close(self) -> None:
         if self._file is not None:
@@ -202,7 +239,7 @@ class MetricsLogger:
             self._file = None
         if self._tb is not None:
             self._tb.close()
-            self._tb = None
+            self._tb, self._tb_used = None, True
 
 
 def _raise_if_bad(host: HostSums, step: int) -> None:
@@ -225,3 +262,12 @@ def _tensorboard_writer(path: Path):
         log.warning("--tensorboard: the tensorboard package is not installed; writing metrics.jsonl only")
         return None
     return SummaryWriter(str(path))
+
+
+def eval_figures(record: dict) -> str:
+    """`held-out @ step 6: acceptance_length 1.234 heldout_loss 2.345 ...`: every scalar eval key of an eval
+    record except the per-slot ones (those are in metrics.jsonl)."""
+    figures = " ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in record.items()
+                       if k.startswith("eval/") and isinstance(v, (int, float)) and not isinstance(v, bool)
+                       and "_slot_" not in k and "slot_acceptance" not in k)
+    return f"held-out @ step {record['step']}: {figures}"
