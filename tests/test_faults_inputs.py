@@ -146,7 +146,7 @@ def test_training_skips_a_bad_shard_and_counts_it(reference, tmp_path, how):
     run = tmp_path / "run"
     result = CliRunner().invoke(train_cli, train_args(cache, run, "--skip-bad-shards"))
     assert result.exit_code == 0, result.output
-    assert "1 shards skipped" in result.output, result.output
+    assert "1 shard skipped" in result.output, result.output
     events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [e["batch_id"] for e in events if e.get("event") == "skipped_shard"] == [BAD_SHARD]
     records = read_records(run)

@@ -114,7 +114,7 @@ def test_bad_shard_is_refused_by_name_or_skipped_and_counted(tmp_path):
 
     res = invoke(tiny_cli_args(cache, tmp_path / "run2", "--epochs", "1", "--skip-bad-shards"))
     assert res.exit_code == 0, res.output
-    assert "1 shards skipped" in res.output
+    assert "1 shard skipped" in res.output
     lines = [json.loads(x) for x in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()]
     assert [x["batch_id"] for x in lines if x.get("event") == "skipped_shard"] == [1]
     assert read_records(tmp_path / "run2")[-1]["data/skipped_shards"] == 1
