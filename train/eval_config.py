@@ -14,7 +14,7 @@ class EvalConfig:
     drafter: str = cli_field(path="existing_dir")
     """Exported drafter dir, checkpoint step-NNNNNNNN/ or run dir (its newest checkpoint)."""
     cache: str | None = cli_field(None, path="existing_dir")
-    """Hidden-state cache holding the held-out shards (the decoding walk); optional with --target."""
+    """Hidden-state cache holding the held-out shards (the decoding walk); optional with --target. Default: none (then --target does all)."""
     shards: list[int] | None = None
     """Held-out batch ids. No default: give exactly one of --shards, --eval-shards, --holdout-frac."""
     eval_shards: int | None = None
@@ -36,9 +36,9 @@ class EvalConfig:
     lanes: int | None = None
     """Responses walked at once (blocks per drafter forward); None = the cache's max_seqs, whole flex tiles."""
     target: str | None = cli_field(None, path="existing_dir")
-    """Target checkpoint dir: also run real greedy speculative decoding with the target in the loop (needs --prompts)."""
+    """Target checkpoint dir: also run real greedy speculative decoding with the target in the loop (needs --prompts). Default: none (no real decoding)."""
     prompts: str | None = cli_field(None, path="existing_file")
-    """Prompts for --target: JSON Lines (a list of token ids per line, or {"input_ids": [...], "loss_mask": [...]}) or a Parquet dataset (prompt = the tokens before the first supervised one)."""
+    """Prompts for --target: JSON Lines (a list of token ids per line, or {"input_ids": [...], "loss_mask": [...]}) or a Parquet dataset (prompt = the tokens before the first supervised one). Default: none."""
     max_prompts: int = 0
     """Decode only the first N prompts of --prompts; 0 = all."""
     max_new_tokens: int = 64
