@@ -27,7 +27,7 @@ def test_step_flops_match_torchs_count_of_the_matmuls():
     counter = FlopCounterMode(display=False)
     with counter:
         ctx_TH = model.fuse_context(hidden_TKH)
-        out_QH = model._run_layers(ctx_TH, pos_T, x_QH, pos_Q, attend)
+        out_QH = model._run_layers(ctx_TH, pos_T, x_QH, pos_Q, [attend] * cfg.num_layers)
         logits = out_QH @ head_VH.T
         logits.logsumexp(-1).sum().backward()
     want = counter.get_total_flops()
