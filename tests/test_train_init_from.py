@@ -15,7 +15,8 @@ from train.blocks import sample_blocks
 from train.cli import main as train_cli
 from train.drafter_config import DrafterConfig
 from train.export import export_drafter, load_exported_drafter
-from train.loop import anchor_seed, run_training
+from train.blocks import anchor_seed
+from train.loop import run_training
 from train.losses import LossConfig, block_loss
 from train.model import DFlashDrafter, TargetHead
 from train.train_config import resolve_run
@@ -30,7 +31,7 @@ def first_step_loss_of(drafter_dir, cache, cfg) -> float:
     reader = ShardReader(cache)
     batch_id = epoch_shard_order(resolve_run(cfg).train_ids, 0, cfg.seed, 0, 1)[0]
     t, _ = reader.read(batch_id)
-    gen = torch.Generator().manual_seed(anchor_seed(cfg.seed, 0))
+    gen = torch.Generator().manual_seed(anchor_seed(cfg.seed, rank=0))
     blocks = sample_blocks(input_ids_T=t["input_ids"], position_ids_T=t["position_ids"], loss_mask_T=t["loss_mask"],
                            cu_seqlens_S1=t["cu_seqlens"], num_blocks=cfg.num_blocks, block_size=cfg.block_size,
                            mask_token_id=dcfg.mask_token_id, gamma=cfg.gamma, generator=gen)
