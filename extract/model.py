@@ -97,6 +97,13 @@ def silu_mul(gate_TF: torch.Tensor, up_TF: torch.Tensor) -> torch.Tensor:
 # decay and beta, 0.6% of the layer's FLOPs) and the LM head stay dense.
 FP8_LINEARS = ("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
                "gate_proj", "up_proj", "down_proj")
+# Hopper's FP8 tensor cores accumulate in a reduced-precision (~22-bit) accumulator; without fast
+# accumulation CUTLASS copies the partial sums to fp32 registers every 128 elements of K, which costs
+# the rowwise kernel its fast ping-pong schedule (pytorch/ao#1325, pytorch/pytorch#147971). The dropped
+# low bits are an error of ~1e-3 relative per product, small beside the ~3% of the e4m3 operands
+# themselves; inference FP8 GEMMs (FBGEMM's f8f8bf16_rowwise, torchao's inference linear) default to it.
+# CPU _scaled_mm ignores the flag (it accumulates in fp32).
+FP8_FAST_ACCUM = True
 # Under FP8 compute these ops also quantise the output that feeds linear layers (the `_fp8` functions
 # below; `_fp8_dense` also returns the dense output).
 FP8_VARIANTS = ("zero_centred_rmsnorm_fp8", "zero_centred_rmsnorm_fp8_dense", "add_zero_centred_rmsnorm_fp8",
@@ -154,7 +161,7 @@ def linear(layer: nn.Linear, x: torch.Tensor | Fp8Input) -> torch.Tensor:
         raise TypeError("an FP8 linear layer needs an Fp8Input (quantised by the preceding pointwise op)")
     # mat2 is the [K, N] column-major view of the row-major [N, K] weight, as _scaled_mm requires.
     return torch._scaled_mm(x.x8_TX, w8_NK.t(), scale_a=x.scale_T1, scale_b=layer.weight_scale_1N,
-                            out_dtype=torch.bfloat16)
+                            out_dtype=torch.bfloat16, use_fast_accum=FP8_FAST_ACCUM)
 
 
 class Pointwise:
@@ -418,9 +425,9 @@ class TargetModel(nn.Module):
                 converted += 1
         self.pw.fp8 = True
         logger.info(
-            "kernel linear: fp8 e4m3 torch._scaled_mm with rowwise scales (%d layers: weights quantised once "
+            "kernel linear: fp8 e4m3 torch._scaled_mm with rowwise scales, %s accumulation (%d layers: weights quantised once "
             "per output channel, activations per token inside the %s pointwise ops); in_proj_a/b and lm_head dense",
-            converted, "compiled" if self.pw.compiled else "eager")
+            "fast" if FP8_FAST_ACCUM else "fp32", converted, "compiled" if self.pw.compiled else "eager")
         return self
 
     # ---- forward ----------------------------------------------------------------------------

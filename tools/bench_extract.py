@@ -3,25 +3,33 @@
 A random-weight target at the full 64-layer 27B shape is built on the GPU (no checkpoint on disk:
 54 GB would not fit the machine's disk beside the cache), then the real extraction loop
 (`extract.runner.extract_batches`: dataset loading, packing, forward, pinned copies, writer thread,
-durable shards) runs over a lognormal length mix (median ~1.5K tokens, max 8K). Reports, per GPU:
-  - tokens/s end to end writing the cache to local disk, bf16 and fp8 storage, with the write rate
-    and the time the forward loop waited for the disk;
-  - the same loop without writing (compute only);
-  - with --compute fp8, the same again after switching the model's linear layers to FP8 matmuls
-    (compute only, and writing an fp8 cache), plus the per-tap relative error of FP8 compute
-    against dense compute on one full batch (the same weights, bf16 activations);
-  - HF transformers' qwen3_5 (fla when installed) on the same samples in length-sorted, padded
-    batches of the same token count with an attention mask, on a layer subset projected to 64.
-Prints a table and writes JSON to --out.
+durable shards) runs over a lognormal length mix (median ~1.5K tokens, max 8K). Reports, per GPU, for the configurations --configs names (run in this order: dense ones first, since
+the switch to FP8 compute is in place):
+  no_write        the loop without writing (compute only)
+  write_bf16      writing a bf16 cache to local disk
+  write_fp8       writing an fp8 cache
+  fp8_no_write    FP8 compute (linear layers on e4m3 matmuls), compute only
+  fp8_write_fp8   FP8 compute writing an fp8 cache (the issue-16 goal: >= 20K tokens/s per H200)
+each as tokens/s of the short run ("end to end": from the first batch's launch until the last shard is
+durable, so it includes filling and draining the pipeline once) and as the steady rate between the
+first and the last batch finishing (what a long extraction sees), with the write rate and the time the
+loop waited for the disk. Before the first FP8 configuration, the per-tap relative error of FP8 compute
+against dense compute (same weights, one full batch) is measured, next to the error of fp8 storage
+alone. The JSON at --out is rewritten after every step, so a timeout loses only the step it cut.
+Also (--hf-layers > 0): HF transformers' qwen3_5 (fla when installed) on the same samples in
+length-sorted, padded batches of the same token count, on a layer subset projected to 64.
 
-    python -m tools.bench_extract --out bench_extract.json --cache-dir /tmp/bench_cache [--compute fp8]
+    python -m tools.bench_extract --out bench_extract.json --cache-dir /tmp/bench_cache --hf-layers 0 \
+        --configs no_write,write_fp8,fp8_no_write,fp8_write_fp8 --timed-batches 6
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import queue
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -38,6 +46,7 @@ from extract.runner import build_cache_config, extract_batches
 from extract.target_config import TargetConfig
 from extract.writer import AsyncShardWriter
 from shards import create_cache
+from shards.codec import decode_hidden, encode_hidden
 from tools.tiny_target import qwen35_27b_config_dict, random_weights, tiny_config_dict
 
 log = logging.getLogger("bench_extract")
@@ -58,24 +67,78 @@ def write_mix(path: Path, lengths: np.ndarray, vocab: int, seed: int) -> None:
     write_parquet(path, samples)
 
 
-class DiscardingSink:
-    """A ShardSink that drops every batch: the extraction loop timed without the copy-out and disk."""
+CONFIGS = {  # name -> (compute, storage, write)
+    "no_write": ("dense", "bf16", False),
+    "write_bf16": ("dense", "bf16", True),
+    "write_fp8": ("dense", "fp8", True),
+    "fp8_no_write": ("fp8", "bf16", False),
+    "fp8_write_fp8": ("fp8", "fp8", True),
+}
 
-    def __init__(self) -> None:
+
+class DiscardingSink:
+    """A ShardSink that drops every batch: the extraction loop timed without the copy-out and disk.
+    done_s: when each batch's forward finished on the device (a thread waits on one event per batch)."""
+
+    def __init__(self, device: torch.device) -> None:
         self.bytes_written, self.shards_written, self.wait_s = 0, 0, 0.0
+        self.done_s: list[float] = []
+        self._events: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True) if device.type == "cuda" else None
+        if self._thread is not None:
+            self._thread.start()
 
     def submit(self, batch_id, arrays, hidden_nKH, topk, samples) -> None:
-        pass
+        if self._thread is None:  # CPU: the forward has finished when it returns
+            self.done_s.append(time.monotonic())
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self._events.put(event)
+
+    def _run(self) -> None:
+        while (event := self._events.get()) is not None:
+            event.synchronize()
+            self.done_s.append(time.monotonic())
 
     def close(self) -> None:
-        pass
+        if self._thread is not None:
+            self._events.put(None)
+            self._thread.join()
 
-    def close_quietly(self) -> None:
-        pass
+    close_quietly = close
 
 
-def _sink(cfg: ExtractConfig, cache_cfg, device: torch.device, write: bool) -> AsyncShardWriter | DiscardingSink:
-    return AsyncShardWriter(cfg.out_dir, cache_cfg, device, num_buffers=cfg.writer_buffers) if write else DiscardingSink()
+class TimedWriter(AsyncShardWriter):
+    """The real writer, noting when each shard became durable (done_s)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.done_s: list[float] = []
+        super().__init__(*args, **kwargs)
+
+    def _write(self, job) -> None:
+        super()._write(job)
+        self.done_s.append(time.monotonic())
+
+
+def _sink(cfg: ExtractConfig, cache_cfg, device: torch.device, write: bool) -> TimedWriter | DiscardingSink:
+    return TimedWriter(cfg.out_dir, cache_cfg, device, num_buffers=cfg.writer_buffers) if write else DiscardingSink(device)
+
+
+def steady_tokens_per_s(tokens_per_batch: list[int], done_s: list[float]) -> float | None:
+    """Tokens of batches 2..N over the time from batch 1 finishing to batch N finishing."""
+    if len(done_s) < 2 or done_s[-1] <= done_s[0]:
+        return None
+    return sum(tokens_per_batch[1 : len(done_s)]) / (done_s[-1] - done_s[0])
+
+
+def _rel_err_per_tap(got_nKH: torch.Tensor, want_nKH: torch.Tensor, taps: list[int]) -> dict[str, float]:
+    return {str(tap): ((got_nKH[:, j].float() - want_nKH[:, j].float()).norm() / want_nKH[:, j].float().norm()).item()
+            for j, tap in enumerate(taps)}
+
+
+def _save(out_path: str, result: dict) -> None:
+    Path(out_path).write_text(json.dumps(result, indent=2))
 
 
 def _sync(device: torch.device) -> None:
@@ -148,15 +211,26 @@ def _forward_batch(model: TargetModel, index, batch, taps: list[int], device: to
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False))
 @click.option("--cache-dir", default="/tmp/bench_extract_cache", show_default=True)
 @click.option("--num-samples", default=400, show_default=True, help="Samples in the length mix (~2K tokens each).")
-@click.option("--batches", default=8, show_default=True, help="Timed batches per configuration (after two warm-up batches).")
+@click.option("--timed-batches", "--batches", "timed_batches", default=8, show_default=True,
+              help="Timed batches per configuration (the first configuration of each compute mode is preceded "
+                   "by two warm-up batches).")
 @click.option("--layers", default=64, show_default=True, help="Target layers (64 = the real 27B depth).")
 @click.option("--hf-layers", default=4, show_default=True, help="Layers for the HF comparison (projected to 64); 0 = skip.")
 @click.option("--token-budget", default=49152, show_default=True)
-@click.option("--compute", type=click.Choice(["dense", "fp8"]), default="dense", show_default=True,
-              help="fp8: after the dense configurations, also measure FP8 compute (and its per-tap error vs dense).")
+@click.option("--configs", default="no_write,write_bf16,write_fp8", show_default=True,
+              help=f"Comma-separated configurations to run, from {', '.join(CONFIGS)}; the fp8_* ones need an "
+                   "FP8 GPU (sm_89+) and add the FP8-vs-dense per-tap error.")
 @click.option("--tiny", is_flag=True, help="CPU smoke run on the tiny config (checks the script, measures nothing useful).")
-def main(out_path, cache_dir, num_samples, batches, layers, hf_layers, token_budget, compute, tiny) -> None:
+def main(out_path, cache_dir, num_samples, timed_batches, layers, hf_layers, token_budget, configs, tiny) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    names = [c.strip() for c in configs.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown or not names:
+        raise click.BadParameter(f"{unknown or configs!r}: choose from {', '.join(CONFIGS)}", param_hint="--configs")
+    if timed_batches < 1:
+        raise click.BadParameter(f"{timed_batches}: must be at least 1", param_hint="--timed-batches")
+    names = sorted(dict.fromkeys(names), key=lambda c: CONFIGS[c][0] == "fp8")  # dense first: FP8 is in place
+    use_fp8 = any(CONFIGS[c][0] == "fp8" for c in names)
     device = torch.device("cpu" if tiny else "cuda")
     cache_dir = Path(cache_dir)
     work = cache_dir.parent / (cache_dir.name + "-data")
@@ -171,71 +245,83 @@ def main(out_path, cache_dir, num_samples, batches, layers, hf_layers, token_bud
     index = scan_dataset(data, vocab_size=target.vocab_size, token_budget=token_budget)
     plan = plan_batches(index, PackingConfig(token_budget=token_budget))
     log.info("length mix: median %d, mean %d, max %d; %s", np.median(lengths), lengths.mean(), lengths.max(), plan.summary())
+    warm = 2  # two batch lengths: torch.compile specialises on the first, goes dynamic on the second
+    need = warm + timed_batches
+    if len(plan.batches) < need:
+        raise click.UsageError(f"the mix packs into {len(plan.batches)} batches, need {need}: raise --num-samples "
+                               "or lower --timed-batches")
     t0 = time.perf_counter()
-    dtype = torch.bfloat16 if compute == "fp8" or not tiny else torch.float32  # FP8 compute runs on bf16
+    dtype = torch.bfloat16 if use_fp8 or not tiny else torch.float32  # FP8 compute runs on bf16
     state = random_weights(target, seed=0, device=device, with_head=False, dtype=dtype, last_layer=taps[-1])
     kernels = select_kernels(device)
     model = TargetModel.from_state_dict(target, state, kernels, dtype=dtype, last_layer=taps[-1])
     log.info("built a random %d-layer 27B-width target in %.0fs", taps[-1] + 1, time.perf_counter() - t0)
-    warm = 2  # two batch lengths: torch.compile specialises on the first, goes dynamic on the second
-    need = warm + batches
-    if len(plan.batches) < need:
-        raise click.UsageError(f"the mix packs into {len(plan.batches)} batches, need {need}: raise --num-samples")
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "layers_built": taps[-1] + 1, "taps": taps,
-              "token_budget": token_budget, "padding_efficiency": plan.padding_efficiency,
-              "median_len": float(np.median(lengths)), "mean_len": float(lengths.mean()), "max_len": int(lengths.max())}
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "layers_built": taps[-1] + 1,
+              "taps": taps, "token_budget": token_budget, "padding_efficiency": plan.padding_efficiency,
+              "median_len": float(np.median(lengths)), "mean_len": float(lengths.mean()), "max_len": int(lengths.max()),
+              "configs": names, "timed_batches": timed_batches}
+    _save(out_path, result)
     # ExtractConfig wants a checkpoint directory: give it the config alone (weights live on the GPU).
     config_dir = work / "target"
     config_dir.mkdir(exist_ok=True)
     (config_dir / "config.json").write_text(json.dumps(cfg_dict))
-    runs = [("dense", "none", False), ("dense", "bf16", True), ("dense", "fp8", True)]
-    if compute == "fp8":
-        runs += [("fp8", "none", False), ("fp8", "fp8", True)]
-    reference_hidden = None
-    for mode, storage, write in runs:
-        if mode == "fp8" and reference_hidden is None:
-            reference_hidden = _forward_batch(model, index, plan.batches[warm], taps, device, token_budget)
+    timed = plan.batches[warm:need]
+    warmed: set[str] = set()
+    for name in names:
+        mode, storage, write = CONFIGS[name]
+        if mode == "fp8" and mode not in warmed:
+            t1 = time.perf_counter()
+            dense_nKH = _forward_batch(model, index, plan.batches[warm], taps, device, token_budget)
             model.use_fp8_compute()  # in place: the linear layers' weights quantised once
+            fp8_nKH = _forward_batch(model, index, plan.batches[warm], taps, device, token_budget)
+            stored = decode_hidden(**encode_hidden(dense_nKH, "fp8"))
+            result["fp8_vs_dense_rel_err_per_tap"] = _rel_err_per_tap(fp8_nKH, dense_nKH, taps)
+            result["fp8_storage_rel_err_per_tap"] = _rel_err_per_tap(stored, dense_nKH, taps)
+            result["fp8_error_tokens"] = int(dense_nKH.shape[0])
+            result["fp8_conversion_and_error_s"] = time.perf_counter() - t1
+            del dense_nKH, fp8_nKH, stored
+            _save(out_path, result)
+            log.info("FP8 compute vs dense, relative L2 per tap: %s", result["fp8_vs_dense_rel_err_per_tap"])
         shutil.rmtree(cache_dir, ignore_errors=True)
         cfg = ExtractConfig(target=str(config_dir), data=str(data), out_dir=str(cache_dir), tap_layer_ids=taps,
-                            storage_dtype="bf16" if storage == "none" else storage, token_budget=token_budget,
-                            progress_interval_s=5.0, compute=mode, dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+                            storage_dtype=storage, token_budget=token_budget, progress_interval_s=5.0, compute=mode,
+                            dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
         cache_cfg = build_cache_config(cfg, target, taps, plan, index)
         vocab, hidden = target.vocab_size, target.hidden_size
         create_cache(cache_dir, cache_cfg, {"embed_tokens": torch.zeros(vocab, hidden, dtype=torch.bfloat16),
                                             "lm_head": torch.zeros(vocab, hidden, dtype=torch.bfloat16),
                                             "final_norm": torch.zeros(hidden, dtype=torch.bfloat16)})
-        extract_batches(model, cfg, cache_cfg, index, plan.batches[:warm], device, _sink(cfg, cache_cfg, device, write))
-        s = extract_batches(model, cfg, cache_cfg, index, plan.batches[warm:need], device,
-                            _sink(cfg, cache_cfg, device, write))
-        key = ("fp8_compute_" if mode == "fp8" else "") + (f"write_{storage}" if write else "no_write")
-        result[key] = {"tokens_per_s": s.tokens_per_s, "seconds": s.seconds, "tokens": s.tokens,
-                       "gb_written": s.bytes_written / 1e9, "write_gb_per_s": s.bytes_written / 1e9 / s.seconds}
-        log.info("%s: %.0f tok/s", key, s.tokens_per_s)
-    if reference_hidden is not None:
-        fp8_hidden = _forward_batch(model, index, plan.batches[warm], taps, device, token_budget)
-        result["fp8_vs_dense_rel_err_per_tap"] = {
-            str(tap): ((fp8_hidden[:, j].float() - reference_hidden[:, j].float()).norm()
-                       / reference_hidden[:, j].float().norm()).item() for j, tap in enumerate(taps)}
-        del fp8_hidden, reference_hidden
+        if mode not in warmed:  # compile and allocator warm-up, once per compute mode
+            extract_batches(model, cfg, cache_cfg, index, plan.batches[:warm], device, _sink(cfg, cache_cfg, device, write))
+            warmed.add(mode)
+        sink = _sink(cfg, cache_cfg, device, write)
+        s = extract_batches(model, cfg, cache_cfg, index, timed, device, sink)
+        steady = steady_tokens_per_s([b.num_tokens for b in timed], sink.done_s)
+        result[name] = {"tokens_per_s": s.tokens_per_s, "steady_tokens_per_s": steady, "seconds": s.seconds,
+                        "tokens": s.tokens, "gb_written": s.bytes_written / 1e9,
+                        "write_gb_per_s": s.bytes_written / 1e9 / s.seconds, "wait_for_disk_s": sink.wait_s}
+        _save(out_path, result)
+        log.info("%s: %.0f tok/s end to end, %s steady", name, s.tokens_per_s,
+                 f"{steady:.0f} tok/s" if steady else "no")
     shutil.rmtree(cache_dir, ignore_errors=True)
     if hf_layers:
         del model
         torch.cuda.empty_cache()
         rows = [r for b in plan.batches[warm : warm + 3] for r in b.rows]  # HF is slow: three batches' samples
         result.update(hf_padded_tokens_per_s(cfg_dict, state, index, rows, token_budget, hf_layers, device))
-    Path(out_path).write_text(json.dumps(result, indent=2))
-    print(f"\n{'configuration':<34} {'tokens/s per GPU':>16} {'write GB/s':>10}")
-    for key in ("no_write", "write_bf16", "write_fp8", "fp8_compute_no_write", "fp8_compute_write_fp8"):
-        if key not in result:
-            continue
-        r = result[key]
-        print(f"{key:<34} {r['tokens_per_s']:>16,.0f} {r['write_gb_per_s']:>10.2f}")
+        _save(out_path, result)
+    print(f"\n{'configuration':<34} {'end to end tok/s':>16} {'steady tok/s':>12} {'write GB/s':>10}")
+    for name in names:
+        r = result[name]
+        steady = f"{r['steady_tokens_per_s']:,.0f}" if r["steady_tokens_per_s"] else "-"
+        print(f"{name:<34} {r['tokens_per_s']:>16,.0f} {steady:>12} {r['write_gb_per_s']:>10.2f}")
     if hf_layers:
         print(f"{'HF+fla padded (projected to 64)':<34} {result['hf_real_tokens_per_s_full_depth']:>16,.0f}   fill {result['hf_fill']:.2f}")
     if "fp8_vs_dense_rel_err_per_tap" in result:
-        errs = ", ".join(f"layer {t}: {e:.2e}" for t, e in result["fp8_vs_dense_rel_err_per_tap"].items())
-        print(f"FP8 compute vs dense, relative L2 per tap (one batch): {errs}")
+        for key, what in (("fp8_vs_dense_rel_err_per_tap", "FP8 compute vs dense"),
+                          ("fp8_storage_rel_err_per_tap", "fp8 storage alone")):
+            errs = ", ".join(f"layer {t}: {e:.2e}" for t, e in result[key].items())
+            print(f"{what}, relative L2 per tap (one batch): {errs}")
     print(f"packing efficiency {result['padding_efficiency']:.4f}, median {result['median_len']:.0f}, max {result['max_len']}")
 
 
