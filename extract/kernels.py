@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 GDN_BACKENDS = ("fla", "torch")
 CONV_BACKENDS = ("causal_conv1d", "fla", "torch")
 ATTENTION_BACKENDS = ("torch_varlen", "fla", "sdpa")
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # what the flash attention backends accept
 FLA_CHUNK_SIZE = 64  # chunk_gated_delta_rule's default chunk; chunk_indices are built for it
 
 
@@ -78,7 +79,8 @@ class KernelChoice:
         return [
             f"kernel gated_delta_rule: {self.gated_delta_backend} ({self.reasons.get('gated_delta', '')})",
             f"kernel causal_conv1d: {self.conv_backend} ({self.reasons.get('conv', '')})",
-            f"kernel attention: {self.attention_backend} ({self.reasons.get('attention', '')})",
+            f"kernel attention: {self.attention_backend} ({self.reasons.get('attention', '')})"
+            + ("" if self.attention_backend == "sdpa" else "; float32 inputs: per-sequence SDPA (flash takes fp16/bf16)"),
             f"kernel pointwise: {'torch.compile' if self.compile_pointwise else 'eager'} "
             f"({self.reasons.get('pointwise', '')})",
         ]
@@ -138,7 +140,12 @@ class KernelChoice:
         return causal_conv1d_silu_torch(x_TE, weight_EW, batch.cu_seqlens)
 
     def attention(self, q_THD, k_TMD, v_TMD, batch: VarlenBatch, scale: float) -> torch.Tensor:
-        """Causal GQA attention within each packed sequence; query head h reads kv head h // (H/M)."""
+        """Causal GQA attention within each packed sequence; query head h reads kv head h // (H/M).
+
+        float32 inputs (--dtype float32, fp32 reference models) take per-sequence SDPA whatever the
+        backend: torch's varlen flash refuses them ("FlashAttention only support fp16 and bf16")."""
+        if q_THD.dtype not in HALF_DTYPES and self.attention_backend != "sdpa":
+            return sdpa_per_sequence(q_THD, k_TMD, v_TMD, batch.bounds, scale)
         if self.attention_backend == "torch_varlen":
             if self.attention_expand_kv:
                 ratio = q_THD.shape[1] // k_TMD.shape[1]

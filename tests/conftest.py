@@ -14,6 +14,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo_for_gpu_tests(request):
+    # GPU tests run in one process: without a reset, the compiles of earlier tests count towards
+    # dynamo's per-function recompile limit of later ones, so a test's outcome depended on its order.
+    if "gpu" in request.keywords:
+        torch._dynamo.reset()
+    yield
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_torch_thread():
     # Tiny matmuls on a shared 2-core machine: OpenMP spinning makes 2 threads ~10x slower than 1.

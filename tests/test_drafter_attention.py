@@ -187,3 +187,30 @@ def test_flex_compiled_matches_dense_bf16_forward_backward(window):
     for name, got, ref in zip(("out", "dq", "dk", "dv"), *results):
         diff = (got - ref).abs().max().item()
         assert diff < 3e-2 * max(1.0, ref.abs().max().item()), f"{name}: max abs diff {diff}"
+
+
+def test_compiled_flex_runs_with_a_raised_recompile_limit_and_fails_loudly(monkeypatch):
+    # The H200 run hit dynamo's default limit of 8 entries for flex_attention and silently ran eager
+    # (math) flex. The compiled flex must run with a higher limit and with the limit made an error.
+    import train.attention as attention
+    from torch._dynamo import config as dynamo_config
+    seen = {}
+
+    def fake_compile(fn, dynamic=None):
+        def run(*args, **kwargs):
+            for name in ("recompile_limit", "cache_size_limit", "fail_on_recompile_limit_hit"):
+                if hasattr(dynamo_config, name):
+                    seen[name] = getattr(dynamo_config, name)
+            return "ran"
+        return run
+
+    monkeypatch.setattr(attention, "_compiled_flex", None)
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    before = dict(dynamo_config.get_config_copy())
+    assert attention._get_compiled_flex()() == "ran"
+    limit = seen.get("recompile_limit", seen.get("cache_size_limit"))
+    assert limit is not None and limit >= attention.FLEX_RECOMPILE_LIMIT >= 32
+    if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
+        assert seen["fail_on_recompile_limit_hit"] is True
+    after = dict(dynamo_config.get_config_copy())
+    assert {k: after[k] for k in seen} == {k: before[k] for k in seen}  # restored after the call

@@ -118,3 +118,27 @@ def test_cuda_without_fast_kernels_is_refused_unless_allowed():
         select_kernels("cuda")
     choice = select_kernels("cuda", allow_slow_kernels=True)
     assert (choice.gated_delta_backend, choice.conv_backend, choice.attention_backend) == ("torch", "torch", "sdpa")
+
+
+def test_float32_attention_takes_sdpa_even_where_flash_was_chosen():
+    # The H200 run: an fp32 model on the torch_varlen backend failed ("FlashAttention only support fp16
+    # and bf16"). fp32 inputs must take per-sequence SDPA; half inputs still take the chosen kernel.
+    calls = []
+
+    def flash_like(q_THD, k_TMD, v_TMD, cu_seqlens, max_seqlen, scale):
+        if q_THD.dtype not in (torch.float16, torch.bfloat16):
+            raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
+        calls.append(q_THD.dtype)
+        return torch.zeros_like(q_THD)
+
+    choice = KernelChoice(gated_delta_backend="torch", conv_backend="torch", attention_backend="torch_varlen",
+                          _fns={"varlen": flash_like})
+    assert "float32 inputs: per-sequence SDPA" in choice.log_lines()[2]
+    batch = choice.prepare(torch.tensor([0, 5, 12]), 12, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    q_THD, k_TMD, v_TMD = (torch.randn(12, h, 8, generator=gen) for h in (4, 2, 2))
+    got = choice.attention(q_THD, k_TMD, v_TMD, batch, scale=0.3)
+    want = sdpa_per_sequence(q_THD.double(), k_TMD.double(), v_TMD.double(), [0, 5, 12], 0.3)
+    assert calls == [] and torch.allclose(got.double(), want, atol=1e-5)
+    choice.attention(q_THD.bfloat16(), k_TMD.bfloat16(), v_TMD.bfloat16(), batch, scale=0.3)
+    assert calls == [torch.bfloat16]

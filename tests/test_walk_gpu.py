@@ -1,8 +1,11 @@
 """Batched walk == unbatched at scale: data built from the drafter's own single-block drafts, so a
 faithful batched walk accepts every draft. CPU: tiny width in float64 with SDPA, exact. GPU: the
-27B-width drafter in bf16 through flex attention (the training path), against per-response
-inference forwards (full SDPA over the prefix); near-ties may flip an argmax in bf16, so the GPU
-case allows 1% of steps to differ and prints how many did."""
+27B-width drafter through flex attention (the training path), against per-response inference
+forwards (full SDPA over the prefix), in float32: in bf16 (H200 run, December 2026) near-ties of the
+248K-way argmax flipped drafts between the two kernels (1338 steps vs 416 ideal). One flipped draft
+derails the rest of its response (later blocks then start at anchors the data was never drafted
+from), so the GPU tolerance is stated in derailed-response units: at most 10% of the ideal steps
+lost. A batching bug (lanes mixing, wrong anchors or context) derails nearly every response."""
 from __future__ import annotations
 
 import pytest
@@ -68,5 +71,6 @@ def test_batched_walk_equals_unbatched_cpu():
 
 @pytest.mark.gpu
 def test_batched_walk_equals_unbatched_at_27b_width():
-    args = _setup(5120, 17408, 248320, 5, 5, 8192, 32, 200, "cuda", torch.bfloat16)
-    _check(*args, backend="flex", lanes=16, tolerance=0.01)
+    assert not torch.backends.cuda.matmul.allow_tf32  # full fp32 products: flips stay rare
+    args = _setup(5120, 17408, 248320, 5, 5, 8192, 32, 200, "cuda", torch.float32)
+    _check(*args, backend="flex", lanes=16, tolerance=0.1)

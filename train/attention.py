@@ -89,11 +89,41 @@ def block_mask_dense(seq_start_N: torch.Tensor, anchor_N: torch.Tensor, *, num_c
     return in_context_QL | own_block_QL
 
 
+# Each distinct (shape, dtype, grad mode, autocast, mask_mod code) the compiled flex sees is one more
+# dynamo cache entry of flex_attention's frame (dynamic=False). One training process compiles the
+# training masks (full + sliding) and the evaluations' (random anchors, walk, tree budgets; each under
+# grad and no-grad): more than dynamo's default of 8, after which dynamo SILENTLY runs flex eagerly
+# (the [Q, L] math path: OOM or ~10x slower at 27B, and it breaks CUDA graph capture). Seen in the
+# H200 GPU run (December 2026): "hit config.recompile_limit (8)" then capture failed. So the compiled
+# flex runs with a higher limit and fails loudly if even that is hit.
+FLEX_RECOMPILE_LIMIT = 64
+
+
+def flex_dynamo_config() -> dict:
+    """The dynamo config keys (present in this torch) patched around every compiled-flex call."""
+    from torch._dynamo import config as dynamo_config
+    options = {}
+    for name in ("recompile_limit", "cache_size_limit"):  # cache_size_limit: the older alias
+        if hasattr(dynamo_config, name):
+            options[name] = max(FLEX_RECOMPILE_LIMIT, getattr(dynamo_config, name))
+            break
+    if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
+        options["fail_on_recompile_limit_hit"] = True
+    return options
+
+
 def _get_compiled_flex():
     global _compiled_flex
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        compiled = torch.compile(flex_attention, dynamic=False)
+        options = flex_dynamo_config()
+
+        def flex_with_limit(*args, **kwargs):
+            with torch._dynamo.config.patch(**options):
+                return compiled(*args, **kwargs)
+
+        _compiled_flex = flex_with_limit
         log.info("attention: flex_attention compiled once (fixed shapes), block mask built analytically")
     return _compiled_flex
 
