@@ -7,7 +7,7 @@ import logging
 from click.testing import CliRunner
 
 import train.loop
-from test_train_support import read_records, tiny_cache, tiny_cli_args
+from train_helpers import read_records, tiny_cache, tiny_cli_args
 from train.cli import main
 from train.flops import drafter_step_flops
 from train.model import count_parameters
