@@ -19,7 +19,6 @@ N chunks of one sequence, C chunk length, B sequences of one chunk count, L = N 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 L2NORM_EPS = 1e-6  # fla's l2norm_fwd and HF's l2norm both use rsqrt(sum x^2 + 1e-6)
 

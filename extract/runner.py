@@ -11,8 +11,6 @@ Order of work, so that mistakes cost seconds and not GPU hours:
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +45,7 @@ from shards.ownership import describe, foreign_entries, nested, our_entries, rem
 from shards.progress import ProgressLog, format_bytes, format_duration, is_interactive, plural
 from shards.provenance import provenance
 from shards.runtime import DistInfo, barrier, resolve_device, shutdown
+from shards.sigterm import SigtermFlag
 
 from .checkpoint import load_target_head
 from .config import ExtractConfig
@@ -154,7 +153,7 @@ def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
         if resumed:
             log.info("rank %d: %d of its %s already complete, %d to go", dist_info.rank, resumed,
                      plural(len(mine), "shard"), len(todo))
-        with StopOnSigterm() as stop:
+        with SigtermFlag() as stop:
             summary = _extract(cfg, cache_cfg, index, todo, device, dist_info, stop)
         summary.resumed = resumed
         barrier()
@@ -345,33 +344,7 @@ class ExtractionStopped(RuntimeError):
     """SIGTERM arrived: the shards in flight were written, the rest resume with the same command."""
 
 
-class StopOnSigterm:
-    """While active, SIGTERM (a scheduler's pre-emption notice) sets `requested` instead of killing.
-
-    The extraction loop checks it between batches: the batches already handed to the writer are
-    written completely, nothing new starts, and the run ends with ExtractionStopped. Only the main
-    thread may install handlers; elsewhere this does nothing.
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = None
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
-
-    def __enter__(self) -> StopOnSigterm:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-
-def _extract(cfg, cache_cfg, index, todo, device, dist_info, stop: StopOnSigterm | None = None) -> ExtractSummary:
+def _extract(cfg, cache_cfg, index, todo, device, dist_info, stop: SigtermFlag | None = None) -> ExtractSummary:
     if not todo:
         return ExtractSummary(cfg.out_dir, cache_cfg.planned_batches, 0, 0, 0, 0.0, 0.0, 0)
     kernels = select_kernels(device, allow_slow_kernels=cfg.allow_slow_kernels)
@@ -393,7 +366,7 @@ def extract_batches(
     device: torch.device,
     writer: ShardSink,
     rank: int = 0,
-    stop: StopOnSigterm | None = None,
+    stop: SigtermFlag | None = None,
 ) -> ExtractSummary:
     """Run `model` over `todo` and hand each batch's states to `writer` (an AsyncShardWriter; the
     benchmark passes one that discards, to time the forward alone); closes `writer`.
@@ -413,7 +386,7 @@ def extract_batches(
     try:
         started = 0
         for done, batch in enumerate(todo, start=1):
-            if stop is not None and stop.requested:
+            if stop is not None and stop.signalled:
                 break  # SIGTERM: nothing new starts; what the writer holds is written below
             started = done
             arrays = load_batch(loader, batch, cfg.packing)
@@ -442,7 +415,7 @@ def extract_batches(
         # The last line comes after the writer drained: every shard it counts is durable on disk.
         if started:
             _report(progress, started, len(todo), real_tokens, writer, cfg.token_budget, rank, force=True)
-        if stop is not None and stop.requested:
+        if stop is not None and stop.signalled:
             raise ExtractionStopped(
                 f"SIGTERM: rank {rank} stopped after {writer.shards_written} of its {len(todo)} pending shards, each written "
                 f"completely; run the same command again to extract the rest into {cfg.out_dir}"

@@ -192,8 +192,9 @@ def test_flex_compiled_matches_dense_bf16_forward_backward(window):
 def test_compiled_flex_runs_with_a_raised_recompile_limit_and_fails_loudly(monkeypatch):
     # The H200 run hit dynamo's default limit of 8 entries for flex_attention and silently ran eager
     # (math) flex. The compiled flex must run with a higher limit and with the limit made an error.
-    import train.attention as attention
     from torch._dynamo import config as dynamo_config
+
+    import train.attention as attention
     seen = {}
 
     def fake_compile(fn, dynamic=None):

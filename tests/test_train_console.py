@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 from click.testing import CliRunner
+from train_helpers import read_records, tiny_cache, tiny_cli_args
 
 import train.loop
-from train_helpers import read_records, tiny_cache, tiny_cli_args
 from train.cli import main
 from train.flops import drafter_step_flops
 from train.model import count_parameters

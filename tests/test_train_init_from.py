@@ -11,11 +11,10 @@ from train_helpers import read_records, tiny_cache, tiny_cli_args, tiny_config
 
 from shards import ShardReader, decode_hidden, epoch_shard_order, load_target_head
 from train.attention import BlockAttentionLayout
-from train.blocks import sample_blocks
+from train.blocks import anchor_seed, sample_blocks
 from train.cli import main as train_cli
 from train.drafter_config import DrafterConfig
 from train.export import export_drafter, load_exported_drafter
-from train.blocks import anchor_seed
 from train.loop import run_training
 from train.losses import LossConfig, block_loss
 from train.model import DFlashDrafter, TargetHead

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tools.bench_eval import random_drafter
 from train.attention import BlockAttentionLayout
 from train.drafter_config import DrafterConfig
-from train.model import DFlashDrafter, TargetHead
 from train.walk import Response, walk_shard
 
 
@@ -21,16 +21,9 @@ def _setup(hidden, mlp, vocab, taps, layers, T, responses, response_len, device,
     cfg = DrafterConfig.for_target(hidden_size=hidden, intermediate_size=mlp, vocab_size=vocab,
                                    num_target_layers=64, tap_layer_ids=list(range(1, 1 + 15 * taps, 15)),
                                    mask_token_id=vocab - 1, num_layers=layers, block_size=16)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = DFlashDrafter(cfg).to(dtype)
-    model = model.to_empty(device=device)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.02) if p.ndim > 1 else torch.nn.init.ones_(p)
+    model, head = random_drafter(cfg, device, dtype)
     with torch.no_grad():
         model.norm.weight.mul_(8)  # sharper drafts: fewer bf16 near-ties
-    head = TargetHead(torch.randn(vocab, hidden, device=device, dtype=dtype),
-                      torch.randn(vocab, hidden, device=device, dtype=dtype) / hidden**0.5)
     hidden_TKH = torch.randn(T, taps, hidden, device=device, dtype=dtype)
     seq_len = 32 + response_len
     ids_T = torch.randint(0, vocab - 1, (T,), device=device)

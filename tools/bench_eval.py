@@ -41,6 +41,20 @@ def synthetic_batch(token_budget: int, responses: int, response_len: int, vocab:
     return ids_T, pos_T, spans
 
 
+def random_drafter(cfg: DrafterConfig, device: str, dtype: torch.dtype) -> tuple[DFlashDrafter, TargetHead]:
+    """A random drafter and target head built straight in `dtype` on `device` (no fp32 twin at 27B width)."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg).to(dtype)
+    model = model.to_empty(device=device)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02) if p.ndim > 1 else torch.nn.init.ones_(p)
+    vocab, hidden = cfg.vocab_size, cfg.hidden_size
+    head = TargetHead(torch.randn(vocab, hidden, device=device, dtype=dtype),
+                      torch.randn(vocab, hidden, device=device, dtype=dtype) / hidden**0.5)
+    return model, head
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--out", "out_json", required=True, type=click.Path(dir_okay=False), help="JSON file to write.")
 @click.option("--token-budget", default=49152, show_default=True, help="Context tokens of the packed batch.")
@@ -56,15 +70,8 @@ def main(out_json: str, token_budget: int, responses: int, response_len: int, la
     dtype, device, vocab, hidden, taps = torch.bfloat16, "cuda", 248320, 5120, 5
     cfg = DrafterConfig.for_target(hidden_size=hidden, intermediate_size=17408, vocab_size=vocab,
                                    num_target_layers=64, tap_layer_ids=[1, 16, 31, 46, 61], mask_token_id=248070)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = DFlashDrafter(cfg).to(dtype)
-    model = model.to_empty(device=device)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.02) if p.ndim > 1 else torch.nn.init.ones_(p)
+    model, head = random_drafter(cfg, device, dtype)
     model.eval()
-    head = TargetHead(torch.randn(vocab, hidden, device=device, dtype=dtype),
-                      torch.randn(vocab, hidden, device=device, dtype=dtype) / hidden**0.5)
     hidden_TKH = torch.randn(token_budget, taps, hidden, device=device, dtype=dtype)
     ids_T, pos_T, spans = synthetic_batch(token_budget, responses, response_len, vocab)
     layout = BlockAttentionLayout(num_ctx=token_budget, num_blocks=lanes, block_size=cfg.block_size,

@@ -25,8 +25,8 @@ import torch
 
 from shards import ShardReader, load_target_head
 from shards.durable import atomic_write_text
-from shards.progress import format_duration, plural
 from shards.lock import DirectoryLock
+from shards.progress import format_duration, plural
 from shards.provenance import provenance
 from shards.runtime import DistInfo, barrier, rank_info, resolve_device
 
@@ -46,8 +46,8 @@ from .data import Batch, rank_batches
 from .distributed import FlatGrads, all_gather_objects, broadcast_parameters, init_distributed
 from .evaluate import EvalResult, eval_copy, evaluate_drafter
 from .export import load_drafter_weights_
-from .metrics import MetricsLogger, StepTotals
 from .flops import drafter_step_flops, peak_flops
+from .metrics import MetricsLogger, StepTotals
 from .model import DFlashDrafter, TargetHead, count_parameters
 from .precision import autocast_dtype, torch_dtype
 from .preempt import StopOnSigterm

@@ -8,19 +8,17 @@ step, and all ranks decide on the same reduced value.
 """
 from __future__ import annotations
 
-import signal
-import threading
-
 import torch
 import torch.distributed as dist
 
+from shards.sigterm import SigtermFlag
 
-class StopOnSigterm:
+
+class StopOnSigterm(SigtermFlag):
     """`with StopOnSigterm(device, world_size) as stop:` ... `if stop.poll(): break` at step boundaries."""
 
     def __init__(self, device: torch.device, world_size: int):
-        self.signalled = False  # this rank received SIGTERM
-        self._previous = None
+        super().__init__()  # self.signalled: this rank received SIGTERM
         self._collective = world_size > 1 and dist.is_initialized()
         if self._collective:
             cuda = device.type == "cuda"
@@ -28,9 +26,6 @@ class StopOnSigterm:
             self._host = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)
             self._event = torch.cuda.Event() if cuda else None
             self._pending = False
-
-    def _handle(self, signum, frame) -> None:
-        self.signalled = True
 
     def poll(self) -> bool:
         """True when every rank should stop after the step that just finished."""
@@ -48,13 +43,3 @@ class StopOnSigterm:
             self._event.record()
         self._pending = True
         return decided
-
-    def __enter__(self) -> StopOnSigterm:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
