@@ -65,3 +65,35 @@ def test_off_terms_and_no_peak_are_not_printed(tmp_path, caplog):
     line = next(m for m in messages if m.startswith("step 1/"))
     assert " kl " not in line and " cap " not in line and "MFU" not in line and "data wait" in line
     assert any("no MFU figure: no peak known for cpu" in m for m in messages)
+
+
+def test_evaluation_time_stays_out_of_the_step_rates(tmp_path, monkeypatch):
+    # Every evaluation takes 1000 s of a fake clock; the steps take 0.01 s per clock read. Before the fix
+    # the evaluation before step 1 read as "4 tok/s ... ETA 27h" on the first step line.
+    import time
+
+    clock = [0.0]
+
+    def tick():
+        clock[0] += 0.01
+        return clock[0]
+
+    real_eval = train.loop.evaluate_drafter
+
+    def slow_eval(*args, **kwargs):
+        clock[0] += 1000.0
+        return real_eval(*args, **kwargs)
+
+    monkeypatch.setattr(time, "monotonic", tick)
+    monkeypatch.setattr(train.loop, "evaluate_drafter", slow_eval)
+    cache = tiny_cache(tmp_path / "cache", num_batches=4)
+    out = tmp_path / "run"
+    args = tiny_cli_args(cache, out, "--max-steps", "4", "--eval-shards", "1", "--eval-every", "2", "--log-every", "1")
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    records = read_records(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[0]["perf/eta_s"] < 100, records[0]  # the one-off evaluation is not a step's cost
+    for prev, rec in zip(records, records[1:]):
+        interval_s = (rec["data/tokens_seen"] - prev["data/tokens_seen"]) / rec["perf/tokens_per_s"]
+        assert interval_s < 100, (rec["step"], interval_s)  # the step-2 evaluation is not in step 3's rate

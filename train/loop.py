@@ -297,7 +297,7 @@ class Trainer:
     def train(self) -> TrainSummary:
         run = self.run
         # A fresh run measures its starting point, so every run reports what training bought.
-        eval_before = self._evaluate() if run.eval_ids and self.step == 0 else None
+        eval_before = self._evaluate(one_off=True) if run.eval_ids and self.step == 0 else None
         batches = self._batches()
         stopped = False
         try:
@@ -395,8 +395,9 @@ class Trainer:
             self.last_checkpoint = self.out_dir / f"step-{self.step:08d}"
         barrier()
 
-    def _evaluate(self) -> EvalResult:
+    def _evaluate(self, *, one_off: bool = False) -> EvalResult:
         cfg, run = self.cfg, self.run
+        started = time.monotonic()
         ids = run.eval_ids[: cfg.eval_max_shards]
         # One number per set of weights: the fp32 master weights rounded to the compute dtype, no autocast.
         model = eval_copy(self.model, torch_dtype(cfg.compute_dtype))
@@ -410,6 +411,8 @@ class Trainer:
         if self.dist.is_main:
             log.info("eval at step %d: %s", self.step, result.summary_line())
             atomic_write_text(self.out_dir / "eval.json", json.dumps(result.to_dict(), indent=1) + "\n")
+        # An evaluation is not training: its time stays out of the next step line's rates.
+        self.metrics.exclude_time(time.monotonic() - started, from_eta=one_off)
         return result
 
     def close(self) -> None:

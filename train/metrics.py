@@ -131,6 +131,14 @@ class MetricsLogger:
         return step == 1 or step % self.log_every == 0 or step == self.total_steps
 
     # ---- host counters -------------------------------------------------------------------------
+    def exclude_time(self, seconds: float, *, from_eta: bool = False) -> None:
+        """Time spent outside training steps (an evaluation) is not charged to the interval's tokens/s,
+        data-wait share and MFU; from_eta also takes it out of the ETA's time per step (a one-off, such
+        as the evaluation before the first step, which otherwise read as "4 tok/s ... ETA 27h")."""
+        self._interval_start += seconds
+        if from_eta:
+            self._run_start += seconds
+
     def add_data_wait(self, seconds: float) -> None:
         self._interval_wait_s += seconds
 
