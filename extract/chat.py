@@ -91,13 +91,17 @@ class ChatRenderer:
             )
         self.markers = self._probe()
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-               add_generation_prompt: bool = False) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None = None, add_generation_prompt: bool = False
+    ) -> str:
         from jinja2 import TemplateError
 
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
                 enable_thinking=self.thinking,
             )
         except TemplateError as e:
@@ -120,21 +124,23 @@ class ChatRenderer:
                 f"{where}: cannot locate assistant turns (the rendering of a conversation does not start with "
                 f"the rendering of its first turn); this template is not supported"
             )
-        header = full[len(base):at]
-        after = full[at + len(_SENTINEL):]
-        special = sorted(set(self.tokenizer.all_special_tokens) | set(self.tokenizer.get_added_vocab()), key=len, reverse=True)
+        header = full[len(base) : at]
+        after = full[at + len(_SENTINEL) :]
+        special = sorted(
+            set(self.tokenizer.all_special_tokens) | set(self.tokenizer.get_added_vocab()), key=len, reverse=True
+        )
         end = next((t for t in special if t and after.startswith(t)), None)
         if not header or end is None:
             raise ChatTemplateError(
                 f"{where}: cannot find the assistant header or an end-of-turn special token after the "
                 f"assistant's text (found {after[:20]!r}); this template is not supported"
             )
-        generation = prompt[len(base):]
+        generation = prompt[len(base) :]
         if not generation.startswith(header):
             raise ChatTemplateError(
                 f"{where}: the generation prompt {generation!r} does not start with the assistant header {header!r}"
             )
-        return TurnMarkers(header=header, end=end, prefill=generation[len(header):])
+        return TurnMarkers(header=header, end=end, prefill=generation[len(header) :])
 
     def prepare_messages(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
         """Messages as the template should see them in this mode; returns (messages, turns whose

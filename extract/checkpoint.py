@@ -15,6 +15,7 @@ tensor and its block scales go to the device, are multiplied there and cast to t
 so host memory and the host-to-device copy carry one byte per weight. Other quantizations are
 refused with their method's name.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,9 @@ def _open(path: str | Path, **kw):
     try:
         return safe_open(str(path), framework="pt", **kw)
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"{path}: not a readable safetensors file ({e}); re-download or re-convert the "
-                         "checkpoint") from e
+        raise ValueError(
+            f"{path}: not a readable safetensors file ({e}); re-download or re-convert the checkpoint"
+        ) from e
 
 
 def storage_dtype(local_name: str, dtype: torch.dtype) -> torch.dtype:
@@ -117,8 +119,10 @@ def _source_name(local_name: str, naming: str, locations: dict[str, Path], tied:
             )
         name = hf_name("embed_tokens.weight", naming)
     if name not in locations:
-        raise MissingTensorError(f"{ckpt_dir}: tensor {name!r} (for {local_name}) is not in the checkpoint; "
-                                 "is the checkpoint complete and does config.json describe it?")
+        raise MissingTensorError(
+            f"{ckpt_dir}: tensor {name!r} (for {local_name}) is not in the checkpoint; "
+            "is the checkpoint complete and does config.json describe it?"
+        )
     return name
 
 
@@ -158,22 +162,41 @@ def load_weights_into(model: nn.Module, ckpt_dir: str | Path, device: torch.devi
     skipped = sum(1 for n in locations if n.startswith(IGNORED_PREFIXES))
     logger.info(
         "loaded %d tensors from %s (%s naming, %d files; %d vision/MTP tensors ignored; dtype %s)",
-        len(loaded), ckpt_dir, naming, len(by_file), skipped, dtype,
+        len(loaded),
+        ckpt_dir,
+        naming,
+        len(by_file),
+        skipped,
+        dtype,
     )
     if quant is not None:
-        logger.info("kernel weights: %s checkpoint; %d tensors dequantised to %s while streaming, %d stored "
-                    "unquantised", quant.describe(), dequantised, dtype, len(loaded) - dequantised)
+        logger.info(
+            "kernel weights: %s checkpoint; %d tensors dequantised to %s while streaming, %d stored unquantised",
+            quant.describe(),
+            dequantised,
+            dtype,
+            len(loaded) - dequantised,
+        )
 
 
-def read_tensor(f, path: Path, source: str, locations: dict[str, Path], quant: Fp8BlockFormat | None,
-                device: torch.device | str, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+def read_tensor(
+    f,
+    path: Path,
+    source: str,
+    locations: dict[str, Path],
+    quant: Fp8BlockFormat | None,
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, bool]:
     """(tensor on `device` in `dtype`, whether it was FP8): an e4m3 tensor is multiplied by its
     block scales (`name`_scale_inv, from whichever file holds it) on the device first."""
     if f.get_slice(source).get_dtype() != "F8_E4M3":
         return f.get_tensor(source).to(device=device, dtype=dtype), False
     if quant is None:
-        raise ValueError(f"{path}: {source} is stored as float8_e4m3fn but config.json has no quantization_config; "
-                         f"the checkpoint is incomplete (restore its config.json from the release)")
+        raise ValueError(
+            f"{path}: {source} is stored as float8_e4m3fn but config.json has no quantization_config; "
+            f"the checkpoint is incomplete (restore its config.json from the release)"
+        )
     scale = scale_name(source)
     if scale not in locations:
         raise ValueError(f"{path}: {source} is FP8 but its block scales {scale!r} are not in the checkpoint")
@@ -187,8 +210,10 @@ def read_tensor(f, path: Path, source: str, locations: dict[str, Path], quant: F
         raise ValueError(f"{path}: {source} is {w8.dtype} {tuple(w8.shape)}; FP8 weights must be 2-D {FP8_DTYPE}")
     want = quant.scale_shape(tuple(w8.shape))
     if tuple(scale_inv.shape) != want:
-        raise ValueError(f"{locations[scale]}: {scale} has shape {tuple(scale_inv.shape)}, expected {want} for "
-                         f"{source} {tuple(w8.shape)} in {quant.describe()}")
+        raise ValueError(
+            f"{locations[scale]}: {scale} has shape {tuple(scale_inv.shape)}, expected {want} for "
+            f"{source} {tuple(w8.shape)} in {quant.describe()}"
+        )
     return dequantize_fp8_blocks(w8.to(device), scale_inv.to(device), quant, dtype), True
 
 
@@ -218,8 +243,11 @@ def load_target_head(ckpt_dir: str | Path, device: torch.device | str = "cpu") -
         out[key] = tensor
     if out["lm_head"].data_ptr() == out["embed_tokens"].data_ptr() or cfg.tie_word_embeddings:
         out["lm_head"] = out["embed_tokens"].clone()
-    expected = {"embed_tokens": (cfg.vocab_size, cfg.hidden_size), "lm_head": (cfg.vocab_size, cfg.hidden_size),
-                "norm": (cfg.hidden_size,)}
+    expected = {
+        "embed_tokens": (cfg.vocab_size, cfg.hidden_size),
+        "lm_head": (cfg.vocab_size, cfg.hidden_size),
+        "norm": (cfg.hidden_size,),
+    }
     for key, shape in expected.items():
         if tuple(out[key].shape) != shape:
             raise ValueError(f"{ckpt_dir}: {key} has shape {tuple(out[key].shape)}, expected {shape}")

@@ -28,7 +28,9 @@ def main(gpus: str | None, **options) -> None:
       torchrun --nnodes 2 --nproc-per-node 8 ... -m extract.cli --target ... --out /shared/cache
     Disk: taps x hidden x 2 bytes per token in bf16 (5 x 5120: 51 KB), half with --storage fp8.
     """
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     if relaunch_if_asked("extract.cli", gpus):
         return
     cfg = build_config(ExtractConfig, options)

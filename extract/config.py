@@ -103,5 +103,9 @@ class ExtractConfig:
 
     @property
     def packing(self) -> PackingConfig:
-        return PackingConfig(token_budget=self.token_budget, max_seqs=self.max_seqs, long_seqs=self.long_seqs,
-                             pad_token_id=self.pad_token_id)
+        return PackingConfig(
+            token_budget=self.token_budget,
+            max_seqs=self.max_seqs,
+            long_seqs=self.long_seqs,
+            pad_token_id=self.pad_token_id,
+        )

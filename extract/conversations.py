@@ -33,8 +33,15 @@ CONVERSATION_SUFFIXES = (".jsonl", ".json", ".parquet")
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT speaker names -> OpenAI roles ("function_call" is an assistant turn holding one tool call).
 SHAREGPT_ROLES = {
-    "system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-    "tool": "tool", "observation": "tool", "function_response": "tool", "function_call": "assistant",
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+    "function_call": "assistant",
 }
 
 
@@ -130,7 +137,9 @@ def _sharegpt_message(msg: Any, i: int, where: str) -> dict[str, Any]:
         raise DataError(f"{where}: {what} must be an object, found {type(msg).__name__}")
     speaker = msg.get("from")
     if speaker not in SHAREGPT_ROLES:
-        raise DataError(f"{where}: {what} has unknown speaker 'from': {speaker!r}; expected one of {sorted(SHAREGPT_ROLES)}")
+        raise DataError(
+            f"{where}: {what} has unknown speaker 'from': {speaker!r}; expected one of {sorted(SHAREGPT_ROLES)}"
+        )
     value = _text(msg.get("value"), f"{what}.value", where)
     if speaker == "function_call":
         try:

@@ -175,8 +175,18 @@ def scan_dataset(
         stem = Path(file).stem
         try:
             for chunk in iter_file(file, vocab_size, problems):
-                num_rows += _index_chunk(chunk, fi, files, stem, seen, ids, parts, empty, problems,
-                                         token_budget if long_seqs == "error" else None)
+                num_rows += _index_chunk(
+                    chunk,
+                    fi,
+                    files,
+                    stem,
+                    seen,
+                    ids,
+                    parts,
+                    empty,
+                    problems,
+                    token_budget if long_seqs == "error" else None,
+                )
                 anchors += anchor_positions(chunk.lengths, chunk.mask)
                 token_hash.update(chunk.tokens.astype("<i4").tobytes())
                 mask_hash.update(chunk.mask.tobytes())
@@ -226,9 +236,18 @@ def anchor_positions(lengths: np.ndarray, mask: np.ndarray) -> int:
     return int((pairs[np.maximum(ends - 1, starts)] - pairs[starts]).sum())
 
 
-def _index_chunk(chunk, fi: int, files: list[str], stem: str, seen: dict[str, tuple[int, int]], ids: list[str],
-                 parts: dict[str, list[np.ndarray]], empty: list[str], problems: Problems,
-                 refuse_longer_than: int | None) -> int:
+def _index_chunk(
+    chunk,
+    fi: int,
+    files: list[str],
+    stem: str,
+    seen: dict[str, tuple[int, int]],
+    ids: list[str],
+    parts: dict[str, list[np.ndarray]],
+    empty: list[str],
+    problems: Problems,
+    refuse_longer_than: int | None,
+) -> int:
     """Add one chunk's good rows to the index being built; returns the rows it held."""
     rows, row_ids, lengths, mask = chunk.rows, chunk.ids, chunk.lengths, chunk.mask
     file = files[fi]
@@ -290,7 +309,9 @@ class SampleLoader:
         # the row group in use is always kept.
         self._cache_tokens = cache_tokens
         self._cached = 0  # tokens in self._cache
-        self._parquet: dict[int, tuple[pq.ParquetFile, list[str], np.ndarray]] = {}  # file -> (file, columns, row-group starts)
+        self._parquet: dict[
+            int, tuple[pq.ParquetFile, list[str], np.ndarray]
+        ] = {}  # file -> (file, columns, row-group starts)
         self._cache: OrderedDict[tuple[int, int], tuple[list, np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
         for file, size in zip(index.files, index.file_sizes):
             now = os.path.getsize(file) if os.path.exists(file) else None
@@ -364,7 +385,9 @@ def write_jsonl(path: str | os.PathLike, samples: Iterable[Sample], with_ids: bo
             f.write(json.dumps(row, separators=(",", ":")) + "\n")
 
 
-def write_parquet(path: str | os.PathLike, samples: Iterable[Sample], with_ids: bool = True, row_group_size: int = 256) -> None:
+def write_parquet(
+    path: str | os.PathLike, samples: Iterable[Sample], with_ids: bool = True, row_group_size: int = 256
+) -> None:
     """Write samples as Parquet; small row groups keep load_samples' reads per batch small."""
     samples = list(samples)
     columns = {

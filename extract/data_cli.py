@@ -31,7 +31,9 @@ def main() -> None:
     "reasoning_content", "tool_calls"}]}) or ShareGPT ({"conversations": [{"from", "value"}]}),
     as JSON Lines, JSON or Parquet; a file, a directory or a glob.
     """
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

@@ -16,6 +16,7 @@ so a chunk costs a few matmuls and one unit-triangular solve, and the scan runs 
 Legend: T packed tokens, M q/k heads, H value heads, K q/k head dim, V value head dim,
 N chunks of one sequence, C chunk length, B sequences of one chunk count, L = N * C.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,7 +49,9 @@ def _check(q_TMK, k_TMK, v_THV, g_TH, beta_TH, cu_seqlens: list[int]) -> None:
     if H % M:
         raise ValueError(f"gated delta rule: {H} value heads is not a multiple of {M} q/k heads")
     if cu_seqlens[0] != 0 or cu_seqlens[-1] != T:
-        raise ValueError(f"gated delta rule: cu_seqlens must run from 0 to T={T}, found {cu_seqlens[0]}..{cu_seqlens[-1]}")
+        raise ValueError(
+            f"gated delta rule: cu_seqlens must run from 0 to T={T}, found {cu_seqlens[0]}..{cu_seqlens[-1]}"
+        )
 
 
 def chunk_gated_delta_rule_torch(
@@ -112,7 +115,9 @@ def _chunked(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH, C: int) -> torch.Tensor:
     eye = torch.eye(C, dtype=A_BHNCC.dtype, device=A_BHNCC.device)
     IA_BHNCC = A_BHNCC + eye
     # U = Ub - W S_0 with Ub = (I+A)^-1 beta V and W = (I+A)^-1 beta exp(G) K.
-    Ub_BHNCV = torch.linalg.solve_triangular(IA_BHNCC, beta_BHNC.unsqueeze(-1) * v_BHNCV, upper=False, unitriangular=True)
+    Ub_BHNCV = torch.linalg.solve_triangular(
+        IA_BHNCC, beta_BHNC.unsqueeze(-1) * v_BHNCV, upper=False, unitriangular=True
+    )
     W_BHNCK = torch.linalg.solve_triangular(
         IA_BHNCC, (beta_BHNC * G_BHNC.exp()).unsqueeze(-1) * k_BHNCK, upper=False, unitriangular=True
     )

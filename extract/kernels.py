@@ -20,6 +20,7 @@ Legend: T packed tokens, S sequences (+1 boundaries), E conv channels, W conv wi
 M q/k heads (GDN) or kv heads (attention), H value heads (GDN) or query heads (attention),
 K/V/D head dims.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,8 +71,11 @@ class KernelChoice:
     _fns: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        for field, allowed in (("gated_delta_backend", GDN_BACKENDS), ("conv_backend", CONV_BACKENDS),
-                               ("attention_backend", ATTENTION_BACKENDS)):
+        for field, allowed in (
+            ("gated_delta_backend", GDN_BACKENDS),
+            ("conv_backend", CONV_BACKENDS),
+            ("attention_backend", ATTENTION_BACKENDS),
+        ):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"KernelChoice.{field}={getattr(self, field)!r}, expected one of {allowed}")
 
@@ -80,7 +84,11 @@ class KernelChoice:
             f"kernel gated_delta_rule: {self.gated_delta_backend} ({self.reasons.get('gated_delta', '')})",
             f"kernel causal_conv1d: {self.conv_backend} ({self.reasons.get('conv', '')})",
             f"kernel attention: {self.attention_backend} ({self.reasons.get('attention', '')})"
-            + ("" if self.attention_backend == "sdpa" else "; float32 inputs: per-sequence SDPA (flash takes fp16/bf16)"),
+            + (
+                ""
+                if self.attention_backend == "sdpa"
+                else "; float32 inputs: per-sequence SDPA (flash takes fp16/bf16)"
+            ),
             f"kernel pointwise: {'torch.compile' if self.compile_pointwise else 'eager'} "
             f"({self.reasons.get('pointwise', '')})",
         ]
@@ -104,14 +112,21 @@ class KernelChoice:
         cu_dev = cu_cpu.to(device=device, dtype=torch.int32, non_blocking=False)
         seq_idx = None
         if self.conv_backend == "causal_conv1d":
-            seq_idx = torch.repeat_interleave(
-                torch.arange(lens_cpu.numel(), dtype=torch.int32), lens_cpu
-            ).to(device).unsqueeze(0)
+            seq_idx = (
+                torch.repeat_interleave(torch.arange(lens_cpu.numel(), dtype=torch.int32), lens_cpu)
+                .to(device)
+                .unsqueeze(0)
+            )
         chunk_indices = None
         if self.gated_delta_backend == "fla" and "fla_chunk_indices" in self._fns:
             chunk_indices = self._fns["fla_chunk_indices"](cu_dev, FLA_CHUNK_SIZE, cu_seqlens_cpu=cu_cpu)
-        return VarlenBatch(cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, max_seqlen=int(lens_cpu.max()),
-                           seq_idx=seq_idx, chunk_indices=chunk_indices)
+        return VarlenBatch(
+            cu_seqlens=cu_dev,
+            cu_seqlens_cpu=cu_cpu,
+            max_seqlen=int(lens_cpu.max()),
+            seq_idx=seq_idx,
+            chunk_indices=chunk_indices,
+        )
 
     # ---- ops ------------------------------------------------------------------------------
     def gated_delta_rule(self, q_TMK, k_TMK, v_THV, g_TH, beta_TH, batch: VarlenBatch) -> torch.Tensor:
@@ -119,9 +134,16 @@ class KernelChoice:
         if self.gated_delta_backend == "torch":
             return chunk_gated_delta_rule_torch(q_TMK, k_TMK, v_THV, g_TH, beta_TH, batch.bounds)
         o_1THV, _ = self._fns["fla_gdn"](
-            q_TMK.unsqueeze(0), k_TMK.unsqueeze(0), v_THV.unsqueeze(0), g=g_TH.unsqueeze(0),
-            beta=beta_TH.unsqueeze(0), initial_state=None, output_final_state=False,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=batch.cu_seqlens, cu_seqlens_cpu=batch.cu_seqlens_cpu,
+            q_TMK.unsqueeze(0),
+            k_TMK.unsqueeze(0),
+            v_THV.unsqueeze(0),
+            g=g_TH.unsqueeze(0),
+            beta=beta_TH.unsqueeze(0),
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=batch.cu_seqlens,
+            cu_seqlens_cpu=batch.cu_seqlens_cpu,
             chunk_indices=batch.chunk_indices,
         )
         return o_1THV.squeeze(0)
@@ -130,12 +152,18 @@ class KernelChoice:
         """silu(depthwise causal conv) with zero history at every sequence start."""
         if self.conv_backend == "causal_conv1d":
             # Channel-last [1, E, T] view (stride(1) == 1) is what seq_idx requires; no copy.
-            y_1ET = self._fns["dao_conv"](x_TE.unsqueeze(0).transpose(1, 2), weight_EW, None,
-                                          seq_idx=batch.seq_idx, activation="silu")
+            y_1ET = self._fns["dao_conv"](
+                x_TE.unsqueeze(0).transpose(1, 2), weight_EW, None, seq_idx=batch.seq_idx, activation="silu"
+            )
             return y_1ET.transpose(1, 2).squeeze(0)
         if self.conv_backend == "fla":
-            y_1TE, _ = self._fns["fla_conv"](x_TE.unsqueeze(0), weight_EW, activation="silu",
-                                             cu_seqlens=batch.cu_seqlens, cu_seqlens_cpu=batch.cu_seqlens_cpu)
+            y_1TE, _ = self._fns["fla_conv"](
+                x_TE.unsqueeze(0),
+                weight_EW,
+                activation="silu",
+                cu_seqlens=batch.cu_seqlens,
+                cu_seqlens_cpu=batch.cu_seqlens_cpu,
+            )
             return y_1TE.squeeze(0)
         return causal_conv1d_silu_torch(x_TE, weight_EW, batch.cu_seqlens)
 
@@ -153,8 +181,9 @@ class KernelChoice:
                 v_TMD = v_TMD.repeat_interleave(ratio, dim=1)
             return self._fns["varlen"](q_THD, k_TMD, v_TMD, batch.cu_seqlens, batch.max_seqlen, scale)
         if self.attention_backend == "fla":
-            o_1THD = self._fns["fla_attn"](q_THD.unsqueeze(0), k_TMD.unsqueeze(0), v_TMD.unsqueeze(0),
-                                           scale=scale, cu_seqlens=batch.cu_seqlens)
+            o_1THD = self._fns["fla_attn"](
+                q_THD.unsqueeze(0), k_TMD.unsqueeze(0), v_TMD.unsqueeze(0), scale=scale, cu_seqlens=batch.cu_seqlens
+            )
             return o_1THD.squeeze(0)
         return sdpa_per_sequence(q_THD, k_TMD, v_TMD, batch.bounds, scale)
 
@@ -218,13 +247,27 @@ def select_kernels(
         reasons["pointwise"] = "default on CUDA: one fused kernel per norm/gate" if on_cuda else "default off the GPU"
     else:
         reasons["pointwise"] = "set by caller"
-    choice = KernelChoice(gated_delta_backend=gdn, conv_backend=cv, attention_backend=att, reasons=reasons,
-                          attention_expand_kv=expand, compile_pointwise=compile_pointwise, _fns=fns)
+    choice = KernelChoice(
+        gated_delta_backend=gdn,
+        conv_backend=cv,
+        attention_backend=att,
+        reasons=reasons,
+        attention_expand_kv=expand,
+        compile_pointwise=compile_pointwise,
+        _fns=fns,
+    )
     for line in choice.log_lines():
         logger.info(line)
     if on_cuda and not allow_slow_kernels:
-        slow = {op: key for op, key, name in (("gated_delta_rule", "gated_delta", gdn), ("causal_conv1d", "conv", cv),
-                                              ("attention", "attention", att)) if name in ("torch", "sdpa")}
+        slow = {
+            op: key
+            for op, key, name in (
+                ("gated_delta_rule", "gated_delta", gdn),
+                ("causal_conv1d", "conv", cv),
+                ("attention", "attention", att),
+            )
+            if name in ("torch", "sdpa")
+        }
         if slow:
             detail = "; ".join(f"{op}: {reasons[key]}" for op, key in slow.items())
             raise SlowKernelError(
@@ -251,11 +294,14 @@ def _pick_gdn(on_cuda: bool, forced: str | None, fns: dict) -> tuple[str, str]:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception as exc:  # fla raises ImportError, or RuntimeError from triton without a driver
         if forced == "fla":
-            raise RuntimeError(f"gated_delta backend 'fla' forced but fla-core is not importable: {_import_error(exc)}") from exc
+            raise RuntimeError(
+                f"gated_delta backend 'fla' forced but fla-core is not importable: {_import_error(exc)}"
+            ) from exc
         return "torch", f"fla-core not importable ({_import_error(exc)}): pure-torch chunked rule"
     fns["fla_gdn"] = chunk_gated_delta_rule
     try:
         from fla.ops.utils.index import prepare_chunk_indices
+
         fns["fla_chunk_indices"] = prepare_chunk_indices
     except ImportError:
         pass  # older fla: the kernel derives chunk indices from cu_seqlens_cpu itself
@@ -275,11 +321,17 @@ def _pick_conv(on_cuda: bool, forced: str | None, fns: dict) -> tuple[str, str]:
     if forced in (None, "causal_conv1d"):
         try:
             from causal_conv1d import causal_conv1d_fn
+
             fns["dao_conv"] = causal_conv1d_fn
-            return "causal_conv1d", f"causal-conv1d {_version('causal-conv1d', 'causal_conv1d')} causal_conv1d_fn with seq_idx"
+            return (
+                "causal_conv1d",
+                f"causal-conv1d {_version('causal-conv1d', 'causal_conv1d')} causal_conv1d_fn with seq_idx",
+            )
         except Exception as exc:
             if forced == "causal_conv1d":
-                raise RuntimeError(f"conv backend 'causal_conv1d' forced but not importable: {_import_error(exc)}") from exc
+                raise RuntimeError(
+                    f"conv backend 'causal_conv1d' forced but not importable: {_import_error(exc)}"
+                ) from exc
             why_not.append(f"causal-conv1d not importable ({_import_error(exc)})")
     try:
         try:
@@ -290,7 +342,9 @@ def _pick_conv(on_cuda: bool, forced: str | None, fns: dict) -> tuple[str, str]:
         return "fla", "; ".join(why_not + ["fla Triton causal_conv1d with cu_seqlens"])
     except Exception as exc:
         if forced == "fla":
-            raise RuntimeError(f"conv backend 'fla' forced but fla-core is not importable: {_import_error(exc)}") from exc
+            raise RuntimeError(
+                f"conv backend 'fla' forced but fla-core is not importable: {_import_error(exc)}"
+            ) from exc
         why_not.append(f"fla-core not importable ({_import_error(exc)})")
     return "torch", "; ".join(why_not + ["torch shifted-sum conv"])
 
@@ -314,15 +368,20 @@ def _pick_attention(on_cuda: bool, forced: str | None, fns: dict, device: torch.
             return "torch_varlen", f"torch {torch.__version__} nn.attention.varlen flash, causal, {how}", expand
         except Exception as exc:
             if forced == "torch_varlen":
-                raise RuntimeError(f"attention backend 'torch_varlen' forced but unusable: {_import_error(exc)}") from exc
+                raise RuntimeError(
+                    f"attention backend 'torch_varlen' forced but unusable: {_import_error(exc)}"
+                ) from exc
             why_not.append(f"torch varlen attention unusable ({_import_error(exc)})")
     try:
         from fla.ops.attn import parallel_attn
+
         fns["fla_attn"] = parallel_attn
         return "fla", "; ".join(why_not + ["fla Triton parallel_attn with cu_seqlens, native GQA"]), False
     except Exception as exc:
         if forced == "fla":
-            raise RuntimeError(f"attention backend 'fla' forced but fla-core is not importable: {_import_error(exc)}") from exc
+            raise RuntimeError(
+                f"attention backend 'fla' forced but fla-core is not importable: {_import_error(exc)}"
+            ) from exc
         why_not.append(f"fla-core not importable ({_import_error(exc)})")
     return "sdpa", "; ".join(why_not + ["per-sequence SDPA"]), False
 
@@ -378,6 +437,7 @@ def _varlen_gqa_works(fn: Callable[..., torch.Tensor], device: torch.device) -> 
 def _version(dist: str, module: str) -> str:
     try:
         from importlib.metadata import version
+
         return version(dist)
     except Exception:
         mod = __import__(module)

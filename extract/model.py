@@ -22,6 +22,7 @@ Legend: T packed tokens, H hidden size, K taps, E conv channels (q|k|v), W conv 
 Mk GDN q/k heads, Mv GDN value heads, Dk/Dv GDN head dims, Nq/Nkv attention heads, D attention
 head dim, R rotary dims, F MLP width, V vocab, Kt stored target top-k.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,7 +73,7 @@ def partial_rope(x_TND: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor
     """NeoX RoPE (rotate_half) on the first R dims of every head; the rest pass through."""
     R = cos_TR.shape[-1]
     x_rot, x_pass = x_TND[..., :R], x_TND[..., R:]
-    rotated = torch.cat([-x_rot[..., R // 2:], x_rot[..., : R // 2]], dim=-1)
+    rotated = torch.cat([-x_rot[..., R // 2 :], x_rot[..., : R // 2]], dim=-1)
     x_rot = x_rot * cos_TR.unsqueeze(1) + rotated * sin_TR.unsqueeze(1)
     return torch.cat([x_rot, x_pass], dim=-1)
 
@@ -95,8 +96,18 @@ def silu_mul(gate_TF: torch.Tensor, up_TF: torch.Tensor) -> torch.Tensor:
 # ---- FP8 compute (--compute fp8) --------------------------------------------------------------
 # Linear layers that run on e4m3 matmuls; the GatedDeltaNet a/b projections (48 rows feeding the
 # decay and beta, 0.6% of the layer's FLOPs) and the LM head stay dense.
-FP8_LINEARS = ("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
-               "gate_proj", "up_proj", "down_proj")
+FP8_LINEARS = (
+    "in_proj_qkv",
+    "in_proj_z",
+    "out_proj",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
 # Hopper's FP8 tensor cores accumulate in a reduced-precision (~22-bit) accumulator; without fast
 # accumulation CUTLASS copies the partial sums to fp32 registers every 128 elements of K, which costs
 # the rowwise kernel its fast ping-pong schedule (pytorch/ao#1325, pytorch/pytorch#147971). The dropped
@@ -106,8 +117,14 @@ FP8_LINEARS = ("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_pr
 FP8_FAST_ACCUM = True
 # Under FP8 compute these ops also quantise the output that feeds linear layers (the `_fp8` functions
 # below; `_fp8_dense` also returns the dense output).
-FP8_VARIANTS = ("zero_centred_rmsnorm_fp8", "zero_centred_rmsnorm_fp8_dense", "add_zero_centred_rmsnorm_fp8",
-                "gated_rmsnorm_fp8", "sigmoid_gate_fp8", "silu_mul_fp8")
+FP8_VARIANTS = (
+    "zero_centred_rmsnorm_fp8",
+    "zero_centred_rmsnorm_fp8_dense",
+    "add_zero_centred_rmsnorm_fp8",
+    "gated_rmsnorm_fp8",
+    "sigmoid_gate_fp8",
+    "silu_mul_fp8",
+)
 
 
 @dataclasses.dataclass
@@ -160,8 +177,14 @@ def linear(layer: nn.Linear, x: torch.Tensor | Fp8Input) -> torch.Tensor:
     if not isinstance(x, Fp8Input):
         raise TypeError("an FP8 linear layer needs an Fp8Input (quantised by the preceding pointwise op)")
     # mat2 is the [K, N] column-major view of the row-major [N, K] weight, as _scaled_mm requires.
-    return torch._scaled_mm(x.x8_TX, w8_NK.t(), scale_a=x.scale_T1, scale_b=layer.weight_scale_1N,
-                            out_dtype=torch.bfloat16, use_fast_accum=FP8_FAST_ACCUM)
+    return torch._scaled_mm(
+        x.x8_TX,
+        w8_NK.t(),
+        scale_a=x.scale_T1,
+        scale_b=layer.weight_scale_1N,
+        out_dtype=torch.bfloat16,
+        use_fast_accum=FP8_FAST_ACCUM,
+    )
 
 
 class Pointwise:
@@ -171,8 +194,15 @@ class Pointwise:
     With fp8 on, `feed` runs the FP8_VARIANTS function of an op, which also quantises its output per
     token (and keeps the dense output too when keep_dense)."""
 
-    NAMES = ("zero_centred_rmsnorm", "add_zero_centred_rmsnorm", "gated_rmsnorm", "gdn_gates",
-             "qk_norm_rope", "sigmoid_gate", "silu_mul")
+    NAMES = (
+        "zero_centred_rmsnorm",
+        "add_zero_centred_rmsnorm",
+        "gated_rmsnorm",
+        "gdn_gates",
+        "qk_norm_rope",
+        "sigmoid_gate",
+        "silu_mul",
+    )
 
     def __init__(self, compiled: bool):
         self.compiled = compiled
@@ -234,8 +264,9 @@ class GatedDeltaNet(nn.Module):
         q_TMK = q_TMK.view(T, self.num_k_heads, self.head_k_dim)
         k_TMK = k_TMK.view(T, self.num_k_heads, self.head_k_dim)
         v_TMV = v_TMV.view(T, self.num_v_heads, self.head_v_dim)
-        beta_TM, g_TM = self.pw.gdn_gates(linear(self.in_proj_b, x_TH), linear(self.in_proj_a, x_TH),
-                                          self.A_log, self.dt_bias)
+        beta_TM, g_TM = self.pw.gdn_gates(
+            linear(self.in_proj_b, x_TH), linear(self.in_proj_a, x_TH), self.A_log, self.dt_bias
+        )
         o_TMV = self.kernels.gated_delta_rule(q_TMK, k_TMK, v_TMV, g_TM, beta_TM, batch)
         z_TMV = linear(self.in_proj_z, x_TH).view(T, self.num_v_heads, self.head_v_dim)
         y_TMV = self.pw.feed("gated_rmsnorm", o_TMV.to(z_TMV.dtype), z_TMV, self.norm.weight, self.norm.eps)
@@ -247,7 +278,7 @@ class GatedAttention(nn.Module):
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
-        self.scale = D ** -0.5  # tied to the head dim, not the rotary dim
+        self.scale = D**-0.5  # tied to the head dim, not the rotary dim
         self.kernels, self.pw = kernels, pw
         self.q_proj = nn.Linear(H, self.num_heads * D * 2, bias=False)  # rows per head: [q_h | gate_h]
         self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
@@ -256,23 +287,30 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCentredRMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(D, cfg.rms_norm_eps)
 
-    def forward(self, x_TH: torch.Tensor | Fp8Input, rope: tuple[torch.Tensor, torch.Tensor], batch: VarlenBatch) -> torch.Tensor:
+    def forward(
+        self, x_TH: torch.Tensor | Fp8Input, rope: tuple[torch.Tensor, torch.Tensor], batch: VarlenBatch
+    ) -> torch.Tensor:
         T, D = rope[0].shape[0], self.head_dim
         qg_TN2D = linear(self.q_proj, x_TH).view(T, self.num_heads, 2 * D)
         q_TND, gate_TND = qg_TN2D[..., :D], qg_TN2D[..., D:]
         k_TMD = linear(self.k_proj, x_TH).view(T, self.num_kv_heads, D)
         v_TMD = linear(self.v_proj, x_TH).view(T, self.num_kv_heads, D)
-        q_TND, k_TMD = self.pw.qk_norm_rope(q_TND, k_TMD, self.q_norm.weight, self.k_norm.weight,
-                                            self.q_norm.eps, *rope)
+        q_TND, k_TMD = self.pw.qk_norm_rope(
+            q_TND, k_TMD, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope
+        )
         o_TND = self.kernels.attention(q_TND, k_TMD, v_TMD, batch, self.scale)
         o_TX = self.pw.feed("sigmoid_gate", o_TND.reshape(T, -1), gate_TND.reshape(T, -1))
         return linear(self.o_proj, o_TX)
 
 
-def rope_cos_sin(position_ids_T: torch.Tensor, cfg: TargetConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    position_ids_T: torch.Tensor, cfg: TargetConfig, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, R] for NeoX RoPE on the first R dims; angles in fp32, cast like HF."""
     R = cfg.rotary_dim
-    inv_freq_R2 = 1.0 / (cfg.rope_theta ** (torch.arange(0, R, 2, dtype=torch.float32, device=position_ids_T.device) / R))
+    inv_freq_R2 = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, R, 2, dtype=torch.float32, device=position_ids_T.device) / R)
+    )
     freqs_TR2 = position_ids_T.float().unsqueeze(1) * inv_freq_R2
     angles_TR = torch.cat([freqs_TR2, freqs_TR2], dim=-1)
     return angles_TR.cos().to(dtype), angles_TR.sin().to(dtype)
@@ -287,7 +325,9 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x_TH: torch.Tensor | Fp8Input) -> torch.Tensor:
-        return linear(self.down_proj, self.pw.feed("silu_mul", linear(self.gate_proj, x_TH), linear(self.up_proj, x_TH)))
+        return linear(
+            self.down_proj, self.pw.feed("silu_mul", linear(self.gate_proj, x_TH), linear(self.up_proj, x_TH))
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -316,8 +356,9 @@ class DecoderLayer(nn.Module):
 class TargetModel(nn.Module):
     """Layers 0..last_layer of the target (plus final norm and LM head when `with_head`)."""
 
-    def __init__(self, cfg: TargetConfig, kernels: KernelChoice, *, last_layer: int | None = None,
-                 with_head: bool = False):
+    def __init__(
+        self, cfg: TargetConfig, kernels: KernelChoice, *, last_layer: int | None = None, with_head: bool = False
+    ):
         super().__init__()
         last = cfg.num_hidden_layers - 1 if last_layer is None else last_layer
         if not 0 <= last < cfg.num_hidden_layers:
@@ -395,7 +436,7 @@ class TargetModel(nn.Module):
         return model.requires_grad_(False).set_compute(compute).eval()
 
     def set_compute(self, compute: str) -> TargetModel:
-        """"dense" (as loaded) or "fp8" (use_fp8_compute); announces the linear-layer kernel."""
+        """ "dense" (as loaded) or "fp8" (use_fp8_compute); announces the linear-layer kernel."""
         if compute == "fp8":
             return self.use_fp8_compute()
         if compute != "dense":
@@ -409,12 +450,16 @@ class TargetModel(nn.Module):
         the pointwise op before them (Pointwise.feed). Needs bf16 weights, and on CUDA sm_89+."""
         device = self.embed_tokens.weight.device
         if self.embed_tokens.weight.dtype != torch.bfloat16:
-            raise ValueError(f"FP8 compute needs the model in bfloat16 (its matmuls write bf16), "
-                             f"found {self.embed_tokens.weight.dtype}: use --dtype bfloat16")
+            raise ValueError(
+                f"FP8 compute needs the model in bfloat16 (its matmuls write bf16), "
+                f"found {self.embed_tokens.weight.dtype}: use --dtype bfloat16"
+            )
         if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-            raise ValueError(f"FP8 compute needs an FP8 GPU (sm_89+: L4, L40, H100, H200, B200), "
-                             f"{torch.cuda.get_device_name(device)} is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}: "
-                             f"use --compute dense")
+            raise ValueError(
+                f"FP8 compute needs an FP8 GPU (sm_89+: L4, L40, H100, H200, B200), "
+                f"{torch.cuda.get_device_name(device)} is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}: "
+                f"use --compute dense"
+            )
         converted = 0
         for name, layer in self.named_modules():
             if isinstance(layer, nn.Linear) and name.rsplit(".", 1)[-1] in FP8_LINEARS:
@@ -427,7 +472,10 @@ class TargetModel(nn.Module):
         logger.info(
             "kernel linear: fp8 e4m3 torch._scaled_mm with rowwise scales, %s accumulation (%d layers: weights quantised once "
             "per output channel, activations per token inside the %s pointwise ops); in_proj_a/b and lm_head dense",
-            "fast" if FP8_FAST_ACCUM else "fp32", converted, "compiled" if self.pw.compiled else "eager")
+            "fast" if FP8_FAST_ACCUM else "fp32",
+            converted,
+            "compiled" if self.pw.compiled else "eager",
+        )
         return self
 
     # ---- forward ----------------------------------------------------------------------------

@@ -243,7 +243,9 @@ def assemble_batch(samples: Sequence[Sample], cfg: PackingConfig) -> dict[str, n
         raise ValueError(f"{len(samples)} samples exceed max_seqs {S}")
     for s in samples:
         if len(s) > T and cfg.long_seqs != "truncate":
-            raise ValueError(f"sample {s.sample_id!r} has {len(s)} tokens, more than token_budget {T} (long_seqs={cfg.long_seqs!r})")
+            raise ValueError(
+                f"sample {s.sample_id!r} has {len(s)} tokens, more than token_budget {T} (long_seqs={cfg.long_seqs!r})"
+            )
     lengths = np.array([min(len(s), T) for s in samples], dtype=np.int64)  # [n]
     total = int(lengths.sum())
     if total > T:
@@ -267,7 +269,9 @@ def assemble_batch(samples: Sequence[Sample], cfg: PackingConfig) -> dict[str, n
         "cu_seqlens": cu_seqlens,
         "sample_offsets": offsets,
         "sample_lengths": lengths,
-        "sample_loss_tokens": np.array([int(loss_mask[o : o + n].sum()) for o, n in zip(offsets, lengths)], dtype=np.int64),
+        "sample_loss_tokens": np.array(
+            [int(loss_mask[o : o + n].sum()) for o, n in zip(offsets, lengths)], dtype=np.int64
+        ),
     }
 
 

@@ -88,7 +88,11 @@ class PrepareSummary:
         return (
             f"{self.num_samples} samples, {self.num_tokens} tokens, {100 * self.supervised_fraction:.1f}% supervised, "
             f"{self.num_truncated} truncated, {len(self.skipped)} skipped"
-            + (f", reasoning removed from {self.num_reasoning_dropped} turns (thinking off)" if self.num_reasoning_dropped else "")
+            + (
+                f", reasoning removed from {self.num_reasoning_dropped} turns (thinking off)"
+                if self.num_reasoning_dropped
+                else ""
+            )
             + f" -> {self.out}"
         )
 
@@ -98,14 +102,19 @@ _SCHEMA = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())), (
 
 
 def _table(samples: list[Sample]) -> pa.Table:
-    return pa.table({
-        "id": pa.array([s.sample_id for s in samples], type=pa.string()),
-        "input_ids": pa.array([s.input_ids for s in samples], type=pa.list_(pa.int32())),
-        "loss_mask": pa.array([s.loss_mask for s in samples], type=pa.list_(pa.uint8())),
-    }, schema=_SCHEMA)
+    return pa.table(
+        {
+            "id": pa.array([s.sample_id for s in samples], type=pa.string()),
+            "input_ids": pa.array([s.input_ids for s in samples], type=pa.list_(pa.int32())),
+            "loss_mask": pa.array([s.loss_mask for s in samples], type=pa.list_(pa.uint8())),
+        },
+        schema=_SCHEMA,
+    )
 
 
-def _encoded(cfg: PrepareConfig, renderer: ChatRenderer, summary: PrepareSummary, errors: list[str]) -> Iterator[Sample]:
+def _encoded(
+    cfg: PrepareConfig, renderer: ChatRenderer, summary: PrepareSummary, errors: list[str]
+) -> Iterator[Sample]:
     """Every good conversation as a Sample; bad rows go to `errors`, counts to `summary`."""
     for conv in iter_conversations(cfg.data, errors):
         try:
@@ -116,7 +125,9 @@ def _encoded(cfg: PrepareConfig, renderer: ChatRenderer, summary: PrepareSummary
         if cfg.max_length is not None and len(ids) > cfg.max_length:
             reason = f"{len(ids)} tokens, more than max_length {cfg.max_length}"
             if cfg.long_seqs == "error":
-                raise DataError(f"{conv.where}: sample {conv.sample_id!r} has {reason}; use --long-seqs truncate or skip")
+                raise DataError(
+                    f"{conv.where}: sample {conv.sample_id!r} has {reason}; use --long-seqs truncate or skip"
+                )
             if cfg.long_seqs == "skip":
                 summary.skipped.append({"row": conv.where, "id": conv.sample_id, "reason": reason})
                 continue
@@ -164,8 +175,11 @@ def prepare_dataset(cfg: PrepareConfig) -> PrepareSummary:
     finally:
         tmp.unlink(missing_ok=True)  # ours: the partial output of a refused or failed run
     summary.skipped.extend({"row": e.split(": ", 1)[0], "reason": e.split(": ", 1)[-1]} for e in errors)
-    record = {**dataclasses.asdict(summary), "supervised_fraction": summary.supervised_fraction,
-              "config": dataclasses.asdict(cfg)}
+    record = {
+        **dataclasses.asdict(summary),
+        "supervised_fraction": summary.supervised_fraction,
+        "config": dataclasses.asdict(cfg),
+    }
     with open(f"{out}.summary.json", "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2)
     logger.info("prepared %s", summary.line())

@@ -16,6 +16,7 @@ is refused before any work, naming the method.
 Also here: rowwise FP8 quantisation for `--compute fp8` (one scale per row of a weight or per token
 of an activation, the layout torch._scaled_mm's rowwise mode takes).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,15 +77,18 @@ def read_quantization(config: dict[str, Any], source: str = "config.json") -> Fp
         q = text.get("quantization_config")
     if q is None:
         return None
-    fix = ("use the unquantised (bf16) release of the model, or dequantise this checkpoint first "
-           "(e.g. transformers from_pretrained + save_pretrained in bfloat16)")
+    fix = (
+        "use the unquantised (bf16) release of the model, or dequantise this checkpoint first "
+        "(e.g. transformers from_pretrained + save_pretrained in bfloat16)"
+    )
     if not isinstance(q, dict):
         raise UnsupportedQuantizationError(f"{source}: quantization_config must be an object, found {q!r}")
     method = q.get("quant_method")
     if method != "fp8":
         raise UnsupportedQuantizationError(
             f"{source}: quantization_config.quant_method={method!r} is not implemented; this loader reads "
-            f"{IMPLEMENTED}: {fix}")
+            f"{IMPLEMENTED}: {fix}"
+        )
     fmt = q.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise UnsupportedQuantizationError(f"{source}: FP8 fmt={fmt!r} is not implemented (e4m3 only): {fix}")
@@ -92,12 +96,14 @@ def read_quantization(config: dict[str, Any], source: str = "config.json") -> Fp
     if scheme != "dynamic":
         raise UnsupportedQuantizationError(
             f"{source}: FP8 activation_scheme={scheme!r} is not implemented (static activation scales; "
-            f"only 'dynamic' is): {fix}")
+            f"only 'dynamic' is): {fix}"
+        )
     block = q.get("weight_block_size")
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise UnsupportedQuantizationError(
             f"{source}: FP8 weight_block_size={block!r} is not implemented (per-tensor or per-channel FP8); "
-            f"fine-grained FP8 needs two positive block sizes such as [128, 128]: {fix}")
+            f"fine-grained FP8 needs two positive block sizes such as [128, 128]: {fix}"
+        )
     skip = q.get("modules_to_not_convert") or q.get("ignored_layers") or ()
     return Fp8BlockFormat(block_n=block[0], block_k=block[1], modules_to_not_convert=tuple(str(m) for m in skip))
 
@@ -114,8 +120,9 @@ def checkpoint_quantization(ckpt_dir: str | Path) -> Fp8BlockFormat | None:
 
 
 # ---- block FP8 (the checkpoint format) ---------------------------------------------------------
-def dequantize_fp8_blocks(w8_NK: torch.Tensor, scale_inv_nk: torch.Tensor, fmt: Fp8BlockFormat,
-                          dtype: torch.dtype) -> torch.Tensor:
+def dequantize_fp8_blocks(
+    w8_NK: torch.Tensor, scale_inv_nk: torch.Tensor, fmt: Fp8BlockFormat, dtype: torch.dtype
+) -> torch.Tensor:
     """W = w8 * scale_inv broadcast over its block: the product (at most 4 + 24 significant bits) is
     rounded once to fp32, then cast to `dtype`; runs where the tensors are (the GPU when streaming)."""
     n, k = w8_NK.shape

@@ -159,11 +159,19 @@ def _check_meta(cfg: RegenerateConfig, out: Path) -> None:
     ours = {key: getattr(cfg, key) for key in _META_KEYS}
     if out.exists():
         if not meta_path.exists():
-            raise FileExistsError(f"{out} exists and was not written by dflash-data regenerate (no {meta_path.name}); choose another --out")
+            raise FileExistsError(
+                f"{out} exists and was not written by dflash-data regenerate (no {meta_path.name}); choose another --out"
+            )
         recorded = json.loads(meta_path.read_text())
-        diffs = [f"{k}: {recorded.get(k)!r} in {meta_path.name}, {ours[k]!r} now" for k in _META_KEYS if recorded.get(k) != ours[k]]
+        diffs = [
+            f"{k}: {recorded.get(k)!r} in {meta_path.name}, {ours[k]!r} now"
+            for k in _META_KEYS
+            if recorded.get(k) != ours[k]
+        ]
         if diffs:
-            raise ValueError(f"{out} was made with other settings ({'; '.join(diffs)}); use the same settings to resume, or another --out")
+            raise ValueError(
+                f"{out} was made with other settings ({'; '.join(diffs)}); use the same settings to resume, or another --out"
+            )
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     meta_path.write_text(json.dumps(ours, indent=2) + "\n")
@@ -174,7 +182,10 @@ def _wire_message(m: dict[str, Any]) -> dict[str, Any]:
     """A normalised message in OpenAI wire form (tool-call arguments as a JSON string)."""
     if not m.get("tool_calls"):
         return m
-    calls = [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}} for c in m["tool_calls"]]
+    calls = [
+        {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+        for c in m["tool_calls"]
+    ]
     return {**m, "tool_calls": [{"id": f"call_{i}", **c} for i, c in enumerate(calls)]}
 
 
@@ -191,7 +202,15 @@ def _reply_message(message: Any) -> dict[str, Any]:
             args = json.loads(call.function.arguments or "{}")
         except json.JSONDecodeError:
             args = {"arguments": call.function.arguments}  # keep what the model wrote, never drop it
-        calls.append({"type": "function", "function": {"name": call.function.name, "arguments": args if isinstance(args, dict) else {"value": args}}})
+        calls.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": call.function.name,
+                    "arguments": args if isinstance(args, dict) else {"value": args},
+                },
+            }
+        )
     if calls:
         out["tool_calls"] = calls
     return out
@@ -212,9 +231,13 @@ class _Client:
         try:
             models = [m.id async for m in self.api.models.list()]
         except (openai.APIConnectionError, openai.APITimeoutError) as e:
-            raise ConnectionError(f"no OpenAI-compatible server answers at {self.cfg.base_url} ({e}); start it, or fix --server") from e
+            raise ConnectionError(
+                f"no OpenAI-compatible server answers at {self.cfg.base_url} ({e}); start it, or fix --server"
+            ) from e
         except openai.APIStatusError as e:
-            raise ConnectionError(f"{self.cfg.base_url}/models answered HTTP {e.status_code}: {e.message}; is --server an OpenAI-compatible API?") from e
+            raise ConnectionError(
+                f"{self.cfg.base_url}/models answered HTTP {e.status_code}: {e.message}; is --server an OpenAI-compatible API?"
+            ) from e
         if models and self.cfg.model not in models:
             raise ValueError(f"--model {self.cfg.model!r} is not served at {self.cfg.base_url}; it serves {models}")
 
@@ -223,8 +246,11 @@ class _Client:
 
         cfg = self.cfg
         request: dict[str, Any] = dict(
-            model=cfg.model, messages=[_wire_message(m) for m in context], temperature=cfg.temperature,
-            max_tokens=cfg.max_tokens, extra_body={"chat_template_kwargs": {"enable_thinking": cfg.thinking == "on"}},
+            model=cfg.model,
+            messages=[_wire_message(m) for m in context],
+            temperature=cfg.temperature,
+            max_tokens=cfg.max_tokens,
+            extra_body={"chat_template_kwargs": {"enable_thinking": cfg.thinking == "on"}},
         )
         if tools:
             request["tools"] = tools
@@ -234,7 +260,12 @@ class _Client:
             try:
                 response = await self.api.chat.completions.create(**request)
                 break
-            except (openai.APITimeoutError, openai.APIConnectionError, openai.InternalServerError, openai.RateLimitError) as e:
+            except (
+                openai.APITimeoutError,
+                openai.APIConnectionError,
+                openai.InternalServerError,
+                openai.RateLimitError,
+            ) as e:
                 if attempt == cfg.max_retries:
                     raise _Retryable(f"{type(e).__name__} after {attempt + 1} attempts: {e}") from e
                 self.summary.num_retries += 1
@@ -267,15 +298,18 @@ async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: Regener
     results: dict[int, dict | None] = {}
     cond = asyncio.Condition()
     start = time.monotonic()
-    bar = tqdm(total=len(todo), unit="conv", dynamic_ncols=True, disable=not cfg.progress, file=sys.stderr,
-               desc="regenerate")
+    bar = tqdm(
+        total=len(todo), unit="conv", dynamic_ncols=True, disable=not cfg.progress, file=sys.stderr, desc="regenerate"
+    )
     with open(out, "a", encoding="utf-8") as f:
 
         def flush_in_order() -> None:
             while state["written"] in results:
                 row = results.pop(state["written"])
                 if row is not None:
-                    f.write(json.dumps(row, ensure_ascii=False) + "\n")  # one write per line: a kill tears at most the last
+                    f.write(
+                        json.dumps(row, ensure_ascii=False) + "\n"
+                    )  # one write per line: a kill tears at most the last
                     f.flush()
                     summary.num_written += 1
                 state["written"] += 1
@@ -297,7 +331,10 @@ async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: Regener
                     flush_in_order()
                     cond.notify_all()
                 elapsed = time.monotonic() - start
-                bar.set_postfix_str(f"{summary.generated_tokens / elapsed:,.0f} gen tok/s, {len(summary.failures)} failed", refresh=False)
+                bar.set_postfix_str(
+                    f"{summary.generated_tokens / elapsed:,.0f} gen tok/s, {len(summary.failures)} failed",
+                    refresh=False,
+                )
                 bar.update(1)
 
         try:
@@ -318,10 +355,14 @@ def regenerate_dataset(cfg: RegenerateConfig) -> RegenerateSummary:
     done, summary.torn_bytes_removed = _read_done(out)
     unknown = done - {c.sample_id for c in convs}
     if unknown:
-        raise DataError(f"{out} holds ids that are not in {cfg.data} (e.g. {sorted(unknown)[:3]}); is it the output of another dataset?")
+        raise DataError(
+            f"{out} holds ids that are not in {cfg.data} (e.g. {sorted(unknown)[:3]}); is it the output of another dataset?"
+        )
     todo = [c for c in convs if c.sample_id not in done]
     summary.num_kept = len(convs) - len(todo)
-    logger.info("regenerate: %d conversations, %d already in %s, %d to do", len(convs), summary.num_kept, out, len(todo))
+    logger.info(
+        "regenerate: %d conversations, %d already in %s, %d to do", len(convs), summary.num_kept, out, len(todo)
+    )
     start = time.monotonic()
     if todo:
         asyncio.run(_run(cfg, todo, summary, out))

@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 LARGE_ROW_GROUP_TOKENS = 16 * 2**20  # a Parquet row group past this makes random sample access slow
 
+
 class DataError(ValueError):
     """A dataset file or row that cannot be used; the message names file, row and reason."""
 
@@ -51,8 +52,13 @@ class Problems:
         if self.count == 1:
             raise DataError(self.messages[0])
         more = f"\n  ... and {self.count - len(self.messages)} more" if self.count > len(self.messages) else ""
-        raise DataError(f"{where}: {self.count} bad rows" + (f" (the first {len(self.messages)})" if more else "")
-                        + ":\n  " + "\n  ".join(self.messages) + more)
+        raise DataError(
+            f"{where}: {self.count} bad rows"
+            + (f" (the first {len(self.messages)})" if more else "")
+            + ":\n  "
+            + "\n  ".join(self.messages)
+            + more
+        )
 
 
 def _report(problems: Problems | None, message: str) -> None:
@@ -78,8 +84,15 @@ class Chunk(NamedTuple):
     byte_offsets: np.ndarray | None  # [n] int64 start of each JSONL line; None for Parquet
 
 
-def _check_values(tokens: np.ndarray, mask: np.ndarray, lengths: np.ndarray, vocab_size: int, path: str, first_row: int,
-                  problems: Problems | None = None) -> None:
+def _check_values(
+    tokens: np.ndarray,
+    mask: np.ndarray,
+    lengths: np.ndarray,
+    vocab_size: int,
+    path: str,
+    first_row: int,
+    problems: Problems | None = None,
+) -> None:
     """Every row with a token id outside the vocabulary or a mask value other than 0/1 (its first bad
     position each); raises at the first one without a collector."""
     ends = np.cumsum(lengths)
@@ -150,7 +163,9 @@ def parse_json_row(line: bytes, path: str, row: int, vocab_size: int) -> tuple[o
     return sample_id, tokens.astype(np.int32), mask.astype(np.uint8)
 
 
-def _jsonl_chunk(path: str, items: list[tuple[int, int, bytes]], vocab_size: int, problems: Problems | None = None) -> Chunk | None:
+def _jsonl_chunk(
+    path: str, items: list[tuple[int, int, bytes]], vocab_size: int, problems: Problems | None = None
+) -> Chunk | None:
     """Parse (row, byte offset, line) items of one JSONL file into a chunk of its good rows (None: no good row)."""
     ids, toks, masks, kept = [], [], [], []
     for item in items:
@@ -172,7 +187,9 @@ def _jsonl_chunk(path: str, items: list[tuple[int, int, bytes]], vocab_size: int
     return Chunk(rows, ids, lengths, np.concatenate(toks), np.concatenate(masks), offsets)
 
 
-def _iter_jsonl(path: str, vocab_size: int, problems: Problems | None = None, rows_per_chunk: int = 4096) -> Iterator[Chunk]:
+def _iter_jsonl(
+    path: str, vocab_size: int, problems: Problems | None = None, rows_per_chunk: int = 4096
+) -> Iterator[Chunk]:
     items: list[tuple[int, int, bytes]] = []
     offset = 0
     with open(path, "rb") as f:
@@ -212,8 +229,9 @@ def parquet_columns(schema: pa.Schema, path: str) -> list[str]:
     return [n for n in ("input_ids", "loss_mask", "id") if n in names]
 
 
-def _flat_list(col: pa.ChunkedArray, name: str, path: str, first_row: int,
-               problems: Problems | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+def _flat_list(
+    col: pa.ChunkedArray, name: str, path: str, first_row: int, problems: Problems | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
     """(lengths [n] int64, flat values) of a list column; None (each bad row reported) when a list or an
     element is null."""
     arr = col.combine_chunks()
@@ -232,13 +250,18 @@ def _flat_list(col: pa.ChunkedArray, name: str, path: str, first_row: int,
     return lengths, values.to_numpy(zero_copy_only=False)
 
 
-def parquet_chunk(table: pa.Table, path: str, first_row: int, vocab_size: int,
-                  problems: Problems | None = None) -> Chunk | None:
+def parquet_chunk(
+    table: pa.Table, path: str, first_row: int, vocab_size: int, problems: Problems | None = None
+) -> Chunk | None:
     """The rows of one row group; None when a row is structurally bad (null lists, lengths differing),
     after reporting every such row (its value checks would only repeat the problem)."""
     n = table.num_rows
     flat = _flat_list(table.column("input_ids"), "input_ids", path, first_row, problems)
-    mask_flat = _flat_list(table.column("loss_mask"), "loss_mask", path, first_row, problems) if "loss_mask" in table.column_names else None
+    mask_flat = (
+        _flat_list(table.column("loss_mask"), "loss_mask", path, first_row, problems)
+        if "loss_mask" in table.column_names
+        else None
+    )
     if flat is None or ("loss_mask" in table.column_names and mask_flat is None):
         return None
     lengths, tokens = flat
@@ -246,8 +269,11 @@ def parquet_chunk(table: pa.Table, path: str, first_row: int, vocab_size: int,
         mask_lengths, mask = mask_flat
         if not np.array_equal(mask_lengths, lengths):
             for row in np.flatnonzero(mask_lengths != lengths).tolist():
-                _report(problems, f"{row_location(path, first_row + row)}: loss_mask has {mask_lengths[row]} values, "
-                                  f"input_ids has {lengths[row]}")
+                _report(
+                    problems,
+                    f"{row_location(path, first_row + row)}: loss_mask has {mask_lengths[row]} values, "
+                    f"input_ids has {lengths[row]}",
+                )
             return None
     else:
         mask = np.ones(tokens.shape[0], dtype=np.uint8)
@@ -275,7 +301,8 @@ def _iter_parquet(path: str, vocab_size: int, problems: Problems | None = None) 
         logger.warning(
             "%s: row groups of up to %d tokens; loading a sample decodes its whole row group, so packed "
             "batches load slowly; rewrite the file with smaller row groups (write_parquet uses 256 rows)",
-            path, largest,
+            path,
+            largest,
         )
 
 

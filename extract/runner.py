@@ -68,8 +68,14 @@ class ShardSink(Protocol):
     shards_written: int  # shards made durable so far
     wait_s: float  # seconds the forward loop waited for the sink (the disk being slower)
 
-    def submit(self, batch_id: int, arrays: dict, hidden_nKH: torch.Tensor,
-               topk: tuple[torch.Tensor, torch.Tensor] | None, samples: list[SampleEntry]) -> None: ...
+    def submit(
+        self,
+        batch_id: int,
+        arrays: dict,
+        hidden_nKH: torch.Tensor,
+        topk: tuple[torch.Tensor, torch.Tensor] | None,
+        samples: list[SampleEntry],
+    ) -> None: ...
 
     def close(self) -> None: ...
 
@@ -101,13 +107,17 @@ class ExtractSummary:
     def report(self) -> str:
         """The final summary: what was done, how fast, and where every output is."""
         if self.written == 0 and self.resumed > 0:
-            done = (f"nothing to extract: all {plural(self.resumed, 'shard')} of this run were already complete "
-                    f"(kept from an earlier run; {format_duration(self.wall_s)} to check them)")
+            done = (
+                f"nothing to extract: all {plural(self.resumed, 'shard')} of this run were already complete "
+                f"(kept from an earlier run; {format_duration(self.wall_s)} to check them)"
+            )
         else:
             kept = f", {self.resumed} kept from an earlier run" if self.resumed else ""
-            done = (f"done in {format_duration(self.wall_s)}: {plural(self.written, 'shard')} written "
-                    f"({format_bytes(self.bytes_written)}){kept}; {self.tokens:,} tokens in {self.seconds:.1f}s "
-                    f"({self.tokens_per_s:,.0f} tok/s), padding efficiency {100 * self.padding_efficiency:.1f}%")
+            done = (
+                f"done in {format_duration(self.wall_s)}: {plural(self.written, 'shard')} written "
+                f"({format_bytes(self.bytes_written)}){kept}; {self.tokens:,} tokens in {self.seconds:.1f}s "
+                f"({self.tokens_per_s:,.0f} tok/s), padding efficiency {100 * self.padding_efficiency:.1f}%"
+            )
         where = f"cache {self.cache_dir}" + (f" is complete ({MANIFEST_FILE} written)" if self.complete else "")
         if self.progress_log:
             where += f"; progress records in {self.progress_log}"
@@ -138,9 +148,15 @@ def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
     cache_cfg = build_cache_config(cfg, target, taps, plan, index)
     if dist_info.is_main:  # the packing plan itself was logged once by plan_batches
         shard_bytes = bytes_per_shard(cache_cfg)
-        log.info("cache: %s, %s per token (%s), %s of %s on %s", cfg.out_dir, format_bytes(shard_bytes / cfg.token_budget),
-                 cfg.storage_dtype, plural(len(plan.batches), "shard"), format_bytes(shard_bytes),
-                 plural(dist_info.world_size, "rank"))
+        log.info(
+            "cache: %s, %s per token (%s), %s of %s on %s",
+            cfg.out_dir,
+            format_bytes(shard_bytes / cfg.token_budget),
+            cfg.storage_dtype,
+            plural(len(plan.batches), "shard"),
+            format_bytes(shard_bytes),
+            plural(dist_info.world_size, "rank"),
+        )
     # Rank 0 holds the cache's lock for the whole job (its ranks share it); a second job is refused.
     lock = DirectoryLock(cfg.out_dir, "dflash-extract")
     try:
@@ -151,8 +167,13 @@ def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
         mine = shard_batches_for_rank(plan, dist_info.rank, dist_info.world_size)
         todo, resumed = _pending(cfg, mine)
         if resumed:
-            log.info("rank %d: %d of its %s already complete, %d to go", dist_info.rank, resumed,
-                     plural(len(mine), "shard"), len(todo))
+            log.info(
+                "rank %d: %d of its %s already complete, %d to go",
+                dist_info.rank,
+                resumed,
+                plural(len(mine), "shard"),
+                len(todo),
+            )
         with SigtermFlag() as stop:
             summary = _extract(cfg, cache_cfg, index, todo, device, dist_info, stop)
         summary.resumed = resumed
@@ -190,15 +211,21 @@ def _refuse_impossible_settings(cfg: ExtractConfig, target: TargetConfig, taps: 
     vocab, layers = target.vocab_size, target.num_hidden_layers
     for flag, value in (("--mask-token-id", cfg.mask_token_id), ("--pad-token-id", cfg.pad_token_id)):
         if value is not None and not 0 <= value < vocab:
-            raise ValueError(f"{flag} {value} is outside the target's vocabulary [0, {vocab}) "
-                             f"({Path(cfg.target) / 'config.json'}); pass an id below {vocab}")
+            raise ValueError(
+                f"{flag} {value} is outside the target's vocabulary [0, {vocab}) "
+                f"({Path(cfg.target) / 'config.json'}); pass an id below {vocab}"
+            )
     if cfg.target_topk > vocab:
-        raise ValueError(f"--target-topk {cfg.target_topk} is more than the target's vocabulary of {vocab} tokens; "
-                         f"pass at most {vocab}")
+        raise ValueError(
+            f"--target-topk {cfg.target_topk} is more than the target's vocabulary of {vocab} tokens; "
+            f"pass at most {vocab}"
+        )
     if len(set(taps)) != len(taps):
-        raise ValueError(f"--num-taps {cfg.num_taps} asks for more taps than the target's {layers} layers give "
-                         f"distinct ones (the default spread would store layers {taps}); pass --num-taps "
-                         f"{len(set(taps))} or list distinct layers with --taps")
+        raise ValueError(
+            f"--num-taps {cfg.num_taps} asks for more taps than the target's {layers} layers give "
+            f"distinct ones (the default spread would store layers {taps}); pass --num-taps "
+            f"{len(set(taps))} or list distinct layers with --taps"
+        )
     bad = [t for t in taps if not 0 <= t < layers]
     if bad:
         raise ValueError(f"--taps {bad}: the target has layers 0..{layers - 1} ({Path(cfg.target) / 'config.json'})")
@@ -215,13 +242,20 @@ def _refuse_unsupervised(cfg: ExtractConfig, index) -> None:
         )
 
 
-def build_cache_config(cfg: ExtractConfig, target: TargetConfig, taps: list[int], plan: PackingPlan, index) -> CacheConfig:
+def build_cache_config(
+    cfg: ExtractConfig, target: TargetConfig, taps: list[int], plan: PackingPlan, index
+) -> CacheConfig:
     """What cache.json will say for this run (the target head checksum is filled in by _prepare_cache)."""
     return CacheConfig(
         target=TargetInfo(
-            name=str(Path(cfg.target).resolve()), config_hash=target.fingerprint(), hidden_size=target.hidden_size,
-            num_layers=target.num_hidden_layers, vocab_size=target.vocab_size, dtype=cfg.dtype,
-            intermediate_size=target.intermediate_size, quantization=_quantization_record(cfg.target),
+            name=str(Path(cfg.target).resolve()),
+            config_hash=target.fingerprint(),
+            hidden_size=target.hidden_size,
+            num_layers=target.num_hidden_layers,
+            vocab_size=target.vocab_size,
+            dtype=cfg.dtype,
+            intermediate_size=target.intermediate_size,
+            quantization=_quantization_record(cfg.target),
             **special_token_ids(cfg.target),
             compute=cfg.compute,
         ),
@@ -233,11 +267,20 @@ def build_cache_config(cfg: ExtractConfig, target: TargetConfig, taps: list[int]
         mask_token_id=cfg.mask_token_id,
         pad_token_id=cfg.pad_token_id,
         packing=PackingRecord(
-            algorithm=PACKING_ALGORITHM, long_seqs=cfg.long_seqs, num_batches=len(plan.batches),
-            padding_efficiency=round(plan.padding_efficiency, 6), num_truncated=plan.num_truncated,
-            num_skipped=plan.num_skipped, num_empty=plan.num_empty),
-        dataset=DatasetRecord(path=str(cfg.data), fingerprint=dataset_fingerprint(index), num_samples=len(index),
-                              num_tokens=int(index.lengths.sum())),
+            algorithm=PACKING_ALGORITHM,
+            long_seqs=cfg.long_seqs,
+            num_batches=len(plan.batches),
+            padding_efficiency=round(plan.padding_efficiency, 6),
+            num_truncated=plan.num_truncated,
+            num_skipped=plan.num_skipped,
+            num_empty=plan.num_empty,
+        ),
+        dataset=DatasetRecord(
+            path=str(cfg.data),
+            fingerprint=dataset_fingerprint(index),
+            num_samples=len(index),
+            num_tokens=int(index.lengths.sum()),
+        ),
         provenance={**provenance(), "extract_config": {k: v for k, v in vars(cfg).items()}},
     )
 
@@ -256,8 +299,10 @@ def _prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig, lock: DirectoryLo
     if out.is_dir() and not (out / CACHE_CONFIG_FILE).exists():
         foreign = foreign_entries(out)
         if foreign:  # checked before the lock file is created: a foreign directory stays untouched
-            raise CacheMismatchError(f"{out} is not a dflash-extract cache and is not empty ({describe(foreign)}); "
-                                     "choose another (new or empty) --out")
+            raise CacheMismatchError(
+                f"{out} is not a dflash-extract cache and is not empty ({describe(foreign)}); "
+                "choose another (new or empty) --out"
+            )
     out.mkdir(parents=True, exist_ok=True)
     lock.acquire()
     raw = load_target_head(cfg.target)
@@ -268,8 +313,10 @@ def _prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig, lock: DirectoryLo
     if (out / CACHE_CONFIG_FILE).exists():
         if cfg.overwrite:
             if foreign:
-                raise CacheMismatchError(f"--overwrite: {out} also holds files dflash-extract did not write "
-                                         f"({describe(foreign)}); nothing was deleted: move them away first")
+                raise CacheMismatchError(
+                    f"--overwrite: {out} also holds files dflash-extract did not write "
+                    f"({describe(foreign)}); nothing was deleted: move them away first"
+                )
             log.warning("--overwrite: deleting the existing cache at %s (%d files of ours)", out, len(ours))
             remove_cache_files(out)
         else:
@@ -280,8 +327,10 @@ def _prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig, lock: DirectoryLo
             return
     elif not _is_unfinished_creation(ours):
         if not cfg.overwrite:
-            raise CacheMismatchError(f"{out} holds shards of a dflash-extract cache but no cache.json; pass "
-                                     "--overwrite to delete them and start over, or choose another --out")
+            raise CacheMismatchError(
+                f"{out} holds shards of a dflash-extract cache but no cache.json; pass "
+                "--overwrite to delete them and start over, or choose another --out"
+            )
         remove_cache_files(out)
     else:
         # A run killed while creating the cache (before cache.json) left nothing worth keeping.
@@ -350,8 +399,13 @@ def _extract(cfg, cache_cfg, index, todo, device, dist_info, stop: SigtermFlag |
     kernels = select_kernels(device, allow_slow_kernels=cfg.allow_slow_kernels)
     with_head = cfg.target_topk > 0
     model = TargetModel.from_pretrained(
-        cfg.target, device, dtype=getattr(torch, cfg.dtype), kernels=kernels,
-        last_layer=None if with_head else cache_cfg.tap_layer_ids[-1], with_head=with_head, compute=cfg.compute,
+        cfg.target,
+        device,
+        dtype=getattr(torch, cfg.dtype),
+        kernels=kernels,
+        last_layer=None if with_head else cache_cfg.tap_layer_ids[-1],
+        with_head=with_head,
+        compute=cfg.compute,
     )
     writer = AsyncShardWriter(cfg.out_dir, cache_cfg, device, num_buffers=cfg.writer_buffers)
     return extract_batches(model, cfg, cache_cfg, index, todo, device, writer, dist_info.rank, stop=stop)
@@ -397,13 +451,17 @@ def extract_batches(
             # and a device copy read back would stall the loop until the previous batch finishes.
             cu = torch.from_numpy(arrays["cu_seqlens"][: len(batch.sample_ids) + 1])
             if cfg.target_topk:
-                hidden, topk_ids, topk_lp = model.topk_next_tokens(ids, pos, cu, taps, cfg.target_topk, chunk_tokens=cfg.topk_chunk_tokens)
+                hidden, topk_ids, topk_lp = model.topk_next_tokens(
+                    ids, pos, cu, taps, cfg.target_topk, chunk_tokens=cfg.topk_chunk_tokens
+                )
                 topk = (topk_ids.to(torch.int32), topk_lp.to(torch.bfloat16))
             else:
                 hidden, topk = model.forward_packed(ids, pos, cu, taps), None
             samples = [
                 SampleEntry(sid, int(o), int(length), int(m))
-                for sid, o, length, m in zip(batch.sample_ids, arrays["sample_offsets"], arrays["sample_lengths"], arrays["sample_loss_tokens"])
+                for sid, o, length, m in zip(
+                    batch.sample_ids, arrays["sample_offsets"], arrays["sample_lengths"], arrays["sample_loss_tokens"]
+                )
             ]
             writer.submit(batch.batch_id, arrays, hidden, topk, samples)
             real_tokens += n
@@ -426,29 +484,46 @@ def extract_batches(
     finally:
         progress.close()
     return ExtractSummary(
-        cache_dir=cfg.out_dir, num_batches=cache_cfg.planned_batches, written=writer.shards_written,
-        resumed=0, tokens=real_tokens, seconds=progress.elapsed(),
+        cache_dir=cfg.out_dir,
+        num_batches=cache_cfg.planned_batches,
+        written=writer.shards_written,
+        resumed=0,
+        tokens=real_tokens,
+        seconds=progress.elapsed(),
         padding_efficiency=real_tokens / (len(todo) * cfg.token_budget),
-        bytes_written=writer.bytes_written, progress_log=str(jsonl),
+        bytes_written=writer.bytes_written,
+        progress_log=str(jsonl),
     )
 
 
-def _report(progress: ProgressLog, done: int, total: int, tokens: int, writer: ShardSink, budget: int, rank: int,
-            force: bool) -> None:
+def _report(
+    progress: ProgressLog, done: int, total: int, tokens: int, writer: ShardSink, budget: int, rank: int, force: bool
+) -> None:
     """One progress record. Shards count as written once the writer thread made them durable."""
     elapsed = max(progress.elapsed(), 1e-9)
     written, durable, waited = writer.bytes_written, writer.shards_written, writer.wait_s
     rec = {
-        "rank": rank, "batches_done": done, "batches_total": total, "shards_written": durable, "tokens": tokens,
-        "tokens_per_s": tokens / elapsed, "padding_efficiency": tokens / (done * budget),
-        "gb_written": written / 1e9, "write_gb_per_s": written / 1e9 / elapsed,
-        "wait_for_disk_s": waited, "eta_s": progress.eta(done),
+        "rank": rank,
+        "batches_done": done,
+        "batches_total": total,
+        "shards_written": durable,
+        "tokens": tokens,
+        "tokens_per_s": tokens / elapsed,
+        "padding_efficiency": tokens / (done * budget),
+        "gb_written": written / 1e9,
+        "write_gb_per_s": written / 1e9 / elapsed,
+        "wait_for_disk_s": waited,
+        "eta_s": progress.eta(done),
     }
-    line = (f"[rank {rank}] batch {done}/{total} | {rec['tokens_per_s']:,.0f} tok/s | pad eff "
-            f"{100 * rec['padding_efficiency']:.1f}% | {format_bytes(written)} written | waited {waited:.1f}s for disk "
-            f"| ETA {format_duration(rec['eta_s'])}")
-    bar = (f"{rec['tokens_per_s']:,.0f} tok/s, pad {100 * rec['padding_efficiency']:.1f}%, "
-           f"{format_bytes(written)} written, disk wait {waited:.1f}s")  # the bar shows counts and ETA itself
+    line = (
+        f"[rank {rank}] batch {done}/{total} | {rec['tokens_per_s']:,.0f} tok/s | pad eff "
+        f"{100 * rec['padding_efficiency']:.1f}% | {format_bytes(written)} written | waited {waited:.1f}s for disk "
+        f"| ETA {format_duration(rec['eta_s'])}"
+    )
+    bar = (
+        f"{rec['tokens_per_s']:,.0f} tok/s, pad {100 * rec['padding_efficiency']:.1f}%, "
+        f"{format_bytes(written)} written, disk wait {waited:.1f}s"
+    )  # the bar shows counts and ETA itself
     progress.report(rec, line, force=force, done_units=done, postfix=bar)
 
 
@@ -458,5 +533,7 @@ def _finish(out: str, cache_cfg: CacheConfig, plan: PackingPlan) -> None:
     write_manifest(out, infos)
     missing = sorted(set(range(len(plan.batches))) - {i.batch_id for i in infos})
     if missing:
-        raise RuntimeError(f"{out}: shards {missing[:10]} are missing after every rank finished; re-run the same command to resume")
+        raise RuntimeError(
+            f"{out}: shards {missing[:10]} are missing after every rank finished; re-run the same command to resume"
+        )
     log.info("cache complete: %d shards, %d samples, manifest written", len(infos), sum(len(i.samples) for i in infos))

@@ -5,6 +5,7 @@ Qwen3.5-style hybrid decoders ship config.json in two layouts: the multimodal on
 one (`Qwen3_5ForCausalLM` / `model_type: qwen3_5_text`). Both resolve to one `TargetConfig`,
 every size taken from the file; nothing here is specific to one model size.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,10 +43,18 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         positive = (
-            "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
-            "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-            "linear_value_head_dim", "linear_conv_kernel_dim", "num_attention_heads",
-            "num_key_value_heads", "head_dim",
+            "hidden_size",
+            "num_hidden_layers",
+            "intermediate_size",
+            "vocab_size",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel_dim",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
         )
         for name in positive:
             value = getattr(self, name)
@@ -153,8 +162,11 @@ def special_token_ids(path: str | Path) -> dict[str, Any]:
     out = {}
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = text.get(name, top.get(name))
-        ok = value is None or (isinstance(value, int) and not isinstance(value, bool)) or (
-            isinstance(value, list) and name == "eos_token_id" and all(isinstance(v, int) for v in value))
+        ok = (
+            value is None
+            or (isinstance(value, int) and not isinstance(value, bool))
+            or (isinstance(value, list) and name == "eos_token_id" and all(isinstance(v, int) for v in value))
+        )
         out[name] = value if ok else None
     return out
 

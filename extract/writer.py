@@ -116,8 +116,11 @@ class AsyncShardWriter:
             path = write_shard(self.cache_dir, self.cfg, job.batch_id, job.buffers, job.samples)
         except OSError as e:
             target = shard_path(self.cache_dir, job.batch_id)
-            raise OSError(e.errno, f"batch {job.batch_id}: writing {target} failed: {e.strerror or e}; "
-                          "free space and re-run the same command to resume") from e
+            raise OSError(
+                e.errno,
+                f"batch {job.batch_id}: writing {target} failed: {e.strerror or e}; "
+                "free space and re-run the same command to resume",
+            ) from e
         self.bytes_written += path.stat().st_size
         self.shards_written += 1
 

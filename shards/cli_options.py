@@ -46,13 +46,17 @@ PATH_KINDS = {
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 
-def cli_field(default: Any = dataclasses.MISSING, *, flag: str | None = None, path: str | None = None,
-              default_factory: Any = dataclasses.MISSING) -> Any:
+def cli_field(
+    default: Any = dataclasses.MISSING,
+    *,
+    flag: str | None = None,
+    path: str | None = None,
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
     """A dataclass field with CLI metadata: `flag` replaces the derived name, `path` is a PATH_KINDS key."""
     if path is not None and path not in PATH_KINDS:
         raise ValueError(f"cli_field path must be one of {sorted(PATH_KINDS)}, got {path!r}")
-    return dataclasses.field(default=default, default_factory=default_factory,
-                             metadata={"flag": flag, "path": path})
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={"flag": flag, "path": path})
 
 
 def flag_name(cls: type, name: str) -> str:
@@ -112,9 +116,13 @@ def field_docs(cls: type) -> dict[str, str]:
             continue
         body = tree.body[0].body
         for stmt, after in zip(body, body[1:]):
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                    and isinstance(after.value.value, str)):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 docs[stmt.target.id] = " ".join(after.value.value.split())
     return docs
 
@@ -136,15 +144,19 @@ def config_options(cls: type, *, exclude: Sequence[str] = ()) -> Callable[[F], F
 def _option(cls: type, f: dataclasses.Field, hint: Any, help_text: str) -> Callable[[F], F]:
     flag = flag_name(cls, f.name)
     has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-    default = f.default if f.default is not dataclasses.MISSING else (
-        f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+    default = (
+        f.default
+        if f.default is not dataclasses.MISSING
+        else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+    )
     base, optional = _strip_optional(hint)
     kwargs: dict[str, Any] = dict(help=help_text, required=not has_default)
     if base is bool:
         if default is False:
             return click.option(flag, f.name, is_flag=True, default=False, **kwargs)
-        return click.option(f"{flag}/--no-{flag[2:]}", f.name, default=default,
-                            show_default=default is not None, **kwargs)
+        return click.option(
+            f"{flag}/--no-{flag[2:]}", f.name, default=default, show_default=default is not None, **kwargs
+        )
     if typing.get_origin(base) is Literal:
         kwargs["type"] = click.Choice([str(c) for c in typing.get_args(base)])
     elif typing.get_origin(base) in (list, tuple):
@@ -182,9 +194,13 @@ def build_config(cls: type[C], options: dict[str, Any]) -> C:
 
 def gpus_option(fn: F) -> F:
     """`--gpus N|all`: start one process per GPU under torchrun (both CLIs)."""
-    return click.option("--gpus", default=None, metavar="N|all",
-                        help="Start one process per GPU under torchrun: a number or 'all'. "
-                             "Default: one process, or whatever torchrun you launched yourself.")(fn)
+    return click.option(
+        "--gpus",
+        default=None,
+        metavar="N|all",
+        help="Start one process per GPU under torchrun: a number or 'all'. "
+        "Default: one process, or whatever torchrun you launched yourself.",
+    )(fn)
 
 
 def relaunch_if_asked(module: str, gpus: str | None) -> bool:

@@ -59,7 +59,11 @@ def write_container(f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: 
     for name in sorted(tensors):
         t = tensors[name]
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPE_TO_ST[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": DTYPE_TO_ST[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)

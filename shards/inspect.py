@@ -85,16 +85,19 @@ class VerifyReport:
         head = [b for b in self.bad if b["batch_id"] is None and b["file"].endswith(TARGET_HEAD_FILE)]
         shards = [b for b in self.bad if b["batch_id"] is not None]
         in_place = [b for b in shards if b["reason"] != "missing" and "moved_to" not in b]
-        rerun = ("re-run the dflash-extract command that made this cache: it extracts the missing shards and "
-                 "rewrites the manifest")
+        rerun = (
+            "re-run the dflash-extract command that made this cache: it extracts the missing shards and "
+            "rewrites the manifest"
+        )
         if self.extract_command:
             rerun += f" (cache.json records it: {self.extract_command})"
         if head:
-            return ("the target head is damaged and a resume keeps it: extract again into a new --out, or pass "
-                    "--overwrite to the dflash-extract command that made this cache")
+            return (
+                "the target head is damaged and a resume keeps it: extract again into a new --out, or pass "
+                "--overwrite to the dflash-extract command that made this cache"
+            )
         if in_place:
-            return (f"move the bad shards aside with `dflash-shards verify {self.cache_dir} --quarantine`, then "
-                    + rerun)
+            return f"move the bad shards aside with `dflash-shards verify {self.cache_dir} --quarantine`, then " + rerun
         if shards:
             return rerun
         return f"rebuild the manifest from the shards with `dflash-shards index {self.cache_dir}`"
@@ -188,15 +191,24 @@ def find_sample(cache_dir: str | Path, sample_id: str, position: int | None = No
     taps = []
     for j, layer in enumerate(reader.config.tap_layer_ids):
         h = hidden[:, j]
-        taps.append({
-            "layer": layer, "mean": h.mean().item(), "std": h.std().item() if h.numel() > 1 else 0.0,
-            "rms": h.pow(2).mean().sqrt().item(), "absmax": h.abs().max().item(),
-            "finite": bool(torch.isfinite(h).all()),
-        })
+        taps.append(
+            {
+                "layer": layer,
+                "mean": h.mean().item(),
+                "std": h.std().item() if h.numel() > 1 else 0.0,
+                "rms": h.pow(2).mean().sqrt().item(),
+                "absmax": h.abs().max().item(),
+                "finite": bool(torch.isfinite(h).all()),
+            }
+        )
     out = {
-        "sample_id": sample_id, "batch_id": batch_id, "offset": entry.offset, "length": entry.length,
+        "sample_id": sample_id,
+        "batch_id": batch_id,
+        "offset": entry.offset,
+        "length": entry.length,
         "loss_tokens": entry.loss_tokens,
-        "input_ids": tensors["input_ids"][span].tolist(), "loss_mask": tensors["loss_mask"][span].tolist(),
+        "input_ids": tensors["input_ids"][span].tolist(),
+        "loss_mask": tensors["loss_mask"][span].tolist(),
         "hidden": taps,
     }
     if position is not None:
@@ -206,19 +218,27 @@ def find_sample(cache_dir: str | Path, sample_id: str, position: int | None = No
 
 def _topk_at(tensors: dict, k: int, entry, position: int, cache_dir) -> dict:
     if k == 0:
-        raise ValueError(f"{cache_dir} stores no target top-k (extracted with --target-topk 0); "
-                         "re-extract with --target-topk K to have it")
+        raise ValueError(
+            f"{cache_dir} stores no target top-k (extracted with --target-topk 0); "
+            "re-extract with --target-topk K to have it"
+        )
     if not 0 <= position < entry.length:
-        raise ValueError(f"--position {position} is outside sample {entry.sample_id!r} "
-                         f"(positions 0..{entry.length - 1})")
+        raise ValueError(
+            f"--position {position} is outside sample {entry.sample_id!r} (positions 0..{entry.length - 1})"
+        )
     row = entry.offset + position
     ids = tensors["target_topk_ids"][row].tolist()
     logprobs = tensors["target_topk_logprobs"][row].float().tolist()
     # The stored distribution at position p is the target's prediction of the token at p + 1.
     next_id = int(tensors["input_ids"][row + 1]) if position + 1 < entry.length else None
-    return {"position": position, "token_id": int(tensors["input_ids"][row]), "next_token_id": next_id,
-            "next_token_rank": ids.index(next_id) + 1 if next_id in ids else None,
-            "ids": ids, "logprobs": logprobs}
+    return {
+        "position": position,
+        "token_id": int(tensors["input_ids"][row]),
+        "next_token_id": next_id,
+        "next_token_rank": ids.index(next_id) + 1 if next_id in ids else None,
+        "ids": ids,
+        "logprobs": logprobs,
+    }
 
 
 def _locate(cache_dir: str | Path, reader: ShardReader, sample_id: str) -> int:

@@ -54,8 +54,13 @@ class DirectoryLock:
         except BaseException:
             os.close(fd)
             raise
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "program": self.program,
-                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv}
+        record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "program": self.program,
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "argv": sys.argv,
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
         self._fd = fd

@@ -28,7 +28,11 @@ SCHEMA = pa.schema(
 
 
 def manifest_table(infos: list[ShardInfo]) -> pa.Table:
-    rows = [(s.sample_id, i.batch_id, s.offset, s.length, s.loss_tokens) for i in sorted(infos, key=lambda i: i.batch_id) for s in i.samples]
+    rows = [
+        (s.sample_id, i.batch_id, s.offset, s.length, s.loss_tokens)
+        for i in sorted(infos, key=lambda i: i.batch_id)
+        for s in i.samples
+    ]
     columns = list(zip(*rows)) if rows else [[] for _ in SCHEMA]
     return pa.Table.from_arrays([pa.array(c, type=f.type) for c, f in zip(columns, SCHEMA)], schema=SCHEMA)
 

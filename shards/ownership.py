@@ -61,8 +61,10 @@ def remove_cache_files(cache_dir: str | Path) -> int:
     cache_dir = Path(cache_dir)
     ours, foreign = our_entries(cache_dir)
     if foreign:
-        raise ValueError(f"{cache_dir} holds files dflash-extract did not write ({describe(foreign)}); "
-                         "nothing was deleted: move them away or choose another --out")
+        raise ValueError(
+            f"{cache_dir} holds files dflash-extract did not write ({describe(foreign)}); "
+            "nothing was deleted: move them away or choose another --out"
+        )
     ours = [p for p in ours if p.name != LOCK_FILE]
     ours.sort(key=lambda p: p.name != CACHE_CONFIG_FILE)
     for p in ours:

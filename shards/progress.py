@@ -65,8 +65,16 @@ class ProgressLog:
     Rates are over the whole run (since start), which is what an ETA should use.
     """
 
-    def __init__(self, logger: logging.Logger, jsonl_path: str | Path | None, total_units: int,
-                 interval_s: float = 10.0, *, bar: bool | None = None, desc: str = ""):
+    def __init__(
+        self,
+        logger: logging.Logger,
+        jsonl_path: str | Path | None,
+        total_units: int,
+        interval_s: float = 10.0,
+        *,
+        bar: bool | None = None,
+        desc: str = "",
+    ):
         self.logger = logger
         self.total_units = total_units
         self.interval_s = interval_s
@@ -83,8 +91,15 @@ class ProgressLog:
             # A terminal that reports no size (some pseudo-terminals) would get no bar at all:
             # tqdm hides bars past the terminal's row count, which is 0 there.
             sized = _terminal_columns() > 0
-            self._bar = tqdm(total=total_units, desc=desc or None, unit="batch", leave=True, dynamic_ncols=sized,
-                             ncols=None if sized else 100, nrows=None if sized else 20)
+            self._bar = tqdm(
+                total=total_units,
+                desc=desc or None,
+                unit="batch",
+                leave=True,
+                dynamic_ncols=sized,
+                ncols=None if sized else 100,
+                nrows=None if sized else 20,
+            )
 
     @property
     def has_bar(self) -> bool:
@@ -97,8 +112,9 @@ class ProgressLog:
         rate = done_units / max(self.elapsed(), 1e-9)
         return (self.total_units - done_units) / rate if rate > 0 else float("inf")
 
-    def report(self, record: dict, line: str, force: bool = False, *, done_units: int | None = None,
-               postfix: str = "") -> None:
+    def report(
+        self, record: dict, line: str, force: bool = False, *, done_units: int | None = None, postfix: str = ""
+    ) -> None:
         """done_units moves the bar; postfix is the bar's figures (the line's, without the counts)."""
         if self._bar is not None and done_units is not None:
             self._bar.update(done_units - self._bar.n)

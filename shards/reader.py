@@ -106,8 +106,10 @@ class ShardReader:
         self.config = read_cache_config(self.cache_dir)
         self.specs = tensor_specs(self.config)
         if self.config.target_head_checksum is None:
-            raise CacheFormatError(f"{self.cache_dir / CACHE_CONFIG_FILE}: no target_head_checksum; the cache "
-                                   "was not finished by dflash-extract (re-run it)")
+            raise CacheFormatError(
+                f"{self.cache_dir / CACHE_CONFIG_FILE}: no target_head_checksum; the cache "
+                "was not finished by dflash-extract (re-run it)"
+            )
         self.cache_id = self.config.cache_id()
 
     def batch_ids(self) -> list[int]:
@@ -128,8 +130,9 @@ class ShardReader:
         meta = header.metadata
         if meta.get("format_version") != str(FORMAT_VERSION):
             raise ShardError(
-                path, f"format version {meta.get('format_version')!r}, expected {FORMAT_VERSION}; "
-                "re-run dflash-extract to rebuild this shard"
+                path,
+                f"format version {meta.get('format_version')!r}, expected {FORMAT_VERSION}; "
+                "re-run dflash-extract to rebuild this shard",
             )
         planned = self.config.planned_batches
         if planned is not None and not 0 <= batch_id < planned:
@@ -138,17 +141,20 @@ class ShardReader:
             raise ShardError(path, f"holds batch {meta.get('batch_id')!r}, its name says {batch_id}")
         if meta.get("cache_id") != self.cache_id:
             raise ShardError(
-                path, f"belongs to another cache (its header names cache {meta.get('cache_id')!r}, "
+                path,
+                f"belongs to another cache (its header names cache {meta.get('cache_id')!r}, "
                 f"{self.cache_dir / CACHE_CONFIG_FILE} is cache {self.cache_id!r}: other target weights, data "
                 "or packing); remove it (dflash-shards verify --quarantine) and re-run dflash-extract to write "
-                "this cache's own shard"
+                "this cache's own shard",
             )
         if set(header.entries) != set(self.specs):
             raise ShardError(path, f"tensors {sorted(header.entries)}, cache.json expects {sorted(self.specs)}")
         for name, spec in self.specs.items():
             e = header.entries[name]
             if e.shape != spec.shape or e.dtype != spec.dtype:
-                raise ShardError(path, f"tensor {name} is {e.shape} {e.dtype}, cache.json expects {spec.shape} {spec.dtype}")
+                raise ShardError(
+                    path, f"tensor {name} is {e.shape} {e.dtype}, cache.json expects {spec.shape} {spec.dtype}"
+                )
         try:
             samples = [SampleEntry(str(s), int(o), int(n), int(m)) for s, o, n, m in json.loads(meta["samples"])]
             num_tokens = int(meta["num_tokens"])

@@ -30,12 +30,13 @@ class DistInfo:
 
 def rank_info() -> DistInfo:
     """This process's place under torchrun (rank 0 of 1 when started alone)."""
-    return DistInfo(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
-                    int(os.environ.get("LOCAL_RANK", "0")))
+    return DistInfo(
+        int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    )
 
 
 def resolve_device(spec: str, local_rank: int) -> torch.device:
-    """"auto" = cuda:LOCAL_RANK when CUDA exists, else cpu; a bare "cuda" also means this rank's GPU."""
+    """ "auto" = cuda:LOCAL_RANK when CUDA exists, else cpu; a bare "cuda" also means this rank's GPU."""
     if spec == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     try:
@@ -47,8 +48,10 @@ def resolve_device(spec: str, local_rank: int) -> torch.device:
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise ValueError(f"--device {spec}: CUDA is not available on this machine "
-                             f"(torch {torch.__version__}, no visible GPU); use --device cpu or auto")
+            raise ValueError(
+                f"--device {spec}: CUDA is not available on this machine "
+                f"(torch {torch.__version__}, no visible GPU); use --device cpu or auto"
+            )
         if device.index >= count:
             raise ValueError(f"--device {device}: this machine has {count} CUDA device(s), 0..{count - 1}")
     return device
@@ -71,8 +74,16 @@ def relaunch_under_torchrun(module: str, gpus: str, argv: list[str]) -> None:
     n = torch.cuda.device_count() if gpus == "all" else int(gpus)
     if n < 1:
         raise ValueError(f"--gpus {gpus}: no CUDA devices found" if gpus == "all" else f"--gpus {gpus}: must be >= 1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-           "-m", module, *without_option(argv, "--gpus")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={n}",
+        "-m",
+        module,
+        *without_option(argv, "--gpus"),
+    ]
     log.info("starting: %s", " ".join(cmd))
     os.execv(sys.executable, cmd)
 

@@ -4,6 +4,7 @@ Both stages use it (extraction between batches, training at step boundaries); th
 `signalled`, the caller decides where stopping is safe. Only the main thread may install handlers;
 elsewhere the context manager does nothing.
 """
+
 from __future__ import annotations
 
 import signal

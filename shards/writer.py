@@ -80,9 +80,7 @@ def write_shard(
     """
     specs = tensor_specs(cfg)
     if set(tensors) != set(specs):
-        raise ValueError(
-            f"batch {batch_id}: tensors {sorted(tensors)} do not match the cache's {sorted(specs)}"
-        )
+        raise ValueError(f"batch {batch_id}: tensors {sorted(tensors)} do not match the cache's {sorted(specs)}")
     for name, spec in specs.items():
         t = tensors[name]
         if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:

@@ -1,5 +1,6 @@
 """Shared test setup: one rule for GPU tests (marked `gpu`, skipped where CUDA is absent), one torch
 thread, and the module-scoped extraction fixtures of the fault tests (each module gets its own)."""
+
 import pytest
 import torch
 from extract_helpers import dataset_file, extract_reference, tiny_target_dir
@@ -45,4 +46,3 @@ def data(tmp_path_factory):
 def reference(target, data, tmp_path_factory):
     """The uninterrupted extraction of `data` by `target`, which faulted runs must reproduce."""
     return extract_reference(target, data, tmp_path_factory)
-

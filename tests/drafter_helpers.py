@@ -1,4 +1,5 @@
 """Tiny packed batches and drafters shared by the drafter/loss/export tests (no tests here)."""
+
 from __future__ import annotations
 
 import torch
@@ -12,15 +13,34 @@ MASK_ID = 96
 
 
 def tiny_config(**changes) -> DrafterConfig:
-    base = dict(num_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=8, rope_theta=10000.0, max_position_embeddings=4096, block_size=4,
-                mask_token_id=MASK_ID, tap_layer_ids=[0, 2, 3], num_target_layers=4, vocab_size=VOCAB)
+    base = dict(
+        num_layers=2,
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        block_size=4,
+        mask_token_id=MASK_ID,
+        tap_layer_ids=[0, 2, 3],
+        num_target_layers=4,
+        vocab_size=VOCAB,
+    )
     base.update(changes)
     return DrafterConfig(**base)
 
 
-def make_batch(seq_lens: list[int], token_budget: int, max_seqs: int, num_taps: int, hidden: int, seed: int = 0,
-               unsupervised: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+def make_batch(
+    seq_lens: list[int],
+    token_budget: int,
+    max_seqs: int,
+    num_taps: int,
+    hidden: int,
+    seed: int = 0,
+    unsupervised: tuple[int, ...] = (),
+) -> dict[str, torch.Tensor]:
     """A packed batch shaped like one cache shard. The first 2 tokens of each sequence (a 'prompt') and
     the packed indices in `unsupervised` have loss_mask 0; padding is zero."""
     g = torch.Generator().manual_seed(seed)
@@ -33,16 +53,21 @@ def make_batch(seq_lens: list[int], token_budget: int, max_seqs: int, num_taps: 
     cu = [0]
     for n in seq_lens:
         s = cu[-1]
-        position_ids[s:s + n] = torch.arange(n, dtype=torch.int32)
-        loss_mask[s + 2:s + n] = 1
+        position_ids[s : s + n] = torch.arange(n, dtype=torch.int32)
+        loss_mask[s + 2 : s + n] = 1
         cu.append(s + n)
     for t in unsupervised:
         loss_mask[t] = 0
     cu += [total] * (max_seqs + 1 - len(cu))
     hidden_TKH = torch.zeros(token_budget, num_taps, hidden)
     hidden_TKH[:total] = torch.randn(total, num_taps, hidden, generator=g)
-    return dict(input_ids_T=input_ids, position_ids_T=position_ids, loss_mask_T=loss_mask,
-                cu_seqlens_S1=torch.tensor(cu, dtype=torch.int32), hidden_TKH=hidden_TKH)
+    return dict(
+        input_ids_T=input_ids,
+        position_ids_T=position_ids,
+        loss_mask_T=loss_mask,
+        cu_seqlens_S1=torch.tensor(cu, dtype=torch.int32),
+        hidden_TKH=hidden_TKH,
+    )
 
 
 def tiny_model_and_head(cfg: DrafterConfig, seed: int = 0, dtype=torch.float32):
@@ -53,15 +78,22 @@ def tiny_model_and_head(cfg: DrafterConfig, seed: int = 0, dtype=torch.float32):
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
     g = torch.Generator().manual_seed(seed + 1)
-    head = TargetHead(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g, dtype=dtype),
-                      torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g, dtype=dtype) * 0.3)
+    head = TargetHead(
+        torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g, dtype=dtype),
+        torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g, dtype=dtype) * 0.3,
+    )
     return model, head
 
 
 def batch_blocks(batch: dict, **kwargs) -> TrainingBlocks:
     """sample_blocks over a make_batch() batch; kwargs are sample_blocks' own (num_blocks, ...)."""
-    return sample_blocks(input_ids_T=batch["input_ids_T"], position_ids_T=batch["position_ids_T"],
-                         loss_mask_T=batch["loss_mask_T"], cu_seqlens_S1=batch["cu_seqlens_S1"], **kwargs)
+    return sample_blocks(
+        input_ids_T=batch["input_ids_T"],
+        position_ids_T=batch["position_ids_T"],
+        loss_mask_T=batch["loss_mask_T"],
+        cu_seqlens_S1=batch["cu_seqlens_S1"],
+        **kwargs,
+    )
 
 
 def random_ranges(num_ctx: int, num_blocks: int, seed: int):

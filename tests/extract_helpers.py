@@ -32,15 +32,38 @@ def make_samples(n=NUM_SAMPLES, seed=0, max_len=90):
 
 
 def extract_cfg(target, data, out, **kw):
-    base = dict(target=str(target), data=str(data), out_dir=str(out), token_budget=256, max_seqs=8, dtype="float32",
-                mask_token_id=VOCAB - 1, progress_interval_s=0.0)
+    base = dict(
+        target=str(target),
+        data=str(data),
+        out_dir=str(out),
+        token_budget=256,
+        max_seqs=8,
+        dtype="float32",
+        mask_token_id=VOCAB - 1,
+        progress_interval_s=0.0,
+    )
     base.update(kw)
     return ExtractConfig(**base)
 
 
 def cli_args(target, data, out, *extra):
-    return ["--target", str(target), "--data", str(data), "--out", str(out), "--token-budget", "256",
-            "--max-seqs", "8", "--dtype", "float32", "--mask-token-id", str(VOCAB - 1), *extra]
+    return [
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--token-budget",
+        "256",
+        "--max-seqs",
+        "8",
+        "--dtype",
+        "float32",
+        "--mask-token-id",
+        str(VOCAB - 1),
+        *extra,
+    ]
 
 
 def all_tensors(cache):
@@ -86,8 +109,13 @@ def extract_reference(target, data, tmp_path_factory):
     by_batch = {}
     for sid, b in zip(manifest.column("sample_id").to_pylist(), manifest.column("batch_id").to_pylist()):
         by_batch.setdefault(b, []).append(sid)
-    return {"dir": out, "num_batches": summary.num_batches, "tensors": all_tensors(out), "manifest": manifest,
-            "samples_of": by_batch}
+    return {
+        "dir": out,
+        "num_batches": summary.num_batches,
+        "tensors": all_tensors(out),
+        "manifest": manifest,
+        "samples_of": by_batch,
+    }
 
 
 def corrupt_shard(path, how: str) -> None:
@@ -119,5 +147,8 @@ def copy_cache(reference, tmp_path):
 
 def snapshot(cache):
     """Every file's bytes, except the lock file (its holder record changes with every run)."""
-    return {str(p.relative_to(cache)): p.read_bytes() for p in sorted(cache.rglob("*"))
-            if p.is_file() and p.name != ".dflash.lock"}
+    return {
+        str(p.relative_to(cache)): p.read_bytes()
+        for p in sorted(cache.rglob("*"))
+        if p.is_file() and p.name != ".dflash.lock"
+    }

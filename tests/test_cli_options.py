@@ -1,4 +1,5 @@
 """shards.cli_options: options generated from the config dataclasses, refusals in flag words, -h everywhere."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,11 +68,35 @@ def test_options_follow_the_fields(tmp_path):
     res = run_toy("--where", str(tmp_path))
     assert res.exit_code == 0, res.output
     assert json.loads(res.output) == {**dataclasses.asdict(Toy(where=str(tmp_path))), "pair": [0.5, 0.25]}
-    res = run_toy("--where", str(tmp_path), "--size", "7", "--ratio", "0.5", "--mode", "b", "--on", "--no-keep",
-                  "--no-auto", "--ids-short", "3, 1,2", "--pair", "0.1,0.2")
+    res = run_toy(
+        "--where",
+        str(tmp_path),
+        "--size",
+        "7",
+        "--ratio",
+        "0.5",
+        "--mode",
+        "b",
+        "--on",
+        "--no-keep",
+        "--no-auto",
+        "--ids-short",
+        "3, 1,2",
+        "--pair",
+        "0.1,0.2",
+    )
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output) == dict(where=str(tmp_path), size=7, ratio=0.5, mode="b", on=True, keep=False,
-                                          auto=False, ids=[3, 1, 2], pair=[0.1, 0.2])
+    assert json.loads(res.output) == dict(
+        where=str(tmp_path),
+        size=7,
+        ratio=0.5,
+        mode="b",
+        on=True,
+        keep=False,
+        auto=False,
+        ids=[3, 1, 2],
+        pair=[0.1, 0.2],
+    )
 
 
 def test_help_shows_docstring_and_defaults():
@@ -129,17 +154,21 @@ def test_fast_resume_means_fast_resume(tmp_path):
     assert extract_cli.make_context("x", args).params["fast_resume"] is False
 
 
-@pytest.mark.parametrize("extra, expected", [
-    (["--token-budget", "0"], "--token-budget 0: must be >= 1"),
-    (["--taps", "5,3"], "--taps 5,3: must be strictly increasing"),
-    (["--taps", "1,b"], "Invalid value for '--taps': expected comma-separated integers, got '1,b'"),
-    (["--target-topk", "-1"], "--target-topk -1: must be >= 0"),
-    (["--storage", "fp4"], "Invalid value for '--storage'"),
-])
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--token-budget", "0"], "--token-budget 0: must be >= 1"),
+        (["--taps", "5,3"], "--taps 5,3: must be strictly increasing"),
+        (["--taps", "1,b"], "Invalid value for '--taps': expected comma-separated integers, got '1,b'"),
+        (["--target-topk", "-1"], "--target-topk -1: must be >= 0"),
+        (["--storage", "fp4"], "Invalid value for '--storage'"),
+    ],
+)
 def test_extract_refusals_name_the_flag_and_value(tmp_path, extra, expected):
     (tmp_path / "config.json").write_text("{}")
-    res = CliRunner().invoke(extract_cli, ["--target", str(tmp_path), "--data", "d", "--out", str(tmp_path / "o"),
-                                           *extra])
+    res = CliRunner().invoke(
+        extract_cli, ["--target", str(tmp_path), "--data", "d", "--out", str(tmp_path / "o"), *extra]
+    )
     assert res.exit_code == 2, res.output
     assert expected in res.output and "Traceback" not in res.output
     assert "Usage:" in res.output
@@ -150,14 +179,19 @@ def test_extract_target_without_config_json_is_named(tmp_path):
     assert res.exit_code == 2 and f"--target {tmp_path}: has no config.json" in res.output
 
 
-@pytest.mark.parametrize("extra, expected", [
-    (["--lr", "0"], "--lr 0.0: must be > 0"),
-    (["--betas", "0.9,1.5"], "--betas 0.9,1.5: must be two values in [0, 1)"),
-    (["--block-size", "1"], "--block-size 1: must be >= 2"),
-    (["--keep-checkpoints", "0"], "--keep-checkpoints 0: must be an integer >= 1"),
-    (["--num-attention-heads", "4"], "--num-attention-heads 4, --num-key-value-heads None, --head-dim None: "
-                                     "give the three together"),
-])
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--lr", "0"], "--lr 0.0: must be > 0"),
+        (["--betas", "0.9,1.5"], "--betas 0.9,1.5: must be two values in [0, 1)"),
+        (["--block-size", "1"], "--block-size 1: must be >= 2"),
+        (["--keep-checkpoints", "0"], "--keep-checkpoints 0: must be an integer >= 1"),
+        (
+            ["--num-attention-heads", "4"],
+            "--num-attention-heads 4, --num-key-value-heads None, --head-dim None: give the three together",
+        ),
+    ],
+)
 def test_train_refusals_name_the_flag_and_value(tmp_path, extra, expected):
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -183,8 +217,12 @@ def _commands(group: click.Group, path: list[str]):
             yield [*path, name]
 
 
-@pytest.mark.parametrize("cli, path", [(extract_cli, [])] + [(train_cli, p) for p in _commands(train_cli, [])]
-                         + [(shards_cli, p) for p in _commands(shards_cli, [])])
+@pytest.mark.parametrize(
+    "cli, path",
+    [(extract_cli, [])]
+    + [(train_cli, p) for p in _commands(train_cli, [])]
+    + [(shards_cli, p) for p in _commands(shards_cli, [])],
+)
 def test_dash_h_works_on_every_entry_point(cli, path):
     res = CliRunner().invoke(cli, [*path, "-h"])
     assert res.exit_code == 0, res.output
@@ -199,7 +237,11 @@ def test_gpus_takes_a_count_or_all(tmp_path, monkeypatch):
 
 def test_bad_drafter_heads_name_the_three_flags(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
-    res = CliRunner().invoke(train_cli, tiny_cli_args(cache, tmp_path / "run", "--num-attention-heads", "3",
-                                                      "--num-key-value-heads", "2", "--head-dim", "8"))
+    res = CliRunner().invoke(
+        train_cli,
+        tiny_cli_args(
+            cache, tmp_path / "run", "--num-attention-heads", "3", "--num-key-value-heads", "2", "--head-dim", "8"
+        ),
+    )
     assert res.exit_code == 1 and "Traceback" not in res.output
     assert "--num-attention-heads 3 --num-key-value-heads 2 --head-dim 8:" in res.output

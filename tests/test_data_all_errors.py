@@ -21,11 +21,15 @@ def _lines(bad: dict[int, str], n: int = 10, prefix: str = "g") -> str:
 
 
 def test_every_bad_row_of_every_file_is_named(tmp_path):
-    (tmp_path / "a.jsonl").write_text(_lines({
-        1: json.dumps({"id": "x1", "input_ids": [1, 100, 3, 200]}),  # two bad ids: one problem, the first
-        4: '{"input_ids": [1,',
-        7: json.dumps({"id": "x7", "input_ids": [1, 2], "loss_mask": [1, 5]}),
-    }))
+    (tmp_path / "a.jsonl").write_text(
+        _lines(
+            {
+                1: json.dumps({"id": "x1", "input_ids": [1, 100, 3, 200]}),  # two bad ids: one problem, the first
+                4: '{"input_ids": [1,',
+                7: json.dumps({"id": "x7", "input_ids": [1, 2], "loss_mask": [1, 5]}),
+            }
+        )
+    )
     (tmp_path / "b.jsonl").write_text(_lines({2: json.dumps({"id": "g3", **GOOD})}, prefix="h"))  # g3 also in a.jsonl
     with pytest.raises(DataError) as e:
         scan_dataset(tmp_path, vocab_size=VOCAB)
@@ -54,16 +58,21 @@ def test_many_bad_rows_are_listed_up_to_the_limit_and_counted(tmp_path):
 def test_parquet_bad_rows_across_row_groups(tmp_path):
     ids = [[1, 2], [1, 150], [3], None, [4, -1], [5, 6]]
     masks = [[1, 1], [1, 1], [1], [1], [1, 1], [1, 2]]
-    table = pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32())),
-                      "loss_mask": pa.array(masks, type=pa.list_(pa.uint8()))})
+    table = pa.table(
+        {"input_ids": pa.array(ids, type=pa.list_(pa.int32())), "loss_mask": pa.array(masks, type=pa.list_(pa.uint8()))}
+    )
     path = tmp_path / "p.parquet"
     pq.write_table(table, path, row_group_size=2)  # groups: rows 0-1, 2-3, 4-5
     with pytest.raises(DataError) as e:
         scan_dataset(path, vocab_size=VOCAB)
     text = str(e.value)
     assert "4 bad rows:" in text, text
-    for expect in (f"{path}, row 1: input_ids[1] = 150", f"{path}, row 3: input_ids is null",
-                   f"{path}, row 4: input_ids[1] = -1", f"{path}, row 5: loss_mask[1] = 2"):
+    for expect in (
+        f"{path}, row 1: input_ids[1] = 150",
+        f"{path}, row 3: input_ids is null",
+        f"{path}, row 4: input_ids[1] = -1",
+        f"{path}, row 5: loss_mask[1] = 2",
+    ):
         assert expect in text, (expect, text)
 
 

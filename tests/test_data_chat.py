@@ -33,7 +33,12 @@ AGENTIC = [
     {"role": "user", "content": "What is the weather in Paris?"},
     {"role": "assistant", "reasoning_content": "I need the tool.", "content": "", "tool_calls": [WEATHER]},
     {"role": "tool", "content": '{"temperature": 21}'},
-    {"role": "assistant", "reasoning_content": "Also the time.", "content": "Let me check the time.", "tool_calls": [CLOCK, WEATHER]},
+    {
+        "role": "assistant",
+        "reasoning_content": "Also the time.",
+        "content": "Let me check the time.",
+        "tool_calls": [CLOCK, WEATHER],
+    },
     {"role": "tool", "content": "10:00"},
     {"role": "tool", "content": '{"temperature": 22}'},
     {"role": "assistant", "reasoning_content": "Summarise.", "content": "It is 21 degrees at 10:00."},
@@ -59,8 +64,9 @@ CONVERSATIONS = {"agentic": AGENTIC, "chain": CHAIN, "inline": INLINE}
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    return write_random_checkpoint(tmp_path_factory.mktemp("target"), tiny_config_dict(vocab_size=VOCAB),
-                                   naming="text", with_tokenizer=True)
+    return write_random_checkpoint(
+        tmp_path_factory.mktemp("target"), tiny_config_dict(vocab_size=VOCAB), naming="text", with_tokenizer=True
+    )
 
 
 def _split_think(m: dict) -> tuple[str, str]:
@@ -82,8 +88,14 @@ def reference_segments(messages: list[dict], thinking: bool) -> list[tuple[str, 
         elif role == "tool":
             first = messages[i - 1]["role"] != "tool"
             last = i + 1 == len(messages) or messages[i + 1]["role"] != "tool"
-            segs.append((("<|im_start|>user" if first else "") + f"\n<tool_response>\n{content}\n</tool_response>"
-                         + ("<|im_end|>\n" if last else ""), 0))
+            segs.append(
+                (
+                    ("<|im_start|>user" if first else "")
+                    + f"\n<tool_response>\n{content}\n</tool_response>"
+                    + ("<|im_end|>\n" if last else ""),
+                    0,
+                )
+            )
         else:
             reasoning, content = _split_think(m)
             if i > last_query and thinking:
@@ -97,7 +109,9 @@ def reference_segments(messages: list[dict], thinking: bool) -> list[tuple[str, 
                 args = fn["arguments"] if isinstance(fn["arguments"], dict) else json.loads(fn["arguments"])
                 text = ("\n" if j else "\n\n" if content else "") + f"<tool_call>\n<function={fn['name']}>\n"
                 for name, value in args.items():
-                    text += f"<parameter={name}>\n{value if isinstance(value, str) else json.dumps(value)}\n</parameter>\n"
+                    text += (
+                        f"<parameter={name}>\n{value if isinstance(value, str) else json.dumps(value)}\n</parameter>\n"
+                    )
                 segs.append((text + "</function>\n</tool_call>", 1))
             segs += [("<|im_end|>", 1), ("\n", 0)]
     return segs
@@ -124,7 +138,9 @@ def test_mask_equals_per_turn_reference(target, name, thinking):
         ref_mask += [flag] * len(piece)
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_array_equal(mask, ref_mask)
-    assert tok.decode(ids[mask == 1].tolist()).count("<|im_end|>") == sum(m["role"] == "assistant" for m in CONVERSATIONS[name])
+    assert tok.decode(ids[mask == 1].tolist()).count("<|im_end|>") == sum(
+        m["role"] == "assistant" for m in CONVERSATIONS[name]
+    )
 
 
 def _generation_marked_template() -> str:
@@ -161,8 +177,12 @@ def test_mask_equals_transformers_assistant_mask(target, name, thinking):
     ids, mask, _ = renderer.encode(conv)
     messages, _ = renderer.prepare_messages(conv.messages)
     ref = renderer.tokenizer.apply_chat_template(
-        messages, tools=tools, chat_template=_generation_marked_template(), enable_thinking=thinking,
-        return_dict=True, return_assistant_tokens_mask=True,
+        messages,
+        tools=tools,
+        chat_template=_generation_marked_template(),
+        enable_thinking=thinking,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
     )
     np.testing.assert_array_equal(ids, ref["input_ids"])
     np.testing.assert_array_equal(mask, ref["assistant_masks"])
@@ -180,7 +200,10 @@ SHAREGPT = {
     "system": "You are brief.",
     "conversations": [
         {"from": "human", "value": "What is the weather in Paris?"},
-        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris", "days": 2}})},
+        {
+            "from": "function_call",
+            "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}),
+        },
         {"from": "observation", "value": '{"temperature": 21}'},
         {"from": "gpt", "value": "It is 21 degrees."},
         {"from": "human", "value": "Thanks!"},
@@ -246,13 +269,17 @@ def test_prepare_formats_and_output_reads_in_extract(target, tmp_path):
     assert index.sample_ids == ["c0", "c1", "c2", "s0"] and int(index.lengths.sum()) == total
     # The same conversations as one glob of a .jsonl file give the same rows.
     out2 = tmp_path / "glob.parquet"
-    assert _prepare(["--target", str(target), "--data", str(tmp_path / "in" / "a.*l"), "--out", str(out2)]).exit_code == 0
+    assert (
+        _prepare(["--target", str(target), "--data", str(tmp_path / "in" / "a.*l"), "--out", str(out2)]).exit_code == 0
+    )
     assert pq.read_table(out2).to_pylist() == table[:2]
     assert jsonl.exists()
     # A rerun refuses to overwrite; --max-length cuts and counts.
     again = _prepare(["--target", str(target), "--data", str(jsonl), "--out", str(out2)])
     assert again.exit_code == 1 and "exists" in again.output and "--overwrite" in again.output
-    cut = _prepare(["--target", str(target), "--data", str(jsonl), "--out", str(out2), "--overwrite", "--max-length", "20"])
+    cut = _prepare(
+        ["--target", str(target), "--data", str(jsonl), "--out", str(out2), "--overwrite", "--max-length", "20"]
+    )
     assert cut.exit_code == 0 and "2 truncated" in cut.output
     assert all(len(r["input_ids"]) == 20 for r in pq.read_table(out2).to_pylist())
 
@@ -270,12 +297,31 @@ def test_prepare_parquet_input(target, tmp_path):
 
 BAD_ROWS = {
     "no messages": ({"id": "x", "text": "hello"}, "no 'messages' (OpenAI) or 'conversations' (ShareGPT)"),
-    "unknown role": ({"messages": [{"role": "narrator", "content": "hi"}, {"role": "assistant", "content": "a"}]}, "unknown role 'narrator'"),
+    "unknown role": (
+        {"messages": [{"role": "narrator", "content": "hi"}, {"role": "assistant", "content": "a"}]},
+        "unknown role 'narrator'",
+    ),
     "unknown speaker": ({"conversations": [{"from": "bot", "value": "hi"}]}, "unknown speaker"),
     "no assistant": ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
     "empty messages": ({"messages": []}, "non-empty list"),
-    "bad arguments": ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]}, "not valid JSON"),
-    "image part": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}, {"role": "assistant", "content": "a"}]}, "content part of type 'image_url'"),
+    "bad arguments": (
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
+            ]
+        },
+        "not valid JSON",
+    ),
+    "image part": (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
+                {"role": "assistant", "content": "a"},
+            ]
+        },
+        "content part of type 'image_url'",
+    ),
     "template refuses": ({"messages": [{"role": "assistant", "content": "a"}]}, "No user query found"),
 }
 
@@ -299,7 +345,12 @@ def test_prepare_bad_row_names_file_row_reason(target, tmp_path, case):
 
 
 def test_prepare_lists_every_bad_row(target, tmp_path):
-    rows = [{"messages": CHAIN}, BAD_ROWS["no messages"][0], {"messages": CHAIN, "id": "a"}, BAD_ROWS["no assistant"][0]]
+    rows = [
+        {"messages": CHAIN},
+        BAD_ROWS["no messages"][0],
+        {"messages": CHAIN, "id": "a"},
+        BAD_ROWS["no assistant"][0],
+    ]
     data = _write_rows(tmp_path / "chats.jsonl", rows)
     result = _prepare(["--target", str(target), "--data", str(data), "--out", str(tmp_path / "o.parquet")])
     assert result.exit_code == 1 and "2 bad rows" in result.output
@@ -311,7 +362,9 @@ def test_prepare_refuses_target_without_tokenizer_or_template(target, tmp_path):
     bare = write_random_checkpoint(tmp_path / "bare", tiny_config_dict(vocab_size=VOCAB), naming="text")
     result = _prepare(["--target", str(bare), "--data", str(data), "--out", str(tmp_path / "o.parquet")])
     assert result.exit_code == 1 and f"{bare}: no tokenizer" in result.output, result.output
-    no_template = write_random_checkpoint(tmp_path / "nt", tiny_config_dict(vocab_size=VOCAB), naming="text", with_tokenizer=True)
+    no_template = write_random_checkpoint(
+        tmp_path / "nt", tiny_config_dict(vocab_size=VOCAB), naming="text", with_tokenizer=True
+    )
     (no_template / "chat_template.jinja").unlink()
     result = _prepare(["--target", str(no_template), "--data", str(data), "--out", str(tmp_path / "o.parquet")])
     assert result.exit_code == 1 and "no chat template" in result.output and "chat_template.jinja" in result.output
@@ -323,7 +376,9 @@ def test_prepare_refuses_target_without_tokenizer_or_template(target, tmp_path):
 
 
 def test_tiny_tokenizer_is_deterministic_and_fits_the_vocabulary(target, tmp_path):
-    other = write_random_checkpoint(tmp_path / "t2", tiny_config_dict(vocab_size=VOCAB), naming="text", seed=1, with_tokenizer=True)
+    other = write_random_checkpoint(
+        tmp_path / "t2", tiny_config_dict(vocab_size=VOCAB), naming="text", seed=1, with_tokenizer=True
+    )
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (other / name).read_bytes() == (target / name).read_bytes()
     tok = ChatRenderer(target, thinking=True).tokenizer
@@ -335,9 +390,35 @@ def test_tiny_tokenizer_is_deterministic_and_fits_the_vocabulary(target, tmp_pat
 
 def test_bad_settings_name_the_flag(target, tmp_path):
     data = _write_rows(tmp_path / "chats.jsonl", [{"messages": CHAIN}])
-    result = CliRunner().invoke(data_cli, ["prepare", "--target", str(target), "--data", str(data),
-                                           "--out", str(tmp_path / "o.parquet"), "--max-length", "0"])
+    result = CliRunner().invoke(
+        data_cli,
+        [
+            "prepare",
+            "--target",
+            str(target),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "o.parquet"),
+            "--max-length",
+            "0",
+        ],
+    )
     assert result.exit_code == 2 and "--max-length 0: must be positive" in result.output
-    result = CliRunner().invoke(data_cli, ["regenerate", "--server", "http://127.0.0.1:1/v1", "--model", "m",
-                                           "--data", str(data), "--out", str(tmp_path / "o.jsonl"), "--concurrency", "0"])
+    result = CliRunner().invoke(
+        data_cli,
+        [
+            "regenerate",
+            "--server",
+            "http://127.0.0.1:1/v1",
+            "--model",
+            "m",
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "o.jsonl"),
+            "--concurrency",
+            "0",
+        ],
+    )
     assert result.exit_code == 2 and "--concurrency 0: must be positive" in result.output

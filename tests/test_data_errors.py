@@ -26,7 +26,11 @@ JSONL_CASES = [
     ("negative token id", json.dumps({"input_ids": [-1, 2]}), r"input_ids\[0\] = -1 is outside"),
     ("mask length", json.dumps({"input_ids": [1, 2], "loss_mask": [1]}), "loss_mask has 1 values, input_ids has 2"),
     ("mask value", json.dumps({"input_ids": [1, 2], "loss_mask": [1, 2]}), r"loss_mask\[1\] = 2 is not 0 or 1"),
-    ("float mask", json.dumps({"input_ids": [1, 2], "loss_mask": [1, 0.5]}), "loss_mask must be a flat list of integers"),
+    (
+        "float mask",
+        json.dumps({"input_ids": [1, 2], "loss_mask": [1, 0.5]}),
+        "loss_mask must be a flat list of integers",
+    ),
     ("malformed", '{"input_ids": [1, 2', "malformed JSON line"),
     ("blank line", "", "malformed JSON line"),
     ("not an object", "[1, 2]", "expected a JSON object, found list"),
@@ -71,9 +75,17 @@ def good_lists(n: int = 5) -> list:
 
 
 PARQUET_CASES = [
-    ("token id too large", lambda: {"input_ids": good_lists()[:3] + [[1, 2, 100]] + good_lists(1)}, r"row 3: input_ids\[2\] = 100 is outside"),
+    (
+        "token id too large",
+        lambda: {"input_ids": good_lists()[:3] + [[1, 2, 100]] + good_lists(1)},
+        r"row 3: input_ids\[2\] = 100 is outside",
+    ),
     ("null list", lambda: {"input_ids": good_lists()[:3] + [None] + good_lists(1)}, "row 3: input_ids is null"),
-    ("null element", lambda: {"input_ids": good_lists()[:3] + [[1, None]] + good_lists(1)}, "row 3: input_ids contains a null value"),
+    (
+        "null element",
+        lambda: {"input_ids": good_lists()[:3] + [[1, None]] + good_lists(1)},
+        "row 3: input_ids contains a null value",
+    ),
     (
         "mask length",
         lambda: {"input_ids": good_lists(), "loss_mask": [[1, 1, 1]] * 3 + [[1]] + [[1, 1, 1]]},
@@ -98,9 +110,17 @@ def test_bad_parquet_row(tmp_path, name, columns, reason):
 
 TYPE_CASES = [
     ("missing input_ids", {"tokens": good_lists()}, "missing input_ids column"),
-    ("float ids", {"input_ids": [[1.0, 2.0]] * 5}, r"column input_ids has type list<\w+: double>, expected a list of integers"),
+    (
+        "float ids",
+        {"input_ids": [[1.0, 2.0]] * 5},
+        r"column input_ids has type list<\w+: double>, expected a list of integers",
+    ),
     ("ids not a list", {"input_ids": [1, 2, 3, 4, 5]}, "column input_ids has type int64"),
-    ("float mask", {"input_ids": good_lists(), "loss_mask": [[1.0, 0.0, 1.0]] * 5}, r"column loss_mask has type list<\w+: double>"),
+    (
+        "float mask",
+        {"input_ids": good_lists(), "loss_mask": [[1.0, 0.0, 1.0]] * 5},
+        r"column loss_mask has type list<\w+: double>",
+    ),
     ("float id", {"id": [1.5] * 5, "input_ids": good_lists()}, "column id has type double, expected string or integer"),
 ]
 

@@ -28,8 +28,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    return write_random_checkpoint(tmp_path_factory.mktemp("target"), tiny_config_dict(vocab_size=512),
-                                   naming="text", with_tokenizer=True, mixer_scale=0.1)
+    return write_random_checkpoint(
+        tmp_path_factory.mktemp("target"),
+        tiny_config_dict(vocab_size=512),
+        naming="text",
+        with_tokenizer=True,
+        mixer_scale=0.1,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +59,36 @@ def _conversations(path: Path, n: int, multi_turn: bool = True) -> Path:
     for i in range(n):
         messages = [{"role": "user", "content": f"Question number {i} about the weather?"}]
         if multi_turn and i % 2:
-            messages += [{"role": "assistant", "content": "old answer"}, {"role": "user", "content": "And tomorrow?"},
-                         {"role": "assistant", "content": "old answer two"}]
+            messages += [
+                {"role": "assistant", "content": "old answer"},
+                {"role": "user", "content": "And tomorrow?"},
+                {"role": "assistant", "content": "old answer two"},
+            ]
         rows.append({"id": f"c{i}", "messages": messages, "source": "test"})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
 def _regenerate(url: str, data: Path, out: Path, *extra: str):
-    args = ["regenerate", "--server", url, "--model", "tiny", "--data", str(data), "--out", str(out),
-            "--max-tokens", str(MAX_TOKENS), "--thinking", "off", "--no-progress", "--retry-backoff", "0.05", *extra]
+    args = [
+        "regenerate",
+        "--server",
+        url,
+        "--model",
+        "tiny",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--thinking",
+        "off",
+        "--no-progress",
+        "--retry-backoff",
+        "0.05",
+        *extra,
+    ]
     return CliRunner().invoke(data_cli, args, catch_exceptions=False)
 
 
@@ -100,7 +125,9 @@ def test_regenerate_turn_by_turn_equals_greedy_reference(target, chat_model, tmp
     for i, row in enumerate(rows):
         assert row["source"] == "test"  # other fields are carried through
         messages = row["messages"]
-        assert [m["role"] for m in messages] == (["user", "assistant", "user", "assistant"] if i % 2 else ["user", "assistant"])
+        assert [m["role"] for m in messages] == (
+            ["user", "assistant", "user", "assistant"] if i % 2 else ["user", "assistant"]
+        )
         for k, m in enumerate(messages):
             if m["role"] == "assistant":  # the reply to the conversation so far, earlier replies included
                 assert m["content"] == _greedy_reference(target, model, tokenizer, messages[:k])
@@ -113,8 +140,22 @@ def test_thinking_on_keeps_reasoning(chat_model, tmp_path):
     data = _conversations(tmp_path / "chats.jsonl", 1, multi_turn=False)
     out = tmp_path / "regen.jsonl"
     with serving(chat_model) as url:
-        args = ["regenerate", "--server", url, "--model", "tiny", "--data", str(data), "--out", str(out),
-                "--max-tokens", str(MAX_TOKENS), "--thinking", "on", "--no-progress"]
+        args = [
+            "regenerate",
+            "--server",
+            url,
+            "--model",
+            "tiny",
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--thinking",
+            "on",
+            "--no-progress",
+        ]
         result = CliRunner().invoke(data_cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     reply = _rows(out)[0]["messages"][-1]
@@ -130,14 +171,34 @@ def test_kill_in_the_middle_then_resume_loses_and_duplicates_nothing(chat_model,
         assert _regenerate(url, data, clean, "--concurrency", "2").exit_code == 0
     # The server answers 3 requests, then hangs: with one conversation in flight exactly 3 are written.
     with serving(chat_model, Faults(hang_after=3)) as url:
-        cmd = [sys.executable, "-m", "extract.data_cli", "regenerate", "--server", url, "--model", "tiny",
-               "--data", str(data), "--out", str(out), "--max-tokens", str(MAX_TOKENS), "--thinking", "off",
-               "--concurrency", "1", "--no-progress"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "extract.data_cli",
+            "regenerate",
+            "--server",
+            url,
+            "--model",
+            "tiny",
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--thinking",
+            "off",
+            "--concurrency",
+            "1",
+            "--no-progress",
+        ]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 120
             while not (out.exists() and out.read_text().count("\n") == 3):
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode() if proc.poll() is not None else "timeout"
+                assert proc.poll() is None and time.monotonic() < deadline, (
+                    proc.stdout.read().decode() if proc.poll() is not None else "timeout"
+                )
                 time.sleep(0.1)
         finally:
             os.kill(proc.pid, signal.SIGKILL)
@@ -193,8 +254,21 @@ def test_refusals_name_the_problem(chat_model, tmp_path):
         assert _regenerate(url, data, out).exit_code == 0
         other = _regenerate(url, data, out, "--temperature", "0.5")
         assert other.exit_code == 1 and "temperature: 0.0" in other.output and "0.5 now" in other.output
-        wrong = CliRunner().invoke(data_cli, ["regenerate", "--server", url, "--model", "nope", "--data", str(data),
-                                              "--out", str(tmp_path / "w.jsonl"), "--no-progress"])
+        wrong = CliRunner().invoke(
+            data_cli,
+            [
+                "regenerate",
+                "--server",
+                url,
+                "--model",
+                "nope",
+                "--data",
+                str(data),
+                "--out",
+                str(tmp_path / "w.jsonl"),
+                "--no-progress",
+            ],
+        )
         assert wrong.exit_code == 1 and "--model 'nope' is not served" in wrong.output and "tiny" in wrong.output
         foreign = tmp_path / "foreign.jsonl"
         foreign.write_text("mine\n")
@@ -204,7 +278,9 @@ def test_refusals_name_the_problem(chat_model, tmp_path):
         bad = tmp_path / "bad.jsonl"
         bad.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
         refused = _regenerate(url, bad, tmp_path / "o.jsonl")
-        assert refused.exit_code == 1 and f"{bad}, row 0 (line 1): messages[0] has unknown role 'robot'" in refused.output
+        assert (
+            refused.exit_code == 1 and f"{bad}, row 0 (line 1): messages[0] has unknown role 'robot'" in refused.output
+        )
     down = _regenerate(url, data, tmp_path / "down.jsonl")  # the server is gone now
     assert down.exit_code == 1 and "no OpenAI-compatible server answers at" in down.output
     assert "Traceback" not in down.output
@@ -216,7 +292,10 @@ def test_server_batches_concurrent_requests_like_single_ones(chat_model, target)
     from tools.tiny_server import _Job
 
     tok = chat_model.tokenizer
-    prompts = [tok(f"<|im_start|>user\nq{i}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"] for i in range(5)]
+    prompts = [
+        tok(f"<|im_start|>user\nq{i}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        for i in range(5)
+    ]
     alone = []
     for p in prompts:
         job = chat_model.submit(_Job(p, 4, 0.0, None))

@@ -1,4 +1,5 @@
 """Block attention mask and backends (train/attention.py) against masks built with plain loops."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,14 +70,22 @@ def ordered_to_set(num, idx):
 
 
 @pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("seed,num_ctx,ranges", [(0, 37, random_ranges), (1, 40, random_ranges),
-                                                 (2, 61, random_ranges), (3, 61, ranges_at_sequence_starts),
-                                                 (4, 200, random_ranges)])
+@pytest.mark.parametrize(
+    "seed,num_ctx,ranges",
+    [
+        (0, 37, random_ranges),
+        (1, 40, random_ranges),
+        (2, 61, random_ranges),
+        (3, 61, ranges_at_sequence_starts),
+        (4, 200, random_ranges),
+    ],
+)
 def test_flex_block_mask_tiles_match_loops(seed, num_ctx, ranges, window):
     nb, bs, tile = 8, 4, 8
     seq_start, anchor = ranges(num_ctx, nb, seed)
-    layout = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", tile_size=tile,
-                                  sliding_window=window)
+    layout = BlockAttentionLayout(
+        num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", tile_size=tile, sliding_window=window
+    )
     layout.update(seq_start, anchor)
     flex = layout.flex_mask(sliding=window is not None)
     bm, mask_mod = flex.block_mask, flex.mask_mod
@@ -87,7 +96,7 @@ def test_flex_block_mask_tiles_match_loops(seed, num_ctx, ranges, window):
     assert not partial & full
     for i in range(nq):
         for j in range(nkv):
-            tile_mask = dense[i * tile:(i + 1) * tile, j * tile:(j + 1) * tile]
+            tile_mask = dense[i * tile : (i + 1) * tile, j * tile : (j + 1) * tile]
             ragged = tile_mask.shape[1] < tile
             if (i, j) in full:
                 assert tile_mask.all() and not ragged, f"tile {(i, j)} marked full but not all visible"
@@ -110,8 +119,9 @@ def test_sliding_flex_mask_skips_tiles_outside_the_window():
     num_ctx, nb, bs, tile, window = 4096, 64, 16, 128, 256
     anchor = torch.sort(torch.randperm(num_ctx - 1, generator=torch.Generator().manual_seed(0))[:nb] + 1).values
     seq_start = torch.zeros(nb, dtype=torch.int32)  # one long sequence
-    layout = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", tile_size=tile,
-                                  sliding_window=window)
+    layout = BlockAttentionLayout(
+        num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", tile_size=tile, sliding_window=window
+    )
     layout.update(seq_start, anchor.int())
     visited = {}
     for sliding in (False, True):
@@ -130,13 +140,15 @@ def test_update_reuses_tensors():
     ptrs = [t.data_ptr() for t in (layout.block_mask.kv_indices, layout.block_mask.q_indices, layout.seq_start_N)]
     for seed in range(2):
         layout.update(*random_ranges(num_ctx, nb, seed))
-    assert ptrs == [t.data_ptr() for t in (layout.block_mask.kv_indices, layout.block_mask.q_indices,
-                                           layout.seq_start_N)]
+    assert ptrs == [
+        t.data_ptr() for t in (layout.block_mask.kv_indices, layout.block_mask.q_indices, layout.seq_start_N)
+    ]
 
 
 def attend_reference(q, k, v, mask):
-    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                          attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True
+    )[0].transpose(0, 1)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -148,8 +160,15 @@ def test_flex_eager_matches_sdpa_on_cpu(window):
     q = torch.randn(nb * bs, 4, 8, generator=g)
     k, v = torch.randn(2, num_ctx + nb * bs, 2, 8, generator=g)
     dense = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs, sliding_window=window)
-    flex = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", tile_size=8,
-                                compile_flex=False, sliding_window=window)
+    flex = BlockAttentionLayout(
+        num_ctx=num_ctx,
+        num_blocks=nb,
+        block_size=bs,
+        backend="flex",
+        tile_size=8,
+        compile_flex=False,
+        sliding_window=window,
+    )
     ref = attend_reference(q, k, v, loop_mask(seq_start.tolist(), anchor.tolist(), num_ctx, bs, window))
     with torch.no_grad():  # eager flex on CPU has no backward
         for layout in (dense.update(seq_start, anchor), flex.update(seq_start, anchor)):
@@ -173,13 +192,16 @@ def test_flex_compiled_matches_dense_bf16_forward_backward(window):
     q = torch.randn(nb * bs, heads, dim, device=device, generator=g, dtype=torch.bfloat16)
     k, v = torch.randn(2, num_ctx + nb * bs, kv_heads, dim, device=device, generator=g, dtype=torch.bfloat16)
     grad_out = torch.randn_like(q)
-    flex = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", device=device,
-                                sliding_window=window)
+    flex = BlockAttentionLayout(
+        num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", device=device, sliding_window=window
+    )
     flex.update(seq_start, anchor)
     mask = block_mask_dense(seq_start, anchor, num_ctx=num_ctx, block_size=bs, sliding_window=window)
     results = []
-    for fn in (lambda a, b, c: block_attention(a, b, c, flex, sliding=window is not None),
-               lambda a, b, c: attend_reference(a.float(), b.float(), c.float(), mask)):
+    for fn in (
+        lambda a, b, c: block_attention(a, b, c, flex, sliding=window is not None),
+        lambda a, b, c: attend_reference(a.float(), b.float(), c.float(), mask),
+    ):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         out = fn(*leaves)
         out.backward(grad_out.to(out.dtype))
@@ -195,6 +217,7 @@ def test_compiled_flex_runs_with_a_raised_recompile_limit_and_fails_loudly(monke
     from torch._dynamo import config as dynamo_config
 
     import train.attention as attention
+
     seen = {}
 
     def fake_compile(fn, dynamic=None):
@@ -203,12 +226,16 @@ def test_compiled_flex_runs_with_a_raised_recompile_limit_and_fails_loudly(monke
                 if hasattr(dynamo_config, name):
                     seen[name] = getattr(dynamo_config, name)
             return "ran"
+
         return run
 
     monkeypatch.setattr(attention, "_compiled_flex", None)
     monkeypatch.setattr(torch, "compile", fake_compile)
-    before = {name: getattr(dynamo_config, name) for name in ("recompile_limit", "cache_size_limit",
-                                                              "fail_on_recompile_limit_hit") if hasattr(dynamo_config, name)}
+    before = {
+        name: getattr(dynamo_config, name)
+        for name in ("recompile_limit", "cache_size_limit", "fail_on_recompile_limit_hit")
+        if hasattr(dynamo_config, name)
+    }
     assert attention._get_compiled_flex()() == "ran"
     limit = seen.get("recompile_limit", seen.get("cache_size_limit"))
     assert limit is not None and limit >= attention.FLEX_RECOMPILE_LIMIT >= 32

@@ -1,4 +1,5 @@
 """Anchor sampling and block construction (train/blocks.py) against plain Python loops."""
+
 import math
 
 import pytest
@@ -24,8 +25,9 @@ def loop_valid_anchors(batch) -> set[int]:
 
 def sample(batch, num_blocks, block_size=4, seed=0, gamma=7.0):
     g = torch.Generator().manual_seed(seed)
-    return batch_blocks(batch, num_blocks=num_blocks, block_size=block_size, mask_token_id=MASK_ID, gamma=gamma,
-                        generator=g)
+    return batch_blocks(
+        batch, num_blocks=num_blocks, block_size=block_size, mask_token_id=MASK_ID, gamma=gamma, generator=g
+    )
 
 
 def test_valid_anchor_rule_matches_loop():

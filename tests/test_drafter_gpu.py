@@ -4,6 +4,7 @@ No speed assertions: these check that the flex path equals the dense reference a
 27B drafter width, and that one whole training step (sampling, mask, forward, chunked loss,
 backward) captures into a CUDA graph and replays to the eager result.
 """
+
 import copy
 
 import pytest
@@ -33,8 +34,10 @@ def build(cfg, seed=0, param_dtype=torch.bfloat16):
     model = DFlashDrafter(cfg).to(DEVICE, param_dtype)
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     shape = (cfg.vocab_size, cfg.hidden_size)
-    head = TargetHead(torch.randn(shape, device=DEVICE, generator=g).bfloat16() * 0.02,
-                      torch.randn(shape, device=DEVICE, generator=g).bfloat16() * 0.02)
+    head = TargetHead(
+        torch.randn(shape, device=DEVICE, generator=g).bfloat16() * 0.02,
+        torch.randn(shape, device=DEVICE, generator=g).bfloat16() * 0.02,
+    )
     return model, head
 
 
@@ -42,8 +45,9 @@ def run_step(model, head, batch, blocks, layout, loss_cfg):
     layout.update(blocks.seq_start_N, blocks.anchor_N)
     # Autocast is a no-op for bf16 parameters and the trainer's setting for fp32 master parameters.
     with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
-        out = model(batch["hidden_TKH"], batch["position_ids_T"], head.embed(blocks.block_ids_NB),
-                    blocks.block_pos_NB, layout)
+        out = model(
+            batch["hidden_TKH"], batch["position_ids_T"], head.embed(blocks.block_ids_NB), blocks.block_pos_NB, layout
+        )
         parts = block_loss(out, head, blocks, loss_cfg)
     parts.total.backward()
     return parts
@@ -60,28 +64,51 @@ LAYOUTS = {"full": {}, "sliding": dict(layer_types=["sliding_attention"] * 4 + [
 @pytest.mark.parametrize("layers", sorted(LAYOUTS))
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
 def test_flex_matches_sdpa_at_27b_width(param_dtype, layers):
-    cfg = DrafterConfig.for_target(hidden_size=5120, intermediate_size=17408, vocab_size=248320,
-                                   num_target_layers=64, tap_layer_ids=[1, 16, 31, 46, 61], mask_token_id=248070,
-                                   **LAYOUTS[layers])
+    cfg = DrafterConfig.for_target(
+        hidden_size=5120,
+        intermediate_size=17408,
+        vocab_size=248320,
+        num_target_layers=64,
+        tap_layer_ids=[1, 16, 31, 46, 61],
+        mask_token_id=248070,
+        **LAYOUTS[layers],
+    )
     model, head = build(cfg, param_dtype=param_dtype)
     batch = cuda_batch(cfg, [700, 900, 300, 100], 2048, 8)
     num_blocks = 64
-    blocks = sample_blocks(input_ids_T=batch["input_ids_T"], position_ids_T=batch["position_ids_T"],
-                           loss_mask_T=batch["loss_mask_T"], cu_seqlens_S1=batch["cu_seqlens_S1"],
-                           num_blocks=num_blocks, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                           generator=torch.Generator(device=DEVICE).manual_seed(0))
+    blocks = sample_blocks(
+        input_ids_T=batch["input_ids_T"],
+        position_ids_T=batch["position_ids_T"],
+        loss_mask_T=batch["loss_mask_T"],
+        cu_seqlens_S1=batch["cu_seqlens_S1"],
+        num_blocks=num_blocks,
+        block_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id,
+        generator=torch.Generator(device=DEVICE).manual_seed(0),
+    )
     loss_cfg = LossConfig(chunk_blocks=16)
     results = []
     for backend in ("flex", "sdpa"):
         model.zero_grad(set_to_none=True)
-        layout = BlockAttentionLayout(num_ctx=2048, num_blocks=num_blocks, block_size=cfg.block_size,
-                                      backend=backend, device=DEVICE, sliding_window=cfg.attention_window)
+        layout = BlockAttentionLayout(
+            num_ctx=2048,
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            backend=backend,
+            device=DEVICE,
+            sliding_window=cfg.attention_window,
+        )
         parts = run_step(model, head, batch, blocks, layout, loss_cfg)
         results.append((parts.total.detach().float(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (loss_f, grads_f), (loss_s, grads_s) = results
     assert abs(loss_f.item() - loss_s.item()) < 2e-2, f"loss flex {loss_f.item()} vs sdpa {loss_s.item()}"
-    for name in ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
-                 "layers.4.mlp.down_proj.weight", "norm.weight"):
+    for name in (
+        "fc.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.self_attn.k_proj.weight",
+        "layers.4.mlp.down_proj.weight",
+        "norm.weight",
+    ):
         err = rel_err(grads_f[name], grads_s[name])
         assert err < 5e-2, f"{name}: relative grad error {err}"
 
@@ -89,21 +116,41 @@ def test_flex_matches_sdpa_at_27b_width(param_dtype, layers):
 @pytest.mark.parametrize("layers", ["full", "sliding"])
 def test_training_step_captures_into_cuda_graph_and_replays(layers):
     shape = {} if layers == "full" else dict(layer_types=["sliding_attention", "full_attention"], sliding_window=200)
-    cfg = DrafterConfig.for_target(hidden_size=256, intermediate_size=512, vocab_size=1000, num_target_layers=8,
-                                   tap_layer_ids=[1, 3, 5], mask_token_id=999, num_layers=2, **shape)
+    cfg = DrafterConfig.for_target(
+        hidden_size=256,
+        intermediate_size=512,
+        vocab_size=1000,
+        num_target_layers=8,
+        tap_layer_ids=[1, 3, 5],
+        mask_token_id=999,
+        num_layers=2,
+        **shape,
+    )
     model, head = build(cfg, param_dtype=torch.float32)  # fp32 master weights under autocast, as the trainer
     reference = copy.deepcopy(model)
     batch = cuda_batch(cfg, [300, 400, 200], 1024, 4)
     num_blocks = 32
     loss_cfg = LossConfig(kl_lambda=0.0, cap_lambda=0.5, chunk_blocks=8)
-    layout = BlockAttentionLayout(num_ctx=1024, num_blocks=num_blocks, block_size=cfg.block_size, backend="flex",
-                                  device=DEVICE, sliding_window=cfg.attention_window)
+    layout = BlockAttentionLayout(
+        num_ctx=1024,
+        num_blocks=num_blocks,
+        block_size=cfg.block_size,
+        backend="flex",
+        device=DEVICE,
+        sliding_window=cfg.attention_window,
+    )
 
     def step():
         # Default CUDA generator: graph-safe, so each replay draws new anchors.
-        blocks = sample_blocks(input_ids_T=batch["input_ids_T"], position_ids_T=batch["position_ids_T"],
-                               loss_mask_T=batch["loss_mask_T"], cu_seqlens_S1=batch["cu_seqlens_S1"],
-                               num_blocks=num_blocks, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id)
+        blocks = sample_blocks(
+            input_ids_T=batch["input_ids_T"],
+            position_ids_T=batch["position_ids_T"],
+            loss_mask_T=batch["loss_mask_T"],
+            cu_seqlens_S1=batch["cu_seqlens_S1"],
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            mask_token_id=cfg.mask_token_id,
+        )
         return run_step(model, head, batch, blocks, layout, loss_cfg), blocks
 
     side = torch.cuda.Stream()
@@ -128,8 +175,13 @@ def test_training_step_captures_into_cuda_graph_and_replays(layers):
     assert not torch.equal(*anchors_seen), "replays must draw fresh anchors"
 
     replayed = TrainingBlocks(**{k: v.clone() for k, v in vars(blocks).items()})
-    dense = BlockAttentionLayout(num_ctx=1024, num_blocks=num_blocks, block_size=cfg.block_size, device=DEVICE,
-                                 sliding_window=cfg.attention_window)
+    dense = BlockAttentionLayout(
+        num_ctx=1024,
+        num_blocks=num_blocks,
+        block_size=cfg.block_size,
+        device=DEVICE,
+        sliding_window=cfg.attention_window,
+    )
     eager = run_step(reference, head, batch, replayed, dense, loss_cfg)
     assert torch.isfinite(parts.total).item()
     assert abs(parts.total.item() - eager.total.item()) < 2e-2, f"{parts.total.item()} vs {eager.total.item()}"

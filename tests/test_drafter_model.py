@@ -1,5 +1,6 @@
 """The drafter model (train/model.py, train/drafter_config.py): names, shape, and the math against a float64
 naive implementation written from the architecture description, plus training vs inference forward."""
+
 import math
 
 import pytest
@@ -21,8 +22,14 @@ def test_parameter_names_are_zlab():
 
 
 def test_27b_width_has_published_shape_and_1_73b_parameters():
-    cfg = DrafterConfig.for_target(hidden_size=5120, intermediate_size=17408, vocab_size=248320,
-                                   num_target_layers=64, tap_layer_ids=[1, 16, 31, 46, 61], mask_token_id=248070)
+    cfg = DrafterConfig.for_target(
+        hidden_size=5120,
+        intermediate_size=17408,
+        vocab_size=248320,
+        num_target_layers=64,
+        tap_layer_ids=[1, 16, 31, 46, 61],
+        mask_token_id=248070,
+    )
     assert (cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (5, 32, 8, 128)
     # Closed form: fc + 5 x (q, k, v, o, gate/up/down, 4 norms) + 2 norms.
     H, I, qd, kvd = 5120, 17408, 32 * 128, 8 * 128  # noqa: E741 (I: the MLP width, as in the legend)
@@ -35,17 +42,33 @@ def test_27b_width_has_published_shape_and_1_73b_parameters():
 
 @pytest.mark.parametrize("hidden", [16, 64, 256, 2048, 4096])
 def test_for_target_scales_to_other_widths(hidden):
-    cfg = DrafterConfig.for_target(hidden_size=hidden, intermediate_size=3 * hidden, vocab_size=100,
-                                   num_target_layers=8, tap_layer_ids=[1, 3, 5], mask_token_id=99)
+    cfg = DrafterConfig.for_target(
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        vocab_size=100,
+        num_target_layers=8,
+        tap_layer_ids=[1, 3, 5],
+        mask_token_id=99,
+    )
     assert cfg.num_attention_heads * cfg.head_dim == hidden
     assert cfg.num_attention_heads % cfg.num_key_value_heads == 0
     assert cfg.head_dim == (128 if hidden >= 1024 else hidden // 8)
 
 
-@pytest.mark.parametrize("field,value", [("num_key_value_heads", 3), ("head_dim", 7), ("mask_token_id", 97),
-                                         ("tap_layer_ids", [0, 4]), ("block_size", 1), ("tap_layer_ids", []),
-                                         ("layer_types", ["full_attention"]), ("layer_types", ["full", "full"]),
-                                         ("sliding_window", 64)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("num_key_value_heads", 3),
+        ("head_dim", 7),
+        ("mask_token_id", 97),
+        ("tap_layer_ids", [0, 4]),
+        ("block_size", 1),
+        ("tap_layer_ids", []),
+        ("layer_types", ["full_attention"]),
+        ("layer_types", ["full", "full"]),
+        ("sliding_window", 64),
+    ],
+)
 def test_config_rejects_bad_fields(field, value):
     with pytest.raises(ValueError, match=field if field != "num_key_value_heads" else "num_attention_heads"):
         tiny_config(**{field: value})
@@ -63,10 +86,12 @@ def test_layout_without_window_refuses_sliding_drafter():
     batch = make_batch([20, 28], 48, 4, cfg.num_taps, cfg.hidden_size)
     blocks = batch_blocks(batch, num_blocks=4, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id)
     layout = BlockAttentionLayout(num_ctx=48, num_blocks=4, block_size=cfg.block_size).update(
-        blocks.seq_start_N, blocks.anchor_N)
+        blocks.seq_start_N, blocks.anchor_N
+    )
     with pytest.raises(ValueError, match="sliding_window"):
-        model(batch["hidden_TKH"], batch["position_ids_T"], head.embed(blocks.block_ids_NB), blocks.block_pos_NB,
-              layout)
+        model(
+            batch["hidden_TKH"], batch["position_ids_T"], head.embed(blocks.block_ids_NB), blocks.block_pos_NB, layout
+        )
 
 
 # ---- float64 naive reference, written from the architecture text ---------------------------------
@@ -97,16 +122,21 @@ def ref_forward_block(params, cfg, ctx_hidden_LKH, ctx_pos, block_embed_BH, bloc
     x = block_embed_BH.double()
     L, B = ctx.shape[0], x.shape[0]
     for i in range(cfg.num_layers):
+
         def p(n, i=i):
             return P[f"layers.{i}.{n}.weight"]
 
         h = ref_rms(x, p("input_layernorm"), eps)
-        q = ref_rope(ref_rms((h @ p("self_attn.q_proj").T).view(B, N, D), p("self_attn.q_norm"), eps), block_pos,
-                     cfg.rope_theta)
+        q = ref_rope(
+            ref_rms((h @ p("self_attn.q_proj").T).view(B, N, D), p("self_attn.q_norm"), eps), block_pos, cfg.rope_theta
+        )
         kv_in = torch.cat([ctx, h])
         kv_pos = torch.cat([ctx_pos, block_pos])
-        k = ref_rope(ref_rms((kv_in @ p("self_attn.k_proj").T).view(L + B, M, D), p("self_attn.k_norm"), eps), kv_pos,
-                     cfg.rope_theta)
+        k = ref_rope(
+            ref_rms((kv_in @ p("self_attn.k_proj").T).view(L + B, M, D), p("self_attn.k_norm"), eps),
+            kv_pos,
+            cfg.rope_theta,
+        )
         v = (kv_in @ p("self_attn.v_proj").T).view(L + B, M, D)
         att = torch.zeros(B, N, D, dtype=torch.float64)
         for qi in range(B):
@@ -129,9 +159,12 @@ def ref_forward_block(params, cfg, ctx_hidden_LKH, ctx_pos, block_embed_BH, bloc
 
 
 SLIDING = "sliding_attention"
-LAYOUTS = {"full": {}, "sliding_w3": dict(layer_types=[SLIDING, "full_attention"], sliding_window=3),
-           "sliding_w7": dict(layer_types=["full_attention", SLIDING], sliding_window=7),
-           "all_sliding_w100": dict(layer_types=[SLIDING, SLIDING], sliding_window=100)}
+LAYOUTS = {
+    "full": {},
+    "sliding_w3": dict(layer_types=[SLIDING, "full_attention"], sliding_window=3),
+    "sliding_w7": dict(layer_types=["full_attention", SLIDING], sliding_window=7),
+    "all_sliding_w100": dict(layer_types=[SLIDING, SLIDING], sliding_window=100),
+}
 
 
 @pytest.mark.parametrize("layers", sorted(LAYOUTS))
@@ -152,10 +185,16 @@ def test_forward_block_matches_float64_reference(layers):
 
 def blocks_and_layout(cfg, batch, num_blocks):
     """Seeded blocks over a 48-token batch and the dense attention layout they imply."""
-    blocks = batch_blocks(batch, num_blocks=num_blocks, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                          generator=torch.Generator().manual_seed(0))
-    layout = BlockAttentionLayout(num_ctx=48, num_blocks=num_blocks, block_size=cfg.block_size,
-                                  sliding_window=cfg.attention_window)
+    blocks = batch_blocks(
+        batch,
+        num_blocks=num_blocks,
+        block_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id,
+        generator=torch.Generator().manual_seed(0),
+    )
+    layout = BlockAttentionLayout(
+        num_ctx=48, num_blocks=num_blocks, block_size=cfg.block_size, sliding_window=cfg.attention_window
+    )
     return blocks, layout.update(blocks.seq_start_N, blocks.anchor_N)
 
 
@@ -166,14 +205,19 @@ def test_training_forward_matches_inference_forward_per_block(layers):
     batch = make_batch([9, 14, 3, 11], 48, 6, cfg.num_taps, cfg.hidden_size, unsupervised=(20,))
     blocks, layout = blocks_and_layout(cfg, batch, num_blocks=12)
     with torch.no_grad():
-        out_NBH = model(batch["hidden_TKH"], batch["position_ids_T"], head.embed(blocks.block_ids_NB),
-                        blocks.block_pos_NB, layout)
+        out_NBH = model(
+            batch["hidden_TKH"], batch["position_ids_T"], head.embed(blocks.block_ids_NB), blocks.block_pos_NB, layout
+        )
         assert out_NBH.shape == (12, cfg.block_size, cfg.hidden_size)
         checked = 0
         for n in range(12):
             s, a = int(blocks.seq_start_N[n]), int(blocks.anchor_N[n])
-            one = model.forward_block(batch["hidden_TKH"][s:a], batch["position_ids_T"][s:a],
-                                      head.embed(blocks.block_ids_NB[n]), blocks.block_pos_NB[n])
+            one = model.forward_block(
+                batch["hidden_TKH"][s:a],
+                batch["position_ids_T"][s:a],
+                head.embed(blocks.block_ids_NB[n]),
+                blocks.block_pos_NB[n],
+            )
             diff = (one - out_NBH[n]).abs().max().item()
             assert diff < 1e-5, f"block {n} (context [{s}, {a})): max abs diff {diff}"
             checked += bool(blocks.block_valid_N[n])
@@ -188,8 +232,14 @@ def test_activation_checkpointing_keeps_values_and_grads():
     results = []
     for ckpt in (False, True):
         model.zero_grad(set_to_none=True)
-        out = model(batch["hidden_TKH"], batch["position_ids_T"], head.embed(blocks.block_ids_NB),
-                    blocks.block_pos_NB, layout, checkpoint_layers=ckpt)
+        out = model(
+            batch["hidden_TKH"],
+            batch["position_ids_T"],
+            head.embed(blocks.block_ids_NB),
+            blocks.block_pos_NB,
+            layout,
+            checkpoint_layers=ckpt,
+        )
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         results.append((out.detach(), [p.grad.clone() for p in model.parameters()]))
     assert torch.equal(results[0][0], results[1][0])

@@ -12,6 +12,7 @@ Both engines load config.json through HF's Qwen3Config first, which drops slidin
 use_sliding_window is true (hf_qwen3_view). RoPE is read as transformers 4 exposes it (rope_parameters
 only when the file has it), the stricter case: transformers 5 also converts a bare rope_theta.
 """
+
 from __future__ import annotations
 
 import json
@@ -151,10 +152,25 @@ def engine_mask(seq_start, anchor, num_ctx, block_size, causal: bool, window_lef
 
 def published_27b_layout(**changes) -> DrafterConfig:
     """The Qwen3.6-27B drafter layout SpecForge's configs/qwen3.6-27b-dflash.json describes."""
-    base = dict(num_layers=5, hidden_size=5120, intermediate_size=17408, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=128, rope_theta=1e7, block_size=16, mask_token_id=248070, tap_layer_ids=[1, 16, 31, 46, 61],
-                num_target_layers=64, vocab_size=248320, layer_types=[SLIDING] * 4 + [FULL], sliding_window=2048,
-                bos_token_id=248043, eos_token_id=248044, pad_token_id=248044)
+    base = dict(
+        num_layers=5,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=1e7,
+        block_size=16,
+        mask_token_id=248070,
+        tap_layer_ids=[1, 16, 31, 46, 61],
+        num_target_layers=64,
+        vocab_size=248320,
+        layer_types=[SLIDING] * 4 + [FULL],
+        sliding_window=2048,
+        bos_token_id=248043,
+        eos_token_id=248044,
+        pad_token_id=248044,
+    )
     base.update(changes)
     return DrafterConfig(**base)
 
@@ -176,17 +192,22 @@ def test_engines_resolve_our_config_field_by_field(name, tmp_path):
 
     assert vllm_rope_theta(hf) == sglang_rope_theta(hf) == cfg.rope_theta
     assert [vllm_layer_causal(hf, i) for i in range(cfg.num_layers)] == sliding
-    assert [vllm_layer_window(hf, i) for i in range(cfg.num_layers)] == [cfg.sliding_window if s else None
-                                                                        for s in sliding]
-    assert [sglang_layer(hf, i) for i in range(cfg.num_layers)] == [(True, cfg.sliding_window - 1) if s else (False, -1)
-                                                                   for s in sliding]
+    assert [vllm_layer_window(hf, i) for i in range(cfg.num_layers)] == [
+        cfg.sliding_window if s else None for s in sliding
+    ]
+    assert [sglang_layer(hf, i) for i in range(cfg.num_layers)] == [
+        (True, cfg.sliding_window - 1) if s else (False, -1) for s in sliding
+    ]
     # Taps: vLLM captures the input of layer j+1 = the output of layer j, our convention.
     assert [c - 1 for c in vllm_captured_layers(hf)] == sglang_target_layers(hf) == cfg.tap_layer_ids
     assert vllm_fc_input(hf) == sglang_fc_input(hf) == cfg.num_taps * cfg.hidden_size
     assert vllm_mask_token_id(hf) == sglang_mask_token_id(hf) == cfg.mask_token_id
     assert sglang_block_size(hf) == cfg.block_size  # vLLM takes it from --speculative-config
-    assert (hf["bos_token_id"], hf["eos_token_id"], hf["pad_token_id"]) == (cfg.bos_token_id, cfg.eos_token_id,
-                                                                            cfg.pad_token_id)
+    assert (hf["bos_token_id"], hf["eos_token_id"], hf["pad_token_id"]) == (
+        cfg.bos_token_id,
+        cfg.eos_token_id,
+        cfg.pad_token_id,
+    )
 
 
 @pytest.mark.parametrize("name", ["sliding_tiny", "full_tiny"])
@@ -199,8 +220,13 @@ def test_engine_attention_rule_equals_our_training_mask(name):
         causal, window_left = sglang_layer(hf, i)
         vllm_window = vllm_layer_window(hf, i)
         assert vllm_layer_causal(hf, i) == causal and (vllm_window or 0) - 1 == window_left
-        ours = block_mask_dense(torch.tensor(seq_start), torch.tensor(anchor), num_ctx=num_ctx, block_size=bs,
-                                sliding_window=cfg.sliding_window if cfg.sliding_layers[i] else None)
+        ours = block_mask_dense(
+            torch.tensor(seq_start),
+            torch.tensor(anchor),
+            num_ctx=num_ctx,
+            block_size=bs,
+            sliding_window=cfg.sliding_window if cfg.sliding_layers[i] else None,
+        )
         assert torch.equal(ours, engine_mask(seq_start, anchor, num_ctx, bs, causal, window_left)), f"layer {i}"
 
 

@@ -49,8 +49,16 @@ def data(tmp_path):
 
 
 def _cfg(target, data, out, **kw):
-    base = dict(target=str(target), data=str(data), out_dir=str(out), token_budget=256, max_seqs=8, dtype="float32",
-                mask_token_id=511, progress_interval_s=0.0)
+    base = dict(
+        target=str(target),
+        data=str(data),
+        out_dir=str(out),
+        token_budget=256,
+        max_seqs=8,
+        dtype="float32",
+        mask_token_id=511,
+        progress_interval_s=0.0,
+    )
     base.update(kw)
     return ExtractConfig(**base)
 
@@ -79,7 +87,9 @@ def test_cache_equals_direct_forward_of_each_sample(target, data, tmp_path, stor
             seen.add(entry.sample_id)
             n = len(s)
             ids = torch.from_numpy(s.input_ids.astype(np.int64))
-            ref, top_ids, top_lp = model.topk_next_tokens(ids, torch.arange(n), torch.tensor([0, n], dtype=torch.int32), taps, 3)
+            ref, top_ids, top_lp = model.topk_next_tokens(
+                ids, torch.arange(n), torch.tensor([0, n], dtype=torch.int32), taps, 3
+            )
             got = hidden[entry.offset : entry.offset + n]
             rel = ((got - ref.float()).norm() / ref.float().norm()).item()
             # Stored in bf16 (2^-8 relative rounding) or fp8 e4m3 (per-row scaled, ~2-3%).
@@ -129,7 +139,9 @@ def test_sigkill_then_resume_gives_identical_cache(target, data, tmp_path):
         else:
             assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     assert kills >= 1
-    assert list((out / "shards").glob(".tmp-*")) or len(ShardReader(out).batch_ids()) < len(ShardReader(reference).batch_ids())
+    assert list((out / "shards").glob(".tmp-*")) or len(ShardReader(out).batch_ids()) < len(
+        ShardReader(reference).batch_ids()
+    )
     summary = run_extract(_cfg(target, data, out))
     assert summary.resumed >= 1
     assert not list((out / "shards").glob(".tmp-*"))
@@ -144,9 +156,31 @@ def test_sigkill_then_resume_gives_identical_cache(target, data, tmp_path):
 @pytest.mark.slow
 def test_two_ranks_cover_the_plan_disjointly(target, data, tmp_path):
     out = tmp_path / "cache"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "extract.cli",
-           "--target", str(target), "--data", str(data), "--out", str(out), "--token-budget", "256",
-           "--max-seqs", "8", "--dtype", "float32", "--device", "cpu", "--progress-interval", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "extract.cli",
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--token-budget",
+        "256",
+        "--max-seqs",
+        "8",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--progress-interval",
+        "0",
+    ]
     proc = subprocess.run(cmd, capture_output=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     logs = {p.name: [json.loads(line) for line in p.read_text().splitlines()] for p in (out / "logs").glob("*.jsonl")}
@@ -171,9 +205,25 @@ def test_resume_with_other_settings_is_refused(target, data, tmp_path):
     write_jsonl(other, _samples(seed=9))
     with pytest.raises(CacheMismatchError, match="dataset.fingerprint"):
         run_extract(_cfg(target, other, out))
-    result = CliRunner().invoke(extract_cli, ["--target", str(target), "--data", str(other), "--out", str(out),
-                                              "--token-budget", "256", "--max-seqs", "8", "--dtype", "float32",
-                                              "--mask-token-id", "511"])
+    result = CliRunner().invoke(
+        extract_cli,
+        [
+            "--target",
+            str(target),
+            "--data",
+            str(other),
+            "--out",
+            str(out),
+            "--token-budget",
+            "256",
+            "--max-seqs",
+            "8",
+            "--dtype",
+            "float32",
+            "--mask-token-id",
+            "511",
+        ],
+    )
     assert result.exit_code != 0 and "--overwrite" in result.output
     summary = run_extract(_cfg(target, other, out, overwrite=True))
     assert summary.resumed == 0 and verify_cache(out).ok
@@ -212,15 +262,51 @@ def test_parquet_input_and_cli_summary(target, tmp_path):
     data = tmp_path / "data.parquet"
     write_parquet(data, _samples(n=10))
     out = tmp_path / "cache"
-    result = CliRunner().invoke(extract_cli, ["--target", str(target), "--data", str(data), "--out", str(out),
-                                              "--token-budget", "256", "--max-seqs", "8", "--dtype", "float32",
-                                              "--storage", "fp8", "--taps", "1,3"])
+    result = CliRunner().invoke(
+        extract_cli,
+        [
+            "--target",
+            str(target),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--token-budget",
+            "256",
+            "--max-seqs",
+            "8",
+            "--dtype",
+            "float32",
+            "--storage",
+            "fp8",
+            "--taps",
+            "1,3",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "tok/s" in result.output and "padding efficiency" in result.output
     assert ShardReader(out).config.tap_layer_ids == [1, 3]
-    again = CliRunner().invoke(extract_cli, ["--target", str(target), "--data", str(data), "--out", str(out),
-                                             "--token-budget", "256", "--max-seqs", "8", "--dtype", "float32",
-                                             "--storage", "fp8", "--taps", "1,3"])
+    again = CliRunner().invoke(
+        extract_cli,
+        [
+            "--target",
+            str(target),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--token-budget",
+            "256",
+            "--max-seqs",
+            "8",
+            "--dtype",
+            "float32",
+            "--storage",
+            "fp8",
+            "--taps",
+            "1,3",
+        ],
+    )
     assert again.exit_code == 0, again.output
     assert "nothing to extract" in again.output and "is complete" in again.output
     assert "0 tok/s" not in again.output and "0.0%" not in again.output
@@ -277,9 +363,31 @@ def test_drafter_export_carries_the_target_token_ids_from_the_cache(target, data
 def test_a_refusal_on_rank_0_stops_every_rank(target, data, tmp_path):
     out = tmp_path / "cache"
     run_extract(_cfg(target, data, out))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "extract.cli",
-           "--target", str(target), "--data", str(data), "--out", str(out), "--token-budget", "256",
-           "--max-seqs", "8", "--dtype", "float32", "--device", "cpu", "--storage", "fp8"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "extract.cli",
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--token-budget",
+        "256",
+        "--max-seqs",
+        "8",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--storage",
+        "fp8",
+    ]
     # Rank 1 must not wait at a barrier for rank 0, which refused the resume.
     proc = subprocess.run(cmd, capture_output=True, timeout=240, cwd=REPO)
     assert proc.returncode != 0

@@ -146,8 +146,13 @@ def kill_plan(seed, num_batches):
 def kill_extraction(cfg, point, k, tmp_path):
     marker = tmp_path / f"killed-{point}-{k}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, json.dumps(vars(cfg)), point, str(k), str(marker)],
-                          capture_output=True, timeout=300, env=env, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_SCRIPT, json.dumps(vars(cfg)), point, str(k), str(marker)],
+        capture_output=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
     assert proc.returncode == KILL_EXIT, f"exit {proc.returncode}, expected SIGKILL:\n{proc.stderr.decode()[-3000:]}"
     assert marker.read_text() == f"{point} {k}", "killed, but not at the injected point"
 
@@ -187,6 +192,7 @@ def test_sigkill_at_random_point_then_resume_gives_identical_cache(target, data,
 
 # ---- 2-3. disk full ---------------------------------------------------------------------------------------
 
+
 def inject_disk_full(monkeypatch, file_name):
     """The durable write of `file_name` runs out of space after 4 KB, as a real full disk fails a write.
 
@@ -206,6 +212,7 @@ def inject_disk_full(monkeypatch, file_name):
                 f.write(b"\0" * 4096)
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             write(f)
+
         real(path, fill_disk)
 
     monkeypatch.setattr(durable, "atomic_write", atomic_write)  # behind atomic_write_text / _bytes
@@ -222,8 +229,12 @@ def errno_in_chain(exc, code):
 
 
 # (file that fills the disk, shards expected on disk afterwards: None = all of them)
-DISK_FULL_AT = {"shard 0": ("b00000000.safetensors", []), "shard 3": ("b00000003.safetensors", [0, 1, 2]),
-                "manifest": ("manifest.parquet", None), "cache creation": ("cache.json", [])}
+DISK_FULL_AT = {
+    "shard 0": ("b00000000.safetensors", []),
+    "shard 3": ("b00000003.safetensors", [0, 1, 2]),
+    "manifest": ("manifest.parquet", None),
+    "cache creation": ("cache.json", []),
+}
 
 
 @pytest.mark.parametrize("where", list(DISK_FULL_AT))
@@ -258,14 +269,18 @@ def test_disk_full_error_names_the_batch_and_its_file(target, data, tmp_path, mo
     shown = result.output
     print(f"dflash-extract output on a full disk:\n{shown}\nexception: {result.exception!r}")
     assert "No space left on device" in shown, "the user must see why the run stopped, not a bare traceback"
-    assert "b00000001.safetensors" in shown or "batch 1" in shown, f"the message must name batch 1 or its file: {shown!r}"
+    assert "b00000001.safetensors" in shown or "batch 1" in shown, (
+        f"the message must name batch 1 or its file: {shown!r}"
+    )
 
 
 # ---- 4. non-finite hidden states --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("value,batch", [(float("nan"), 2), (float("inf"), 1), (float("-inf"), 4)])
-def test_non_finite_batch_stops_naming_it_and_keeps_earlier_shards(target, data, reference, tmp_path, monkeypatch,
-                                                                   value, batch):
+def test_non_finite_batch_stops_naming_it_and_keeps_earlier_shards(
+    target, data, reference, tmp_path, monkeypatch, value, batch
+):
     real = TargetModel.forward_packed
     calls = [0]
 
@@ -294,8 +309,8 @@ def test_non_finite_batch_stops_naming_it_and_keeps_earlier_shards(target, data,
     assert_equals_reference(out, reference)
 
 
-
 # ---- 5. a damaged shard in a finished cache is redone by the same command ---------------------------------
+
 
 @pytest.mark.parametrize("how", ["flip", "truncate"])
 def test_rerun_redoes_a_damaged_shard_only(target, data, reference, tmp_path, how):

@@ -48,6 +48,7 @@ def export(*args):
 
 # ---- 1. export refusals and permissions -------------------------------------------------------------------
 
+
 def test_export_into_a_target_checkpoint_is_refused(trained, tmp_path):
     _, run = trained
     target = write_random_checkpoint(tmp_path / "target", seed=1)
@@ -91,6 +92,7 @@ def test_replacing_an_export_needs_overwrite_and_files_are_readable_by_all(train
 
 # ---- 2. damaged checkpoints -------------------------------------------------------------------------------
 
+
 def _flip(path):
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0x10
@@ -101,8 +103,11 @@ def _truncate(path):
     path.write_bytes(path.read_bytes()[:-64])
 
 
-DAMAGE = {"flipped weight byte": ("model.safetensors", _flip), "truncated optimizer": ("optimizer.pt", _truncate),
-          "truncated weights": ("model.safetensors", _truncate)}
+DAMAGE = {
+    "flipped weight byte": ("model.safetensors", _flip),
+    "truncated optimizer": ("optimizer.pt", _truncate),
+    "truncated weights": ("model.safetensors", _truncate),
+}
 
 
 @pytest.mark.parametrize("case", list(DAMAGE))
@@ -133,6 +138,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(trained, tmp_path,
 
 # ---- 3. full disk while checkpointing ---------------------------------------------------------------------
 
+
 def test_disk_full_while_checkpointing_names_the_file(tmp_path, monkeypatch):
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
     run = tmp_path / "run"
@@ -152,6 +158,7 @@ def test_disk_full_while_checkpointing_names_the_file(tmp_path, monkeypatch):
 
 
 # ---- 4. a shard of another cache --------------------------------------------------------------------------
+
 
 def test_a_shard_of_another_cache_is_refused_naming_it(tmp_path):
     cache = tiny_cache(tmp_path / "a", num_batches=3, seed=0)

@@ -55,6 +55,7 @@ def flip_byte(path, offset=-10):
 
 # ---- 1. dflash-shards verify on a damaged cache -----------------------------------------------------------
 
+
 def _missing_shard(cache):
     shard_path(cache, 2).unlink()
     return shard_path(cache, 2), "missing"
@@ -86,8 +87,11 @@ def _head_missing(cache):
     return cache / "target_head.safetensors", "not found"
 
 
-@pytest.mark.parametrize("damage", [_missing_shard, _stale_manifest, _unreadable_manifest, _head_flipped,
-                                    _head_missing], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "damage",
+    [_missing_shard, _stale_manifest, _unreadable_manifest, _head_flipped, _head_missing],
+    ids=lambda f: f.__name__.strip("_"),
+)
 def test_verify_names_each_damage(reference, tmp_path, damage):
     cache = copy_cache(reference, tmp_path)
     path, reason = damage(cache)
@@ -164,6 +168,7 @@ def test_training_refuses_a_damaged_target_head_naming_it(reference, tmp_path):
 
 # ---- 3-4. bad inputs to dflash-extract --------------------------------------------------------------------
 
+
 def _good_rows(n=5):
     return [{"id": f"g{i}", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]} for i in range(n)]
 
@@ -192,26 +197,49 @@ def _ids(n=5):
 
 
 BAD_INPUTS = [
-    ("jsonl id outside vocab", lambda t: _jsonl(t, {"input_ids": [1, VOCAB]}),
-     rf"bad.jsonl, row 2 \(line 3\): input_ids\[1\] = {VOCAB} is outside \[0, {VOCAB}\)"),
-    ("jsonl negative id", lambda t: _jsonl(t, {"input_ids": [-3, 1]}),
-     r"bad.jsonl, row 2 \(line 3\): input_ids\[0\] = -3 is outside"),
-    ("jsonl mask length", lambda t: _jsonl(t, {"input_ids": [1, 2, 3], "loss_mask": [1, 1]}),
-     r"bad.jsonl, row 2 \(line 3\): loss_mask has 2 values, input_ids has 3"),
+    (
+        "jsonl id outside vocab",
+        lambda t: _jsonl(t, {"input_ids": [1, VOCAB]}),
+        rf"bad.jsonl, row 2 \(line 3\): input_ids\[1\] = {VOCAB} is outside \[0, {VOCAB}\)",
+    ),
+    (
+        "jsonl negative id",
+        lambda t: _jsonl(t, {"input_ids": [-3, 1]}),
+        r"bad.jsonl, row 2 \(line 3\): input_ids\[0\] = -3 is outside",
+    ),
+    (
+        "jsonl mask length",
+        lambda t: _jsonl(t, {"input_ids": [1, 2, 3], "loss_mask": [1, 1]}),
+        r"bad.jsonl, row 2 \(line 3\): loss_mask has 2 values, input_ids has 3",
+    ),
     ("jsonl malformed", lambda t: _jsonl(t, '{"input_ids": [1, 2'), r"bad.jsonl, row 2 \(line 3\): malformed JSON"),
     ("jsonl no input_ids", lambda t: _jsonl(t, {"tokens": [1]}), r"bad.jsonl, row 2 \(line 3\): missing input_ids"),
-    ("parquet id outside vocab", lambda t: _parquet(t, {"input_ids": _ids(3) + [[1, VOCAB + 7]] + _ids(1)}),
-     rf"bad.parquet, row 3: input_ids\[1\] = {VOCAB + 7} is outside"),
-    ("parquet mask length", lambda t: _parquet(t, {"input_ids": _ids(), "loss_mask": [[1] * 4] * 4 + [[1]]}),
-     r"bad.parquet, row 4: loss_mask has 1 values, input_ids has 4"),
-    ("parquet null token", lambda t: _parquet(t, {"input_ids": _ids(1) + [[1, None]] + _ids(3)}),
-     r"bad.parquet, row 1: input_ids contains a null value"),
-    ("parquet float ids", lambda t: _parquet(t, {"input_ids": [[1.0, 2.0]] * 5}),
-     r"bad.parquet: column input_ids has type list<.*double>, expected a list of integers"),
-    ("not parquet", lambda t: _garbage(t / "bad.parquet"),
-     r"bad.parquet: not a readable Parquet file"),
-    ("long sample, --long-seqs error", lambda t: _jsonl(t, {"id": "big", "input_ids": [5] * 300}),
-     r"bad.jsonl, row 2 \(line 3\): sample 'big' has 300 tokens, more than token_budget 256"),
+    (
+        "parquet id outside vocab",
+        lambda t: _parquet(t, {"input_ids": _ids(3) + [[1, VOCAB + 7]] + _ids(1)}),
+        rf"bad.parquet, row 3: input_ids\[1\] = {VOCAB + 7} is outside",
+    ),
+    (
+        "parquet mask length",
+        lambda t: _parquet(t, {"input_ids": _ids(), "loss_mask": [[1] * 4] * 4 + [[1]]}),
+        r"bad.parquet, row 4: loss_mask has 1 values, input_ids has 4",
+    ),
+    (
+        "parquet null token",
+        lambda t: _parquet(t, {"input_ids": _ids(1) + [[1, None]] + _ids(3)}),
+        r"bad.parquet, row 1: input_ids contains a null value",
+    ),
+    (
+        "parquet float ids",
+        lambda t: _parquet(t, {"input_ids": [[1.0, 2.0]] * 5}),
+        r"bad.parquet: column input_ids has type list<.*double>, expected a list of integers",
+    ),
+    ("not parquet", lambda t: _garbage(t / "bad.parquet"), r"bad.parquet: not a readable Parquet file"),
+    (
+        "long sample, --long-seqs error",
+        lambda t: _jsonl(t, {"id": "big", "input_ids": [5] * 300}),
+        r"bad.jsonl, row 2 \(line 3\): sample 'big' has 300 tokens, more than token_budget 256",
+    ),
 ]
 
 
@@ -253,6 +281,7 @@ def test_empty_and_long_samples_are_counted_never_silent(target, tmp_path, caplo
 
 # ---- 5. resuming an extraction with other settings --------------------------------------------------------
 
+
 def _reordered(tmp_path):
     path = tmp_path / "reordered.jsonl"
     samples = make_samples()
@@ -278,8 +307,9 @@ RESUME_CHANGES = [
 
 
 @pytest.mark.parametrize("name,change,field", RESUME_CHANGES, ids=[c[0] for c in RESUME_CHANGES])
-def test_resume_with_other_settings_is_refused_and_cache_untouched(target, data, reference, tmp_path, name, change,
-                                                                   field):
+def test_resume_with_other_settings_is_refused_and_cache_untouched(
+    target, data, reference, tmp_path, name, change, field
+):
     cache = copy_cache(reference, tmp_path)
     before = snapshot(cache)
     kw = {"target": target, "data": data, **change(tmp_path)}
@@ -290,6 +320,7 @@ def test_resume_with_other_settings_is_refused_and_cache_untouched(target, data,
 
 
 # ---- 6-7. training resume faults --------------------------------------------------------------------------
+
 
 def test_training_resume_on_a_cache_of_another_target_is_refused(tmp_path):
     run = tmp_path / "run"
@@ -338,11 +369,17 @@ def test_training_killed_while_checkpointing_resumes_exactly(tmp_path):
 
     killed = tmp_path / "killed"
     marker = tmp_path / "killed-at"
-    args = tiny_cli_args(cache, killed, "--epochs", "4", "--checkpoint-every", "4", "--keep-checkpoints", "3",
-                         "--metrics-every", "3")
+    args = tiny_cli_args(
+        cache, killed, "--epochs", "4", "--checkpoint-every", "4", "--keep-checkpoints", "3", "--metrics-every", "3"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-    proc = subprocess.run([sys.executable, "-c", TRAIN_KILL_SCRIPT, str(marker), *args], env=env, cwd=REPO,
-                          capture_output=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", TRAIN_KILL_SCRIPT, str(marker), *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-3000:]
     assert ".tmp-step-00000008" in marker.read_text(), marker.read_text()
     assert latest_checkpoint(killed).step == 4, "the half-written step 8 must not count as a checkpoint"

@@ -54,6 +54,7 @@ def user_folder(path):
 
 # ---- 1. --overwrite removes only a cache of ours, only our files ------------------------------------------
 
+
 @pytest.mark.parametrize("flag", [[], ["--overwrite"]], ids=["plain", "overwrite"])
 def test_a_folder_of_user_files_is_never_deleted(target, data, tmp_path, flag):
     out = user_folder(tmp_path / "mine")
@@ -119,6 +120,7 @@ def test_out_nested_with_target_or_data_is_refused(target, data, tmp_path, case)
 
 # ---- 3. one job at a time ---------------------------------------------------------------------------------
 
+
 def test_a_second_job_on_a_locked_cache_is_refused_naming_the_holder(target, data, reference, tmp_path):
     cache = copy_cache(reference, tmp_path)
     before = snapshot(cache)
@@ -149,6 +151,7 @@ def test_a_lock_left_by_a_killed_holder_does_not_block(target, data, reference, 
 
 # ---- 4. refuse what can never work ------------------------------------------------------------------------
 
+
 def _write(tmp_path, samples):
     path = tmp_path / "d.jsonl"
     write_jsonl(path, samples)
@@ -171,8 +174,9 @@ IMPOSSIBLE = [
 
 
 @pytest.mark.parametrize("name,make_data,extra,message", IMPOSSIBLE, ids=[c[0] for c in IMPOSSIBLE])
-def test_settings_that_can_never_work_are_refused_before_any_work(target, data, tmp_path, name, make_data, extra,
-                                                                  message):
+def test_settings_that_can_never_work_are_refused_before_any_work(
+    target, data, tmp_path, name, make_data, extra, message
+):
     path = make_data(tmp_path) if make_data else data
     out = tmp_path / "cache"
     args = cli_args(target, path, out)
@@ -187,6 +191,7 @@ def test_settings_that_can_never_work_are_refused_before_any_work(target, data, 
 
 
 # ---- 5. SIGTERM --------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_sigterm_finishes_the_shards_in_flight_and_resumes(target, data, reference, tmp_path, monkeypatch, k):

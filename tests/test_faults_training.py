@@ -41,11 +41,15 @@ def no_traceback(result):
 
 # ---- 1-2. the run directory -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("where", ["the cache", "inside the cache", "a folder with a user file"])
 def test_a_run_directory_that_is_not_ours_is_refused(tmp_path, where):
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
-    out = {"the cache": cache, "inside the cache": cache / "shards" / "run",
-           "a folder with a user file": tmp_path / "mine"}[where]
+    out = {
+        "the cache": cache,
+        "inside the cache": cache / "shards" / "run",
+        "a folder with a user file": tmp_path / "mine",
+    }[where]
     if where == "a folder with a user file":
         out.mkdir()
         (out / "notes.md").write_text("mine")
@@ -115,6 +119,7 @@ def test_sigterm_checkpoints_the_step_and_resume_is_exact(uninterrupted, tmp_pat
 
 # ---- 4-5. resume bookkeeping ------------------------------------------------------------------------------
 
+
 def test_resume_on_a_finished_run_says_it_is_complete(uninterrupted, tmp_path):
     cache, full, _ = uninterrupted
     run = tmp_path / "run"
@@ -147,6 +152,7 @@ def test_a_resumed_run_marks_the_resume_and_logs_each_step_once(uninterrupted, t
 
 # ---- 6. resume identity -----------------------------------------------------------------------------------
 
+
 def test_resume_onto_a_cache_with_other_shards_is_refused(tmp_path):
     run = tmp_path / "run"
     first = tiny_cache(tmp_path / "a", num_batches=2, seed=0)
@@ -158,6 +164,7 @@ def test_resume_onto_a_cache_with_other_shards_is_refused(tmp_path):
 
 
 # ---- 7. no raw tracebacks for a missing GPU ---------------------------------------------------------------
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_cuda_is_one_message(tmp_path):

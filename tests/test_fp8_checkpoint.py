@@ -37,7 +37,7 @@ def _dequantise_float64(tensors: dict) -> dict:
         w = t.double()
         for i in range(s.shape[0]):
             for j in range(s.shape[1]):
-                w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] *= s[i, j]
+                w[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK] *= s[i, j]
         out[name] = w
     return out
 
@@ -66,13 +66,17 @@ def test_loads_to_the_float64_dequantisation(fp8_target):
     model = TargetModel.from_pretrained(fp8_target, "cpu", dtype=torch.float32, with_head=True)
     ref = _dequantise_float64(load_file(str(fp8_target / "model.safetensors")))
     params = dict(model.named_parameters())
-    fp8_names = [n for n, t in load_file(str(fp8_target / "model.safetensors")).items() if t.dtype == torch.float8_e4m3fn]
+    fp8_names = [
+        n for n, t in load_file(str(fp8_target / "model.safetensors")).items() if t.dtype == torch.float8_e4m3fn
+    ]
     assert len(fp8_names) > 40
     for name in fp8_names:
         # one rounding of the exact product to fp32: equal to the float64 result rounded to fp32
         assert torch.equal(params[_local(name)], ref[name].float()), name
-    assert torch.equal(params["layers.0.linear_attn.in_proj_a.weight"],
-                       ref["model.language_model.layers.0.linear_attn.in_proj_a.weight"].float())
+    assert torch.equal(
+        params["layers.0.linear_attn.in_proj_a.weight"],
+        ref["model.language_model.layers.0.linear_attn.in_proj_a.weight"].float(),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -83,8 +87,10 @@ def test_hidden_states_equal_a_dense_checkpoint_of_the_dequantised_weights(fp8_t
     del config["quantization_config"]
     (dense_dir / "config.json").write_text(json.dumps(config))
     ref = _dequantise_float64(load_file(str(fp8_target / "model.safetensors")))
-    save_file({n: t.to(torch.float32 if n.endswith("A_log") else dtype).contiguous() for n, t in ref.items()},
-              str(dense_dir / "model.safetensors"))
+    save_file(
+        {n: t.to(torch.float32 if n.endswith("A_log") else dtype).contiguous() for n, t in ref.items()},
+        str(dense_dir / "model.safetensors"),
+    )
     rng = np.random.default_rng(0)
     ids = torch.from_numpy(rng.integers(0, 512, size=70))
     pos = torch.cat([torch.arange(30), torch.arange(40)])
@@ -105,15 +111,18 @@ def test_target_head_of_an_fp8_checkpoint(fp8_target):
     assert head["embed_tokens"].dtype == torch.bfloat16 and head["lm_head"].shape == head["embed_tokens"].shape
 
 
-@pytest.mark.parametrize("quant, words", [
-    ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
-    ({"quant_method": "awq", "bits": 4}, "'awq'"),
-    ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "'bitsandbytes'"),
-    ({"quant_method": "compressed-tensors"}, "'compressed-tensors'"),
-    ({"quant_method": "fp8", "weight_block_size": None}, "per-tensor"),
-    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "'static'"),
-    ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "'e5m2'"),
-])
+@pytest.mark.parametrize(
+    "quant, words",
+    [
+        ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
+        ({"quant_method": "awq", "bits": 4}, "'awq'"),
+        ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "'bitsandbytes'"),
+        ({"quant_method": "compressed-tensors"}, "'compressed-tensors'"),
+        ({"quant_method": "fp8", "weight_block_size": None}, "per-tensor"),
+        ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "'static'"),
+        ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "'e5m2'"),
+    ],
+)
 def test_other_quantizations_are_refused_by_name(quant, words, tmp_path):
     with pytest.raises(UnsupportedQuantizationError, match=words):
         read_quantization({"quantization_config": quant})
@@ -124,8 +133,10 @@ def test_other_quantizations_are_refused_by_name(quant, words, tmp_path):
     data = tmp_path / "d.jsonl"
     write_jsonl(data, [Sample("a", np.arange(1, 20), np.ones(19, np.uint8))])
     out = tmp_path / "cache"
-    result = CliRunner().invoke(extract_cli, ["--target", str(target), "--data", str(data), "--out", str(out),
-                                              "--token-budget", "64", "--dtype", "float32"])
+    result = CliRunner().invoke(
+        extract_cli,
+        ["--target", str(target), "--data", str(data), "--out", str(out), "--token-budget", "64", "--dtype", "float32"],
+    )
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert words in result.output and "bf16" in result.output  # the method, and what to do
     assert not (out / "cache.json").exists()
@@ -134,7 +145,9 @@ def test_other_quantizations_are_refused_by_name(quant, words, tmp_path):
 
 
 def test_quantization_config_inside_text_config_is_read():
-    fmt = read_quantization({"text_config": {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 64]}}})
+    fmt = read_quantization(
+        {"text_config": {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 64]}}}
+    )
     assert (fmt.block_n, fmt.block_k) == (128, 64)
     assert read_quantization({"text_config": {}}) is None
 
@@ -164,8 +177,23 @@ def test_extract_from_fp8_checkpoint_records_it(fp8_target, tmp_path):
     data = tmp_path / "d.jsonl"
     write_jsonl(data, [Sample(f"s{i}", np.arange(1, 30 + i), np.ones(29 + i, np.uint8)) for i in range(4)])
     out = tmp_path / "cache"
-    result = CliRunner().invoke(extract_cli, ["--target", str(fp8_target), "--data", str(data), "--out", str(out),
-                                              "--token-budget", "128", "--max-seqs", "4", "--dtype", "float32"])
+    result = CliRunner().invoke(
+        extract_cli,
+        [
+            "--target",
+            str(fp8_target),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--token-budget",
+            "128",
+            "--max-seqs",
+            "4",
+            "--dtype",
+            "float32",
+        ],
+    )
     assert result.exit_code == 0, result.output
     target = read_cache_config(out).target
     assert target.quantization == f"fp8 e4m3, {BLOCK}x{BLOCK} blocks (dequantised at load)"

@@ -31,7 +31,7 @@ def test_rowwise_quantisation_error_is_within_half_an_e4m3_step():
     assert torch.allclose(scale.double()[amax > 0], (amax / 448.0)[amax > 0], rtol=1e-6)
     back = x8.double() * scale.double()
     # e4m3: 3 mantissa bits -> half a step is 2^-4 relative; subnormals step 2^-9 (half: 2^-10) of the scale
-    bound = torch.maximum(xb.abs() * 2.0 ** -4, scale.double() * 2.0 ** -10) * (1 + 1e-6)
+    bound = torch.maximum(xb.abs() * 2.0**-4, scale.double() * 2.0**-10) * (1 + 1e-6)
     assert ((back - xb).abs() <= bound).all()
     assert (back[3] == 0).all() and torch.isfinite(scale).all()
 
@@ -40,7 +40,7 @@ def test_rowwise_quantisation_error_is_within_half_an_e4m3_step():
 def test_fp8_linear_equals_the_float64_product_of_its_quantised_operands(t, k, n):
     gen = torch.Generator().manual_seed(t)
     layer = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
-    layer.weight.data = (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16)
+    layer.weight.data = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
     x = torch.randn(t, k, generator=gen).to(torch.bfloat16)
     w8, ws = quantize_rows_fp8(layer.weight)
     layer.register_buffer("weight_fp8", w8)
@@ -49,7 +49,7 @@ def test_fp8_linear_equals_the_float64_product_of_its_quantised_operands(t, k, n
     y = linear(layer, Fp8Input(x8, xs))
     assert y.dtype == torch.bfloat16 and y.shape == (t, n)
     ref = (x8.double() * xs.double()) @ (w8.double() * ws.double()).t()  # independent: dequantise, then multiply
-    assert torch.allclose(y.double(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+    assert torch.allclose(y.double(), ref, rtol=2**-7, atol=1e-3 * ref.abs().max().item())
     assert 0.005 < _rel(y, x.double() @ layer.weight.double().t()) < 0.1  # fp8 really is coarser than bf16
 
 
@@ -134,8 +134,9 @@ def test_fp8_layers_at_27b_width_against_bf16_and_fp32():
     cfg = TargetConfig.from_hf_dict(qwen35_27b_config_dict(num_hidden_layers=4, vocab_size=4096))
     state = random_weights(cfg, seed=0, device=device, with_head=False, dtype=torch.float32)
     # fp32 reference on the torch kernels (varlen flash attention has no fp32)
-    slow = select_kernels(device, allow_slow_kernels=True, gated_delta="torch", conv="torch", attention="sdpa",
-                          compile_pointwise=False)
+    slow = select_kernels(
+        device, allow_slow_kernels=True, gated_delta="torch", conv="torch", attention="sdpa", compile_pointwise=False
+    )
     fast = select_kernels(device, compile_pointwise=False)
     ref = TargetModel.from_state_dict(cfg, state, slow, dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
@@ -159,6 +160,8 @@ def test_fp8_layers_at_27b_width_against_bf16_and_fp32():
         del model
     for j in range(len(taps)):
         e_bf16, e_fp8 = _rel(got["dense"][:, j], want[:, j]), _rel(got["fp8"][:, j], want[:, j])
-        print(f"tap {j}: bf16 {e_bf16:.2e}, fp8 {e_fp8:.2e}, fp8 vs bf16 {_rel(got['fp8'][:, j], got['dense'][:, j]):.2e}")
+        print(
+            f"tap {j}: bf16 {e_bf16:.2e}, fp8 {e_fp8:.2e}, fp8 vs bf16 {_rel(got['fp8'][:, j], got['dense'][:, j]):.2e}"
+        )
         assert torch.isfinite(got["fp8"]).all()
         assert e_bf16 < 0.02 and e_fp8 < 0.08

@@ -1,4 +1,5 @@
 """Chunked block losses and metrics (train/losses.py, train/metrics_math.py) against float64 loops."""
+
 import math
 
 import pytest
@@ -13,8 +14,14 @@ B, H, KT, BUDGET = 5, 8, 6, 40
 
 def setup(num_blocks=9, dtype=torch.float64, seed=0):
     batch = make_batch([12, 4, 9, 10], BUDGET, 6, 1, H, seed=seed, unsupervised=(8,))
-    blocks = batch_blocks(batch, num_blocks=num_blocks, block_size=B, mask_token_id=MASK_ID, gamma=2.0,
-                          generator=torch.Generator().manual_seed(seed))
+    blocks = batch_blocks(
+        batch,
+        num_blocks=num_blocks,
+        block_size=B,
+        mask_token_id=MASK_ID,
+        gamma=2.0,
+        generator=torch.Generator().manual_seed(seed),
+    )
     g = torch.Generator().manual_seed(seed + 10)
     hidden = torch.randn(num_blocks, B, H, generator=g, dtype=dtype)
     lm_head = torch.randn(VOCAB, H, generator=g, dtype=dtype) * 0.7
@@ -61,8 +68,12 @@ def test_each_loss_term_matches_naive_loop():
     cfg = LossConfig(kl_lambda=0.7, cap_lambda=1.3, chunk_blocks=4)
     parts = block_loss(hidden, lm_head, blocks, cfg, ids, lp)
     assert abs(cap) > 1e-6  # the chain term is exercised, not vanishing
-    for name, got, ref in (("ce", parts.ce, ce), ("kl", parts.kl, kl), ("cap", parts.cap, cap),
-                           ("total", parts.total, ce + 0.7 * kl + 1.3 * cap)):
+    for name, got, ref in (
+        ("ce", parts.ce, ce),
+        ("kl", parts.kl, kl),
+        ("cap", parts.cap, cap),
+        ("total", parts.total, ce + 0.7 * kl + 1.3 * cap),
+    ):
         assert abs(float(got.detach()) - ref) < 1e-9, f"{name}: got {float(got)}, naive {ref}"
 
 
@@ -142,8 +153,12 @@ def naive_metrics(blocks, hidden, lm_head, topk):
             run1, runk = run1 and hit1, runk and hitk
             streak += run1
             topk_streak += runk
-    out.update(accept_streak=streak, topk_streak=topk_streak, expected_accept=expected,
-               count_block=float(blocks.block_valid_N.sum()))
+    out.update(
+        accept_streak=streak,
+        topk_streak=topk_streak,
+        expected_accept=expected,
+        count_block=float(blocks.block_valid_N.sum()),
+    )
     return out
 
 

@@ -168,7 +168,9 @@ def test_skip_long_samples(tmp_path):
 
 def test_error_on_long_samples(tmp_path):
     index = index_of_lengths(tmp_path, [30, 120, 10])
-    with pytest.raises(ValueError, match=r"sample 's1' \(.*d.parquet, row 1\) has 120 tokens, more than token_budget 100"):
+    with pytest.raises(
+        ValueError, match=r"sample 's1' \(.*d.parquet, row 1\) has 120 tokens, more than token_budget 100"
+    ):
         plan_batches(index, PackingConfig(token_budget=100, long_seqs="error"))
 
 

@@ -46,13 +46,36 @@ def data(tmp_path):
 
 
 def _args(target, data, out, *extra):
-    return ["--target", str(target), "--data", str(data), "--out", str(out), "--token-budget", "256",
-            "--max-seqs", "8", "--dtype", "float32", "--mask-token-id", "511", *extra]
+    return [
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--token-budget",
+        "256",
+        "--max-seqs",
+        "8",
+        "--dtype",
+        "float32",
+        "--mask-token-id",
+        "511",
+        *extra,
+    ]
 
 
 def test_format_bytes_picks_the_unit_by_magnitude():
-    cases = {0: "0 B", 649: "649 B", 999: "999 B", 1000: "1.00 KB", 333_280: "333.3 KB", 1_470_000: "1.47 MB",
-             51_200_000_000: "51.20 GB", 2.6e13: "26.00 TB"}
+    cases = {
+        0: "0 B",
+        649: "649 B",
+        999: "999 B",
+        1000: "1.00 KB",
+        333_280: "333.3 KB",
+        1_470_000: "1.47 MB",
+        51_200_000_000: "51.20 GB",
+        2.6e13: "26.00 TB",
+    }
     for n, want in cases.items():
         assert format_bytes(n) == want, (n, format_bytes(n))
     assert plural(1, "rank") == "1 rank" and plural(2, "rank") == "2 ranks" and plural(0, "shard") == "0 shards"
@@ -72,8 +95,16 @@ def test_progress_log_plain_lines_without_a_bar(tmp_path, caplog):
 
 def test_extraction_lines_are_true_and_the_plan_is_printed_once(target, data, tmp_path, caplog):
     out = tmp_path / "cache"
-    cfg = ExtractConfig(target=str(target), data=str(data), out_dir=str(out), token_budget=256, max_seqs=8,
-                        dtype="float32", mask_token_id=511, progress_interval_s=1e9)
+    cfg = ExtractConfig(
+        target=str(target),
+        data=str(data),
+        out_dir=str(out),
+        token_budget=256,
+        max_seqs=8,
+        dtype="float32",
+        mask_token_id=511,
+        progress_interval_s=1e9,
+    )
     with caplog.at_level(logging.INFO):
         summary = run_extract(cfg)
     messages = [r.getMessage() for r in caplog.records]

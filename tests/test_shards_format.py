@@ -39,10 +39,12 @@ def cache(tmp_path, request):
     cfg = write_synthetic_cache(tmp_path / "cache", storage_dtype=request.param, target_topk=4, num_batches=3)
     return tmp_path / "cache", cfg
 
+
 def _batch(cfg, batch_id):
     import numpy as np
 
     return _random_batch(cfg, batch_id, np.random.default_rng(batch_id), torch.Generator().manual_seed(batch_id))
+
 
 def test_round_trip_every_tensor(tmp_path, cache):
     cache_dir, cfg = cache
@@ -60,6 +62,7 @@ def test_round_trip_every_tensor(tmp_path, cache):
     got2, _ = reader.read(7, out=out)
     assert got2 is out and torch.equal(out["input_ids"], tensors["input_ids"])
 
+
 def test_fp8_round_trip_error_is_small():
     torch.manual_seed(0)
     # Rows of very different magnitude, as deep layers have: per-row scales keep relative error flat.
@@ -71,6 +74,7 @@ def test_fp8_round_trip_error_is_small():
     print(f"fp8 e4m3 round trip: relative L2 error {rel:.4f}, per tap {[f'{e:.4f}' for e in per_tap]}")
     assert max(per_tap) < 0.04  # e4m3 has 3 mantissa bits: measured 2.6% relative L2 on Gaussian rows
     assert encode_hidden(hidden, "bf16")["hidden"].dtype == torch.bfloat16
+
 
 @pytest.mark.parametrize(
     "how,expect",
@@ -92,6 +96,7 @@ def test_corruption_is_caught_by_reader_and_verify(cache, how, expect):
     # Good shards still read.
     reader.read(0, verify_checksum=True)
 
+
 def test_verify_quarantine_moves_bad_shard(cache):
     cache_dir, _ = cache
     corrupt_shard(shard_path(cache_dir, 2), "flip")
@@ -99,6 +104,7 @@ def test_verify_quarantine_moves_bad_shard(cache):
     assert not report.ok and not shard_path(cache_dir, 2).exists()
     assert (cache_dir / "quarantine" / shard_path(cache_dir, 2).name).exists()
     assert ShardReader(cache_dir).batch_ids() == [0, 1]
+
 
 def test_wrong_cache_format_version_is_refused(cache):
     cache_dir, _ = cache
@@ -112,6 +118,7 @@ def test_wrong_cache_format_version_is_refused(cache):
     p.write_text(p.read_text().replace('"format_version": 99', '"format_version": 1'))
     with pytest.raises(CacheFormatError, match="version 1 .*re-run dflash-extract"):
         ShardReader(cache_dir)
+
 
 @pytest.mark.slow
 def test_killed_writer_leaves_no_shard(cache, tmp_path):
@@ -143,6 +150,7 @@ def test_killed_writer_leaves_no_shard(cache, tmp_path):
     assert leftovers, "the killed writer should have left only a temporary"
     assert verify_cache(cache_dir).ok
 
+
 def test_write_error_leaves_no_shard(cache, monkeypatch):
     cache_dir, cfg = cache
     tensors, samples = _batch(cfg, 5)
@@ -158,12 +166,14 @@ def test_write_error_leaves_no_shard(cache, monkeypatch):
     assert not shard_path(cache_dir, 5).exists()
     assert not list((cache_dir / "shards").glob(".tmp-*"))
 
+
 def test_writer_rejects_wrong_shapes(cache):
     cache_dir, cfg = cache
     tensors, samples = _batch(cfg, 4)
     tensors["input_ids"] = tensors["input_ids"][:-1]
     with pytest.raises(ValueError, match="input_ids"):
         write_shard(cache_dir, cfg, 4, tensors, samples)
+
 
 def test_index_rebuilds_equal_manifest(cache):
     cache_dir, _ = cache
@@ -173,6 +183,7 @@ def test_index_rebuilds_equal_manifest(cache):
     assert result.exit_code == 0, result.output
     assert read_manifest(cache_dir).equals(original)
     assert original.num_rows == sum(len(ShardReader(cache_dir).info(b).samples) for b in range(3))
+
 
 def test_stale_manifest_is_reported(cache):
     cache_dir, cfg = cache
@@ -184,11 +195,13 @@ def test_stale_manifest_is_reported(cache):
     rebuild_manifest(cache_dir)
     assert verify_cache(cache_dir).ok
 
+
 def test_target_head_round_trip(cache):
     cache_dir, cfg = cache
     head = load_target_head(cache_dir)
     assert head["embed_tokens"].shape == (cfg.target.vocab_size, cfg.target.hidden_size)
     assert head["final_norm"].shape == (cfg.target.hidden_size,)
+
 
 def test_epoch_order_deterministic_and_disjoint():
     ids = list(range(103))
@@ -201,6 +214,7 @@ def test_epoch_order_deterministic_and_disjoint():
     assert {len(r) for r in per_rank} == {25}
     assert epoch_shard_order(ids, 3, 7, 0, world) != per_rank[0]
     assert epoch_shard_order(ids, 2, 8, 0, world) != per_rank[0]
+
 
 def test_loader_reads_ahead_and_skips_bad_shards(cache):
     cache_dir, _ = cache
@@ -222,6 +236,7 @@ def test_loader_reads_ahead_and_skips_bad_shards(cache):
     expected0 = reader.read(0)[0]["input_ids"][0]
     assert seen[0][1] == int(expected0)
 
+
 def test_cli_info_ls_show_json(cache):
     cache_dir, cfg = cache
     runner = CliRunner()
@@ -239,6 +254,7 @@ def test_cli_info_ls_show_json(cache):
     text = runner.invoke(shards_cli, ["info", str(cache_dir)]).output
     assert "padding eff." in text
 
+
 def test_swapped_target_head_is_refused(cache, tmp_path):
     cache_dir, _ = cache
     other = write_synthetic_cache(tmp_path / "other", seed=5)  # same shapes, other weights
@@ -252,12 +268,24 @@ def test_swapped_target_head_is_refused(cache, tmp_path):
 def test_packing_and_dataset_are_typed_records_with_the_same_json_keys(tmp_path):
     from shards.format import CacheConfig, DatasetRecord, PackingRecord, TargetInfo
 
-    packing = dict(algorithm="bfd/1", long_seqs="skip", num_batches=4, padding_efficiency=0.9, num_truncated=0,
-                   num_skipped=1, num_empty=2)
+    packing = dict(
+        algorithm="bfd/1",
+        long_seqs="skip",
+        num_batches=4,
+        padding_efficiency=0.9,
+        num_truncated=0,
+        num_skipped=1,
+        num_empty=2,
+    )
     dataset = dict(path="d.jsonl", fingerprint="abc", num_samples=9, num_tokens=900)
-    raw = json.loads(CacheConfig(target=TargetInfo(name="t", config_hash="h", hidden_size=8, num_layers=4,
-                                                    vocab_size=16, dtype="bfloat16"),
-                                 tap_layer_ids=[1], token_budget=32, max_seqs=2).to_json())
+    raw = json.loads(
+        CacheConfig(
+            target=TargetInfo(name="t", config_hash="h", hidden_size=8, num_layers=4, vocab_size=16, dtype="bfloat16"),
+            tap_layer_ids=[1],
+            token_budget=32,
+            max_seqs=2,
+        ).to_json()
+    )
     cfg = CacheConfig.from_json(json.dumps({**raw, "packing": packing, "dataset": dataset}))
     assert cfg.packing == PackingRecord(**packing) and cfg.dataset == DatasetRecord(**dataset)
     assert cfg.planned_batches == 4

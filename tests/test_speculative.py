@@ -1,6 +1,7 @@
 """Real speculative decoding with the tiny target in the loop: lossless (output == plain greedy token
 for token), and on the target's own greedy data the decoding walk over the cache gives exactly the
 same figures (fp32). Also the whose-tokens check (data == target top-1 on such a cache) and the CLI."""
+
 from __future__ import annotations
 
 import json
@@ -40,12 +41,37 @@ def setup(tmp_path_factory):
     target = write_random_checkpoint(root / "target", seed=0, dtype=torch.float32, mixer_scale=0.1)
     samples = greedy_continuations(target, num_samples=24, prompt_len=(4, 12), new_tokens=NEW_TOKENS)
     write_jsonl(root / "data.jsonl", samples)
-    run_extract(ExtractConfig(target=str(target), data=str(root / "data.jsonl"), out_dir=str(root / "cache"),
-                              token_budget=256, max_seqs=8, dtype="float32", mask_token_id=511, target_topk=1,
-                              progress_interval_s=0.0))
-    run_training(TrainConfig(cache=str(root / "cache"), out_dir=str(root / "run"), epochs=30, num_blocks=32,
-                             block_size=4, num_layers=1, compute_dtype="float32", attention="sdpa", device="cpu",
-                             lr=3e-3, log_every=1000, metrics_every=1000, checkpoint_every=0, num_buffers=2))
+    run_extract(
+        ExtractConfig(
+            target=str(target),
+            data=str(root / "data.jsonl"),
+            out_dir=str(root / "cache"),
+            token_budget=256,
+            max_seqs=8,
+            dtype="float32",
+            mask_token_id=511,
+            target_topk=1,
+            progress_interval_s=0.0,
+        )
+    )
+    run_training(
+        TrainConfig(
+            cache=str(root / "cache"),
+            out_dir=str(root / "run"),
+            epochs=30,
+            num_blocks=32,
+            block_size=4,
+            num_layers=1,
+            compute_dtype="float32",
+            attention="sdpa",
+            device="cpu",
+            lr=3e-3,
+            log_every=1000,
+            metrics_every=1000,
+            checkpoint_every=0,
+            num_buffers=2,
+        )
+    )
     return root, target, samples
 
 
@@ -65,7 +91,7 @@ def test_speculative_output_equals_plain_greedy(setup):
         spec = speculative_generate(model, head, verifier, prompt, NEW_TOKENS)
         plain = greedy_generate(verifier, prompt, NEW_TOKENS)
         assert spec.tokens == plain.tokens
-        assert spec.tokens == s.input_ids[len(prompt):].tolist(), "the data are the target's greedy continuation"
+        assert spec.tokens == s.input_ids[len(prompt) :].tolist(), "the data are the target's greedy continuation"
         assert sum(spec.step_tokens) == NEW_TOKENS - 1, "after the prefill token, the steps emit the rest exactly"
         accepted += sum(spec.step_accepted)
     assert accepted > 0, "the trained drafter should get some drafts accepted"
@@ -78,8 +104,13 @@ def test_walk_equals_real_speculative_decoding_on_target_greedy_data(setup):
     from shards import load_target_head
 
     head_t = load_target_head(root / "cache")
-    walk = evaluate_drafter(model, TargetHead(head_t["embed_tokens"].float(), head_t["lm_head"].float()),
-                            str(root / "cache"), reader.batch_ids(), budgets=())
+    walk = evaluate_drafter(
+        model,
+        TargetHead(head_t["embed_tokens"].float(), head_t["lm_head"].float()),
+        str(root / "cache"),
+        reader.batch_ids(),
+        budgets=(),
+    )
     assert walk.data_is_target_greedy == 1.0 and "exact" in walk.whose_tokens()
 
     verifier = TargetVerifier(target, cfg.tap_layer_ids, "cpu", torch.float32)
@@ -99,11 +130,28 @@ def test_walk_equals_real_speculative_decoding_on_target_greedy_data(setup):
 def test_eval_cli_with_target_and_prompts(setup, tmp_path):
     root, target, samples = setup
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"input_ids": s.input_ids.tolist(), "loss_mask": s.loss_mask.tolist()})
-                               + "\n" for s in samples[:3]))
+    prompts.write_text(
+        "".join(
+            json.dumps({"input_ids": s.input_ids.tolist(), "loss_mask": s.loss_mask.tolist()}) + "\n"
+            for s in samples[:3]
+        )
+    )
     assert [len(p) for p in read_prompts(prompts, 512)] == [int(s.loss_mask.argmax()) for s in samples[:3]]
-    args = ["eval", "--drafter", str(root / "run"), "--target", str(target), "--prompts", str(prompts),
-            "--max-new-tokens", str(NEW_TOKENS), "--dtype", "float32", "--out", str(tmp_path / "e.json")]
+    args = [
+        "eval",
+        "--drafter",
+        str(root / "run"),
+        "--target",
+        str(target),
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--dtype",
+        "float32",
+        "--out",
+        str(tmp_path / "e.json"),
+    ]
     register_verifier_factory(None)
     res = CliRunner().invoke(train_cli, args)
     assert res.exit_code == 1 and "dflash-train eval" in res.output, res.output  # no factory: named refusal
@@ -127,8 +175,9 @@ def test_read_prompts_from_a_parquet_dataset(tmp_path):
 
     from extract.data import Sample, write_parquet
 
-    samples = [Sample(f"s{i}", np.arange(10, dtype=np.int32) + i, (np.arange(10) >= 3 + i).astype(np.uint8))
-               for i in range(4)]
+    samples = [
+        Sample(f"s{i}", np.arange(10, dtype=np.int32) + i, (np.arange(10) >= 3 + i).astype(np.uint8)) for i in range(4)
+    ]
     write_parquet(tmp_path / "d.parquet", samples)
     assert read_prompts(tmp_path / "d.parquet", 64) == [list(range(i, 3 + 2 * i)) for i in range(4)]
     assert len(read_prompts(tmp_path / "d.parquet", 64, max_prompts=2)) == 2

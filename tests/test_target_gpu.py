@@ -10,6 +10,7 @@ own ops), so ops get 1e-2 and whole layers 2e-2.
 Run: python -m pytest -q -m gpu tests/test_target_gpu.py
 Legend: T packed tokens, M q/k (kv) heads, H value (query) heads, K/V/D head dims, C channels.
 """
+
 import pytest
 import torch
 
@@ -50,8 +51,9 @@ def device():
 
 @pytest.fixture(scope="module")
 def torch_path(device):
-    return select_kernels(device, allow_slow_kernels=True, gated_delta="torch", conv="torch", attention="sdpa",
-                          compile_pointwise=False)
+    return select_kernels(
+        device, allow_slow_kernels=True, gated_delta="torch", conv="torch", attention="sdpa", compile_pointwise=False
+    )
 
 
 def test_fla_gated_delta_rule_matches_torch(device, torch_path):
@@ -84,7 +86,7 @@ def test_fast_conv_matches_torch(device, torch_path, backend, module):
     assert _rel_l2(out, ref) < OP_TOL, f"{backend} conv vs torch: rel L2 {_rel_l2(out, ref):.2e}"
     # The first tokens of each sequence must not see the previous sequence.
     for bos in bounds[1:-1]:
-        assert _rel_l2(out[bos:bos + 3], ref[bos:bos + 3]) < OP_TOL, f"{backend} conv leaks across boundary {bos}"
+        assert _rel_l2(out[bos : bos + 3], ref[bos : bos + 3]) < OP_TOL, f"{backend} conv leaks across boundary {bos}"
 
 
 # fla's attention op is not tested at head_dim 256: on the H200 its Triton kernel asks for 256 KB of
@@ -99,8 +101,8 @@ def test_fast_attention_matches_sdpa(device, torch_path, backend, module):
     gen = torch.Generator(device).manual_seed(2)
     q_THD = torch.randn(T, 24, 256, generator=gen, device=device).bfloat16()
     k_TMD, v_TMD = (torch.randn(T, 4, 256, generator=gen, device=device).bfloat16() for _ in range(2))
-    ref = torch_path.attention(q_THD, k_TMD, v_TMD, torch_path.prepare(cu, T, device), 256 ** -0.5)
-    out = fast.attention(q_THD, k_TMD, v_TMD, fast.prepare(cu, T, device), 256 ** -0.5)
+    ref = torch_path.attention(q_THD, k_TMD, v_TMD, torch_path.prepare(cu, T, device), 256**-0.5)
+    out = fast.attention(q_THD, k_TMD, v_TMD, fast.prepare(cu, T, device), 256**-0.5)
     assert _rel_l2(out, ref) < OP_TOL, f"{backend} attention vs sdpa: rel L2 {_rel_l2(out, ref):.2e}"
 
 

@@ -2,6 +2,7 @@
 
 Legend: T packed tokens, M q/k (or kv) heads, H value (or query) heads, K/V/D head dims, C channels.
 """
+
 import logging
 
 import pytest
@@ -131,8 +132,9 @@ def test_float32_attention_takes_sdpa_even_where_flash_was_chosen():
         calls.append(q_THD.dtype)
         return torch.zeros_like(q_THD)
 
-    choice = KernelChoice(gated_delta_backend="torch", conv_backend="torch", attention_backend="torch_varlen",
-                          _fns={"varlen": flash_like})
+    choice = KernelChoice(
+        gated_delta_backend="torch", conv_backend="torch", attention_backend="torch_varlen", _fns={"varlen": flash_like}
+    )
     assert "float32 inputs: per-sequence SDPA" in choice.log_lines()[2]
     batch = choice.prepare(torch.tensor([0, 5, 12]), 12, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)

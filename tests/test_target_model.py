@@ -7,6 +7,7 @@ and the top-k next-token log-probs. Variants cover GVA ratios 3 / 2 / 1, partial
 and single-file checkpoints.
 Tolerance: relative max error 1e-4 (float32 with different but equivalent op orders; observed ~2e-6).
 """
+
 import pytest
 import torch
 
@@ -28,14 +29,20 @@ def _variant(name):
         del cfg["layer_types"]
         return cfg, dict(naming="text")
     if name == "ratio1_tied_text":
-        return tiny_config_dict(linear_num_key_heads=3, linear_num_value_heads=3, tie_word_embeddings=True), dict(naming="text")
+        return tiny_config_dict(linear_num_key_heads=3, linear_num_value_heads=3, tie_word_embeddings=True), dict(
+            naming="text"
+        )
     if name == "tied_multimodal":
         return tiny_config_dict(tie_word_embeddings=True), dict(naming="multimodal")
     raise KeyError(name)
 
 
-VARIANTS = ["ratio3_partial025_multimodal_sharded", "ratio2_partial05_derived_layers_text",
-            "ratio1_tied_text", "tied_multimodal"]
+VARIANTS = [
+    "ratio3_partial025_multimodal_sharded",
+    "ratio2_partial05_derived_layers_text",
+    "ratio1_tied_text",
+    "tied_multimodal",
+]
 
 
 def _packed_batch(vocab, seed=0):
@@ -153,8 +160,9 @@ def test_tiny_target_cli_and_from_state_dict(tmp_path):
     from extract.target_config import TargetConfig
     from tools.tiny_target import main
 
-    result = CliRunner().invoke(main, [str(tmp_path / "ckpt"), "--seed", "5", "--naming", "text", "--tied",
-                                       "--shard-max-bytes", "100000"])
+    result = CliRunner().invoke(
+        main, [str(tmp_path / "ckpt"), "--seed", "5", "--naming", "text", "--tied", "--shard-max-bytes", "100000"]
+    )
     assert result.exit_code == 0, result.output
     assert (tmp_path / "ckpt" / "model.safetensors.index.json").is_file()
     cfg = TargetConfig.from_dir(tmp_path / "ckpt")

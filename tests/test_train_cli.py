@@ -1,5 +1,6 @@
 """dflash-train through click's CliRunner on tiny synthetic caches: train, checkpoint, export, eval,
 and every refusal naming the thing that is wrong."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,11 @@ def invoke(args):
 def test_train_checkpoint_export_eval_end_to_end(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=5)
     run = tmp_path / "run"
-    res = invoke(tiny_cli_args(cache, run, "--max-steps", "4", "--checkpoint-every", "2", "--eval-shards", "1",
-                               "--keep-checkpoints", "1"))
+    res = invoke(
+        tiny_cli_args(
+            cache, run, "--max-steps", "4", "--checkpoint-every", "2", "--eval-shards", "1", "--keep-checkpoints", "1"
+        )
+    )
     assert res.exit_code == 0, res.output
     assert "done in " in res.output and ": 4 steps, " in res.output and "acceptance length" in res.output
     assert sorted(p.name for p in run.glob("step-*")) == ["step-00000004"], "keep-checkpoints 1 keeps the newest"
@@ -46,8 +50,21 @@ def test_train_checkpoint_export_eval_end_to_end(tmp_path):
     assert res.exit_code == 0, res.output
 
     report = tmp_path / "eval.json"
-    res = invoke(["eval", "--drafter", str(out), "--cache", str(cache), "--eval-shards", "1", "--num-blocks", "8",
-                  "--out", str(report)])
+    res = invoke(
+        [
+            "eval",
+            "--drafter",
+            str(out),
+            "--cache",
+            str(cache),
+            "--eval-shards",
+            "1",
+            "--num-blocks",
+            "8",
+            "--out",
+            str(report),
+        ]
+    )
     assert res.exit_code == 0, res.output
     result = json.loads(report.read_text())
     assert result["batch_ids"] == [4]
@@ -63,24 +80,41 @@ def test_one_number_per_set_of_weights(tmp_path):
     exactly: all of them evaluate the weights rounded to the training compute dtype."""
     cache = tiny_cache(tmp_path / "cache", num_batches=4)
     run = tmp_path / "run"
-    res = invoke(tiny_cli_args(cache, run, "--max-steps", "3", "--eval-shards", "1", "--compute-dtype", "bfloat16",
-                               "--lr", "1e-2"))
+    res = invoke(
+        tiny_cli_args(
+            cache, run, "--max-steps", "3", "--eval-shards", "1", "--compute-dtype", "bfloat16", "--lr", "1e-2"
+        )
+    )
     assert res.exit_code == 0, res.output
     in_training = json.loads((run / "eval.json").read_text())
     assert invoke(["export", str(run), str(tmp_path / "exported")]).exit_code == 0
     figures = {}
     for name, drafter in [("checkpoint", run / "step-00000003"), ("run", run), ("export", tmp_path / "exported")]:
         report = tmp_path / f"{name}.json"
-        res = invoke(["eval", "--drafter", str(drafter), "--cache", str(cache), "--eval-shards", "1",
-                      "--out", str(report)])
+        res = invoke(
+            ["eval", "--drafter", str(drafter), "--cache", str(cache), "--eval-shards", "1", "--out", str(report)]
+        )
         assert res.exit_code == 0, res.output
         assert "dtype bfloat16" in res.output
         figures[name] = json.loads(report.read_text())
     for name, got in figures.items():
         for key in ("acceptance_length", "acceptance_length_pooled", "heldout_loss", "random_anchor_chain_length"):
             assert got[key] == in_training[key], f"{name} {key}: {got[key]} vs in-training {in_training[key]}"
-    res = invoke(["eval", "--drafter", str(run), "--cache", str(cache), "--eval-shards", "1", "--dtype", "float32",
-                  "--out", str(tmp_path / "f32.json")])
+    res = invoke(
+        [
+            "eval",
+            "--drafter",
+            str(run),
+            "--cache",
+            str(cache),
+            "--eval-shards",
+            "1",
+            "--dtype",
+            "float32",
+            "--out",
+            str(tmp_path / "f32.json"),
+        ]
+    )
     assert "dtype float32" in res.output
 
 

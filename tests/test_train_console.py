@@ -1,5 +1,6 @@
 """What dflash-train prints: start-up figures, step lines with every term that is on, data wait, MFU,
 the held-out figures after an evaluation, and a final summary naming every output."""
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,22 @@ def test_console_lines_carry_every_figure(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(train.loop, "peak_flops", lambda device, dtype: (peak, "a test peak"))
     cache = tiny_cache(tmp_path / "cache", num_batches=4, target_topk=4)
     out = tmp_path / "run"
-    args = tiny_cli_args(cache, out, "--max-steps", "4", "--eval-shards", "1", "--eval-every", "2",
-                         "--kl-lambda", "0.5", "--cap-lambda", "0.25", "--log-every", "2")
+    args = tiny_cli_args(
+        cache,
+        out,
+        "--max-steps",
+        "4",
+        "--eval-shards",
+        "1",
+        "--eval-every",
+        "2",
+        "--kl-lambda",
+        "0.5",
+        "--cap-lambda",
+        "0.25",
+        "--log-every",
+        "2",
+    )
     with caplog.at_level(logging.INFO):
         res = CliRunner().invoke(main, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
@@ -36,9 +51,14 @@ def test_console_lines_carry_every_figure(tmp_path, caplog, monkeypatch):
     records = read_records(out)
     assert [int(m.split()[1].split("/")[0]) for m in lines] == [r["step"] for r in records] == [1, 2, 4]
     for line, rec in zip(lines, records):
-        for figure in (f"loss {rec['loss/total']:.4f}", f"ce {rec['loss/ce']:.4f}", f"kl {rec['loss/kl']:.4f}",
-                       f"cap {rec['loss/cap']:.4f}", f"data wait {100 * rec['perf/data_wait_frac']:.0f}%",
-                       f"MFU {100 * rec['perf/mfu']:.1f}%"):
+        for figure in (
+            f"loss {rec['loss/total']:.4f}",
+            f"ce {rec['loss/ce']:.4f}",
+            f"kl {rec['loss/kl']:.4f}",
+            f"cap {rec['loss/cap']:.4f}",
+            f"data wait {100 * rec['perf/data_wait_frac']:.0f}%",
+            f"MFU {100 * rec['perf/mfu']:.1f}%",
+        ):
             assert figure in line, (figure, line)
     # MFU from the record's own figures: FLOPs of its steps over the interval (tokens / tokens per second).
     prev = records[1]
@@ -58,8 +78,9 @@ def test_console_lines_carry_every_figure(tmp_path, caplog, monkeypatch):
 def test_off_terms_and_no_peak_are_not_printed(tmp_path, caplog):
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
     with caplog.at_level(logging.INFO):
-        res = CliRunner().invoke(main, tiny_cli_args(cache, tmp_path / "run", "--max-steps", "1"),
-                                 catch_exceptions=False)
+        res = CliRunner().invoke(
+            main, tiny_cli_args(cache, tmp_path / "run", "--max-steps", "1"), catch_exceptions=False
+        )
     assert res.exit_code == 0, res.output
     messages = [r.getMessage() for r in caplog.records]
     line = next(m for m in messages if m.startswith("step 1/"))

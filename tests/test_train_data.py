@@ -1,5 +1,6 @@
 """The loop's data walk (train/data.py): this rank's shards in epoch order from a resume point, each
 skipped shard either carried to the next batch (one process) or replaced by a stand-in step (ranks)."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,11 +14,21 @@ from train.data import rank_batches
 def walk(cache, *, world_size=1, rank=0, epoch=0, cursor=0, epochs=2):
     """(epoch, cursor, batch id or None, skipped ids, end) per batch, releasing each shard as the loop does."""
     out = []
-    for b in rank_batches(ShardReader(cache), list(range(6)), epoch=epoch, cursor=cursor, epochs=epochs, seed=5,
-                          rank=rank, world_size=world_size, num_buffers=2, pin_memory=False, verify_checksum=True,
-                          skip_bad_shards=True):
-        out.append((b.epoch, b.cursor, None if b.shard is None else b.shard.batch_id, [i for i, _ in b.skipped],
-                    b.end))
+    for b in rank_batches(
+        ShardReader(cache),
+        list(range(6)),
+        epoch=epoch,
+        cursor=cursor,
+        epochs=epochs,
+        seed=5,
+        rank=rank,
+        world_size=world_size,
+        num_buffers=2,
+        pin_memory=False,
+        verify_checksum=True,
+        skip_bad_shards=True,
+    ):
+        out.append((b.epoch, b.cursor, None if b.shard is None else b.shard.batch_id, [i for i, _ in b.skipped], b.end))
         if b.shard is not None:
             assert b.num_tokens == b.shard.info.num_tokens > 0
             b.shard.release()
@@ -40,8 +51,11 @@ def test_skipped_shards_cost_no_step_alone_and_a_stand_in_step_under_ranks(tmp_p
     shard_path(cache, bad_first).unlink()
     shard_path(cache, bad_last).unlink()
     alone = walk(cache, epochs=1)
-    assert alone == ([(0, 1, order[0], [], False), (0, 3, order[2], [bad_first], False)]
-                     + [(0, c + 1, order[c], [], False) for c in range(3, 5)] + [(1, 0, None, [bad_last], True)])
+    assert alone == (
+        [(0, 1, order[0], [], False), (0, 3, order[2], [bad_first], False)]
+        + [(0, c + 1, order[c], [], False) for c in range(3, 5)]
+        + [(1, 0, None, [bad_last], True)]
+    )
 
     ranked = walk(cache, world_size=2, rank=0, epochs=1)
     order2 = epoch_shard_order(list(range(6)), 0, 5, 0, 2)

@@ -1,4 +1,5 @@
 """Two CPU gloo ranks under torchrun take the same step as one process averaging their two batches."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,16 @@ def test_two_gloo_ranks_equal_one_process_averaging_both_batches(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=4)
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "train.cli",
-           *tiny_cli_args(cache, out, "--max-steps", "1", "--grad-clip", "0.05")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "train.cli",
+        *tiny_cli_args(cache, out, "--max-steps", "1", "--grad-clip", "0.05"),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
@@ -48,13 +57,21 @@ def test_two_gloo_ranks_equal_one_process_averaging_both_batches(tmp_path):
     for rank in (0, 1):
         batch_id = epoch_shard_order(run.train_ids, 0, cfg.seed, rank, 2)[0]
         t, _ = reader.read(batch_id)
-        blocks = sample_blocks(input_ids_T=t["input_ids"], position_ids_T=t["position_ids"],
-                               loss_mask_T=t["loss_mask"], cu_seqlens_S1=t["cu_seqlens"], num_blocks=8,
-                               block_size=4, mask_token_id=run.drafter.mask_token_id, gamma=cfg.gamma,
-                               generator=torch.Generator().manual_seed(anchor_seed(cfg.seed, rank=rank)))
+        blocks = sample_blocks(
+            input_ids_T=t["input_ids"],
+            position_ids_T=t["position_ids"],
+            loss_mask_T=t["loss_mask"],
+            cu_seqlens_S1=t["cu_seqlens"],
+            num_blocks=8,
+            block_size=4,
+            mask_token_id=run.drafter.mask_token_id,
+            gamma=cfg.gamma,
+            generator=torch.Generator().manual_seed(anchor_seed(cfg.seed, rank=rank)),
+        )
         layout.update(blocks.seq_start_N, blocks.anchor_N)
-        hidden = model(t["hidden"].float(), t["position_ids"], head.embed(blocks.block_ids_NB), blocks.block_pos_NB,
-                       layout)
+        hidden = model(
+            t["hidden"].float(), t["position_ids"], head.embed(blocks.block_ids_NB), blocks.block_pos_NB, layout
+        )
         loss = block_loss(hidden, head, blocks, LossConfig())
         loss.total.backward()
         losses.append(float(loss.total.detach()))
@@ -64,8 +81,7 @@ def test_two_gloo_ranks_equal_one_process_averaging_both_batches(tmp_path):
     norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))
     for p in params:
         p.grad *= min(1.0, 0.05 / (float(norm) + 1e-6))
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                            foreach=False)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=False)
     opt.step()
 
     assert record["loss/total"] == pytest.approx(sum(losses) / 2, abs=1e-6)

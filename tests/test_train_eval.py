@@ -1,6 +1,7 @@
 """Evaluation: DDTree tree acceptance against brute force, the random-anchor diagnostics against
 per-block inference forwards, and a learning test (training raises held-out acceptance clearly).
 The decoding walk itself is tested in test_train_walk.py."""
+
 from __future__ import annotations
 
 import itertools
@@ -49,8 +50,16 @@ def test_chain_acceptance_and_slot_accuracy_match_per_block_inference(tmp_path):
     """Packed evaluation (block-attention mask over the whole batch) against one inference forward per
     block over its own sequence's prefix, counted by a plain loop."""
     cache = tiny_cache(tmp_path / "cache", num_batches=2, vocab_size=16)
-    cfg = DrafterConfig.for_target(hidden_size=32, intermediate_size=64, vocab_size=16, num_target_layers=8,
-                                   tap_layer_ids=[1, 3, 5], mask_token_id=15, num_layers=1, block_size=4)
+    cfg = DrafterConfig.for_target(
+        hidden_size=32,
+        intermediate_size=64,
+        vocab_size=16,
+        num_target_layers=8,
+        tap_layer_ids=[1, 3, 5],
+        mask_token_id=15,
+        num_layers=1,
+        block_size=4,
+    )
     torch.manual_seed(0)
     model = DFlashDrafter(cfg).double()
     head_t = load_target_head(cache)
@@ -64,18 +73,28 @@ def test_chain_acceptance_and_slot_accuracy_match_per_block_inference(tmp_path):
     accepted_total, blocks_total, correct, count = 0, 0, [0] * 3, [0] * 3
     for batch_id in (0, 1):
         t, _ = reader.read(batch_id)
-        blocks = sample_blocks(input_ids_T=t["input_ids"], position_ids_T=t["position_ids"],
-                               loss_mask_T=t["loss_mask"], cu_seqlens_S1=t["cu_seqlens"], num_blocks=16,
-                               block_size=4, mask_token_id=15,
-                               generator=torch.Generator().manual_seed(3 * 1_000_003 + batch_id))
+        blocks = sample_blocks(
+            input_ids_T=t["input_ids"],
+            position_ids_T=t["position_ids"],
+            loss_mask_T=t["loss_mask"],
+            cu_seqlens_S1=t["cu_seqlens"],
+            num_blocks=16,
+            block_size=4,
+            mask_token_id=15,
+            generator=torch.Generator().manual_seed(3 * 1_000_003 + batch_id),
+        )
         hidden = decode_hidden(t["hidden"]).double()
         for n in range(16):
             if not blocks.block_valid_N[n]:
                 continue
             a, s0 = int(blocks.anchor_N[n]), int(blocks.seq_start_N[n])
             with torch.no_grad():
-                out = model.forward_block(hidden[s0:a], t["position_ids"][s0:a].long(),
-                                          head.embed(blocks.block_ids_NB[n]), blocks.block_pos_NB[n])
+                out = model.forward_block(
+                    hidden[s0:a],
+                    t["position_ids"][s0:a].long(),
+                    head.embed(blocks.block_ids_NB[n]),
+                    blocks.block_pos_NB[n],
+                )
             pred = (out @ head.lm_head_VH.T).argmax(-1)
             run = 0
             for k in range(1, 4):
@@ -99,12 +118,15 @@ def test_training_raises_held_out_acceptance(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=6, vocab_size=32)
     make_learnable(cache)
     untrained = run_training(tiny_config(cache, tmp_path / "r0", max_steps=1, lr=1e-9, eval_shards=1)).eval
-    trained = run_training(tiny_config(cache, tmp_path / "r1", epochs=60, lr=1e-2, eval_shards=1, log_every=50,
-                                       metrics_every=50)).eval
+    trained = run_training(
+        tiny_config(cache, tmp_path / "r1", epochs=60, lr=1e-2, eval_shards=1, log_every=50, metrics_every=50)
+    ).eval
     assert trained.batch_ids == untrained.batch_ids == [5]
     gain = trained.acceptance_length - untrained.acceptance_length
-    assert gain >= 0.6, (f"acceptance length {untrained.acceptance_length:.3f} -> {trained.acceptance_length:.3f}; "
-                         "training did not learn the counting sequences")
+    assert gain >= 0.6, (
+        f"acceptance length {untrained.acceptance_length:.3f} -> {trained.acceptance_length:.3f}; "
+        "training did not learn the counting sequences"
+    )
     # Decoding anchors right after rejections, where the drafter is weakest: random anchors read higher.
     assert trained.random_anchor_chain_length > trained.acceptance_length
     assert trained.tree_acceptance[16] >= trained.acceptance_length

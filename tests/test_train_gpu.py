@@ -1,5 +1,6 @@
 """GPU: the captured CUDA-graph step computes what the eager step computes; fp8 caches train; resume
 under graphs continues the same loss sequence."""
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,18 @@ GPU_CACHE = dict(hidden_size=256, vocab_size=2048, token_budget=1024, max_seqs=4
 
 
 def gpu_config(cache, out, **overrides):
-    options = dict(device="cuda", attention="flex", compute_dtype="bfloat16", num_blocks=16, block_size=16,
-                   num_layers=2, epochs=2, metrics_every=2, log_every=1, mask_token_id=2047)
+    options = dict(
+        device="cuda",
+        attention="flex",
+        compute_dtype="bfloat16",
+        num_blocks=16,
+        block_size=16,
+        num_layers=2,
+        epochs=2,
+        metrics_every=2,
+        log_every=1,
+        mask_token_id=2047,
+    )
     options.update(overrides)
     return tiny_config(cache, out, **options)
 

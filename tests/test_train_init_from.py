@@ -1,5 +1,6 @@
 """--init-from: training starts from an exported / published DFlashDraftModel directory, refused (every
 differing field named) when it does not fit the cache; sliding-layer drafters train end to end."""
+
 from __future__ import annotations
 
 import re
@@ -31,11 +32,23 @@ def first_step_loss_of(drafter_dir, cache, cfg) -> float:
     batch_id = epoch_shard_order(resolve_run(cfg).train_ids, 0, cfg.seed, 0, 1)[0]
     t, _ = reader.read(batch_id)
     gen = torch.Generator().manual_seed(anchor_seed(cfg.seed, rank=0))
-    blocks = sample_blocks(input_ids_T=t["input_ids"], position_ids_T=t["position_ids"], loss_mask_T=t["loss_mask"],
-                           cu_seqlens_S1=t["cu_seqlens"], num_blocks=cfg.num_blocks, block_size=cfg.block_size,
-                           mask_token_id=dcfg.mask_token_id, gamma=cfg.gamma, generator=gen)
-    layout = BlockAttentionLayout(num_ctx=reader.config.token_budget, num_blocks=cfg.num_blocks,
-                                  block_size=cfg.block_size, sliding_window=dcfg.attention_window)
+    blocks = sample_blocks(
+        input_ids_T=t["input_ids"],
+        position_ids_T=t["position_ids"],
+        loss_mask_T=t["loss_mask"],
+        cu_seqlens_S1=t["cu_seqlens"],
+        num_blocks=cfg.num_blocks,
+        block_size=cfg.block_size,
+        mask_token_id=dcfg.mask_token_id,
+        gamma=cfg.gamma,
+        generator=gen,
+    )
+    layout = BlockAttentionLayout(
+        num_ctx=reader.config.token_budget,
+        num_blocks=cfg.num_blocks,
+        block_size=cfg.block_size,
+        sliding_window=dcfg.attention_window,
+    )
     layout.update(blocks.seq_start_N, blocks.anchor_N)
     raw = load_target_head(cache)
     head = TargetHead(raw["embed_tokens"].float(), raw["lm_head"].float())
@@ -66,36 +79,84 @@ def test_init_from_an_exported_drafter_continues_from_its_weights(tmp_path):
 def test_init_from_takes_the_drafter_shape_and_refuses_other_shape_options(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
     cc = ShardReader(cache).config
-    dcfg = DrafterConfig(num_layers=3, hidden_size=32, intermediate_size=40, num_attention_heads=4,
-                         num_key_value_heads=1, head_dim=8, rope_theta=5e5, block_size=4, mask_token_id=127,
-                         tap_layer_ids=list(cc.tap_layer_ids), num_target_layers=cc.target.num_layers, vocab_size=128,
-                         layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=5)
+    dcfg = DrafterConfig(
+        num_layers=3,
+        hidden_size=32,
+        intermediate_size=40,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=8,
+        rope_theta=5e5,
+        block_size=4,
+        mask_token_id=127,
+        tap_layer_ids=list(cc.tap_layer_ids),
+        num_target_layers=cc.target.num_layers,
+        vocab_size=128,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=5,
+    )
     torch.manual_seed(0)
     export_drafter(DFlashDrafter(dcfg), dcfg, tmp_path / "published")
     run = resolve_run(tiny_config(cache, tmp_path / "run", init_from=str(tmp_path / "published"), num_layers=5))
     got = run.drafter
-    assert (got.num_layers, got.intermediate_size, got.num_key_value_heads, got.rope_theta, got.layer_types,
-            got.sliding_window) == (3, 40, 1, 5e5, dcfg.layer_types, 5)
+    assert (
+        got.num_layers,
+        got.intermediate_size,
+        got.num_key_value_heads,
+        got.rope_theta,
+        got.layer_types,
+        got.sliding_window,
+    ) == (3, 40, 1, 5e5, dcfg.layer_types, 5)
     with pytest.raises(ValueError, match=r"num_layers: drafter 3, this run 2.*sliding_window: drafter 5, this run 7"):
-        resolve_run(tiny_config(cache, tmp_path / "run", init_from=str(tmp_path / "published"), num_layers=2,
-                                layer_types=["sliding", "full"], sliding_window=7))
+        resolve_run(
+            tiny_config(
+                cache,
+                tmp_path / "run",
+                init_from=str(tmp_path / "published"),
+                num_layers=2,
+                layer_types=["sliding", "full"],
+                sliding_window=7,
+            )
+        )
 
 
 def test_init_from_refuses_a_drafter_that_does_not_fit_the_cache(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
-    dcfg = DrafterConfig(num_layers=1, hidden_size=32, intermediate_size=40, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, block_size=8, mask_token_id=5, tap_layer_ids=[0, 1, 2],
-                         num_target_layers=6, vocab_size=128)
+    dcfg = DrafterConfig(
+        num_layers=1,
+        hidden_size=32,
+        intermediate_size=40,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        block_size=8,
+        mask_token_id=5,
+        tap_layer_ids=[0, 1, 2],
+        num_target_layers=6,
+        vocab_size=128,
+    )
     export_drafter(DFlashDrafter(dcfg), dcfg, tmp_path / "other")
     with pytest.raises(ValueError) as e:
         resolve_run(tiny_config(cache, tmp_path / "run", init_from=str(tmp_path / "other")))
-    for field in ("tap_layer_ids: drafter [0, 1, 2], cache [1, 3, 5]", "num_target_layers: drafter 6, cache 8",
-                  "block_size: drafter 8, this run 4", "mask_token_id: drafter 5, cache/run 127"):
+    for field in (
+        "tap_layer_ids: drafter [0, 1, 2], cache [1, 3, 5]",
+        "num_target_layers: drafter 6, cache 8",
+        "block_size: drafter 8, this run 4",
+        "mask_token_id: drafter 5, cache/run 127",
+    ):
         assert field in str(e.value)
-    wide = dcfg.replace(hidden_size=64, num_attention_heads=8, tap_layer_ids=[1, 3, 5], num_target_layers=8,
-                        block_size=4, mask_token_id=127)
+    wide = dcfg.replace(
+        hidden_size=64,
+        num_attention_heads=8,
+        tap_layer_ids=[1, 3, 5],
+        num_target_layers=8,
+        block_size=4,
+        mask_token_id=127,
+    )
     export_drafter(DFlashDrafter(wide), wide, tmp_path / "wide")
-    result = CliRunner().invoke(train_cli, tiny_cli_args(cache, tmp_path / "run2", "--init-from", str(tmp_path / "wide")))
+    result = CliRunner().invoke(
+        train_cli, tiny_cli_args(cache, tmp_path / "run2", "--init-from", str(tmp_path / "wide"))
+    )
     assert result.exit_code != 0 and "hidden_size: drafter 64, cache 32" in result.output
     assert "Traceback" not in result.output
 
@@ -103,16 +164,31 @@ def test_init_from_refuses_a_drafter_that_does_not_fit_the_cache(tmp_path):
 def test_sliding_layer_flags_through_the_cli(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
     out = tmp_path / "run"
-    result = CliRunner().invoke(train_cli, tiny_cli_args(cache, out, "--num-layers", "2", "--layer-types",
-                                                         "sliding,full", "--sliding-window", "6", "--max-steps", "2"))
+    result = CliRunner().invoke(
+        train_cli,
+        tiny_cli_args(
+            cache,
+            out,
+            "--num-layers",
+            "2",
+            "--layer-types",
+            "sliding,full",
+            "--sliding-window",
+            "6",
+            "--max-steps",
+            "2",
+        ),
+    )
     assert result.exit_code == 0, result.output
     result = CliRunner().invoke(train_cli, ["export", str(out), str(tmp_path / "exported")])
     assert result.exit_code == 0, result.output
     _, cfg = load_exported_drafter(tmp_path / "exported")
     assert cfg.layer_types == ["sliding_attention", "full_attention"] and cfg.sliding_window == 6
-    for args, message in ((["--layer-types", "sliding,full"], "sliding-window|sliding_window"),
-                          (["--layer-types", "full,full", "--sliding-window", "6"], "ignored"),
-                          (["--layer-types", "sliding,diagonal", "--sliding-window", "6"], "full or sliding")):
+    for args, message in (
+        (["--layer-types", "sliding,full"], "sliding-window|sliding_window"),
+        (["--layer-types", "full,full", "--sliding-window", "6"], "ignored"),
+        (["--layer-types", "sliding,diagonal", "--sliding-window", "6"], "full or sliding"),
+    ):
         result = CliRunner().invoke(train_cli, tiny_cli_args(cache, tmp_path / "bad", "--num-layers", "2", *args))
         assert result.exit_code != 0 and "Traceback" not in result.output
         assert re.search(message, result.output), result.output

@@ -1,4 +1,5 @@
 """Loss is not metrics: every logged step carries its loss; monitoring metrics follow their own cadence."""
+
 from __future__ import annotations
 
 import logging
@@ -42,19 +43,39 @@ def test_log_divides_summed_pairs_like_a_naive_average(tmp_path):
     not the mean of per-step ratios; loss is the mean over steps."""
     B = 3
     totals = StepTotals(B, torch.device("cpu"))
-    ml = MetricsLogger(out_dir=tmp_path, total_steps=10, log_every=1, metrics_every=1, metrics_topk=4,
-                       is_main=True, device=torch.device("cpu"))
+    ml = MetricsLogger(
+        out_dir=tmp_path,
+        total_steps=10,
+        log_every=1,
+        metrics_every=1,
+        metrics_topk=4,
+        is_main=True,
+        device=torch.device("cpu"),
+    )
     steps = [((2.0, 3.0), [3.0, 1.0], [4.0, 2.0], 5.0, 4.0), ((4.0, 1.0), [0.0, 1.0], [1.0, 1.0], 1.0, 1.0)]
     for i, ((total, ce), correct, count, streak, blocks) in enumerate(steps):
         parts = [torch.tensor(total), torch.tensor(ce), torch.tensor(0.0), torch.tensor(0.0)]
-        totals.add_step(parts, torch.tensor(1.0), torch.ones(2, B, dtype=torch.bool), torch.ones(2, dtype=torch.bool),
-                        torch.tensor(float(i), dtype=torch.float64), torch.tensor([i]), torch.tensor(True))
+        totals.add_step(
+            parts,
+            torch.tensor(1.0),
+            torch.ones(2, B, dtype=torch.bool),
+            torch.ones(2, dtype=torch.bool),
+            torch.tensor(float(i), dtype=torch.float64),
+            torch.tensor([i]),
+            torch.tensor(True),
+        )
         zeros = torch.zeros(B - 1)
         c = torch.tensor(count)
-        totals.add_metrics({"top1_slot": (torch.tensor(correct), c), "topk_slot": (zeros, c), "ce_slot": (zeros, c),
-                            "accept_streak": (torch.tensor(streak), torch.tensor(blocks)),
-                            "topk_streak": (torch.tensor(0.0), torch.tensor(blocks)),
-                            "expected_accept": (torch.tensor(0.0), torch.tensor(blocks))})
+        totals.add_metrics(
+            {
+                "top1_slot": (torch.tensor(correct), c),
+                "topk_slot": (zeros, c),
+                "ce_slot": (zeros, c),
+                "accept_streak": (torch.tensor(streak), torch.tensor(blocks)),
+                "topk_streak": (torch.tensor(0.0), torch.tensor(blocks)),
+                "expected_accept": (torch.tensor(0.0), torch.tensor(blocks)),
+            }
+        )
     rec = ml.log(2, 0, totals, lr=1e-3)
     ml.close()
     assert rec["loss/total"] == pytest.approx(3.0) and rec["loss/ce"] == pytest.approx(2.0)
@@ -65,6 +86,7 @@ def test_log_divides_summed_pairs_like_a_naive_average(tmp_path):
 
 def _all_records(run_dir):
     import json
+
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -76,19 +98,46 @@ def test_exact_key_sets_of_training_and_eval_records(tmp_path):
     records = _all_records(tmp_path / "run")
     steps = [r for r in records if "event" not in r]
     evals = [r for r in records if r.get("event") == "eval"]
-    base = {"time", "step", "epoch", "loss/total", "loss/ce", "loss/kl", "loss/cap", "opt/lr", "opt/grad_norm",
-            "data/labels_per_step", "data/blocks_per_step", "data/tokens_seen", "data/skipped_shards",
-            "perf/tokens_per_s", "perf/data_wait_frac", "perf/eta_s"}
+    base = {
+        "time",
+        "step",
+        "epoch",
+        "loss/total",
+        "loss/ce",
+        "loss/kl",
+        "loss/cap",
+        "opt/lr",
+        "opt/grad_norm",
+        "data/labels_per_step",
+        "data/blocks_per_step",
+        "data/tokens_seen",
+        "data/skipped_shards",
+        "perf/tokens_per_s",
+        "perf/data_wait_frac",
+        "perf/eta_s",
+    }
     slots = {f"{prefix}{k:02d}" for prefix in ("acc/slot_", "acc/top4_slot_", "ce/slot_") for k in (1, 2, 3)}
     monitoring = slots | {"accept/streak", "accept/top4_streak", "accept/expected"}
     assert [r["step"] for r in steps] == [1, 2]
     assert set(steps[0]) == base | monitoring, sorted(set(steps[0]) ^ (base | monitoring))
     assert set(steps[1]) == base, sorted(set(steps[1]) ^ base)
     assert 0 <= steps[1]["perf/data_wait_frac"] <= 1
-    want_eval = {"time", "event", "step", "eval/acceptance_length", "eval/acceptance_length_pooled",
-                 "eval/heldout_loss", "eval/random_anchor_chain_length", "eval/batch_ids",
-                 "eval/slot_acceptance_01", "eval/slot_acceptance_02", "eval/slot_acceptance_03",
-                 "eval/tree_acceptance_16", "eval/tree_acceptance_32", "eval/tree_acceptance_64"}
+    want_eval = {
+        "time",
+        "event",
+        "step",
+        "eval/acceptance_length",
+        "eval/acceptance_length_pooled",
+        "eval/heldout_loss",
+        "eval/random_anchor_chain_length",
+        "eval/batch_ids",
+        "eval/slot_acceptance_01",
+        "eval/slot_acceptance_02",
+        "eval/slot_acceptance_03",
+        "eval/tree_acceptance_16",
+        "eval/tree_acceptance_32",
+        "eval/tree_acceptance_64",
+    }
     assert [r["step"] for r in evals] == [0, 2]  # the untrained drafter, then the end of training
     for r in evals:
         assert set(r) == want_eval, sorted(set(r) ^ want_eval)
@@ -121,8 +170,11 @@ def test_named_sums_against_a_float64_loop():
     for name, values in want.items():
         assert host[name] == pytest.approx(values, abs=1e-12), name
     assert host.local == [-1.0, 7.0]
-    assert host.mean("slot") == [pytest.approx(want["slot"][0] / want["slot.count"][0]), None,
-                                 pytest.approx(want["slot"][2] / want["slot.count"][2])]
+    assert host.mean("slot") == [
+        pytest.approx(want["slot"][0] / want["slot.count"][0]),
+        None,
+        pytest.approx(want["slot"][2] / want["slot.count"][2]),
+    ]
     assert host.mean("slot", "steps") == pytest.approx([s / 20 for s in want["slot"]])
     assert host.scalar("loss") == pytest.approx(want["loss"][0])
     sums.reset()

@@ -1,4 +1,5 @@
 """dflash-train plot and --tensorboard: what is drawn and logged is what metrics.jsonl says."""
+
 from __future__ import annotations
 
 import json
@@ -17,14 +18,19 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plot")
     cache = tiny_cache(tmp / "cache", num_batches=4)
     out = tmp / "run"
-    res = CliRunner().invoke(main, tiny_cli_args(cache, out, "--max-steps", "6", "--eval-shards", "1",
-                                                 "--eval-every", "3", "--tensorboard"), catch_exceptions=False)
+    res = CliRunner().invoke(
+        main,
+        tiny_cli_args(cache, out, "--max-steps", "6", "--eval-shards", "1", "--eval-every", "3", "--tensorboard"),
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     return out
 
 
 def _events(run_dir):
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "eval"]
+    return [
+        r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "eval"
+    ]
 
 
 def test_plot_draws_the_records_of_metrics_jsonl(run, tmp_path):
@@ -33,8 +39,12 @@ def test_plot_draws_the_records_of_metrics_jsonl(run, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     records = read_records(run)
     steps = [float(r["step"]) for r in records]
-    for label, key in (("loss/total", "loss/total"), ("loss/ce", "loss/ce"), ("lr/lr", "opt/lr"),
-                       ("speed/tokens/s", "perf/tokens_per_s")):
+    for label, key in (
+        ("loss/total", "loss/total"),
+        ("loss/ce", "loss/ce"),
+        ("lr/lr", "opt/lr"),
+        ("speed/tokens/s", "perf/tokens_per_s"),
+    ):
         assert drawn[label] == (steps, [r[key] for r in records]), label
     assert "loss/kl" not in drawn and "loss/cap" not in drawn, "terms that are off are not drawn"
     evals = _events(run)
@@ -60,16 +70,38 @@ def test_plot_cli_writes_run_png_and_refuses_a_foreign_file(run, tmp_path):
 
 def test_a_resumed_run_draws_the_later_records(tmp_path):
     def rec(step, loss):
-        return json.dumps({"step": step, "epoch": 0, "loss/total": loss, "loss/ce": loss, "loss/kl": 0.0,
-                           "loss/cap": 0.0, "opt/lr": 1e-3, "perf/tokens_per_s": 100.0})
+        return json.dumps(
+            {
+                "step": step,
+                "epoch": 0,
+                "loss/total": loss,
+                "loss/ce": loss,
+                "loss/kl": 0.0,
+                "loss/cap": 0.0,
+                "opt/lr": 1e-3,
+                "perf/tokens_per_s": 100.0,
+            }
+        )
 
     def ev(step, acc):
         return json.dumps({"event": "eval", "step": step, "eval/acceptance_length": acc})
 
     # A run logs steps 1-5 and evaluates at 4, is killed, and resumes from its checkpoint at step 2;
     # the resumed run logs 3-6 and evaluates at 4 again; the last line was cut by a kill.
-    lines = [rec(1, 9.0), rec(2, 8.0), rec(3, 7.0), rec(4, 6.0), ev(4, 1.5), rec(5, 5.0),
-             rec(3, 6.5), rec(4, 5.5), ev(4, 1.7), rec(5, 4.5), rec(6, 4.0), '{"step": 7, "loss/to']
+    lines = [
+        rec(1, 9.0),
+        rec(2, 8.0),
+        rec(3, 7.0),
+        rec(4, 6.0),
+        ev(4, 1.5),
+        rec(5, 5.0),
+        rec(3, 6.5),
+        rec(4, 5.5),
+        ev(4, 1.7),
+        rec(5, 4.5),
+        rec(6, 4.0),
+        '{"step": 7, "loss/to',
+    ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     metrics = read_run_metrics(tmp_path)
     assert metrics.series("loss/total") == ([1, 2, 3, 4, 5, 6], [9.0, 8.0, 6.5, 5.5, 4.5, 4.0])

@@ -1,5 +1,6 @@
 """Resume continues exactly: the losses after a resume equal the uninterrupted run's, whether the
 run stopped cleanly at a checkpoint or was SIGKILLed mid-run."""
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,6 @@ from train.checkpoint import latest_checkpoint, list_checkpoints
 from train.loop import run_training
 
 REPO = Path(__file__).resolve().parents[1]
-
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -63,8 +63,12 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted_run(tmp_path):
 
     killed = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "train.cli", *tiny_cli_args(cache, killed, *extra)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train.cli", *tiny_cli_args(cache, killed, *extra)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -84,8 +88,9 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted_run(tmp_path):
     ckpt = latest_checkpoint(killed)
     assert ckpt is not None and ckpt.step <= last_logged
 
-    run_training(tiny_config(cache, killed, resume=True, epochs=40, checkpoint_every=8, keep_checkpoints=2,
-                             metrics_every=3))
+    run_training(
+        tiny_config(cache, killed, resume=True, epochs=40, checkpoint_every=8, keep_checkpoints=2, metrics_every=3)
+    )
     after = losses(killed)
     assert sorted(after) == list(range(1, total + 1))
     assert_same_losses(after, reference, range(1, total + 1))

@@ -1,5 +1,6 @@
 """The step's pieces: the on-device warmup-cosine schedule against a float64 loop, and the optimizer
 set-up that must leave the weights untouched."""
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,9 @@ def naive_lr(s: int, peak: float, warmup: int, total: int, floor: float) -> floa
 
 @pytest.mark.parametrize("warmup,total,floor_ratio", [(4, 100, 0.0), (0, 10, 0.1), (3, 3, 0.0), (40, 1000, 0.05)])
 def test_schedule_matches_naive_formula_step_by_step(warmup, total, floor_ratio):
-    sched = WarmupCosine(peak_lr=6e-4, warmup_steps=warmup, total_steps=total, min_lr_ratio=floor_ratio,
-                         device=torch.device("cpu"))
+    sched = WarmupCosine(
+        peak_lr=6e-4, warmup_steps=warmup, total_steps=total, min_lr_ratio=floor_ratio, device=torch.device("cpu")
+    )
     worst = 0.0
     for s in range(total + 2):
         want = naive_lr(s, 6e-4, warmup, total, 6e-4 * floor_ratio)
@@ -66,7 +68,8 @@ def test_checkpoint_layers_gives_the_plain_steps_loss_and_gradients(tmp_path):
         state.batch.load(LoadedShard(1, tensors, info, release=lambda: None))
         grads, layer_calls = [], []
         state.optimizer.register_step_pre_hook(
-            lambda opt, args, kwargs, grads=grads, state=state: grads.append(state.grads.flat.clone()))
+            lambda opt, args, kwargs, grads=grads, state=state: grads.append(state.grads.flat.clone())
+        )
         state.model.layers[0].register_forward_pre_hook(lambda module, args, calls=layer_calls: calls.append(1))
         train_step(state, with_metrics=True)
         # The recomputation in backward is the proof that checkpointing ran at all.

@@ -1,5 +1,6 @@
 """The decoding walk against a brute-force per-response loop of single-block inference forwards, and
 against drafters that are always right (B tokens per step) or always wrong (1 per step)."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,19 +22,29 @@ def _multi_turn_cache(tmp_path):
     """Tiny random cache over 8 tokens whose supervised runs are cut in two (multi-turn responses)."""
     cache = tiny_cache(tmp_path / "cache", num_batches=2, vocab_size=VOCAB, max_seqs=4)
     for batch_id in (0, 1):
+
         def edit(t):
             mask = t["loss_mask"]
             for s in range(t["cu_seqlens"].shape[0] - 1):
                 a, b = int(t["cu_seqlens"][s]), int(t["cu_seqlens"][s + 1])
                 if b - a > 12:
                     mask[(a + b) // 2 : (a + b) // 2 + 2] = 0  # a user turn in the middle
+
         rewrite_shard(cache, batch_id, edit)
     return cache
 
 
 def _confident_drafter(seed: int = 0) -> DFlashDrafter:
-    cfg = DrafterConfig.for_target(hidden_size=32, intermediate_size=64, vocab_size=VOCAB, num_target_layers=8,
-                                   tap_layer_ids=[1, 3, 5], mask_token_id=VOCAB - 1, num_layers=1, block_size=B)
+    cfg = DrafterConfig.for_target(
+        hidden_size=32,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        num_target_layers=8,
+        tap_layer_ids=[1, 3, 5],
+        mask_token_id=VOCAB - 1,
+        num_layers=1,
+        block_size=B,
+    )
     torch.manual_seed(seed)
     model = DFlashDrafter(cfg).double()
     with torch.no_grad():
@@ -95,17 +106,28 @@ def test_walk_equals_brute_force_per_response_loop(tmp_path, budget, lanes):
     for batch_id in (0, 1):
         t, _ = reader.read(batch_id)
         layout = BlockAttentionLayout(num_ctx=T, num_blocks=lanes, block_size=B, backend="sdpa")
-        got = walk_shard(model, head, decode_hidden(t["hidden"]).double(), t["input_ids"], t["position_ids"],
-                         response_spans(t["loss_mask"], t["cu_seqlens"]), layout, budget=budget)
+        got = walk_shard(
+            model,
+            head,
+            decode_hidden(t["hidden"]).double(),
+            t["input_ids"],
+            t["position_ids"],
+            response_spans(t["loss_mask"], t["cu_seqlens"]),
+            layout,
+            budget=budget,
+        )
         ref = brute_force_walk(model, head, t, budget)
         assert got.as_vector() == pytest.approx(ref.as_vector(), abs=1e-9), f"batch {batch_id}"
         total = WalkCounts.from_vector(B, [a + b for a, b in zip(total.as_vector(), got.as_vector())])
         want = WalkCounts.from_vector(B, [a + b for a, b in zip(want.as_vector(), ref.as_vector())])
     assert total.responses > 4, "the cache should hold several (multi-turn) responses"
     assert sum(total.accepted_histogram[1:]) > 0, "the test needs some accepted drafts to mean anything"
-    assert total.tokens == sum(last - first for _, first, last in
-                               (r for b in (0, 1) for r in response_spans(reader.read(b)[0]["loss_mask"],
-                                                                          reader.read(b)[0]["cu_seqlens"])))
+    assert total.tokens == sum(
+        last - first
+        for _, first, last in (
+            r for b in (0, 1) for r in response_spans(reader.read(b)[0]["loss_mask"], reader.read(b)[0]["cu_seqlens"])
+        )
+    )
 
 
 class _Oracle(torch.nn.Module):
@@ -114,10 +136,19 @@ class _Oracle(torch.nn.Module):
 
     def __init__(self, input_ids_T, right: bool):
         super().__init__()
-        self.config = DrafterConfig(hidden_size=VOCAB, intermediate_size=8, num_attention_heads=1,
-                                    num_key_value_heads=1, head_dim=8, num_layers=1, block_size=B,
-                                    mask_token_id=VOCAB - 1, tap_layer_ids=[1], num_target_layers=4,
-                                    vocab_size=VOCAB)
+        self.config = DrafterConfig(
+            hidden_size=VOCAB,
+            intermediate_size=8,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            head_dim=8,
+            num_layers=1,
+            block_size=B,
+            mask_token_id=VOCAB - 1,
+            tap_layer_ids=[1],
+            num_target_layers=4,
+            vocab_size=VOCAB,
+        )
         self.ids, self.right = input_ids_T.long(), right
 
     def forward(self, hidden_TKH, position_ids_T, block_embed_NBH, block_pos_NB, layout):
@@ -134,8 +165,15 @@ def test_always_right_gives_block_size_and_always_wrong_gives_one(tmp_path, righ
     head = TargetHead(torch.eye(VOCAB), torch.eye(VOCAB))
     responses = response_spans(t["loss_mask"], t["cu_seqlens"])
     layout = BlockAttentionLayout(num_ctx=reader.config.token_budget, num_blocks=2, block_size=B, backend="sdpa")
-    got = walk_shard(_Oracle(t["input_ids"], right), head, decode_hidden(t["hidden"]), t["input_ids"],
-                     t["position_ids"], responses, layout)
+    got = walk_shard(
+        _Oracle(t["input_ids"], right),
+        head,
+        decode_hidden(t["hidden"]),
+        t["input_ids"],
+        t["position_ids"],
+        responses,
+        layout,
+    )
     if not right:
         assert got.acceptance_length == got.acceptance_length_pooled == 1.0
         assert got.accepted_histogram[0] == got.steps
@@ -144,7 +182,8 @@ def test_always_right_gives_block_size_and_always_wrong_gives_one(tmp_path, righ
     steps = [-(-(last - first) // B) for _, first, last in responses]
     assert got.steps == sum(steps)
     assert got.acceptance_length == pytest.approx(
-        sum((last - first) / n for (_, first, last), n in zip(responses, steps)) / len(responses))
+        sum((last - first) / n for (_, first, last), n in zip(responses, steps)) / len(responses)
+    )
     assert got.accepted_histogram[B - 1] >= got.steps - len(responses)
     assert got.slot_acceptance == [1.0] * (B - 1)
     full = [r for r in responses if (r.last - r.first) % B == 0]

@@ -6,6 +6,7 @@ forwards (full SDPA over the prefix), in float32: in bf16 (H200 run, December 20
 derails the rest of its response (later blocks then start at anchors the data was never drafted
 from), so the GPU tolerance is stated in derailed-response units: at most 10% of the ideal steps
 lost. A batching bug (lanes mixing, wrong anchors or context) derails nearly every response."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,9 +19,16 @@ from train.walk import Response, walk_shard
 
 
 def _setup(hidden, mlp, vocab, taps, layers, T, responses, response_len, device, dtype):
-    cfg = DrafterConfig.for_target(hidden_size=hidden, intermediate_size=mlp, vocab_size=vocab,
-                                   num_target_layers=64, tap_layer_ids=list(range(1, 1 + 15 * taps, 15)),
-                                   mask_token_id=vocab - 1, num_layers=layers, block_size=16)
+    cfg = DrafterConfig.for_target(
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        vocab_size=vocab,
+        num_target_layers=64,
+        tap_layer_ids=list(range(1, 1 + 15 * taps, 15)),
+        mask_token_id=vocab - 1,
+        num_layers=layers,
+        block_size=16,
+    )
     model, head = random_drafter(cfg, device, dtype)
     with torch.no_grad():
         model.norm.weight.mul_(8)  # sharper drafts: fewer bf16 near-ties
@@ -36,8 +44,12 @@ def _setup(hidden, mlp, vocab, taps, layers, T, responses, response_len, device,
             while p < r.last:
                 block = torch.full((B,), cfg.mask_token_id, device=device)
                 block[0] = ids_T[p]
-                out = model.forward_block(hidden_TKH[r.seq_start:p], pos_T[r.seq_start:p], head.embed(block),
-                                          pos_T[p] + torch.arange(B, device=device))
+                out = model.forward_block(
+                    hidden_TKH[r.seq_start : p],
+                    pos_T[r.seq_start : p],
+                    head.embed(block),
+                    pos_T[p] + torch.arange(B, device=device),
+                )
                 n = min(S, r.last - p)
                 ids_T[p + 1 : p + 1 + n] = head.logits(out[1:]).float().argmax(-1)[:n]
                 p += B
@@ -50,8 +62,10 @@ def _check(model, head, hidden_TKH, ids_T, pos_T, spans, backend, lanes, toleran
     counts = walk_shard(model, head, hidden_TKH, ids_T, pos_T, spans, layout)
     ideal_steps = sum(-(-(r.last - r.first) // 16) for r in spans)
     full = counts.accepted_histogram[15] + sum(1 for r in spans if (r.last - r.first) % 16)  # last steps are cut
-    print(f"walk: {counts.steps} steps (ideal {ideal_steps}), {full} fully accepted, "
-          f"acceptance {counts.acceptance_length:.3f}")
+    print(
+        f"walk: {counts.steps} steps (ideal {ideal_steps}), {full} fully accepted, "
+        f"acceptance {counts.acceptance_length:.3f}"
+    )
     assert counts.steps <= ideal_steps * (1 + tolerance) and full >= ideal_steps * (1 - tolerance)
     if tolerance == 0:
         assert counts.steps == ideal_steps and counts.tokens == sum(r.last - r.first for r in spans)

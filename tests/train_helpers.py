@@ -1,4 +1,5 @@
 """Helpers shared by the test_train_* modules: tiny caches and a tiny TrainConfig (no tests here)."""
+
 from __future__ import annotations
 
 import json
@@ -20,17 +21,53 @@ def tiny_cache(path: Path, num_batches: int = 6, seed: int = 0, **overrides) -> 
 
 def tiny_config(cache: Path, out: Path, **overrides) -> TrainConfig:
     """A 1-layer, 32-wide drafter with 8 blocks of 4 per 128-token batch, fp32 on CPU."""
-    options = dict(cache=str(cache), out_dir=str(out), epochs=2, num_blocks=8, block_size=4, num_layers=1,
-                   compute_dtype="float32", attention="sdpa", device="cpu", log_every=1, metrics_every=2,
-                   checkpoint_every=0, num_buffers=2, warmup_ratio=0.1)
+    options = dict(
+        cache=str(cache),
+        out_dir=str(out),
+        epochs=2,
+        num_blocks=8,
+        block_size=4,
+        num_layers=1,
+        compute_dtype="float32",
+        attention="sdpa",
+        device="cpu",
+        log_every=1,
+        metrics_every=2,
+        checkpoint_every=0,
+        num_buffers=2,
+        warmup_ratio=0.1,
+    )
     options.update(overrides)
     return TrainConfig(**options)
 
 
 def tiny_cli_args(cache: Path, out: Path, *extra: str) -> list[str]:
-    return ["train", "--cache", str(cache), "--out", str(out), "--num-blocks", "8", "--block-size", "4",
-            "--num-layers", "1", "--compute-dtype", "float32", "--attention", "sdpa", "--device", "cpu",
-            "--log-every", "1", "--num-buffers", "2", "--warmup-ratio", "0.1", *extra]
+    return [
+        "train",
+        "--cache",
+        str(cache),
+        "--out",
+        str(out),
+        "--num-blocks",
+        "8",
+        "--block-size",
+        "4",
+        "--num-layers",
+        "1",
+        "--compute-dtype",
+        "float32",
+        "--attention",
+        "sdpa",
+        "--device",
+        "cpu",
+        "--log-every",
+        "1",
+        "--num-buffers",
+        "2",
+        "--warmup-ratio",
+        "0.1",
+        *extra,
+    ]
 
 
 def read_records(run_dir: Path) -> list[dict]:

@@ -122,7 +122,9 @@ class TimedWriter(AsyncShardWriter):
 
 
 def _sink(cfg: ExtractConfig, cache_cfg, device: torch.device, write: bool) -> TimedWriter | DiscardingSink:
-    return TimedWriter(cfg.out_dir, cache_cfg, device, num_buffers=cfg.writer_buffers) if write else DiscardingSink(device)
+    return (
+        TimedWriter(cfg.out_dir, cache_cfg, device, num_buffers=cfg.writer_buffers) if write else DiscardingSink(device)
+    )
 
 
 def steady_tokens_per_s(tokens_per_batch: list[int], done_s: list[float]) -> float | None:
@@ -133,8 +135,10 @@ def steady_tokens_per_s(tokens_per_batch: list[int], done_s: list[float]) -> flo
 
 
 def _rel_err_per_tap(got_nKH: torch.Tensor, want_nKH: torch.Tensor, taps: list[int]) -> dict[str, float]:
-    return {str(tap): ((got_nKH[:, j].float() - want_nKH[:, j].float()).norm() / want_nKH[:, j].float().norm()).item()
-            for j, tap in enumerate(taps)}
+    return {
+        str(tap): ((got_nKH[:, j].float() - want_nKH[:, j].float()).norm() / want_nKH[:, j].float().norm()).item()
+        for j, tap in enumerate(taps)
+    }
 
 
 def _save(out_path: str, result: dict) -> None:
@@ -158,7 +162,10 @@ def hf_padded_tokens_per_s(cfg_dict, state, index, loader_rows, token_budget, la
     with torch.device("meta"):
         hf = Qwen3_5TextModel(hf_cfg)
     # Same weights as ours; the final norm (never reached by our taps) is zero-centred: zeros.
-    params = {n: state[n] if n in state else torch.zeros(p.shape, dtype=torch.bfloat16, device=device) for n, p in hf.named_parameters()}
+    params = {
+        n: state[n] if n in state else torch.zeros(p.shape, dtype=torch.bfloat16, device=device)
+        for n, p in hf.named_parameters()
+    }
     hf.load_state_dict(params, strict=True, assign=True)
     hf.rotary_emb = type(hf.rotary_emb)(hf_cfg).to(device)
     hf = hf.eval()
@@ -192,12 +199,17 @@ def hf_padded_tokens_per_s(cfg_dict, state, index, loader_rows, token_budget, la
     _sync(device)
     seconds = time.perf_counter() - t0
     del hf
-    return {"hf_layers": layers, "hf_real_tokens_per_s_full_depth": real / seconds * layers / 64,
-            "hf_fill": real / max(padded, 1), "hf_batches_timed": len(batches) - 1}
+    return {
+        "hf_layers": layers,
+        "hf_real_tokens_per_s_full_depth": real / seconds * layers / 64,
+        "hf_fill": real / max(padded, 1),
+        "hf_batches_timed": len(batches) - 1,
+    }
 
 
-def _forward_batch(model: TargetModel, index, batch, taps: list[int], device: torch.device,
-                   token_budget: int) -> torch.Tensor:
+def _forward_batch(
+    model: TargetModel, index, batch, taps: list[int], device: torch.device, token_budget: int
+) -> torch.Tensor:
     """The taps [n, K, H] of one packed batch's real tokens (for the FP8-vs-dense error)."""
     arrays = load_batch(SampleLoader(index), batch, PackingConfig(token_budget=token_budget))
     n = batch.num_tokens
@@ -211,16 +223,30 @@ def _forward_batch(model: TargetModel, index, batch, taps: list[int], device: to
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False))
 @click.option("--cache-dir", default="/tmp/bench_extract_cache", show_default=True)
 @click.option("--num-samples", default=400, show_default=True, help="Samples in the length mix (~2K tokens each).")
-@click.option("--timed-batches", "--batches", "timed_batches", default=8, show_default=True,
-              help="Timed batches per configuration (the first configuration of each compute mode is preceded "
-                   "by two warm-up batches).")
+@click.option(
+    "--timed-batches",
+    "--batches",
+    "timed_batches",
+    default=8,
+    show_default=True,
+    help="Timed batches per configuration (the first configuration of each compute mode is preceded "
+    "by two warm-up batches).",
+)
 @click.option("--layers", default=64, show_default=True, help="Target layers (64 = the real 27B depth).")
-@click.option("--hf-layers", default=4, show_default=True, help="Layers for the HF comparison (projected to 64); 0 = skip.")
+@click.option(
+    "--hf-layers", default=4, show_default=True, help="Layers for the HF comparison (projected to 64); 0 = skip."
+)
 @click.option("--token-budget", default=49152, show_default=True)
-@click.option("--configs", default="no_write,write_bf16,write_fp8", show_default=True,
-              help=f"Comma-separated configurations to run, from {', '.join(CONFIGS)}; the fp8_* ones need an "
-                   "FP8 GPU (sm_89+) and add the FP8-vs-dense per-tap error.")
-@click.option("--tiny", is_flag=True, help="CPU smoke run on the tiny config (checks the script, measures nothing useful).")
+@click.option(
+    "--configs",
+    default="no_write,write_bf16,write_fp8",
+    show_default=True,
+    help=f"Comma-separated configurations to run, from {', '.join(CONFIGS)}; the fp8_* ones need an "
+    "FP8 GPU (sm_89+) and add the FP8-vs-dense per-tap error.",
+)
+@click.option(
+    "--tiny", is_flag=True, help="CPU smoke run on the tiny config (checks the script, measures nothing useful)."
+)
 def main(out_path, cache_dir, num_samples, timed_batches, layers, hf_layers, token_budget, configs, tiny) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     names = [c.strip() for c in configs.split(",") if c.strip()]
@@ -244,22 +270,33 @@ def main(out_path, cache_dir, num_samples, timed_batches, layers, hf_layers, tok
     write_mix(data, lengths, target.vocab_size, seed=0)
     index = scan_dataset(data, vocab_size=target.vocab_size, token_budget=token_budget)
     plan = plan_batches(index, PackingConfig(token_budget=token_budget))
-    log.info("length mix: median %d, mean %d, max %d; %s", np.median(lengths), lengths.mean(), lengths.max(), plan.summary())
+    log.info(
+        "length mix: median %d, mean %d, max %d; %s", np.median(lengths), lengths.mean(), lengths.max(), plan.summary()
+    )
     warm = 2  # two batch lengths: torch.compile specialises on the first, goes dynamic on the second
     need = warm + timed_batches
     if len(plan.batches) < need:
-        raise click.UsageError(f"the mix packs into {len(plan.batches)} batches, need {need}: raise --num-samples "
-                               "or lower --timed-batches")
+        raise click.UsageError(
+            f"the mix packs into {len(plan.batches)} batches, need {need}: raise --num-samples or lower --timed-batches"
+        )
     t0 = time.perf_counter()
     dtype = torch.bfloat16 if use_fp8 or not tiny else torch.float32  # FP8 compute runs on bf16
     state = random_weights(target, seed=0, device=device, with_head=False, dtype=dtype, last_layer=taps[-1])
     kernels = select_kernels(device)
     model = TargetModel.from_state_dict(target, state, kernels, dtype=dtype, last_layer=taps[-1])
     log.info("built a random %d-layer 27B-width target in %.0fs", taps[-1] + 1, time.perf_counter() - t0)
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "layers_built": taps[-1] + 1,
-              "taps": taps, "token_budget": token_budget, "padding_efficiency": plan.padding_efficiency,
-              "median_len": float(np.median(lengths)), "mean_len": float(lengths.mean()), "max_len": int(lengths.max()),
-              "configs": names, "timed_batches": timed_batches}
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "layers_built": taps[-1] + 1,
+        "taps": taps,
+        "token_budget": token_budget,
+        "padding_efficiency": plan.padding_efficiency,
+        "median_len": float(np.median(lengths)),
+        "mean_len": float(lengths.mean()),
+        "max_len": int(lengths.max()),
+        "configs": names,
+        "timed_batches": timed_batches,
+    }
     _save(out_path, result)
     # ExtractConfig wants a checkpoint directory: give it the config alone (weights live on the GPU).
     config_dir = work / "target"
@@ -283,26 +320,49 @@ def main(out_path, cache_dir, num_samples, timed_batches, layers, hf_layers, tok
             _save(out_path, result)
             log.info("FP8 compute vs dense, relative L2 per tap: %s", result["fp8_vs_dense_rel_err_per_tap"])
         shutil.rmtree(cache_dir, ignore_errors=True)
-        cfg = ExtractConfig(target=str(config_dir), data=str(data), out_dir=str(cache_dir), tap_layer_ids=taps,
-                            storage_dtype=storage, token_budget=token_budget, progress_interval_s=5.0, compute=mode,
-                            dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+        cfg = ExtractConfig(
+            target=str(config_dir),
+            data=str(data),
+            out_dir=str(cache_dir),
+            tap_layer_ids=taps,
+            storage_dtype=storage,
+            token_budget=token_budget,
+            progress_interval_s=5.0,
+            compute=mode,
+            dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+        )
         cache_cfg = build_cache_config(cfg, target, taps, plan, index)
         vocab, hidden = target.vocab_size, target.hidden_size
-        create_cache(cache_dir, cache_cfg, {"embed_tokens": torch.zeros(vocab, hidden, dtype=torch.bfloat16),
-                                            "lm_head": torch.zeros(vocab, hidden, dtype=torch.bfloat16),
-                                            "final_norm": torch.zeros(hidden, dtype=torch.bfloat16)})
+        create_cache(
+            cache_dir,
+            cache_cfg,
+            {
+                "embed_tokens": torch.zeros(vocab, hidden, dtype=torch.bfloat16),
+                "lm_head": torch.zeros(vocab, hidden, dtype=torch.bfloat16),
+                "final_norm": torch.zeros(hidden, dtype=torch.bfloat16),
+            },
+        )
         if mode not in warmed:  # compile and allocator warm-up, once per compute mode
-            extract_batches(model, cfg, cache_cfg, index, plan.batches[:warm], device, _sink(cfg, cache_cfg, device, write))
+            extract_batches(
+                model, cfg, cache_cfg, index, plan.batches[:warm], device, _sink(cfg, cache_cfg, device, write)
+            )
             warmed.add(mode)
         sink = _sink(cfg, cache_cfg, device, write)
         s = extract_batches(model, cfg, cache_cfg, index, timed, device, sink)
         steady = steady_tokens_per_s([b.num_tokens for b in timed], sink.done_s)
-        result[name] = {"tokens_per_s": s.tokens_per_s, "steady_tokens_per_s": steady, "seconds": s.seconds,
-                        "tokens": s.tokens, "gb_written": s.bytes_written / 1e9,
-                        "write_gb_per_s": s.bytes_written / 1e9 / s.seconds, "wait_for_disk_s": sink.wait_s}
+        result[name] = {
+            "tokens_per_s": s.tokens_per_s,
+            "steady_tokens_per_s": steady,
+            "seconds": s.seconds,
+            "tokens": s.tokens,
+            "gb_written": s.bytes_written / 1e9,
+            "write_gb_per_s": s.bytes_written / 1e9 / s.seconds,
+            "wait_for_disk_s": sink.wait_s,
+        }
         _save(out_path, result)
-        log.info("%s: %.0f tok/s end to end, %s steady", name, s.tokens_per_s,
-                 f"{steady:.0f} tok/s" if steady else "no")
+        log.info(
+            "%s: %.0f tok/s end to end, %s steady", name, s.tokens_per_s, f"{steady:.0f} tok/s" if steady else "no"
+        )
     shutil.rmtree(cache_dir, ignore_errors=True)
     if hf_layers:
         del model
@@ -316,13 +376,19 @@ def main(out_path, cache_dir, num_samples, timed_batches, layers, hf_layers, tok
         steady = f"{r['steady_tokens_per_s']:,.0f}" if r["steady_tokens_per_s"] else "-"
         print(f"{name:<34} {r['tokens_per_s']:>16,.0f} {steady:>12} {r['write_gb_per_s']:>10.2f}")
     if hf_layers:
-        print(f"{'HF+fla padded (projected to 64)':<34} {result['hf_real_tokens_per_s_full_depth']:>16,.0f}   fill {result['hf_fill']:.2f}")
+        print(
+            f"{'HF+fla padded (projected to 64)':<34} {result['hf_real_tokens_per_s_full_depth']:>16,.0f}   fill {result['hf_fill']:.2f}"
+        )
     if "fp8_vs_dense_rel_err_per_tap" in result:
-        for key, what in (("fp8_vs_dense_rel_err_per_tap", "FP8 compute vs dense"),
-                          ("fp8_storage_rel_err_per_tap", "fp8 storage alone")):
+        for key, what in (
+            ("fp8_vs_dense_rel_err_per_tap", "FP8 compute vs dense"),
+            ("fp8_storage_rel_err_per_tap", "fp8 storage alone"),
+        ):
             errs = ", ".join(f"layer {t}: {e:.2e}" for t, e in result[key].items())
             print(f"{what}, relative L2 per tap (one batch): {errs}")
-    print(f"packing efficiency {result['padding_efficiency']:.4f}, median {result['median_len']:.0f}, max {result['max_len']}")
+    print(
+        f"packing efficiency {result['padding_efficiency']:.4f}, median {result['median_len']:.0f}, max {result['max_len']}"
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Prints a short table and writes JSON to --out. On an H200 it takes about two min
     python -m tools.bench_target --out bench_target.json [--layers 4] [--no-hf]
     python -m tools.bench_target --tiny --out /tmp/b.json      # CPU smoke run on a tiny config
 """
+
 from __future__ import annotations
 
 import gc
@@ -40,6 +41,7 @@ FULL_DEPTH = 64
 
 def _timer(device: torch.device) -> Callable[[Callable[[], Any], int, int], float]:
     """Mean seconds per call after `warmup` calls; CUDA events on GPU, perf_counter on CPU."""
+
     def run(fn, warmup: int, iters: int) -> float:
         for _ in range(warmup):
             fn()
@@ -56,6 +58,7 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any], int, int], floa
         end.record()
         torch.cuda.synchronize(device)
         return begin.elapsed_time(end) / 1e3 / iters
+
     return run
 
 
@@ -104,12 +107,17 @@ def op_timings(cfg: TargetConfig, tokens: int, seq_len: int, device: torch.devic
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
 
-    q, k = rnd(T, cfg.linear_num_key_heads, cfg.linear_key_head_dim), rnd(T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+    q, k = (
+        rnd(T, cfg.linear_num_key_heads, cfg.linear_key_head_dim),
+        rnd(T, cfg.linear_num_key_heads, cfg.linear_key_head_dim),
+    )
     v = rnd(T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
     g = -torch.rand(T, cfg.linear_num_value_heads, generator=gen, device=device) * 0.1
     beta = torch.rand(T, cfg.linear_num_value_heads, generator=gen, device=device).to(dtype)
     x, w = rnd(T, cfg.linear_conv_dim), rnd(cfg.linear_conv_dim, cfg.linear_conv_kernel_dim, scale=0.5)
-    aq, ak, av = (rnd(T, n, cfg.head_dim) for n in (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_key_value_heads))
+    aq, ak, av = (
+        rnd(T, n, cfg.head_dim) for n in (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_key_value_heads)
+    )
     out: dict[str, float] = {}
     cases = [("gated_delta", b, dict(gated_delta=b)) for b in GDN_BACKENDS]
     cases += [("conv", b, dict(conv=b)) for b in CONV_BACKENDS]
@@ -122,9 +130,11 @@ def op_timings(cfg: TargetConfig, tokens: int, seq_len: int, device: torch.devic
             continue
         batch = choice.prepare(cu, T, device)
         slow = backend in ("torch", "sdpa")
-        fn = {"gated_delta": lambda choice=choice, batch=batch: choice.gated_delta_rule(q, k, v, g, beta, batch),
-              "conv": lambda choice=choice, batch=batch: choice.conv1d_silu(x, w, batch),
-              "attention": lambda choice=choice, batch=batch: choice.attention(aq, ak, av, batch, cfg.head_dim ** -0.5)}[op]
+        fn = {
+            "gated_delta": lambda choice=choice, batch=batch: choice.gated_delta_rule(q, k, v, g, beta, batch),
+            "conv": lambda choice=choice, batch=batch: choice.conv1d_silu(x, w, batch),
+            "attention": lambda choice=choice, batch=batch: choice.attention(aq, ak, av, batch, cfg.head_dim**-0.5),
+        }[op]
         with torch.inference_mode():
             try:
                 out[f"{op}/{backend}_ms"] = 1e3 * timer(fn, 1 if slow else 3, 2 if slow else 10)
@@ -142,8 +152,9 @@ def bench_ours(cfg, state, tokens, seq_len, device, timer, warmup, iters, allow_
     taps = sorted({min(1, cfg.num_hidden_layers - 1), cfg.num_hidden_layers - 1})
     seconds = timer(lambda: model.forward_packed(ids, pos, cu, taps), warmup, iters)
     hidden = model.forward_packed(ids, pos, cu, taps)
-    backends = dict(gated_delta=kernels.gated_delta_backend, conv=kernels.conv_backend,
-                    attention=kernels.attention_backend)
+    backends = dict(
+        gated_delta=kernels.gated_delta_backend, conv=kernels.conv_backend, attention=kernels.attention_backend
+    )
     return seconds, hidden, taps, backends
 
 
@@ -151,7 +162,9 @@ def bench_hf(cfg_dict, state, tokens, seq_len, device, timer, warmup, iters, tap
     from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    hf_cfg = Qwen3_5TextConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type", "dtype")})
+    hf_cfg = Qwen3_5TextConfig(
+        **{k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type", "dtype")}
+    )
     hf_cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
         hf = Qwen3_5TextModel(hf_cfg)
@@ -176,10 +189,20 @@ def bench_hf(cfg_dict, state, tokens, seq_len, device, timer, warmup, iters, tap
 
 
 @click.command()
-@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="Where to write the JSON results.")
-@click.option("--layers", type=int, default=4, show_default=True,
-              help="Layers to build, in the 3:1 layout (a multiple of 4 projects exactly to 64).")
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="Where to write the JSON results.",
+)
+@click.option(
+    "--layers",
+    type=int,
+    default=4,
+    show_default=True,
+    help="Layers to build, in the 3:1 layout (a multiple of 4 projects exactly to 64).",
+)
 @click.option("--tokens", type=int, default=49152, show_default=True, help="Packed tokens per forward.")
 @click.option("--seq-len", type=int, default=4096, show_default=True, help="Length of each packed sequence.")
 @click.option("--warmup", type=int, default=2, show_default=True, help="Untimed forwards (fla autotunes here).")
@@ -192,7 +215,9 @@ def main(out_path, layers, tokens, seq_len, warmup, iters, hf, ops, allow_slow_k
     """Tokens/s of the target's packed forward at 27B width, beside HF and the matmul roofline."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if layers <= 0 or tokens <= 0 or seq_len <= 0 or tokens < seq_len:
-        raise click.BadParameter(f"need layers, tokens, seq_len > 0 and tokens >= seq_len; got {layers}, {tokens}, {seq_len}")
+        raise click.BadParameter(
+            f"need layers, tokens, seq_len > 0 and tokens >= seq_len; got {layers}, {tokens}, {seq_len}"
+        )
     device = torch.device("cpu" if tiny else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise click.UsageError("no CUDA device: run on the GPU machine, or pass --tiny for a CPU smoke run")
@@ -203,9 +228,13 @@ def main(out_path, layers, tokens, seq_len, warmup, iters, hf, ops, allow_slow_k
     cfg = TargetConfig.from_hf_dict(cfg_dict)
     timer = _timer(device)
     started = time.perf_counter()
-    result: dict[str, Any] = {"layers": layers, "tokens": tokens - tokens % seq_len, "seq_len": seq_len,
-                              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                              "torch": torch.__version__}
+    result: dict[str, Any] = {
+        "layers": layers,
+        "tokens": tokens - tokens % seq_len,
+        "seq_len": seq_len,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
     tokens = result["tokens"]
 
     result["matmul_tflops"] = matmul_tflops(device, timer, tokens, cfg.hidden_size, cfg.intermediate_size)
@@ -215,15 +244,17 @@ def main(out_path, layers, tokens, seq_len, warmup, iters, hf, ops, allow_slow_k
     result["roofline_tokens_per_s"] = result["matmul_tflops"] * 1e12 / fpt
 
     state = random_weights(cfg, seed=0, device=device, with_head=False)
-    ours_s, ours_hidden, taps, backends = bench_ours(cfg, state, tokens, seq_len, device, timer, warmup, iters,
-                                                     allow_slow_kernels)
+    ours_s, ours_hidden, taps, backends = bench_ours(
+        cfg, state, tokens, seq_len, device, timer, warmup, iters, allow_slow_kernels
+    )
     result["backends"] = backends
     result["ours_ms_per_forward"] = ours_s * 1e3
     result["ours_tokens_per_s_full_depth"] = tokens / (ours_s * depth / layers)
     result["ours_fraction_of_roofline"] = result["ours_tokens_per_s_full_depth"] / result["roofline_tokens_per_s"]
     if device.type == "cuda":
-        eager_s, eager_hidden, _, _ = bench_ours(cfg, state, tokens, seq_len, device, timer, 1, iters,
-                                                 allow_slow_kernels, compile_pointwise=False)
+        eager_s, eager_hidden, _, _ = bench_ours(
+            cfg, state, tokens, seq_len, device, timer, 1, iters, allow_slow_kernels, compile_pointwise=False
+        )
         result["ours_eager_pointwise_tokens_per_s_full_depth"] = tokens / (eager_s * depth / layers)
         gap = (eager_hidden.float() - ours_hidden.float()).norm() / eager_hidden.float().norm()
         result["rel_l2_compiled_vs_eager_pointwise"] = gap.item()
@@ -243,19 +274,26 @@ def main(out_path, layers, tokens, seq_len, warmup, iters, hf, ops, allow_slow_k
         result["op_ms"] = op_timings(cfg, tokens, seq_len, device, timer)
     result["bench_seconds"] = time.perf_counter() - started
 
-    rows = [("matmul bf16 TFLOP/s", result["matmul_tflops"]),
-            ("roofline tok/s (64 layers)", result["roofline_tokens_per_s"]),
-            ("ours tok/s (projected)", result["ours_tokens_per_s_full_depth"]),
-            ("ours fraction of roofline", result["ours_fraction_of_roofline"])]
+    rows = [
+        ("matmul bf16 TFLOP/s", result["matmul_tflops"]),
+        ("roofline tok/s (64 layers)", result["roofline_tokens_per_s"]),
+        ("ours tok/s (projected)", result["ours_tokens_per_s_full_depth"]),
+        ("ours fraction of roofline", result["ours_fraction_of_roofline"]),
+    ]
     if "ours_eager_pointwise_tokens_per_s_full_depth" in result:
         rows += [("ours tok/s, eager pointwise", result["ours_eager_pointwise_tokens_per_s_full_depth"])]
     if hf:
-        rows += [("HF tok/s (projected)", result["hf_tokens_per_s_full_depth"]),
-                 ("speed-up vs HF", result["speedup_vs_hf"]), ("rel L2 vs HF (tap 0)", result["rel_l2_vs_hf_tap0"])]
+        rows += [
+            ("HF tok/s (projected)", result["hf_tokens_per_s_full_depth"]),
+            ("speed-up vs HF", result["speedup_vs_hf"]),
+            ("rel L2 vs HF (tap 0)", result["rel_l2_vs_hf_tap0"]),
+        ]
     rows += [(k, v) for k, v in result.get("op_ms", {}).items()]
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2, sort_keys=True))
-    table = "\n".join(f"  {name:<34} {value:>12.4g}" if isinstance(value, float) else f"  {name:<34} {value}" for name, value in rows)
+    table = "\n".join(
+        f"  {name:<34} {value:>12.4g}" if isinstance(value, float) else f"  {name:<34} {value}" for name, value in rows
+    )
     logger.info("backends %s\n%s", backends, table)
     logger.info("wrote %s (%.0f s)", out_path, result["bench_seconds"])
 

@@ -25,6 +25,7 @@ Usage: python -m tools.bench_train --out bench_train.json [--sizes 27b,4b] [--st
        python -m tools.bench_train --sizes 27b --modes graphs --seq-lens 4096,32768 \
            --layer-types full,full,full,full,full --layer-types sliding,sliding,sliding,sliding,full
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -89,14 +90,26 @@ def bf16_matmul_peak(device: torch.device, n: int = 8192, iters: int = 20) -> fl
     return best
 
 
-def drafter_config(size: Size, layer_types: list[str] | None = None, sliding_window: int | None = None) -> DrafterConfig:
+def drafter_config(
+    size: Size, layer_types: list[str] | None = None, sliding_window: int | None = None
+) -> DrafterConfig:
     q, kv, d = size.heads
     sliding = layer_types is not None and "sliding_attention" in layer_types
-    return DrafterConfig(num_layers=size.layers, hidden_size=size.hidden, intermediate_size=size.mlp,
-                         num_attention_heads=q, num_key_value_heads=kv, head_dim=d, block_size=size.block_size,
-                         mask_token_id=size.vocab - 1, tap_layer_ids=list(range(size.taps)),
-                         num_target_layers=64, vocab_size=size.vocab, layer_types=layer_types,
-                         sliding_window=sliding_window if sliding else None)
+    return DrafterConfig(
+        num_layers=size.layers,
+        hidden_size=size.hidden,
+        intermediate_size=size.mlp,
+        num_attention_heads=q,
+        num_key_value_heads=kv,
+        head_dim=d,
+        block_size=size.block_size,
+        mask_token_id=size.vocab - 1,
+        tap_layer_ids=list(range(size.taps)),
+        num_target_layers=64,
+        vocab_size=size.vocab,
+        layer_types=layer_types,
+        sliding_window=sliding_window if sliding else None,
+    )
 
 
 def parse_layer_types(spec: str) -> list[str]:
@@ -127,7 +140,7 @@ def visited_kv_tiles(layout) -> dict[str, float]:
     out = {}
     if layout.backend != "flex":
         return out
-    for sliding in ([False, True] if layout.sliding_window is not None else [False]):
+    for sliding in [False, True] if layout.sliding_window is not None else [False]:
         bm = layout.flex_mask(sliding).block_mask
         out["sliding" if sliding else "full"] = float((bm.kv_num_blocks + bm.full_kv_num_blocks).float().mean())
     out["of"] = float(bm.kv_indices.shape[-1])
@@ -170,27 +183,68 @@ def step_flops(size: Size, cfg: DrafterConfig, num_blocks: int, mean_keys: list[
     }
 
 
-def bench_one(size: Size, mode: str, num_blocks: int, steps: int, device: torch.device, peak: float,
-              layer_types: list[str] | None = None, sliding_window: int | None = None) -> dict:
+def bench_one(
+    size: Size,
+    mode: str,
+    num_blocks: int,
+    steps: int,
+    device: torch.device,
+    peak: float,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+) -> dict:
     dcfg = drafter_config(size, layer_types, sliding_window)
-    cc = CacheConfig(target=TargetInfo(name="random", config_hash="random", hidden_size=size.hidden, num_layers=64,
-                                       vocab_size=size.vocab, dtype="bfloat16"),
-                     tap_layer_ids=list(range(size.taps)), token_budget=size.token_budget, max_seqs=64,
-                     mask_token_id=size.vocab - 1)
+    cc = CacheConfig(
+        target=TargetInfo(
+            name="random",
+            config_hash="random",
+            hidden_size=size.hidden,
+            num_layers=64,
+            vocab_size=size.vocab,
+            dtype="bfloat16",
+        ),
+        tap_layer_ids=list(range(size.taps)),
+        token_budget=size.token_budget,
+        max_seqs=64,
+        mask_token_id=size.vocab - 1,
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = TrainConfig(cache=tmp, out_dir=tmp, device=str(device), block_size=size.block_size,
-                          num_blocks=num_blocks, num_layers=size.layers, cuda_graphs=mode == "graphs")
-    run = ResolvedRun(cache_config=cc, drafter=dcfg, num_blocks=num_blocks, train_ids=[0], eval_ids=[],
-                      steps_per_epoch=1, total_steps=10_000, warmup_steps=400)
+        cfg = TrainConfig(
+            cache=tmp,
+            out_dir=tmp,
+            device=str(device),
+            block_size=size.block_size,
+            num_blocks=num_blocks,
+            num_layers=size.layers,
+            cuda_graphs=mode == "graphs",
+        )
+    run = ResolvedRun(
+        cache_config=cc,
+        drafter=dcfg,
+        num_blocks=num_blocks,
+        train_ids=[0],
+        eval_ids=[],
+        steps_per_epoch=1,
+        total_steps=10_000,
+        warmup_steps=400,
+    )
     gen = torch.Generator().manual_seed(0)
-    head = {"embed_tokens": torch.randn(size.vocab, size.hidden, device=device, dtype=torch.bfloat16) * 0.02,
-            "lm_head": torch.randn(size.vocab, size.hidden, device=device, dtype=torch.bfloat16) * 0.02}
+    head = {
+        "embed_tokens": torch.randn(size.vocab, size.hidden, device=device, dtype=torch.bfloat16) * 0.02,
+        "lm_head": torch.randn(size.vocab, size.hidden, device=device, dtype=torch.bfloat16) * 0.02,
+    }
     torch.cuda.reset_peak_memory_stats(device)
     state = build_step_state(cfg, run, head, device)
     fill_random_batch(state, size, gen)
-    blocks = sample_blocks(input_ids_T=state.batch.input_ids_T, position_ids_T=state.batch.position_ids_T,
-                           loss_mask_T=state.batch.loss_mask_T, cu_seqlens_S1=state.batch.cu_seqlens_S1,
-                           num_blocks=num_blocks, block_size=size.block_size, mask_token_id=size.vocab - 1)
+    blocks = sample_blocks(
+        input_ids_T=state.batch.input_ids_T,
+        position_ids_T=state.batch.position_ids_T,
+        loss_mask_T=state.batch.loss_mask_T,
+        cu_seqlens_S1=state.batch.cu_seqlens_S1,
+        num_blocks=num_blocks,
+        block_size=size.block_size,
+        mask_token_id=size.vocab - 1,
+    )
     mean_keys = mean_keys_per_layer(blocks, dcfg)
     state.layout.update(blocks.seq_start_N, blocks.anchor_N)
     tiles = visited_kv_tiles(state.layout)
@@ -209,14 +263,27 @@ def bench_one(size: Size, mode: str, num_blocks: int, steps: int, device: torch.
     flops = step_flops(size, dcfg, num_blocks, mean_keys)
     total = sum(flops.values())
     result = {
-        "size": size.name, "mode": mode, "num_blocks": num_blocks, "query_tokens": num_blocks * size.block_size,
-        "context_tokens": size.token_budget, "step_ms": step_s * 1e3,
-        "query_tokens_per_s": num_blocks * size.block_size / step_s, "context_tokens_per_s": size.token_budget / step_s,
-        "tflops": total / step_s / 1e12, "mfu": total / step_s / peak, "flops_per_step": flops,
-        "layer_types": list(dcfg.layer_types), "sliding_window": dcfg.attention_window, "seq_len": size.seq_len,
-        "mean_keys_per_query": sum(mean_keys) / len(mean_keys), "mean_keys_per_layer": mean_keys,
-        "kv_tiles_per_q_tile": tiles, "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
-        "setup_s": setup_s, "mean_loss": loss, "params": count_parameters(dcfg),
+        "size": size.name,
+        "mode": mode,
+        "num_blocks": num_blocks,
+        "query_tokens": num_blocks * size.block_size,
+        "context_tokens": size.token_budget,
+        "step_ms": step_s * 1e3,
+        "query_tokens_per_s": num_blocks * size.block_size / step_s,
+        "context_tokens_per_s": size.token_budget / step_s,
+        "tflops": total / step_s / 1e12,
+        "mfu": total / step_s / peak,
+        "flops_per_step": flops,
+        "layer_types": list(dcfg.layer_types),
+        "sliding_window": dcfg.attention_window,
+        "seq_len": size.seq_len,
+        "mean_keys_per_query": sum(mean_keys) / len(mean_keys),
+        "mean_keys_per_layer": mean_keys,
+        "kv_tiles_per_q_tile": tiles,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "setup_s": setup_s,
+        "mean_loss": loss,
+        "params": count_parameters(dcfg),
     }
     del runner, state, head, blocks
     gc.collect()
@@ -224,8 +291,15 @@ def bench_one(size: Size, mode: str, num_blocks: int, steps: int, device: torch.
     return result
 
 
-def bench_size(size: Size, modes: list[str], steps: int, device: torch.device, peak: float,
-               layer_types: list[str] | None = None, sliding_window: int | None = None) -> list[dict]:
+def bench_size(
+    size: Size,
+    modes: list[str],
+    steps: int,
+    device: torch.device,
+    peak: float,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+) -> list[dict]:
     num_blocks = size.num_blocks or default_num_blocks(size.token_budget, size.block_size)
     results = []
     for mode in modes:
@@ -258,10 +332,12 @@ def _row(r: dict) -> str:
         return f"{r['size']:<5} {r['mode']:<7} {r['num_blocks']:>6}  {r['error']}"
     tiles = r.get("kv_tiles_per_q_tile") or {}
     tile_text = "/".join(f"{tiles[k]:.0f}" for k in ("full", "sliding") if k in tiles)
-    return (f"{r['size']:<5} {r['mode']:<7} {_layout_name(r):<12} {r['seq_len']:>7} {r['num_blocks']:>6} "
-            f"{r['query_tokens_per_s']:>12,.0f} {r['context_tokens_per_s']:>10,.0f} {r['step_ms']:>9.1f} "
-            f"{r['tflops']:>8.1f} {100 * r['mfu']:>6.1f}% {r['peak_mem_gib']:>7.1f} {r['mean_keys_per_query']:>8.0f} "
-            f"{tile_text:>9}")
+    return (
+        f"{r['size']:<5} {r['mode']:<7} {_layout_name(r):<12} {r['seq_len']:>7} {r['num_blocks']:>6} "
+        f"{r['query_tokens_per_s']:>12,.0f} {r['context_tokens_per_s']:>10,.0f} {r['step_ms']:>9.1f} "
+        f"{r['tflops']:>8.1f} {100 * r['mfu']:>6.1f}% {r['peak_mem_gib']:>7.1f} {r['mean_keys_per_query']:>8.0f} "
+        f"{tile_text:>9}"
+    )
 
 
 @click.command()
@@ -269,13 +345,36 @@ def _row(r: dict) -> str:
 @click.option("--sizes", default="27b,4b", show_default=True, help="Comma-separated: 27b, 4b, launch.")
 @click.option("--modes", default="graphs,eager", show_default=True, help="Comma-separated: graphs, eager.")
 @click.option("--steps", default=5, show_default=True, help="Timed steps per configuration (after warm-up).")
-@click.option("--layer-types", "layouts", multiple=True, help="Drafter layer kinds, e.g. sliding,sliding,sliding,sliding,full; repeat the option to compare layouts. Default: all full.")
-@click.option("--sliding-window", default=2048, show_default=True, help="Window of the sliding layers (tokens, the query included).")
-@click.option("--seq-lens", default=None, help="Comma-separated packed sequence lengths (context length) to run each size at; default: the size's own.")
-def main(out_path: str, sizes: str, modes: str, steps: int, layouts: tuple[str, ...], sliding_window: int,
-         seq_lens: str | None) -> None:
+@click.option(
+    "--layer-types",
+    "layouts",
+    multiple=True,
+    help="Drafter layer kinds, e.g. sliding,sliding,sliding,sliding,full; repeat the option to compare layouts. Default: all full.",
+)
+@click.option(
+    "--sliding-window",
+    default=2048,
+    show_default=True,
+    help="Window of the sliding layers (tokens, the query included).",
+)
+@click.option(
+    "--seq-lens",
+    default=None,
+    help="Comma-separated packed sequence lengths (context length) to run each size at; default: the size's own.",
+)
+def main(
+    out_path: str,
+    sizes: str,
+    modes: str,
+    steps: int,
+    layouts: tuple[str, ...],
+    sliding_window: int,
+    seq_lens: str | None,
+) -> None:
     """Drafter training throughput (query tokens/s per GPU) and MFU, CUDA graphs vs eager."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     if not torch.cuda.is_available():
         raise click.ClickException("bench_train needs a CUDA GPU")
     device = torch.device("cuda:0")
@@ -295,17 +394,28 @@ def main(out_path: str, sizes: str, modes: str, steps: int, layouts: tuple[str, 
                 if types is not None and len(types) != base.layers:
                     raise click.BadParameter(f"--layer-types {','.join(types)}: {base.name} has {base.layers} layers")
                 size = dataclasses.replace(base, seq_len=length)
-                results += bench_size(size, [m.strip() for m in modes.split(",")], steps, device, peak, types,
-                                      sliding_window)
-    header = (f"{'size':<5} {'mode':<7} {'layout':<12} {'seq len':>7} {'blocks':>6} {'query tok/s':>12} "
-              f"{'ctx tok/s':>10} {'step ms':>9} {'TFLOP/s':>8} {'MFU':>7} {'mem GiB':>7} {'keys/q':>8} {'kv tiles':>9}")
+                results += bench_size(
+                    size, [m.strip() for m in modes.split(",")], steps, device, peak, types, sliding_window
+                )
+    header = (
+        f"{'size':<5} {'mode':<7} {'layout':<12} {'seq len':>7} {'blocks':>6} {'query tok/s':>12} "
+        f"{'ctx tok/s':>10} {'step ms':>9} {'TFLOP/s':>8} {'MFU':>7} {'mem GiB':>7} {'keys/q':>8} {'kv tiles':>9}"
+    )
     click.echo(header)
     click.echo("-" * len(header))
     for r in results:
         click.echo(_row(r))
     with open(out_path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(device), "bf16_peak_flops": peak,
-                   "torch": torch.__version__, "results": results}, f, indent=1)
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name(device),
+                "bf16_peak_flops": peak,
+                "torch": torch.__version__,
+                "results": results,
+            },
+            f,
+            indent=1,
+        )
     click.echo(f"wrote {out_path}")
 
 

@@ -37,7 +37,10 @@ def greedy_continuations(
     model = TargetModel.from_pretrained(target_dir, device, dtype=torch.float32, with_head=True)
     vocab = model.config.vocab_size
     rng = np.random.default_rng(seed)
-    seqs = [list(rng.integers(0, vocab, size=int(rng.integers(prompt_len[0], prompt_len[1] + 1)))) for _ in range(num_samples)]
+    seqs = [
+        list(rng.integers(0, vocab, size=int(rng.integers(prompt_len[0], prompt_len[1] + 1))))
+        for _ in range(num_samples)
+    ]
     prompt_lens = [len(s) for s in seqs]
     taps = [0]
     for _ in range(new_tokens):
@@ -73,12 +76,21 @@ def demo_conversations(num_conversations: int, seed: int = 0) -> list[dict]:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--target", default=None, type=click.Path(exists=True, file_okay=False), help="Target checkpoint directory (token samples).")
+@click.option(
+    "--target",
+    default=None,
+    type=click.Path(exists=True, file_okay=False),
+    help="Target checkpoint directory (token samples).",
+)
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="JSON Lines file to write.")
 @click.option("--num-samples", default=64, show_default=True, help="Samples (prompts) to generate.")
 @click.option("--new-tokens", default=64, show_default=True, help="Greedy tokens generated per prompt (supervised).")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random prompts.")
-@click.option("--conversations", is_flag=True, help="Write chat conversations to regenerate (no target needed) instead of token samples.")
+@click.option(
+    "--conversations",
+    is_flag=True,
+    help="Write chat conversations to regenerate (no target needed) instead of token samples.",
+)
 def main(target: str | None, out: str, num_samples: int, new_tokens: int, seed: int, conversations: bool) -> None:
     """Write a dataset of the target's greedy continuations of random prompts, or chats to regenerate."""
     logging.basicConfig(level=logging.WARNING)

@@ -5,6 +5,7 @@ train/ never imports extract/ (house rule); tools/ may import both. So this entr
 factory that builds extract's target model as a verifier (tools/verifier.py, imported only when
 --target is used, so the other commands start as fast as before) and then runs train.cli.main.
 """
+
 from __future__ import annotations
 
 from train.cli import main as _train_main

@@ -36,20 +36,27 @@ def info(cache: str, as_json: bool) -> None:
     """Config, counts, tokens, padding efficiency and bytes on disk (headers only: fast)."""
     s = _guard(summarize_cache, cache)
     expected = f" of {s['num_shards_expected']} planned" if s["num_shards_expected"] is not None else ""
-    text = "\n".join([
-        f"cache            {s['cache']} (format v{s['format_version']})",
-        f"target           {s['target']} (hidden {s['hidden_size']}), taps {s['tap_layer_ids']}",
-        f"storage          {s['storage_dtype']}, target top-k {s['target_topk']}, "
-        f"{format_bytes(s['bytes_per_token'])}/token",
-        f"packing          token budget {s['token_budget']}, max {s['max_seqs']} seqs/shard",
-        f"shards           {s['num_shards']}{expected}" + (f", {s['num_bad_shard_headers']} with bad headers" if s["num_bad_shard_headers"] else ""),
-        f"samples          {s['num_samples']}",
-        f"tokens           {s['num_tokens']} ({s['num_loss_tokens']} supervised)",
-        f"padding eff.     {100 * s['padding_efficiency']:.2f}%",
-        f"on disk          {format_bytes(s['bytes_on_disk'])}"
-        + (f" (not counting {plural(s['num_quarantined'], 'quarantined file')}, "
-           f"{format_bytes(s['bytes_quarantined'])}, in {cache}/{QUARANTINE_DIR}/)" if s["num_quarantined"] else ""),
-    ])
+    text = "\n".join(
+        [
+            f"cache            {s['cache']} (format v{s['format_version']})",
+            f"target           {s['target']} (hidden {s['hidden_size']}), taps {s['tap_layer_ids']}",
+            f"storage          {s['storage_dtype']}, target top-k {s['target_topk']}, "
+            f"{format_bytes(s['bytes_per_token'])}/token",
+            f"packing          token budget {s['token_budget']}, max {s['max_seqs']} seqs/shard",
+            f"shards           {s['num_shards']}{expected}"
+            + (f", {s['num_bad_shard_headers']} with bad headers" if s["num_bad_shard_headers"] else ""),
+            f"samples          {s['num_samples']}",
+            f"tokens           {s['num_tokens']} ({s['num_loss_tokens']} supervised)",
+            f"padding eff.     {100 * s['padding_efficiency']:.2f}%",
+            f"on disk          {format_bytes(s['bytes_on_disk'])}"
+            + (
+                f" (not counting {plural(s['num_quarantined'], 'quarantined file')}, "
+                f"{format_bytes(s['bytes_quarantined'])}, in {cache}/{QUARANTINE_DIR}/)"
+                if s["num_quarantined"]
+                else ""
+            ),
+        ]
+    )
     _emit(s, as_json, text)
 
 
@@ -63,8 +70,17 @@ def ls_(cache: str, as_json: bool) -> None:
     for b in reader.batch_ids():
         try:
             i = reader.info(b)
-            rows.append({"batch_id": b, "file": i.path.name, "samples": len(i.samples), "tokens": i.num_tokens,
-                         "fill": i.num_tokens / reader.config.token_budget, "bytes": i.file_bytes, "error": None})
+            rows.append(
+                {
+                    "batch_id": b,
+                    "file": i.path.name,
+                    "samples": len(i.samples),
+                    "tokens": i.num_tokens,
+                    "fill": i.num_tokens / reader.config.token_budget,
+                    "bytes": i.file_bytes,
+                    "error": None,
+                }
+            )
         except ShardError as e:
             rows.append({"batch_id": b, "file": e.path.name, "error": e.reason})
     lines = [f"{'batch':>8}  {'samples':>7}  {'tokens':>8}  {'fill':>7}  {'size':>10}  file"]
@@ -72,13 +88,17 @@ def ls_(cache: str, as_json: bool) -> None:
         if r["error"]:
             lines.append(f"{r['batch_id']:>8}  BAD: {r['error']}  {r['file']}")
         else:
-            lines.append(f"{r['batch_id']:>8}  {r['samples']:>7}  {r['tokens']:>8}  {100 * r['fill']:>6.2f}%  {format_bytes(r['bytes']):>10}  {r['file']}")
+            lines.append(
+                f"{r['batch_id']:>8}  {r['samples']:>7}  {r['tokens']:>8}  {100 * r['fill']:>6.2f}%  {format_bytes(r['bytes']):>10}  {r['file']}"
+            )
     _emit(rows, as_json, "\n".join(lines))
 
 
 @main.command()
 @click.argument("cache", type=click.Path(exists=True, file_okay=False))
-@click.option("--quarantine", is_flag=True, help="Move bad shards to CACHE/quarantine/ so a resumed dflash-extract rewrites them.")
+@click.option(
+    "--quarantine", is_flag=True, help="Move bad shards to CACHE/quarantine/ so a resumed dflash-extract rewrites them."
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def verify(cache: str, quarantine: bool, as_json: bool) -> None:
     """Read every shard in full: header, shapes, dtypes, checksum, packing; then the manifest.
@@ -87,11 +107,21 @@ def verify(cache: str, quarantine: bool, as_json: bool) -> None:
     """
     report = _guard(verify_cache, cache, quarantine=quarantine)
     remedy = report.remedy()
-    obj = {"ok": report.ok, "checked": report.checked, "bad": report.bad, "quarantined": report.quarantined,
-           "remedy": remedy}
-    lines = [f"checked {plural(report.checked, 'shard')}: " + ("all good" if report.ok else plural(len(report.bad), "problem"))]
-    lines += [f"BAD {b['file']}: {b['reason']}" + (f" (moved to {b['moved_to']})" if "moved_to" in b else "")
-              for b in report.bad]
+    obj = {
+        "ok": report.ok,
+        "checked": report.checked,
+        "bad": report.bad,
+        "quarantined": report.quarantined,
+        "remedy": remedy,
+    }
+    lines = [
+        f"checked {plural(report.checked, 'shard')}: "
+        + ("all good" if report.ok else plural(len(report.bad), "problem"))
+    ]
+    lines += [
+        f"BAD {b['file']}: {b['reason']}" + (f" (moved to {b['moved_to']})" if "moved_to" in b else "")
+        for b in report.bad
+    ]
     if remedy:
         lines.append(f"to repair: {remedy}")
     _emit(obj, as_json, "\n".join(lines))
@@ -101,11 +131,19 @@ def verify(cache: str, quarantine: bool, as_json: bool) -> None:
 @main.command()
 @click.argument("cache", type=click.Path(exists=True, file_okay=False))
 @click.argument("sample_id")
-@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=0),
-              help="Tokens of input_ids and loss_mask printed; 0 = the whole sample (--json always has all).")
-@click.option("--position", type=click.IntRange(min=0), default=None,
-              help="Also print the target's stored top-k next tokens at this position of the sample (0-based). "
-                   "Default: none.")
+@click.option(
+    "--max-tokens",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Tokens of input_ids and loss_mask printed; 0 = the whole sample (--json always has all).",
+)
+@click.option(
+    "--position",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Also print the target's stored top-k next tokens at this position of the sample (0-based). Default: none.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def show(cache: str, sample_id: str, max_tokens: int, position: int | None, as_json: bool) -> None:
     """A sample's tokens, loss mask, per-tap hidden-state statistics and, with --position, the target's top-k."""
@@ -124,20 +162,36 @@ def show(cache: str, sample_id: str, max_tokens: int, position: int | None, as_j
         f"loss_mask  {''.join(map(str, s['loss_mask'][:n]))}{more}",
         f"{'layer':>6} {'mean':>10} {'std':>10} {'rms':>10} {'absmax':>10} finite",
     ]
-    lines += [f"{t['layer']:>6} {t['mean']:>10.4f} {t['std']:>10.4f} {t['rms']:>10.4f} {t['absmax']:>10.4f} {t['finite']}" for t in s["hidden"]]
+    lines += [
+        f"{t['layer']:>6} {t['mean']:>10.4f} {t['std']:>10.4f} {t['rms']:>10.4f} {t['absmax']:>10.4f} {t['finite']}"
+        for t in s["hidden"]
+    ]
     if "target_topk" in s:
         lines += _topk_lines(s["target_topk"])
     _emit(s, as_json, "\n".join(lines))
 
 
 def _topk_lines(t: dict) -> list[str]:
-    nxt = "none (last position)" if t["next_token_id"] is None else (
-        f"{t['next_token_id']}, " + (f"rank {t['next_token_rank']} of the top-{len(t['ids'])}" if t["next_token_rank"]
-                                     else f"not in the top-{len(t['ids'])}"))
-    lines = [f"target top-{len(t['ids'])} at position {t['position']} (token {t['token_id']}); data's next token {nxt}",
-             f"{'rank':>6} {'token':>10} {'logprob':>10} {'prob':>8}"]
-    lines += [f"{r:>6} {i:>10} {lp:>10.4f} {math.exp(lp):>8.4f}" + ("  <- next" if i == t["next_token_id"] else "")
-              for r, (i, lp) in enumerate(zip(t["ids"], t["logprobs"]), start=1)]
+    nxt = (
+        "none (last position)"
+        if t["next_token_id"] is None
+        else (
+            f"{t['next_token_id']}, "
+            + (
+                f"rank {t['next_token_rank']} of the top-{len(t['ids'])}"
+                if t["next_token_rank"]
+                else f"not in the top-{len(t['ids'])}"
+            )
+        )
+    )
+    lines = [
+        f"target top-{len(t['ids'])} at position {t['position']} (token {t['token_id']}); data's next token {nxt}",
+        f"{'rank':>6} {'token':>10} {'logprob':>10} {'prob':>8}",
+    ]
+    lines += [
+        f"{r:>6} {i:>10} {lp:>10.4f} {math.exp(lp):>8.4f}" + ("  <- next" if i == t["next_token_id"] else "")
+        for r, (i, lp) in enumerate(zip(t["ids"], t["logprobs"]), start=1)
+    ]
     return lines
 
 

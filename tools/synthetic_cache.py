@@ -34,8 +34,12 @@ def write_synthetic_cache(
     gen = torch.Generator().manual_seed(seed)
     cfg = CacheConfig(
         target=TargetInfo(
-            name="synthetic", config_hash=f"synthetic-{seed}", hidden_size=hidden_size,
-            num_layers=num_layers, vocab_size=vocab_size, dtype="bfloat16",
+            name="synthetic",
+            config_hash=f"synthetic-{seed}",
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            vocab_size=vocab_size,
+            dtype="bfloat16",
         ),
         tap_layer_ids=list(tap_layer_ids),
         token_budget=token_budget,
@@ -79,7 +83,10 @@ def _random_batch(cfg: CacheConfig, batch_id: int, rng: np.random.Generator, gen
     hidden = torch.randn(t, cfg.num_taps, cfg.target.hidden_size, generator=gen)
     hidden[total:] = 0
     tensors = {
-        "input_ids": input_ids, "position_ids": position_ids, "loss_mask": loss_mask, "cu_seqlens": cu,
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        "loss_mask": loss_mask,
+        "cu_seqlens": cu,
         **encode_hidden(hidden, cfg.storage_dtype),
     }
     if cfg.target_topk:

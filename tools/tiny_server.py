@@ -139,8 +139,11 @@ def _completion(model: TinyChatModel, body: dict, thinking: bool, job: _Job, req
         "created": int(time.time()),
         "model": body.get("model", "tiny"),
         "choices": [{"index": 0, "message": message, "finish_reason": job.finish_reason}],
-        "usage": {"prompt_tokens": len(job.prompt), "completion_tokens": len(job.out),
-                  "total_tokens": len(job.prompt) + len(job.out)},
+        "usage": {
+            "prompt_tokens": len(job.prompt),
+            "completion_tokens": len(job.out),
+            "total_tokens": len(job.prompt) + len(job.out),
+        },
     }
 
 
@@ -149,8 +152,9 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 256  # the default backlog of 5 resets connections under --concurrency 64
 
 
-def make_server(model: TinyChatModel, port: int = 0, faults: Faults | None = None,
-                model_name: str = "tiny") -> ThreadingHTTPServer:
+def make_server(
+    model: TinyChatModel, port: int = 0, faults: Faults | None = None, model_name: str = "tiny"
+) -> ThreadingHTTPServer:
     """An HTTP server bound to 127.0.0.1:port (0 = a free port); call serve_forever() to run it."""
     faults = faults or Faults()
     counter = {"n": 0}
@@ -173,7 +177,16 @@ def make_server(model: TinyChatModel, port: int = 0, faults: Faults | None = Non
                 pass
 
         def _error(self, status: int, message: str) -> None:
-            self._send(status, {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error", "code": status}})
+            self._send(
+                status,
+                {
+                    "error": {
+                        "message": message,
+                        "type": "invalid_request_error" if status < 500 else "server_error",
+                        "code": status,
+                    }
+                },
+            )
 
         def do_GET(self):
             if self.path.rstrip("/") in ("/health", ""):
@@ -208,8 +221,11 @@ def make_server(model: TinyChatModel, port: int = 0, faults: Faults | None = Non
             thinking = kwargs.get("enable_thinking", True) is not False
             try:
                 prompt = model.tokenizer.apply_chat_template(
-                    body["messages"], tools=body.get("tools"), add_generation_prompt=True,
-                    enable_thinking=thinking, tokenize=False,
+                    body["messages"],
+                    tools=body.get("tools"),
+                    add_generation_prompt=True,
+                    enable_thinking=thinking,
+                    tokenize=False,
                 )
                 prompt_ids = model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             except Exception as e:  # the template's raise_exception, missing messages, ...
@@ -251,22 +267,44 @@ def _delays(text: str) -> dict[int, float]:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--target", required=True, type=click.Path(exists=True, file_okay=False), help="Tiny target checkpoint (with tokenizer and chat template).")
+@click.option(
+    "--target",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="Tiny target checkpoint (with tokenizer and chat template).",
+)
 @click.option("--port", default=0, show_default=True, help="Port on 127.0.0.1; 0 = a free one (printed).")
-@click.option("--port-file", type=click.Path(dir_okay=False), default=None, help="Also write the port number to this file.")
+@click.option(
+    "--port-file", type=click.Path(dir_okay=False), default=None, help="Also write the port number to this file."
+)
 @click.option("--model-name", default="tiny", show_default=True, help="The model name clients must send.")
 @click.option("--max-batch", default=16, show_default=True, help="Most sequences generated together.")
-@click.option("--fail-requests", default="", help="Answer these chat requests (numbered from 1) with HTTP 500, e.g. 3,7.")
+@click.option(
+    "--fail-requests", default="", help="Answer these chat requests (numbered from 1) with HTTP 500, e.g. 3,7."
+)
 @click.option("--delay-requests", default="", help="N:SECONDS pairs: wait before serving request N, e.g. 2:5.")
 @click.option("--hang-after", type=int, default=None, help="Never answer chat requests after the Nth.")
 @click.option("--threads", default=1, show_default=True, help="torch CPU threads for the forward.")
-def main(target: str, port: int, port_file: str | None, model_name: str, max_batch: int, fail_requests: str,
-         delay_requests: str, hang_after: int | None, threads: int) -> None:
+def main(
+    target: str,
+    port: int,
+    port_file: str | None,
+    model_name: str,
+    max_batch: int,
+    fail_requests: str,
+    delay_requests: str,
+    hang_after: int | None,
+    threads: int,
+) -> None:
     """Serve the tiny target as an OpenAI-compatible chat endpoint on 127.0.0.1 (tests, demo)."""
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(threads)
-    server = make_server(TinyChatModel(target, max_batch=max_batch), port,
-                         Faults(_int_set(fail_requests), _delays(delay_requests), hang_after), model_name)
+    server = make_server(
+        TinyChatModel(target, max_batch=max_batch),
+        port,
+        Faults(_int_set(fail_requests), _delays(delay_requests), hang_after),
+        model_name,
+    )
     bound = server.server_address[1]
     if port_file:
         Path(port_file).write_text(f"{bound}\n")

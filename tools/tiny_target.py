@@ -16,6 +16,7 @@ quantization_config naming the modules it left alone.
 With the tokenizer (on by default from the command line, `with_tokenizer` in the library) the
 directory also holds tokenizer.json, tokenizer_config.json and chat_template.jinja.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,9 +64,7 @@ def tiny_config_dict(
         "model_type": "qwen3_5_text",
         "hidden_size": hidden_size,
         "num_hidden_layers": num_hidden_layers,
-        "layer_types": [
-            FULL_ATTENTION if (i + 1) % 4 == 0 else LINEAR_ATTENTION for i in range(num_hidden_layers)
-        ],
+        "layer_types": [FULL_ATTENTION if (i + 1) % 4 == 0 else LINEAR_ATTENTION for i in range(num_hidden_layers)],
         "full_attention_interval": 4,
         "intermediate_size": 2 * hidden_size + 32,
         "vocab_size": vocab_size,
@@ -105,23 +104,43 @@ def qwen35_27b_config_dict(*, num_hidden_layers: int = 64, vocab_size: int = 248
     """The Qwen3.5/3.6-27B text config (plain layout); fewer layers or a smaller vocab for
     benchmarks and GPU tests at full width."""
     cfg = tiny_config_dict(num_hidden_layers=num_hidden_layers, vocab_size=vocab_size)
-    cfg.update({
-        "hidden_size": 5120, "intermediate_size": 17408, "linear_num_key_heads": 16,
-        "linear_num_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
-        "max_position_embeddings": 262144, "dtype": "bfloat16", "eos_token_id": 248044,
-        "bos_token_id": 248044, "pad_token_id": None,
-    })
+    cfg.update(
+        {
+            "hidden_size": 5120,
+            "intermediate_size": 17408,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 48,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "num_attention_heads": 24,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "max_position_embeddings": 262144,
+            "dtype": "bfloat16",
+            "eos_token_id": 248044,
+            "bos_token_id": 248044,
+            "pad_token_id": None,
+        }
+    )
     return cfg
 
 
 def _tiny_vision_config(out_hidden_size: int) -> dict[str, Any]:
     """Smallest vision tower HF's Qwen3_5VisionConfig accepts; never used by extraction."""
     return {
-        "model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 16, "intermediate_size": 32,
-        "num_heads": 2, "in_channels": 3, "patch_size": 4, "spatial_merge_size": 2,
-        "temporal_patch_size": 2, "out_hidden_size": out_hidden_size, "num_position_embeddings": 16,
-        "hidden_act": "gelu_pytorch_tanh", "initializer_range": 0.02,
+        "model_type": "qwen3_5_vision",
+        "depth": 1,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_heads": 2,
+        "in_channels": 3,
+        "patch_size": 4,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": out_hidden_size,
+        "num_position_embeddings": 16,
+        "hidden_act": "gelu_pytorch_tanh",
+        "initializer_range": 0.02,
     }
 
 
@@ -137,21 +156,32 @@ def _full_config(text: dict[str, Any], naming: str) -> dict[str, Any]:
         "text_config": text,
         "vision_config": _tiny_vision_config(text["hidden_size"]),
         "tie_word_embeddings": text.get("tie_word_embeddings", False),
-        "image_token_id": text["vocab_size"] - 4, "video_token_id": text["vocab_size"] - 3,
-        "vision_start_token_id": text["vocab_size"] - 2, "vision_end_token_id": text["vocab_size"] - 1,
+        "image_token_id": text["vocab_size"] - 4,
+        "video_token_id": text["vocab_size"] - 3,
+        "vision_start_token_id": text["vocab_size"] - 2,
+        "vision_end_token_id": text["vocab_size"] - 1,
     }
 
 
-def random_weights(cfg: TargetConfig, seed: int, device: torch.device | str = "cpu",
-                   with_head: bool = True, dtype: torch.dtype = torch.float32,
-                   last_layer: int | None = None) -> dict[str, torch.Tensor]:
+def random_weights(
+    cfg: TargetConfig,
+    seed: int,
+    device: torch.device | str = "cpu",
+    with_head: bool = True,
+    dtype: torch.dtype = torch.float32,
+    last_layer: int | None = None,
+) -> dict[str, torch.Tensor]:
     """Our parameter name -> tensor (on `device`) with scales that keep activations finite and
     varied. with_head=False leaves out the final norm and LM head; last_layer stops the layers
     early; dtype casts each tensor as it is made (A_log and dt_bias stay fp32), so a 27B-width
     model never exists in fp32 at once."""
     with torch.device("meta"):
-        shapes = TargetModel(cfg, KernelChoice(gated_delta_backend="torch", conv_backend="torch", attention_backend="sdpa"),
-                             with_head=with_head, last_layer=last_layer)
+        shapes = TargetModel(
+            cfg,
+            KernelChoice(gated_delta_backend="torch", conv_backend="torch", attention_backend="sdpa"),
+            with_head=with_head,
+            last_layer=last_layer,
+        )
     device = torch.device(device)
     gen = torch.Generator(device).manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
@@ -228,11 +258,19 @@ def write_random_checkpoint(
 
     fp8 = Fp8BlockFormat(block_n=fp8_block, block_k=fp8_block) if fp8_block is not None else None
     if fp8 is not None:
-        keep = ["lm_head"] + [hf_name(f"layers.{i}.{suffix[:-len('.weight')]}", naming)
-                              for i in range(cfg.num_hidden_layers) for suffix in FP8_KEEP_SUFFIXES
-                              if not cfg.is_full_attention(i)]
-        full["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                       "weight_block_size": [fp8_block, fp8_block], "modules_to_not_convert": keep}
+        keep = ["lm_head"] + [
+            hf_name(f"layers.{i}.{suffix[: -len('.weight')]}", naming)
+            for i in range(cfg.num_hidden_layers)
+            for suffix in FP8_KEEP_SUFFIXES
+            if not cfg.is_full_attention(i)
+        ]
+        full["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [fp8_block, fp8_block],
+            "modules_to_not_convert": keep,
+        }
     tensors: dict[str, torch.Tensor] = {}
     for local, value in random_weights(cfg, seed).items():
         if local.endswith(("linear_attn.out_proj.weight", "self_attn.o_proj.weight")):
@@ -285,25 +323,69 @@ def _write_shards(out_dir: Path, tensors: dict[str, torch.Tensor], shard_max_byt
 @click.command()
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True, help="RNG seed of the random weights.")
-@click.option("--naming", type=click.Choice(NAMINGS), default="multimodal", show_default=True,
-              help="Checkpoint layout: multimodal release (model.language_model.*) or text-only (model.*).")
-@click.option("--shard-max-bytes", type=int, default=None,
-              help="Split the weights into files of at most this many bytes (default: one file).")
+@click.option(
+    "--naming",
+    type=click.Choice(NAMINGS),
+    default="multimodal",
+    show_default=True,
+    help="Checkpoint layout: multimodal release (model.language_model.*) or text-only (model.*).",
+)
+@click.option(
+    "--shard-max-bytes",
+    type=int,
+    default=None,
+    help="Split the weights into files of at most this many bytes (default: one file).",
+)
 @click.option("--tied/--untied", default=False, show_default=True, help="Tie lm_head to embed_tokens.")
-@click.option("--mixer-scale", type=float, default=1.0, show_default=True,
-              help="Scale of the token mixers' output projections (<1: more predictable greedy text, for demos).")
-@click.option("--fp8", is_flag=True, help="Write the decoder's linear weights in fine-grained FP8 (e4m3 + weight_scale_inv blocks).")
-@click.option("--fp8-block", type=click.IntRange(min=1), default=128, show_default=True,
-              help="Rows and columns per FP8 scale block (with --fp8).")
-@click.option("--tokenizer/--no-tokenizer", "with_tokenizer", default=True, show_default=True,
-              help="Also write a small trained tokenizer and a Qwen3.5-shaped chat template (for dflash-data).")
-def main(out_dir: Path, seed: int, naming: str, shard_max_bytes: int | None, tied: bool, mixer_scale: float,
-         fp8: bool, fp8_block: int, with_tokenizer: bool) -> None:
+@click.option(
+    "--mixer-scale",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Scale of the token mixers' output projections (<1: more predictable greedy text, for demos).",
+)
+@click.option(
+    "--fp8",
+    is_flag=True,
+    help="Write the decoder's linear weights in fine-grained FP8 (e4m3 + weight_scale_inv blocks).",
+)
+@click.option(
+    "--fp8-block",
+    type=click.IntRange(min=1),
+    default=128,
+    show_default=True,
+    help="Rows and columns per FP8 scale block (with --fp8).",
+)
+@click.option(
+    "--tokenizer/--no-tokenizer",
+    "with_tokenizer",
+    default=True,
+    show_default=True,
+    help="Also write a small trained tokenizer and a Qwen3.5-shaped chat template (for dflash-data).",
+)
+def main(
+    out_dir: Path,
+    seed: int,
+    naming: str,
+    shard_max_bytes: int | None,
+    tied: bool,
+    mixer_scale: float,
+    fp8: bool,
+    fp8_block: int,
+    with_tokenizer: bool,
+) -> None:
     """Write a tiny random Qwen3.5-style target checkpoint to OUT_DIR."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    write_random_checkpoint(out_dir, tiny_config_dict(tie_word_embeddings=tied), seed=seed, naming=naming,
-                            shard_max_bytes=shard_max_bytes, mixer_scale=mixer_scale,
-                            fp8_block=fp8_block if fp8 else None, with_tokenizer=with_tokenizer)
+    write_random_checkpoint(
+        out_dir,
+        tiny_config_dict(tie_word_embeddings=tied),
+        seed=seed,
+        naming=naming,
+        shard_max_bytes=shard_max_bytes,
+        mixer_scale=mixer_scale,
+        fp8_block=fp8_block if fp8 else None,
+        with_tokenizer=with_tokenizer,
+    )
 
 
 if __name__ == "__main__":

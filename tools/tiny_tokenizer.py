@@ -42,7 +42,7 @@ _SNIPPETS = (
     '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
     "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
     "<think>\nLet me think about this step by step.\n</think>\n\n",
-    "<tool_response>\n{\"temperature\": 21, \"sky\": \"clear\"}\n</tool_response>",
+    '<tool_response>\n{"temperature": 21, "sky": "clear"}\n</tool_response>',
     "1 + 1 = 2. 12 * 3 = 36. The answer is 42.",
     "def add(a, b):\n    return a + b\n",
 )
@@ -81,8 +81,11 @@ def train_tokenizer(vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=num_bpe, min_frequency=2, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[],
+        vocab_size=num_bpe,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])

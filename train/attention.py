@@ -41,6 +41,7 @@ Two backends behind `block_attention`:
 Legend: T context tokens, NB blocks, B block size, Q = NB*B query tokens, L = T + Q keys,
 A query heads, M kv heads, D head dim, W sliding window (tokens, the query included).
 """
+
 from __future__ import annotations
 
 import logging
@@ -64,8 +65,14 @@ def choose_backend(requested: str, device: torch.device) -> Backend:
     return requested
 
 
-def block_mask_dense(seq_start_N: torch.Tensor, anchor_N: torch.Tensor, *, num_ctx: int, block_size: int,
-                     sliding_window: int | None = None) -> torch.Tensor:
+def block_mask_dense(
+    seq_start_N: torch.Tensor,
+    anchor_N: torch.Tensor,
+    *,
+    num_ctx: int,
+    block_size: int,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """Boolean [Q, L] mask (True = may attend) of the block-attention rule above.
 
     sliding_window: None = a full layer's mask; W = a sliding layer's (causal block, window W)."""
@@ -102,6 +109,7 @@ FLEX_RECOMPILE_LIMIT = 64
 def flex_dynamo_config() -> dict:
     """The dynamo config keys (present in this torch) patched around every compiled-flex call."""
     from torch._dynamo import config as dynamo_config
+
     options = {}
     for name in ("recompile_limit", "cache_size_limit"):  # cache_size_limit: the older alias
         if hasattr(dynamo_config, name):
@@ -116,6 +124,7 @@ def _get_compiled_flex():
     global _compiled_flex
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
+
         compiled = torch.compile(flex_attention, dynamic=False)
         options = flex_dynamo_config()
 
@@ -133,6 +142,7 @@ class _FlexMask:
 
     def __init__(self, layout: BlockAttentionLayout, sliding_window: int | None, device: torch.device):
         from torch.nn.attention.flex_attention import BlockMask
+
         self.sliding_window = sliding_window
         num_q_tiles = layout.num_queries // layout.tile_size
         num_kv_tiles = -(-layout.num_keys // layout.tile_size)
@@ -145,6 +155,7 @@ class _FlexMask:
         num_ctx, block_size = layout.num_ctx, layout.block_size
 
         if sliding_window is None:
+
             def mask_mod(b, h, q_idx, kv_idx):
                 n = q_idx // block_size
                 in_context = (kv_idx >= seq_start_N[n]) & (kv_idx < anchor_N[n])
@@ -155,17 +166,28 @@ class _FlexMask:
 
             def mask_mod(b, h, q_idx, kv_idx):
                 n, k = q_idx // block_size, q_idx % block_size
-                in_context = ((kv_idx >= seq_start_N[n]) & (kv_idx >= anchor_N[n] + k - (window - 1))
-                              & (kv_idx < anchor_N[n]))
+                in_context = (
+                    (kv_idx >= seq_start_N[n]) & (kv_idx >= anchor_N[n] + k - (window - 1)) & (kv_idx < anchor_N[n])
+                )
                 behind = k - (kv_idx - num_ctx) % block_size
-                own_block = ((kv_idx >= num_ctx) & ((kv_idx - num_ctx) // block_size == n)
-                             & (behind >= 0) & (behind <= window - 1))
+                own_block = (
+                    (kv_idx >= num_ctx)
+                    & ((kv_idx - num_ctx) // block_size == n)
+                    & (behind >= 0)
+                    & (behind <= window - 1)
+                )
                 return in_context | own_block
 
         self.mask_mod = mask_mod
         self.block_mask = BlockMask(
-            (layout.num_queries, layout.num_keys), *self.kv, *self.full_kv, *self.q, *self.full_q,
-            BLOCK_SIZE=(layout.tile_size, layout.tile_size), mask_mod=mask_mod)
+            (layout.num_queries, layout.num_keys),
+            *self.kv,
+            *self.full_kv,
+            *self.q,
+            *self.full_q,
+            BLOCK_SIZE=(layout.tile_size, layout.tile_size),
+            mask_mod=mask_mod,
+        )
 
     def refresh(self, layout: BlockAttentionLayout) -> None:
         partial_IJ, full_IJ = _tile_flags(layout, self.sliding_window, self.kv[1].shape[-1])
@@ -175,8 +197,9 @@ class _FlexMask:
         _fill_ordered(full_IJ.T, *self.full_q)
 
 
-def _tile_flags(layout: BlockAttentionLayout, sliding_window: int | None,
-                num_kv_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _tile_flags(
+    layout: BlockAttentionLayout, sliding_window: int | None, num_kv_tiles: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial, full) tile flags [q tiles, kv tiles]: partial tiles need mask_mod, full ones do not.
 
     Per block, a kv tile is touched if some query of the block sees one of its keys, covered if every
@@ -225,20 +248,33 @@ class BlockAttentionLayout:
     sliding_window: W when the drafter has sliding layers (a second mask is then kept), else None.
     """
 
-    def __init__(self, *, num_ctx: int, num_blocks: int, block_size: int, backend: Backend = "sdpa",
-                 device: torch.device | str = "cpu", tile_size: int = 128, compile_flex: bool = True,
-                 sliding_window: int | None = None):
+    def __init__(
+        self,
+        *,
+        num_ctx: int,
+        num_blocks: int,
+        block_size: int,
+        backend: Backend = "sdpa",
+        device: torch.device | str = "cpu",
+        tile_size: int = 128,
+        compile_flex: bool = True,
+        sliding_window: int | None = None,
+    ):
         if backend not in ("sdpa", "flex"):
             raise ValueError(f"attention backend must be 'sdpa' or 'flex', got {backend!r}")
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
         if backend == "flex":
             if tile_size % block_size:
-                raise ValueError(f"flex tile_size {tile_size} must be a multiple of block_size {block_size} "
-                                 "(a query tile holds whole blocks)")
+                raise ValueError(
+                    f"flex tile_size {tile_size} must be a multiple of block_size {block_size} "
+                    "(a query tile holds whole blocks)"
+                )
             if (num_blocks * block_size) % tile_size:
-                raise ValueError(f"num_blocks ({num_blocks}) x block_size ({block_size}) must be a multiple of the "
-                                 f"flex tile_size {tile_size}: use num_blocks a multiple of {tile_size // block_size}")
+                raise ValueError(
+                    f"num_blocks ({num_blocks}) x block_size ({block_size}) must be a multiple of the "
+                    f"flex tile_size {tile_size}: use num_blocks a multiple of {tile_size // block_size}"
+                )
         self.num_ctx, self.num_blocks, self.block_size = num_ctx, num_blocks, block_size
         self.backend, self.tile_size, self.compile_flex = backend, tile_size, compile_flex
         self.sliding_window = sliding_window
@@ -266,32 +302,42 @@ class BlockAttentionLayout:
 
     def flex_mask(self, sliding: bool = False) -> _FlexMask:
         if sliding and self.sliding_window is None:
-            raise ValueError("this BlockAttentionLayout has no sliding mask: build it with "
-                             "sliding_window=DrafterConfig.attention_window for a drafter with sliding layers")
+            raise ValueError(
+                "this BlockAttentionLayout has no sliding mask: build it with "
+                "sliding_window=DrafterConfig.attention_window for a drafter with sliding layers"
+            )
         return self._flex[sliding]
 
     def update(self, seq_start_N: torch.Tensor, anchor_N: torch.Tensor) -> BlockAttentionLayout:
         """Load the block ranges of this step (int tensors [NB] on the layout's device)."""
         if seq_start_N.shape != (self.num_blocks,) or anchor_N.shape != (self.num_blocks,):
-            raise ValueError(f"block ranges must have shape ({self.num_blocks},), got "
-                             f"{tuple(seq_start_N.shape)} and {tuple(anchor_N.shape)}")
+            raise ValueError(
+                f"block ranges must have shape ({self.num_blocks},), got "
+                f"{tuple(seq_start_N.shape)} and {tuple(anchor_N.shape)}"
+            )
         self.seq_start_N.copy_(seq_start_N)
         self.anchor_N.copy_(anchor_N)
         if self.backend == "sdpa":
-            self.dense_mask_QL = block_mask_dense(self.seq_start_N, self.anchor_N, num_ctx=self.num_ctx,
-                                                  block_size=self.block_size)
+            self.dense_mask_QL = block_mask_dense(
+                self.seq_start_N, self.anchor_N, num_ctx=self.num_ctx, block_size=self.block_size
+            )
             if self.sliding_window is not None:
                 self.dense_sliding_mask_QL = block_mask_dense(
-                    self.seq_start_N, self.anchor_N, num_ctx=self.num_ctx, block_size=self.block_size,
-                    sliding_window=self.sliding_window)
+                    self.seq_start_N,
+                    self.anchor_N,
+                    num_ctx=self.num_ctx,
+                    block_size=self.block_size,
+                    sliding_window=self.sliding_window,
+                )
             return self
         for mask in self._flex.values():
             mask.refresh(self)
         return self
 
 
-def block_attention(q_QAD: torch.Tensor, k_LMD: torch.Tensor, v_LMD: torch.Tensor,
-                    layout: BlockAttentionLayout, sliding: bool = False) -> torch.Tensor:
+def block_attention(
+    q_QAD: torch.Tensor, k_LMD: torch.Tensor, v_LMD: torch.Tensor, layout: BlockAttentionLayout, sliding: bool = False
+) -> torch.Tensor:
     """Softmax attention of the Q block queries over the L keys under the block rule; [Q, A, D].
 
     sliding: apply the sliding layers' rule (the layout must have been built with a window)."""
@@ -307,6 +353,7 @@ def block_attention(q_QAD: torch.Tensor, k_LMD: torch.Tensor, v_LMD: torch.Tenso
         out_1AQD = F.scaled_dot_product_attention(q_1AQD, k_1MLD, v_1MLD, attn_mask=mask_QL, enable_gqa=True)
     else:
         from torch.nn.attention.flex_attention import flex_attention as flex
+
         # Inside a caller's torch.compile region dynamo compiles flex itself; otherwise use our one compile.
         if layout.compile_flex and not torch.compiler.is_compiling():
             flex = _get_compiled_flex()
@@ -316,17 +363,32 @@ def block_attention(q_QAD: torch.Tensor, k_LMD: torch.Tensor, v_LMD: torch.Tenso
 
 def full_attention(q_QAD: torch.Tensor, k_LMD: torch.Tensor, v_LMD: torch.Tensor) -> torch.Tensor:
     """Unmasked attention (inference: one block over its whole context and itself); [Q, A, D]."""
-    out_1AQD = F.scaled_dot_product_attention(q_QAD.transpose(0, 1).unsqueeze(0), k_LMD.transpose(0, 1).unsqueeze(0),
-                                              v_LMD.transpose(0, 1).unsqueeze(0), enable_gqa=True)
+    out_1AQD = F.scaled_dot_product_attention(
+        q_QAD.transpose(0, 1).unsqueeze(0),
+        k_LMD.transpose(0, 1).unsqueeze(0),
+        v_LMD.transpose(0, 1).unsqueeze(0),
+        enable_gqa=True,
+    )
     return out_1AQD.squeeze(0).transpose(0, 1)
 
 
-def window_attention(q_QAD: torch.Tensor, k_LMD: torch.Tensor, v_LMD: torch.Tensor, q_pos_Q: torch.Tensor,
-                     k_pos_L: torch.Tensor, sliding_window: int) -> torch.Tensor:
+def window_attention(
+    q_QAD: torch.Tensor,
+    k_LMD: torch.Tensor,
+    v_LMD: torch.Tensor,
+    q_pos_Q: torch.Tensor,
+    k_pos_L: torch.Tensor,
+    sliding_window: int,
+) -> torch.Tensor:
     """A sliding layer at inference (one block over its prefix): query at position p attends the keys
     at positions [p - (W-1), p], causal like vLLM's and SGLang's sliding DFlash layers; [Q, A, D]."""
     behind_QL = q_pos_Q.unsqueeze(1) - k_pos_L.unsqueeze(0)
     mask_QL = (behind_QL >= 0) & (behind_QL <= sliding_window - 1)
-    out_1AQD = F.scaled_dot_product_attention(q_QAD.transpose(0, 1).unsqueeze(0), k_LMD.transpose(0, 1).unsqueeze(0),
-                                              v_LMD.transpose(0, 1).unsqueeze(0), attn_mask=mask_QL, enable_gqa=True)
+    out_1AQD = F.scaled_dot_product_attention(
+        q_QAD.transpose(0, 1).unsqueeze(0),
+        k_LMD.transpose(0, 1).unsqueeze(0),
+        v_LMD.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask_QL,
+        enable_gqa=True,
+    )
     return out_1AQD.squeeze(0).transpose(0, 1)

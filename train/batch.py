@@ -7,6 +7,7 @@ finished (an event checked at the next load, by which time it has long completed
 
 Legend: T token budget, K taps, H hidden, S max sequences, Kt stored target top-k.
 """
+
 from __future__ import annotations
 
 import torch

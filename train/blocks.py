@@ -12,6 +12,7 @@ to predict the token at anchor+k (same-position labels), with weight
 
 Legend: T packed tokens, S sequences (cu_seqlens has S+1 entries), NB blocks, B block size.
 """
+
 from __future__ import annotations
 
 import math
@@ -88,9 +89,18 @@ def anchor_seed(seed: int, *, batch_id: int | None = None, rank: int | None = No
     return seed + _SEED_STRIDE * (rank + 1)
 
 
-def sample_blocks(*, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, loss_mask_T: torch.Tensor,
-                  cu_seqlens_S1: torch.Tensor, num_blocks: int, block_size: int, mask_token_id: int,
-                  gamma: float = 7.0, generator: torch.Generator | None = None) -> TrainingBlocks:
+def sample_blocks(
+    *,
+    input_ids_T: torch.Tensor,
+    position_ids_T: torch.Tensor,
+    loss_mask_T: torch.Tensor,
+    cu_seqlens_S1: torch.Tensor,
+    num_blocks: int,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float = 7.0,
+    generator: torch.Generator | None = None,
+) -> TrainingBlocks:
     """Sample NB anchors and build the blocks. Fixed output shapes, no host syncs.
 
     generator: drawn from for the anchor keys (must live on the batch's device); for CUDA-graph capture
@@ -114,8 +124,7 @@ def sample_blocks(*, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, lo
     index_NB = anchor_N.unsqueeze(1) + k_B  # packed index of slot k's label
     index_clamped_NB = index_NB.clamp(max=num_tokens - 1)
     in_sequence_NB = index_NB < end_T[anchor_N].unsqueeze(1).long()
-    label_valid_NB = (in_sequence_NB & loss_mask_T.bool()[index_clamped_NB] & (k_B >= 1)
-                      & block_valid_N.unsqueeze(1))
+    label_valid_NB = in_sequence_NB & loss_mask_T.bool()[index_clamped_NB] & (k_B >= 1) & block_valid_N.unsqueeze(1)
     weights_NB = label_valid_NB.float() * decay_weights(block_size, gamma, device)
 
     anchor_tokens_N1 = input_ids_T[anchor_N].long().unsqueeze(1)
@@ -136,8 +145,9 @@ def sample_blocks(*, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, lo
     )
 
 
-def default_num_blocks(token_budget: int, block_size: int, tile_size: int = 128,
-                       anchors_per_token: float = 1 / 24) -> int:
+def default_num_blocks(
+    token_budget: int, block_size: int, tile_size: int = 128, anchors_per_token: float = 1 / 24
+) -> int:
     """One anchor per 24 context tokens (2048 blocks, 32K query tokens at the 49152 budget), rounded
     down to whole flex query tiles so the fast attention path accepts it.
 

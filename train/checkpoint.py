@@ -12,6 +12,7 @@ train_state.json: step, epoch, data cursor (index of the next shard in this epoc
 order), tokens seen, skipped shards, world size, config hash and identity, drafter config, cache
 target fingerprint, and per-rank RNG states (torch CPU, CUDA, the block-sampling generator).
 """
+
 from __future__ import annotations
 
 import base64
@@ -66,8 +67,14 @@ class CheckpointError(ValueError):
     """A checkpoint file is damaged, partial or cannot be written; the message names the file."""
 
 
-def save_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict,
-                    train_state: dict[str, Any], keep: int) -> Path:
+def save_checkpoint(
+    out_dir: str | Path,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict,
+    train_state: dict[str, Any],
+    keep: int,
+) -> Path:
     """Write step-{step:08d}/ durably (called on rank 0 only); prune to the newest `keep`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -119,8 +126,9 @@ def verify_checkpoint(ckpt: Checkpoint) -> None:
         except OSError as e:
             raise CheckpointError(f"{path}: unreadable ({e.strerror or e})") from e
         if found != recorded.get(name):
-            raise CheckpointError(f"{path}: checksum mismatch (recorded {recorded.get(name)}, file has {found}): "
-                                  "damaged or partial")
+            raise CheckpointError(
+                f"{path}: checksum mismatch (recorded {recorded.get(name)}, file has {found}): damaged or partial"
+            )
 
 
 def list_checkpoints(out_dir: str | Path) -> list[Checkpoint]:
@@ -190,25 +198,40 @@ def load_optimizer_state(ckpt: Checkpoint) -> dict:
         raise CheckpointError(f"{path}: unreadable ({e}); use an earlier checkpoint") from e
 
 
-def check_resume_compatible(ckpt: Checkpoint, identity: dict[str, Any], world_size: int,
-                            target_config_hash: str, cache_identity: dict[str, Any] | None = None) -> None:
+def check_resume_compatible(
+    ckpt: Checkpoint,
+    identity: dict[str, Any],
+    world_size: int,
+    target_config_hash: str,
+    cache_identity: dict[str, Any] | None = None,
+) -> None:
     """Refuse to resume under different settings or another cache, naming every field that differs.
 
     cache_identity: target head checksum, dataset fingerprint, shard count and cache id of the cache
     now (loop.cache_identity); checkpoints written before it was recorded are checked without it."""
     recorded = ckpt.state.get("config_identity", {})
-    diffs = [f"{k}: checkpoint {recorded.get(k)!r}, now {identity.get(k)!r}"
-             for k in sorted(set(recorded) | set(identity)) if recorded.get(k) != identity.get(k)]
+    diffs = [
+        f"{k}: checkpoint {recorded.get(k)!r}, now {identity.get(k)!r}"
+        for k in sorted(set(recorded) | set(identity))
+        if recorded.get(k) != identity.get(k)
+    ]
     if ckpt.state.get("world_size") != world_size:
-        diffs.append(f"world_size: checkpoint {ckpt.state.get('world_size')}, now {world_size} "
-                     "(the data cursor is per rank)")
+        diffs.append(
+            f"world_size: checkpoint {ckpt.state.get('world_size')}, now {world_size} (the data cursor is per rank)"
+        )
     if ckpt.state.get("target_config_hash") != target_config_hash:
-        diffs.append(f"cache target config_hash: checkpoint {ckpt.state.get('target_config_hash')!r}, "
-                     f"now {target_config_hash!r}")
+        diffs.append(
+            f"cache target config_hash: checkpoint {ckpt.state.get('target_config_hash')!r}, now {target_config_hash!r}"
+        )
     recorded_cache = ckpt.state.get("cache_identity")
     if cache_identity is not None and isinstance(recorded_cache, dict):
-        diffs += [f"cache {k}: checkpoint {recorded_cache.get(k)!r}, now {cache_identity.get(k)!r}"
-                  for k in sorted(cache_identity) if recorded_cache.get(k) != cache_identity.get(k)]
+        diffs += [
+            f"cache {k}: checkpoint {recorded_cache.get(k)!r}, now {cache_identity.get(k)!r}"
+            for k in sorted(cache_identity)
+            if recorded_cache.get(k) != cache_identity.get(k)
+        ]
     if diffs:
-        raise ValueError(f"cannot resume from {ckpt.path}: settings differ ({'; '.join(diffs)}); "
-                         "use the original settings or a new --out directory")
+        raise ValueError(
+            f"cannot resume from {ckpt.path}: settings differ ({'; '.join(diffs)}); "
+            "use the original settings or a new --out directory"
+        )

@@ -1,9 +1,10 @@
 """dflash-train: a thin click layer over run_training, export_drafter and evaluate_drafter.
 
-  dflash-train train --cache C --out D [...]      (also `dflash-train --cache C --out D`)
-  dflash-train export CKPT OUT                     checkpoint (or run dir: its newest) -> DFlashDraftModel dir
-  dflash-train eval --drafter DIR --cache C ...    held-out acceptance length, slot accuracy, tree acceptance
+dflash-train train --cache C --out D [...]      (also `dflash-train --cache C --out D`)
+dflash-train export CKPT OUT                     checkpoint (or run dir: its newest) -> DFlashDraftModel dir
+dflash-train eval --drafter DIR --cache C ...    held-out acceptance length, slot accuracy, tree acceptance
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,11 @@ log = logging.getLogger("train")
 
 def _setup_logging() -> None:
     rank = os.environ.get("RANK", "0")
-    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s" if rank == "0" else f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
+    fmt = (
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"
+        if rank == "0"
+        else f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
+    )
     logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING, format=fmt, datefmt="%H:%M:%S")
 
 
@@ -74,14 +79,19 @@ def train(gpus: str | None, **options) -> None:
     main_rank = os.environ.get("RANK", "0") == "0"
     if summary.already_complete:
         if main_rank:
-            click.echo(f"run {cfg.out_dir} is already complete: step {summary.steps} of {summary.steps}, checkpoint "
-                       f"{summary.last_checkpoint}; nothing to train (export it with `dflash-train export "
-                       f"{cfg.out_dir} DIR`, or train longer in a new --out)")
+            click.echo(
+                f"run {cfg.out_dir} is already complete: step {summary.steps} of {summary.steps}, checkpoint "
+                f"{summary.last_checkpoint}; nothing to train (export it with `dflash-train export "
+                f"{cfg.out_dir} DIR`, or train longer in a new --out)"
+            )
         return
     if summary.stopped:
         if main_rank:
-            click.echo(f"stopped by SIGTERM after step {summary.steps}: checkpoint {summary.last_checkpoint}; "
-                       "run the same command with --resume to continue", err=True)
+            click.echo(
+                f"stopped by SIGTERM after step {summary.steps}: checkpoint {summary.last_checkpoint}; "
+                "run the same command with --resume to continue",
+                err=True,
+            )
         sys.exit(143)  # 128 + SIGTERM: the job did not finish, and nothing was lost
     if main_rank:
         click.echo(summary.report())
@@ -89,15 +99,19 @@ def train(gpus: str | None, **options) -> None:
             click.echo(summary.eval.table())
         if summary.eval_before is not None and summary.eval is not None:
             before, after = summary.eval_before, summary.eval
-            click.echo(f"acceptance length on held-out shards (decoding walk): {before.acceptance_length:.3f} untrained "
-                       f"-> {after.acceptance_length:.3f} after {summary.steps} steps; held-out loss "
-                       f"{before.heldout_loss:.4f} -> {after.heldout_loss:.4f}")
+            click.echo(
+                f"acceptance length on held-out shards (decoding walk): {before.acceptance_length:.3f} untrained "
+                f"-> {after.acceptance_length:.3f} after {summary.steps} steps; held-out loss "
+                f"{before.heldout_loss:.4f} -> {after.heldout_loss:.4f}"
+            )
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--overwrite", is_flag=True, help="Replace an earlier export in OUT (any other non-empty OUT is refused).")
+@click.option(
+    "--overwrite", is_flag=True, help="Replace an earlier export in OUT (any other non-empty OUT is refused)."
+)
 def export(checkpoint: str, out: str, overwrite: bool) -> None:
     """Export CHECKPOINT (a step-NNNNNNNN dir, or a run dir: its newest) to OUT as a DFlashDraftModel."""
     _setup_logging()
@@ -113,8 +127,10 @@ def export(checkpoint: str, out: str, overwrite: bool) -> None:
         else:
             ckpt = latest_checkpoint(path)  # a run dir: its newest valid checkpoint
         if ckpt is None:
-            raise click.ClickException(f"{checkpoint}: not a valid checkpoint (step-NNNNNNNN with train_state.json, "
-                                       "model.safetensors, optimizer.pt) nor a run directory holding one")
+            raise click.ClickException(
+                f"{checkpoint}: not a valid checkpoint (step-NNNNNNNN with train_state.json, "
+                "model.safetensors, optimizer.pt) nor a run directory holding one"
+            )
         model, cfg = _model_from_checkpoint(ckpt)
         export_drafter(model, cfg, out, overwrite=overwrite)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
@@ -135,7 +151,13 @@ def _model_from_checkpoint(ckpt):
 
 @main.command(name="eval", context_settings=CONTEXT_SETTINGS)
 @config_options(EvalConfig)
-@click.option("--out", "out_json", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here (acceptance_length, acceptance_length_pooled, batch_ids, ...). Default: the table on stdout only.")
+@click.option(
+    "--out",
+    "out_json",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the results as JSON here (acceptance_length, acceptance_length_pooled, batch_ids, ...). Default: the table on stdout only.",
+)
 def eval_cmd(out_json, **options) -> None:
     """Evaluate a drafter on held-out shards by walking them as greedy speculative decoding does.
 
@@ -161,8 +183,9 @@ def eval_cmd(out_json, **options) -> None:
 
 @main.command(context_settings=CONTEXT_SETTINGS)
 @click.argument("run", type=click.Path(exists=True, file_okay=False))
-@click.option("--out", "out_png", type=click.Path(dir_okay=False), default=None,
-              help="PNG to write. Default: RUN/run.png.")
+@click.option(
+    "--out", "out_png", type=click.Path(dir_okay=False), default=None, help="PNG to write. Default: RUN/run.png."
+)
 def plot(run: str, out_png: str | None) -> None:
     """Draw RUN's loss terms, learning rate, tokens/s and held-out acceptance against steps (a PNG).
 
@@ -179,8 +202,10 @@ def plot(run: str, out_png: str | None) -> None:
     except (OSError, ValueError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
     evals = len(metrics.evals)
-    click.echo(f"wrote {out}: {len(drawn)} curves over steps {metrics.records[0]['step']}..{metrics.records[-1]['step']}"
-               f" ({len(metrics.records)} log records, {evals} evaluation{'s' if evals != 1 else ''})")
+    click.echo(
+        f"wrote {out}: {len(drawn)} curves over steps {metrics.records[0]['step']}..{metrics.records[-1]['step']}"
+        f" ({len(metrics.records)} log records, {evals} evaluation{'s' if evals != 1 else ''})"
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ process a skipped shard costs no step. Under several ranks each one becomes a st
 ranks keep the same step count (ranks that fall out of step hang the all-reduce). The last Batch
 has `end` set: every epoch is used up (it may still carry skipped shards of the last epoch).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -35,16 +36,34 @@ class Batch:
         return 0 if self.shard is None else self.shard.info.num_tokens
 
 
-def rank_batches(reader: ShardReader, train_ids: list[int], *, epoch: int, cursor: int, epochs: int, seed: int,
-                 rank: int, world_size: int, num_buffers: int, pin_memory: bool, verify_checksum: bool,
-                 skip_bad_shards: bool) -> Iterator[Batch]:
+def rank_batches(
+    reader: ShardReader,
+    train_ids: list[int],
+    *,
+    epoch: int,
+    cursor: int,
+    epochs: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    num_buffers: int,
+    pin_memory: bool,
+    verify_checksum: bool,
+    skip_bad_shards: bool,
+) -> Iterator[Batch]:
     """Batches from shard `cursor` of epoch `epoch` to the end of epoch `epochs - 1`, then an end Batch."""
     skipped: list[tuple[int, str]] = []
     for epoch in range(epoch, epochs):  # noqa: B020 (from the resumed epoch on)
         order = epoch_shard_order(train_ids, epoch, seed, rank, world_size)
         position_of = {batch_id: i for i, batch_id in enumerate(order)}
-        loader = ShardLoader(reader, order[cursor:], num_buffers=num_buffers, pin_memory=pin_memory,
-                             verify_checksum=verify_checksum, skip_bad_shards=skip_bad_shards)
+        loader = ShardLoader(
+            reader,
+            order[cursor:],
+            num_buffers=num_buffers,
+            pin_memory=pin_memory,
+            verify_checksum=verify_checksum,
+            skip_bad_shards=skip_bad_shards,
+        )
         try:
             for shard in itertools.chain(loader, [None]):  # None: the epoch's shards are used up
                 position = len(order) if shard is None else position_of[shard.batch_id]

@@ -5,6 +5,7 @@ single all_reduce of that buffer: no DDP hooks, nothing that depends on autograd
 can sit inside the captured CUDA graph (NCCL supports capture; gloo runs it eagerly on CPU).
 Backward accumulates into the existing .grad views in place, which keeps their addresses fixed.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta

@@ -3,6 +3,7 @@
 `DrafterConfig.for_target(...)` derives a drafter from the target's dimensions: the published
 Qwen3.5-27B drafter shape for a 5120-wide target, a scaled shape otherwise.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,16 +63,25 @@ class DrafterConfig:
     """The target's pad id (config.json pad_token_id); None = the target declares none."""
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings", "num_target_layers",
-                     "vocab_size"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "num_target_layers",
+            "vocab_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"DrafterConfig.{name} must be a positive int, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"DrafterConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
+                f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention"
+            )
         if self.head_dim % 2:
             raise ValueError(f"DrafterConfig.head_dim must be even for RoPE, got {self.head_dim}")
         if not self.rms_norm_eps > 0:
@@ -82,33 +92,47 @@ class DrafterConfig:
             raise ValueError(f"DrafterConfig.block_size must be >= 2 (anchor plus one draft), got {self.block_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
-                f"DrafterConfig.mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+                f"DrafterConfig.mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})"
+            )
         if not self.tap_layer_ids:
             raise ValueError("DrafterConfig.tap_layer_ids must name at least one target layer, got []")
         bad = [t for t in self.tap_layer_ids if not 0 <= t < self.num_target_layers]
         if bad:
-            raise ValueError(f"DrafterConfig.tap_layer_ids {self.tap_layer_ids}: {bad} outside "
-                             f"[0, num_target_layers={self.num_target_layers})")
+            raise ValueError(
+                f"DrafterConfig.tap_layer_ids {self.tap_layer_ids}: {bad} outside "
+                f"[0, num_target_layers={self.num_target_layers})"
+            )
         self.tap_layer_ids = [int(t) for t in self.tap_layer_ids]
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
             ids = value if isinstance(value, list) else [value]
             if value is not None and not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-                raise ValueError(f"DrafterConfig.{name} must be a token id (or, for eos, a list of them) or None, "
-                                 f"got {value!r}")
+                raise ValueError(
+                    f"DrafterConfig.{name} must be a token id (or, for eos, a list of them) or None, got {value!r}"
+                )
         if self.layer_types is None:
             self.layer_types = [FULL_ATTENTION] * self.num_layers
         self.layer_types = list(self.layer_types)
         if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
-            raise ValueError(f"DrafterConfig.layer_types must give one of {LAYER_TYPES} for each of the "
-                             f"{self.num_layers} layers, got {self.layer_types}")
+            raise ValueError(
+                f"DrafterConfig.layer_types must give one of {LAYER_TYPES} for each of the "
+                f"{self.num_layers} layers, got {self.layer_types}"
+            )
         if any(self.sliding_layers):
-            if not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or self.sliding_window < 1:
-                raise ValueError(f"DrafterConfig.sliding_window must be a positive int when a layer is "
-                                 f"{SLIDING_ATTENTION}, got {self.sliding_window!r}")
+            if (
+                not isinstance(self.sliding_window, int)
+                or isinstance(self.sliding_window, bool)
+                or self.sliding_window < 1
+            ):
+                raise ValueError(
+                    f"DrafterConfig.sliding_window must be a positive int when a layer is "
+                    f"{SLIDING_ATTENTION}, got {self.sliding_window!r}"
+                )
         elif self.sliding_window is not None:
-            raise ValueError(f"DrafterConfig.sliding_window {self.sliding_window} given but no layer is "
-                             f"{SLIDING_ATTENTION} (layer_types {self.layer_types}); drop the window or make layers sliding")
+            raise ValueError(
+                f"DrafterConfig.sliding_window {self.sliding_window} given but no layer is "
+                f"{SLIDING_ATTENTION} (layer_types {self.layer_types}); drop the window or make layers sliding"
+            )
 
     @property
     def num_taps(self) -> int:
@@ -130,11 +154,23 @@ class DrafterConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def for_target(cls, *, hidden_size: int, intermediate_size: int, vocab_size: int, num_target_layers: int,
-                   tap_layer_ids: list[int], mask_token_id: int, num_layers: int = 5, block_size: int = 16,
-                   rms_norm_eps: float = 1e-6, rope_theta: float = 1e7,
-                   max_position_embeddings: int = 262144, layer_types: list[str] | None = None,
-                   sliding_window: int | None = None) -> DrafterConfig:
+    def for_target(
+        cls,
+        *,
+        hidden_size: int,
+        intermediate_size: int,
+        vocab_size: int,
+        num_target_layers: int,
+        tap_layer_ids: list[int],
+        mask_token_id: int,
+        num_layers: int = 5,
+        block_size: int = 16,
+        rms_norm_eps: float = 1e-6,
+        rope_theta: float = 1e7,
+        max_position_embeddings: int = 262144,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
+    ) -> DrafterConfig:
         """Drafter at the target's width.
 
         A 5120-wide target gets the published 27B drafter heads (32 q, 8 kv, dim 128: ~1.73B parameters
@@ -146,16 +182,29 @@ class DrafterConfig:
         else:
             head_dim = 128 if hidden_size >= 1024 else max(2, (hidden_size // 8) // 2 * 2)
             if hidden_size % head_dim:
-                raise ValueError(f"hidden_size {hidden_size} is not a multiple of the derived head_dim {head_dim}; "
-                                 "build DrafterConfig directly with explicit heads")
+                raise ValueError(
+                    f"hidden_size {hidden_size} is not a multiple of the derived head_dim {head_dim}; "
+                    "build DrafterConfig directly with explicit heads"
+                )
             num_heads = hidden_size // head_dim
             num_kv_heads = max(1, num_heads // 4)
             while num_heads % num_kv_heads:
                 num_kv_heads -= 1
-        return cls(num_layers=num_layers, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
-                   rms_norm_eps=rms_norm_eps, rope_theta=rope_theta,
-                   max_position_embeddings=max_position_embeddings, block_size=block_size,
-                   mask_token_id=mask_token_id, tap_layer_ids=list(tap_layer_ids),
-                   num_target_layers=num_target_layers, vocab_size=vocab_size, layer_types=layer_types,
-                   sliding_window=sliding_window)
+        return cls(
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=rms_norm_eps,
+            rope_theta=rope_theta,
+            max_position_embeddings=max_position_embeddings,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            tap_layer_ids=list(tap_layer_ids),
+            num_target_layers=num_target_layers,
+            vocab_size=vocab_size,
+            layer_types=layer_types,
+            sliding_window=sliding_window,
+        )

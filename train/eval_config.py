@@ -1,4 +1,5 @@
 """Typed settings of `dflash-train eval` (no torch import: the CLI builds its options from them)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -46,8 +47,10 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         if self.cache is None and self.target is None:
-            raise ValueError("give --cache (the decoding walk on held-out shards), --target with --prompts (real "
-                             "speculative decoding with the target), or both")
+            raise ValueError(
+                "give --cache (the decoding walk on held-out shards), --target with --prompts (real "
+                "speculative decoding with the target), or both"
+            )
         if (self.target is None) != (self.prompts is None):
             raise ValueError("--target and --prompts go together: decoding needs the target and the prompts")
         if self.max_prompts < 0:
@@ -56,7 +59,9 @@ class EvalConfig:
             raise ValueError(f"--max-new-tokens {self.max_new_tokens}: must be >= 1")
         chosen = sum(x is not None for x in (self.shards, self.eval_shards, self.holdout_frac))
         if self.cache is not None and chosen != 1:
-            raise ValueError("give exactly one of --shards, --eval-shards, --holdout-frac (which shards of --cache are held out)")
+            raise ValueError(
+                "give exactly one of --shards, --eval-shards, --holdout-frac (which shards of --cache are held out)"
+            )
         if self.cache is None and chosen:
             raise ValueError("--shards, --eval-shards and --holdout-frac choose shards of --cache: give --cache too")
         if self.holdout_frac is not None and not 0 < self.holdout_frac <= 1:

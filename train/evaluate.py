@@ -25,6 +25,7 @@ Every rank takes every world_size-th shard; counts are summed across ranks befor
 
 Legend: T token budget, K taps, H hidden, NB blocks, B block size, S = B-1 draft slots, V vocab.
 """
+
 from __future__ import annotations
 
 import json
@@ -83,57 +84,82 @@ class EvalResult:
     def to_dict(self) -> dict[str, Any]:
         """The JSON of `eval --out` and OUT/eval.json."""
         w = self.walk
-        return {"acceptance_length": w.acceptance_length, "acceptance_length_pooled": w.acceptance_length_pooled,
-                "num_responses": w.responses, "num_steps": w.steps, "num_tokens": w.tokens,
-                "accepted_histogram": w.accepted_histogram, "slot_acceptance": w.slot_acceptance,
-                "tree_acceptance": {str(b): t.acceptance_length for b, t in self.tree_walks.items()},
-                "tree_acceptance_pooled": {str(b): t.acceptance_length_pooled for b, t in self.tree_walks.items()},
-                "heldout_loss": self.heldout_loss, "random_anchor_chain_length": self.random_anchor_chain_length,
-                "random_anchor_slot_accuracy": self.random_anchor_slot_accuracy,
-                "random_anchor_blocks": self.num_blocks, "data_is_target_greedy": self.data_is_target_greedy,
-                "dtype": self.dtype, "batch_ids": self.batch_ids}
+        return {
+            "acceptance_length": w.acceptance_length,
+            "acceptance_length_pooled": w.acceptance_length_pooled,
+            "num_responses": w.responses,
+            "num_steps": w.steps,
+            "num_tokens": w.tokens,
+            "accepted_histogram": w.accepted_histogram,
+            "slot_acceptance": w.slot_acceptance,
+            "tree_acceptance": {str(b): t.acceptance_length for b, t in self.tree_walks.items()},
+            "tree_acceptance_pooled": {str(b): t.acceptance_length_pooled for b, t in self.tree_walks.items()},
+            "heldout_loss": self.heldout_loss,
+            "random_anchor_chain_length": self.random_anchor_chain_length,
+            "random_anchor_slot_accuracy": self.random_anchor_slot_accuracy,
+            "random_anchor_blocks": self.num_blocks,
+            "data_is_target_greedy": self.data_is_target_greedy,
+            "dtype": self.dtype,
+            "batch_ids": self.batch_ids,
+        }
 
     def to_record(self) -> dict[str, Any]:
         """Flat, namespaced scalars for metrics.jsonl / TensorBoard."""
-        rec = {"eval/acceptance_length": self.acceptance_length,
-               "eval/acceptance_length_pooled": self.acceptance_length_pooled,
-               "eval/heldout_loss": self.heldout_loss,
-               "eval/random_anchor_chain_length": self.random_anchor_chain_length,
-               **{f"eval/tree_acceptance_{b}": v for b, v in self.tree_acceptance.items()},
-               **{f"eval/slot_acceptance_{k:02d}": v for k, v in enumerate(self.walk.slot_acceptance, start=1)}}
+        rec = {
+            "eval/acceptance_length": self.acceptance_length,
+            "eval/acceptance_length_pooled": self.acceptance_length_pooled,
+            "eval/heldout_loss": self.heldout_loss,
+            "eval/random_anchor_chain_length": self.random_anchor_chain_length,
+            **{f"eval/tree_acceptance_{b}": v for b, v in self.tree_acceptance.items()},
+            **{f"eval/slot_acceptance_{k:02d}": v for k, v in enumerate(self.walk.slot_acceptance, start=1)},
+        }
         if self.data_is_target_greedy is not None:
             rec["eval/data_is_target_greedy"] = self.data_is_target_greedy
         return rec
 
     def summary_line(self) -> str:
         trees = "".join(f", tree@{b} {v:.3f}" for b, v in self.tree_acceptance.items())
-        return (f"acceptance length {self.acceptance_length:.3f} (decoding walk, {self.walk.responses} responses, "
-                f"pooled {self.acceptance_length_pooled:.3f}{trees}), held-out loss {self.heldout_loss:.4f}, "
-                f"random-anchor chain {self.random_anchor_chain_length:.3f} (diagnostic)")
+        return (
+            f"acceptance length {self.acceptance_length:.3f} (decoding walk, {self.walk.responses} responses, "
+            f"pooled {self.acceptance_length_pooled:.3f}{trees}), held-out loss {self.heldout_loss:.4f}, "
+            f"random-anchor chain {self.random_anchor_chain_length:.3f} (diagnostic)"
+        )
 
     def whose_tokens(self) -> str:
         if self.data_is_target_greedy is None:
-            return ("the cache holds no target top-k, so these figures are agreement with the data: they are the "
-                    "target's acceptance only when the data are its own greedy output. Measure real decoding "
-                    "with `dflash-train eval --target DIR --prompts FILE`, or regenerate the data with the target")
+            return (
+                "the cache holds no target top-k, so these figures are agreement with the data: they are the "
+                "target's acceptance only when the data are its own greedy output. Measure real decoding "
+                "with `dflash-train eval --target DIR --prompts FILE`, or regenerate the data with the target"
+            )
         share = self.data_is_target_greedy
-        exact = "exact: the data are the target's greedy output" if share == 1.0 else (
-            f"on the other {1 - share:.1%} the figures measure agreement with the data, not acceptance")
+        exact = (
+            "exact: the data are the target's greedy output"
+            if share == 1.0
+            else (f"on the other {1 - share:.1%} the figures measure agreement with the data, not acceptance")
+        )
         return f"data == target greedy on {share:.1%} of supervised positions ({exact})"
 
     def table(self) -> str:
         w = self.walk
-        rows = [("acceptance length", f"{w.acceptance_length:.3f}"),
-                ("  pooled over steps", f"{w.acceptance_length_pooled:.3f}"),
-                ("  responses / steps", f"{w.responses} / {w.steps}")]
+        rows = [
+            ("acceptance length", f"{w.acceptance_length:.3f}"),
+            ("  pooled over steps", f"{w.acceptance_length_pooled:.3f}"),
+            ("  responses / steps", f"{w.responses} / {w.steps}"),
+        ]
         rows += [(f"tree acceptance @{b}", f"{t.acceptance_length:.3f}") for b, t in self.tree_walks.items()]
-        rows += [("held-out loss", f"{self.heldout_loss:.4f}"),
-                 ("random-anchor chain (diag.)", f"{self.random_anchor_chain_length:.3f}")]
+        rows += [
+            ("held-out loss", f"{self.heldout_loss:.4f}"),
+            ("random-anchor chain (diag.)", f"{self.random_anchor_chain_length:.3f}"),
+        ]
         rows += [(f"slot {k} accepted | reached", f"{a:.3f}") for k, a in enumerate(w.slot_acceptance, start=1)]
         hist = " ".join(str(c) for c in w.accepted_histogram)
         lines = [f"{'metric':<30}{'value':>12}", "-" * 42] + [f"{m:<30}{v:>12}" for m, v in rows]
-        lines += [f"accepted drafts per step, 0..{len(w.accepted_histogram) - 1}: {hist}",
-                  f"dtype {self.dtype}; shards {self.batch_ids}", f"whose tokens: {self.whose_tokens()}"]
+        lines += [
+            f"accepted drafts per step, 0..{len(w.accepted_histogram) - 1}: {hist}",
+            f"dtype {self.dtype}; shards {self.batch_ids}",
+            f"whose tokens: {self.whose_tokens()}",
+        ]
         return "\n".join(lines)
 
 
@@ -156,10 +182,23 @@ def eval_copy(model: DFlashDrafter, dtype: torch.dtype) -> DFlashDrafter:
 
 
 @torch.no_grad()
-def evaluate_drafter(model: DFlashDrafter, head: TargetHead, cache_dir: str, batch_ids: list[int], *,
-                     num_blocks: int | None = None, seed: int = 0, device: torch.device | str = "cpu", attention: str = "sdpa",
-                     chunk_blocks: int = 32, budgets: Sequence[int] = DEFAULT_BUDGETS, gamma: float = 7.0,
-                     lanes: int | None = None, rank: int = 0, world_size: int = 1) -> EvalResult:
+def evaluate_drafter(
+    model: DFlashDrafter,
+    head: TargetHead,
+    cache_dir: str,
+    batch_ids: list[int],
+    *,
+    num_blocks: int | None = None,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    attention: str = "sdpa",
+    chunk_blocks: int = 32,
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
+    gamma: float = 7.0,
+    lanes: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> EvalResult:
     """Evaluate on `batch_ids` (this rank takes every world_size-th); every rank gets the same result.
     model and head must already be in the evaluation dtype (see eval_copy). num_blocks (random-anchor
     blocks per shard) and seed default to fixed values, not the run's, so every evaluation of the same
@@ -174,15 +213,38 @@ def evaluate_drafter(model: DFlashDrafter, head: TargetHead, cache_dir: str, bat
     lanes = lanes or default_lanes(cc.max_seqs, B)
     # Random anchors independent of the run's settings, so `eval` later draws the very same blocks.
     num_blocks = num_blocks or default_num_blocks(cc.token_budget, B)
-    random_layout = BlockAttentionLayout(num_ctx=cc.token_budget, num_blocks=num_blocks, block_size=B,
-                                         backend=attention, device=device,
-                                         sliding_window=cfg.attention_window)
-    walk_layout = BlockAttentionLayout(num_ctx=cc.token_budget, num_blocks=lanes, block_size=B,
-                                       backend=attention, device=device, sliding_window=cfg.attention_window)
+    random_layout = BlockAttentionLayout(
+        num_ctx=cc.token_budget,
+        num_blocks=num_blocks,
+        block_size=B,
+        backend=attention,
+        device=device,
+        sliding_window=cfg.attention_window,
+    )
+    walk_layout = BlockAttentionLayout(
+        num_ctx=cc.token_budget,
+        num_blocks=lanes,
+        block_size=B,
+        backend=attention,
+        device=device,
+        sliding_window=cfg.attention_window,
+    )
     rules: list[int | None] = [None, *budgets]
     width = len(WalkCounts(B).as_vector())
-    sums = Sums({**{_walk_key(rule): width for rule in rules}, "shards": 1, "ce": 1, "blocks": 1, "chain": 1,
-                 "slot_correct": S, "slot_correct" + COUNT: S, "target_match": 1, "target_match" + COUNT: 1}, device)
+    sums = Sums(
+        {
+            **{_walk_key(rule): width for rule in rules},
+            "shards": 1,
+            "ce": 1,
+            "blocks": 1,
+            "chain": 1,
+            "slot_correct": S,
+            "slot_correct" + COUNT: S,
+            "target_match": 1,
+            "target_match" + COUNT: 1,
+        },
+        device,
+    )
     loss_cfg = LossConfig(chunk_blocks=chunk_blocks)
     for batch_id in batch_ids[rank::world_size]:
         tensors, _ = reader.read(batch_id, verify_checksum=True)
@@ -190,14 +252,22 @@ def evaluate_drafter(model: DFlashDrafter, head: TargetHead, cache_dir: str, bat
         ids_T, pos_T = tensors["input_ids"].to(device), tensors["position_ids"].to(device)
         responses = response_spans(tensors["loss_mask"], tensors["cu_seqlens"])
         for rule in rules:
-            counts = walk_shard(model, head, hidden_TKH, ids_T, pos_T, responses, walk_layout, budget=rule,
-                                chunk_blocks=chunk_blocks)
+            counts = walk_shard(
+                model, head, hidden_TKH, ids_T, pos_T, responses, walk_layout, budget=rule, chunk_blocks=chunk_blocks
+            )
             sums.add(_walk_key(rule), torch.tensor(counts.as_vector(), dtype=torch.float64))
         gen = torch.Generator().manual_seed(anchor_seed(seed, batch_id=batch_id))
-        blocks = sample_blocks(input_ids_T=tensors["input_ids"], position_ids_T=tensors["position_ids"],
-                               loss_mask_T=tensors["loss_mask"], cu_seqlens_S1=tensors["cu_seqlens"],
-                               num_blocks=num_blocks, block_size=B, mask_token_id=cfg.mask_token_id, gamma=gamma,
-                               generator=gen)
+        blocks = sample_blocks(
+            input_ids_T=tensors["input_ids"],
+            position_ids_T=tensors["position_ids"],
+            loss_mask_T=tensors["loss_mask"],
+            cu_seqlens_S1=tensors["cu_seqlens"],
+            num_blocks=num_blocks,
+            block_size=B,
+            mask_token_id=cfg.mask_token_id,
+            gamma=gamma,
+            generator=gen,
+        )
         blocks = type(blocks)(**{k: v.to(device) for k, v in vars(blocks).items()})
         random_layout.update(blocks.seq_start_N, blocks.anchor_N)
         hidden_NBH = model(hidden_TKH, pos_T, head.embed(blocks.block_ids_NB), blocks.block_pos_NB, random_layout)
@@ -215,12 +285,16 @@ def evaluate_drafter(model: DFlashDrafter, head: TargetHead, cache_dir: str, bat
     (chain,) = host.mean("chain", "blocks")
     (target_greedy,) = host.mean("target_match")
     return EvalResult(
-        dtype=str(dtype).removeprefix("torch."), walk=WalkCounts.from_vector(B, host[_walk_key(None)]),
+        dtype=str(dtype).removeprefix("torch."),
+        walk=WalkCounts.from_vector(B, host[_walk_key(None)]),
         tree_walks={b: WalkCounts.from_vector(B, host[_walk_key(b)]) for b in budgets},
-        heldout_loss=nan if ce is None else ce, random_anchor_chain_length=nan if chain is None else chain,
+        heldout_loss=nan if ce is None else ce,
+        random_anchor_chain_length=nan if chain is None else chain,
         random_anchor_slot_accuracy=[nan if a is None else a for a in slot_accuracy],
-        num_blocks=int(host.scalar("blocks")), data_is_target_greedy=target_greedy if cc.target_topk > 0 else None,
-        batch_ids=list(batch_ids))
+        num_blocks=int(host.scalar("blocks")),
+        data_is_target_greedy=target_greedy if cc.target_topk > 0 else None,
+        batch_ids=list(batch_ids),
+    )
 
 
 def _walk_key(budget: int | None) -> str:
@@ -262,16 +336,19 @@ def _target_greedy_match(tensors: dict[str, torch.Tensor]) -> tuple[float, float
 
 
 # ---- what `dflash-train eval` decides before it runs ------------------------------------------------
-def select_eval_shards(all_ids: list[int], *, shards: list[int] | None, eval_shards: int | None,
-                       holdout_frac: float | None, cache: str) -> list[int]:
+def select_eval_shards(
+    all_ids: list[int], *, shards: list[int] | None, eval_shards: int | None, holdout_frac: float | None, cache: str
+) -> list[int]:
     """The held-out batch ids named by exactly one of --shards, --eval-shards, --holdout-frac."""
     if sum(x is not None for x in (shards, eval_shards, holdout_frac)) != 1:
         raise ValueError("give exactly one of --shards, --eval-shards, --holdout-frac")
     if shards is not None:
         missing = sorted(set(shards) - set(all_ids))
         if missing:
-            raise ValueError(f"--shards {missing} not in cache {cache} (it holds batch ids "
-                             f"{all_ids[0] if all_ids else '-'}..{all_ids[-1] if all_ids else '-'})")
+            raise ValueError(
+                f"--shards {missing} not in cache {cache} (it holds batch ids "
+                f"{all_ids[0] if all_ids else '-'}..{all_ids[-1] if all_ids else '-'})"
+            )
         return list(shards)
     if holdout_frac is not None and not 0 < holdout_frac <= 1:
         raise ValueError(f"--holdout-frac must be in (0, 1], got {holdout_frac}")
@@ -287,11 +364,15 @@ def check_fits(cfg: DrafterConfig, cache_config, drafter: str, cache: str) -> No
     if list(cfg.tap_layer_ids) != list(cache_config.tap_layer_ids):
         problems.append(f"taps: drafter {cfg.tap_layer_ids}, cache {cache_config.tap_layer_ids}")
     if (cfg.hidden_size, cfg.vocab_size) != (cache_config.target.hidden_size, cache_config.target.vocab_size):
-        problems.append(f"hidden/vocab: drafter {cfg.hidden_size}/{cfg.vocab_size}, "
-                        f"cache {cache_config.target.hidden_size}/{cache_config.target.vocab_size}")
+        problems.append(
+            f"hidden/vocab: drafter {cfg.hidden_size}/{cfg.vocab_size}, "
+            f"cache {cache_config.target.hidden_size}/{cache_config.target.vocab_size}"
+        )
     if problems:
-        raise ValueError(f"drafter {drafter} does not fit cache {cache}: {'; '.join(problems)}; evaluate it on "
-                         "a cache extracted from its own target with the same taps")
+        raise ValueError(
+            f"drafter {drafter} does not fit cache {cache}: {'; '.join(problems)}; evaluate it on "
+            "a cache extracted from its own target with the same taps"
+        )
 
 
 @dataclass
@@ -320,9 +401,11 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
     if ckpt is None:
         ckpt = latest_checkpoint(path)
     if ckpt is None:
-        raise ValueError(f"--drafter {path}: neither an exported drafter (config.json + model.safetensors), a "
-                         "checkpoint step-NNNNNNNN/ (train_state.json, model.safetensors) nor a run directory "
-                         "holding one")
+        raise ValueError(
+            f"--drafter {path}: neither an exported drafter (config.json + model.safetensors), a "
+            "checkpoint step-NNNNNNNN/ (train_state.json, model.safetensors) nor a run directory "
+            "holding one"
+        )
     cfg = DrafterConfig(**ckpt.state["drafter"])
     model = DFlashDrafter(cfg)
     model.load_state_dict(load_file(str(ckpt.path / MODEL_FILE)), strict=True)
@@ -358,36 +441,63 @@ def run_eval(cfg: EvalConfig) -> EvalOutput:
     reader = ShardReader(cfg.cache) if cfg.cache is not None else None
     ids = None
     if reader is not None:
-        ids = select_eval_shards(reader.batch_ids(), shards=cfg.shards, eval_shards=cfg.eval_shards,
-                                 holdout_frac=cfg.holdout_frac, cache=cfg.cache)
+        ids = select_eval_shards(
+            reader.batch_ids(),
+            shards=cfg.shards,
+            eval_shards=cfg.eval_shards,
+            holdout_frac=cfg.holdout_frac,
+            cache=cfg.cache,
+        )
     loaded = load_drafter(cfg.drafter)
     if reader is not None:
         check_fits(loaded.config, reader.config, cfg.drafter, cfg.cache)
     device = resolve_device(cfg.device, 0)
     dtype_name = loaded.training_dtype if cfg.dtype == "auto" else cfg.dtype
     dtype = DTYPES[dtype_name]
-    log.info("eval: %s in %s (%s) on %s", loaded.source, dtype_name,
-             "the training compute dtype" if cfg.dtype == "auto" else "--dtype", device)
+    log.info(
+        "eval: %s in %s (%s) on %s",
+        loaded.source,
+        dtype_name,
+        "the training compute dtype" if cfg.dtype == "auto" else "--dtype",
+        device,
+    )
     model = eval_copy(loaded.model.to(device), dtype)
     walk = decoding = None
     if reader is not None:
         head_t = load_target_head(cfg.cache)
         head = TargetHead(head_t["embed_tokens"].to(device, dtype), head_t["lm_head"].to(device, dtype))
         log.info("eval: decoding walk over %d held-out shards %s", len(ids), ids)
-        walk = evaluate_drafter(model, head, cfg.cache, ids, num_blocks=cfg.num_blocks, seed=cfg.seed, device=device,
-                                attention=choose_backend("auto", device), budgets=cfg.budgets,
-                                lanes=cfg.lanes)
+        walk = evaluate_drafter(
+            model,
+            head,
+            cfg.cache,
+            ids,
+            num_blocks=cfg.num_blocks,
+            seed=cfg.seed,
+            device=device,
+            attention=choose_backend("auto", device),
+            budgets=cfg.budgets,
+            lanes=cfg.lanes,
+        )
     if cfg.target is not None:
         from .speculative import build_verifier, decode_prompts, read_prompts
 
-        prompts = read_prompts(cfg.prompts, loaded.config.vocab_size, cfg.max_prompts)  # user input checked before the target loads
+        prompts = read_prompts(
+            cfg.prompts, loaded.config.vocab_size, cfg.max_prompts
+        )  # user input checked before the target loads
         verifier = build_verifier(cfg.target, loaded.config.tap_layer_ids, device, dtype)
         if verifier.lm_head_VH.shape != (loaded.config.vocab_size, loaded.config.hidden_size):
-            raise ValueError(f"--target {cfg.target}: its LM head {tuple(verifier.lm_head_VH.shape)} does not fit "
-                             f"the drafter (vocab {loaded.config.vocab_size}, hidden {loaded.config.hidden_size})")
+            raise ValueError(
+                f"--target {cfg.target}: its LM head {tuple(verifier.lm_head_VH.shape)} does not fit "
+                f"the drafter (vocab {loaded.config.vocab_size}, hidden {loaded.config.hidden_size})"
+            )
         head = TargetHead(verifier.embed_tokens_VH.to(dtype), verifier.lm_head_VH.to(dtype))
         # The drafter sees hidden states rounded as the cache stores them (bf16 also stands in for fp8).
-        log.info("eval: speculative and plain greedy decoding of %d prompts x %d tokens with %s", len(prompts),
-                 cfg.max_new_tokens, cfg.target)
+        log.info(
+            "eval: speculative and plain greedy decoding of %d prompts x %d tokens with %s",
+            len(prompts),
+            cfg.max_new_tokens,
+            cfg.target,
+        )
         decoding = decode_prompts(model, head, verifier, prompts, cfg.max_new_tokens, context_dtype=torch.bfloat16)
     return EvalOutput(walk, decoding)

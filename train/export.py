@@ -25,6 +25,7 @@ attention sinks, rope scaling), naming them.
 
 Export is for serving and evaluation, never a resume source (checkpoints are the loop's business).
 """
+
 from __future__ import annotations
 
 import errno
@@ -49,8 +50,15 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"  # sharded checkpoints: {"weight_map": {name: file}}
 # Fields whose presence would make an engine read the drafter differently from how it was trained here.
-_FOREIGN_FIELDS = ("is_causal", "use_swa", "swa_window_size", "causal", "attention_sink_bias",
-                   "add_swa_attention_sink_bias", "draft_vocab_size")
+_FOREIGN_FIELDS = (
+    "is_causal",
+    "use_swa",
+    "swa_window_size",
+    "causal",
+    "attention_sink_bias",
+    "add_swa_attention_sink_bias",
+    "draft_vocab_size",
+)
 
 
 def zlab_parameter_names(cfg: DrafterConfig) -> list[str]:
@@ -103,8 +111,7 @@ def drafter_config_to_hf(cfg: DrafterConfig) -> dict:
     }
 
 
-def drafter_config_from_hf(hf: dict, source: str = "config.json",
-                           mask_token_id: int | None = None) -> DrafterConfig:
+def drafter_config_from_hf(hf: dict, source: str = "config.json", mask_token_id: int | None = None) -> DrafterConfig:
     """Inverse of drafter_config_to_hf; also reads published z-lab / SpecForge configs.
 
     mask_token_id: used when the config's dflash_config.mask_token_id is null (some published configs)."""
@@ -114,47 +121,71 @@ def drafter_config_from_hf(hf: dict, source: str = "config.json",
     missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
     if missing:
         raise ValueError(f"{source}: dflash_config lacks {missing}")
+
     def foreign_in(d: dict) -> set[str]:  # is_causal / causal override vLLM's per-layer causality either way
         return {k for k in _FOREIGN_FIELDS if d.get(k) is not None and (d[k] is not False or "causal" in k)}
 
     foreign = sorted(foreign_in(hf) | {f"dflash_config.{k}" for k in foreign_in(dflash)})
     if foreign:
-        raise ValueError(f"{source}: {foreign} change how engines run this drafter's attention or vocabulary, "
-                         "which dflash-train does not model; use a plain DFlashDraftModel (Qwen3 layers)")
+        raise ValueError(
+            f"{source}: {foreign} change how engines run this drafter's attention or vocabulary, "
+            "which dflash-train does not model; use a plain DFlashDraftModel (Qwen3 layers)"
+        )
     rope = hf.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
-        raise ValueError(f"{source}: rope_parameters.rope_type {rope.get('rope_type')!r} / rope_scaling "
-                         f"{hf.get('rope_scaling')!r}: only default RoPE is implemented")
+        raise ValueError(
+            f"{source}: rope_parameters.rope_type {rope.get('rope_type')!r} / rope_scaling "
+            f"{hf.get('rope_scaling')!r}: only default RoPE is implemented"
+        )
     thetas = {float(t) for t in (rope.get("rope_theta"), hf.get("rope_theta")) if t is not None}
     if len(thetas) != 1:
-        raise ValueError(f"{source}: RoPE theta rope_parameters.rope_theta {rope.get('rope_theta')!r} vs "
-                         f"rope_theta {hf.get('rope_theta')!r}: exactly one value must be given")
+        raise ValueError(
+            f"{source}: RoPE theta rope_parameters.rope_theta {rope.get('rope_theta')!r} vs "
+            f"rope_theta {hf.get('rope_theta')!r}: exactly one value must be given"
+        )
     if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias", False):
-        raise ValueError(f"{source}: hidden_act {hf.get('hidden_act')!r} / attention_bias "
-                         f"{hf.get('attention_bias')!r}: only silu without attention bias is implemented")
+        raise ValueError(
+            f"{source}: hidden_act {hf.get('hidden_act')!r} / attention_bias "
+            f"{hf.get('attention_bias')!r}: only silu without attention bias is implemented"
+        )
     if hf.get("target_hidden_size") not in (None, hf["hidden_size"]):
-        raise ValueError(f"{source}: target_hidden_size {hf['target_hidden_size']} differs from hidden_size "
-                         f"{hf['hidden_size']}; the drafter must be as wide as its target")
+        raise ValueError(
+            f"{source}: target_hidden_size {hf['target_hidden_size']} differs from hidden_size "
+            f"{hf['hidden_size']}; the drafter must be as wide as its target"
+        )
     layer_types = hf.get("layer_types")
     sliding = bool(layer_types) and "sliding_attention" in layer_types
     window = hf.get("sliding_window") if sliding else None
     if sliding and not hf.get("use_sliding_window", False):
-        raise ValueError(f"{source}: layer_types has sliding_attention layers but use_sliding_window is "
-                         f"{hf.get('use_sliding_window')!r}: HF, vLLM and SGLang then see no window (set it true)")
+        raise ValueError(
+            f"{source}: layer_types has sliding_attention layers but use_sliding_window is "
+            f"{hf.get('use_sliding_window')!r}: HF, vLLM and SGLang then see no window (set it true)"
+        )
     mask = dflash["mask_token_id"] if dflash["mask_token_id"] is not None else mask_token_id
     if mask is None:
         raise ValueError(f"{source}: dflash_config.mask_token_id is null; pass --mask-token-id")
     num_heads = hf["num_attention_heads"]
     return DrafterConfig(
-        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"], num_attention_heads=num_heads,
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_attention_heads=num_heads,
         num_key_value_heads=hf.get("num_key_value_heads", num_heads),
-        head_dim=hf.get("head_dim", hf["hidden_size"] // num_heads), rms_norm_eps=hf["rms_norm_eps"],
-        rope_theta=thetas.pop(), max_position_embeddings=hf["max_position_embeddings"],
-        block_size=hf.get("block_size", dflash.get("block_size", 16)), mask_token_id=mask,
-        tap_layer_ids=list(dflash["target_layer_ids"]), num_target_layers=hf["num_target_layers"],
-        vocab_size=hf["vocab_size"], layer_types=layer_types, sliding_window=window,
-        bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"))
+        head_dim=hf.get("head_dim", hf["hidden_size"] // num_heads),
+        rms_norm_eps=hf["rms_norm_eps"],
+        rope_theta=thetas.pop(),
+        max_position_embeddings=hf["max_position_embeddings"],
+        block_size=hf.get("block_size", dflash.get("block_size", 16)),
+        mask_token_id=mask,
+        tap_layer_ids=list(dflash["target_layer_ids"]),
+        num_target_layers=hf["num_target_layers"],
+        vocab_size=hf["vocab_size"],
+        layer_types=layer_types,
+        sliding_window=window,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
+    )
 
 
 # Written into model.safetensors' metadata: how a later export recognises a directory it may replace.
@@ -184,11 +215,14 @@ def check_export_target(out: Path, overwrite: bool) -> None:
     ours, foreign = export_status(out)
     if not ours:
         shown = ", ".join(str(p) for p in (foreign or sorted(out.iterdir()))[:5])
-        raise ValueError(f"export directory {out} is not empty and is not a drafter exported by dflash-train "
-                         f"(found {shown}); nothing was written: choose a new or empty directory")
+        raise ValueError(
+            f"export directory {out} is not empty and is not a drafter exported by dflash-train "
+            f"(found {shown}); nothing was written: choose a new or empty directory"
+        )
     if not overwrite:
-        raise ValueError(f"export directory {out} holds an earlier export; pass --overwrite to replace it, "
-                         "or choose a new directory")
+        raise ValueError(
+            f"export directory {out} holds an earlier export; pass --overwrite to replace it, or choose a new directory"
+        )
 
 
 def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path, overwrite: bool = False) -> Path:
@@ -206,15 +240,20 @@ def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path
     state = {name: t.detach().to("cpu", torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
     expected = zlab_parameter_names(cfg)
     if sorted(state) != sorted(expected):
-        raise ValueError(f"drafter state_dict names differ from z-lab's: extra {sorted(set(state) - set(expected))}, "
-                         f"missing {sorted(set(expected) - set(state))}")
+        raise ValueError(
+            f"drafter state_dict names differ from z-lab's: extra {sorted(set(state) - set(expected))}, "
+            f"missing {sorted(set(expected) - set(state))}"
+        )
     meta = {"format": "pt", "producer": PRODUCER}
     try:
         atomic_write(out / WEIGHTS_FILE, lambda f: write_container(f, state, meta))
         atomic_write_text(out / CONFIG_FILE, json.dumps(drafter_config_to_hf(cfg), indent=2) + "\n")
     except OSError as e:
-        raise OSError(e.errno, f"exporting to {out} failed: {e.strerror or e}"
-                      + ("; free space and export again" if e.errno == errno.ENOSPC else "")) from e
+        raise OSError(
+            e.errno,
+            f"exporting to {out} failed: {e.strerror or e}"
+            + ("; free space and export again" if e.errno == errno.ENOSPC else ""),
+        ) from e
     log.info("exported drafter (%d tensors) to %s", len(state), out)
     return out
 
@@ -248,8 +287,9 @@ def read_drafter_weights(path: str | Path, cfg: DrafterConfig) -> dict[str, torc
         if absent or not files:
             raise FileNotFoundError(f"{index_path}: lists shards that are not there: {absent or 'none at all'}")
     else:
-        raise FileNotFoundError(f"{path}: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}; expected an exported "
-                                "DFlash drafter directory")
+        raise FileNotFoundError(
+            f"{path}: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}; expected an exported DFlash drafter directory"
+        )
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
@@ -265,9 +305,12 @@ def read_drafter_weights(path: str | Path, cfg: DrafterConfig) -> dict[str, torc
     return state
 
 
-def load_exported_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16,
-                          device: torch.device | str = "cpu",
-                          mask_token_id: int | None = None) -> tuple[DFlashDrafter, DrafterConfig]:
+def load_exported_drafter(
+    path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    mask_token_id: int | None = None,
+) -> tuple[DFlashDrafter, DrafterConfig]:
     """Load a DFlashDraftModel directory (ours or a published one) into a DFlashDrafter."""
     cfg = read_drafter_config(path, mask_token_id=mask_token_id)
     state = read_drafter_weights(path, cfg)

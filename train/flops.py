@@ -12,6 +12,7 @@ Not counted: attention scores and values (their cost depends on where the anchor
 its sequence's context before its anchor), norms, RoPE, losses, and the monitoring metrics' extra
 pass over the vocabulary on metrics steps. The MFU derived from this count is a lower bound.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,15 @@ from .drafter_config import DrafterConfig
 
 # Dense bf16 tensor-core peak per GPU (no sparsity), FLOP/s, by a substring of the device name.
 # From the vendors' data sheets (SXM parts); a device not listed gets no MFU figure.
-PEAK_BF16_FLOPS = (("H200", 989.4e12), ("H100", 989.4e12), ("GH200", 989.4e12), ("B200", 2250e12),
-                   ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12))
+PEAK_BF16_FLOPS = (
+    ("H200", 989.4e12),
+    ("H100", 989.4e12),
+    ("GH200", 989.4e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 70e12),
+)
 
 
 def drafter_step_flops(cfg: DrafterConfig, num_ctx_tokens: int, num_blocks: int) -> int:

@@ -9,6 +9,7 @@ run_training(cfg):
 Each step consumes exactly one shard on every rank; train/data.py says how skipped shards keep the
 ranks in step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,12 +79,18 @@ class TrainSummary:
         """The final summary: what was done, how long it took, how fast, and where every output is."""
         rec = self.last_record or {}
         rate = self.tokens_this_run / self.wall_s if self.wall_s > 0 else 0.0
-        lines = [f"done in {format_duration(self.wall_s)}: {plural(self.steps, 'step')}, {self.tokens_seen:,} tokens "
-                 f"({rate:,.0f} tok/s over the whole run, set-up and evaluations included), final loss "
-                 f"{rec.get('loss/total', float('nan')):.4f}, {plural(len(self.skipped_shards), 'shard')} skipped"]
+        lines = [
+            f"done in {format_duration(self.wall_s)}: {plural(self.steps, 'step')}, {self.tokens_seen:,} tokens "
+            f"({rate:,.0f} tok/s over the whole run, set-up and evaluations included), final loss "
+            f"{rec.get('loss/total', float('nan')):.4f}, {plural(len(self.skipped_shards), 'shard')} skipped"
+        ]
         out = self.out_dir
         if out is not None:
-            where = [f"checkpoint {self.last_checkpoint}", f"metrics {out / 'metrics.jsonl'}", f"run record {out / 'run.json'}"]
+            where = [
+                f"checkpoint {self.last_checkpoint}",
+                f"metrics {out / 'metrics.jsonl'}",
+                f"run record {out / 'run.json'}",
+            ]
             if self.eval is not None:
                 where.append(f"evaluation {out / 'eval.json'}")
             if self.tensorboard_dir is not None:
@@ -109,13 +116,20 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
             clean_stale_temporaries(cfg.out_dir)
         newest = latest_checkpoint(cfg.out_dir)
         if not cfg.resume and newest is not None:
-            raise ValueError(f"{cfg.out_dir} already holds checkpoints; pass --resume to continue that run "
-                             "or choose another --out")
+            raise ValueError(
+                f"{cfg.out_dir} already holds checkpoints; pass --resume to continue that run or choose another --out"
+            )
         if cfg.resume and newest is not None and newest.step >= run.total_steps:
-            check_resume_compatible(newest, cfg.identity(), int(os.environ.get("WORLD_SIZE", "1")),
-                                    run.cache_config.target.config_hash, cache_identity(run))
-            return TrainSummary(newest.step, newest.state.get("tokens_seen", 0), None, newest.path, None, [],
-                                already_complete=True)
+            check_resume_compatible(
+                newest,
+                cfg.identity(),
+                int(os.environ.get("WORLD_SIZE", "1")),
+                run.cache_config.target.config_hash,
+                cache_identity(run),
+            )
+            return TrainSummary(
+                newest.step, newest.state.get("tokens_seen", 0), None, newest.path, None, [], already_complete=True
+            )
         dist_info = init_distributed(device.type)
         device = resolve_device(cfg.device, dist_info.local_rank)
         trainer = Trainer(cfg, run, dist_info, device)
@@ -135,13 +149,17 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
 def cache_identity(run: ResolvedRun) -> dict[str, Any]:
     """What a resumed run must find again in its cache: the same target weights, data and shards."""
     cc = run.cache_config
-    return {"target_head_checksum": cc.target_head_checksum,
-            "dataset_fingerprint": cc.dataset.fingerprint if cc.dataset is not None else None,
-            "num_shards": len(run.train_ids) + len(run.eval_ids), "cache_id": cc.cache_id()}
+    return {
+        "target_head_checksum": cc.target_head_checksum,
+        "dataset_fingerprint": cc.dataset.fingerprint if cc.dataset is not None else None,
+        "num_shards": len(run.train_ids) + len(run.eval_ids),
+        "cache_id": cc.cache_id(),
+    }
 
 
-def build_step_state(cfg: TrainConfig, run: ResolvedRun, head: dict[str, torch.Tensor], device: torch.device,
-                     rank: int = 0) -> StepState:
+def build_step_state(
+    cfg: TrainConfig, run: ResolvedRun, head: dict[str, torch.Tensor], device: torch.device, rank: int = 0
+) -> StepState:
     """Everything train_step touches, on `device`: seeded fp32 drafter (rank 0's weights on every rank),
     frozen head in the compute dtype, flat grads, schedule, optimizer, static batch, attention layout,
     totals and the seeded anchor generator."""
@@ -154,14 +172,24 @@ def build_step_state(cfg: TrainConfig, run: ResolvedRun, head: dict[str, torch.T
     target_head = TargetHead(head["embed_tokens"].to(device, compute_dtype), head["lm_head"].to(device, compute_dtype))
     params = list(model.parameters())
     grads = FlatGrads(params)
-    schedule = WarmupCosine(peak_lr=cfg.lr, warmup_steps=run.warmup_steps, total_steps=run.total_steps,
-                            min_lr_ratio=cfg.min_lr_ratio, device=device)
+    schedule = WarmupCosine(
+        peak_lr=cfg.lr,
+        warmup_steps=run.warmup_steps,
+        total_steps=run.total_steps,
+        min_lr_ratio=cfg.min_lr_ratio,
+        device=device,
+    )
     optimizer = make_optimizer(params, schedule, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     cc = run.cache_config
     batch = StaticBatch(cc, device, compute_dtype, with_topk=cfg.kl_lambda > 0)
-    layout = BlockAttentionLayout(num_ctx=cc.token_budget, num_blocks=run.num_blocks, block_size=cfg.block_size,
-                                  backend=choose_backend(cfg.attention, device), device=device,
-                                  sliding_window=run.drafter.attention_window)
+    layout = BlockAttentionLayout(
+        num_ctx=cc.token_budget,
+        num_blocks=run.num_blocks,
+        block_size=cfg.block_size,
+        backend=choose_backend(cfg.attention, device),
+        device=device,
+        sliding_window=run.drafter.attention_window,
+    )
     # Anchor sampling: the default CUDA generator on GPU (graph-safe); a private one on CPU.
     generator = None if device.type == "cuda" else torch.Generator(device)
     if generator is None:
@@ -169,10 +197,22 @@ def build_step_state(cfg: TrainConfig, run: ResolvedRun, head: dict[str, torch.T
     else:
         generator.manual_seed(anchor_seed(cfg.seed, rank=rank))
     return StepState(
-        model=model, head=target_head, batch=batch, layout=layout, optimizer=optimizer, schedule=schedule,
-        grads=grads, totals=StepTotals(cfg.block_size, device), loss=cfg.loss_config(), grad_clip=cfg.grad_clip,
-        metrics_topk=cfg.metrics_topk, autocast_dtype=autocast_dtype(compute_dtype), generator=generator,
-        checkpoint_layers=cfg.checkpoint_layers, params=params)
+        model=model,
+        head=target_head,
+        batch=batch,
+        layout=layout,
+        optimizer=optimizer,
+        schedule=schedule,
+        grads=grads,
+        totals=StepTotals(cfg.block_size, device),
+        loss=cfg.loss_config(),
+        grad_clip=cfg.grad_clip,
+        metrics_topk=cfg.metrics_topk,
+        autocast_dtype=autocast_dtype(compute_dtype),
+        generator=generator,
+        checkpoint_layers=cfg.checkpoint_layers,
+        params=params,
+    )
 
 
 class Trainer:
@@ -205,16 +245,32 @@ class Trainer:
             # Records after the resumed step belong to the run that died: dropped, so no step has two.
             dropped = truncate_metrics(self.out_dir, self.step)
             if dropped:
-                log.info("metrics.jsonl: %d record(s) after step %d dropped (they are trained again)", dropped, self.step)
-        self.metrics = MetricsLogger(out_dir=self.out_dir, total_steps=run.total_steps, log_every=cfg.log_every,
-                                     metrics_every=cfg.metrics_every, metrics_topk=cfg.metrics_topk,
-                                     is_main=dist_info.is_main, device=device, tensorboard=cfg.tensorboard,
-                                     start_step=self.step, loss_terms=self.loss_terms,
-                                     flops_per_step=self.flops_per_step, peak_flops=self.peak_flops)
+                log.info(
+                    "metrics.jsonl: %d record(s) after step %d dropped (they are trained again)", dropped, self.step
+                )
+        self.metrics = MetricsLogger(
+            out_dir=self.out_dir,
+            total_steps=run.total_steps,
+            log_every=cfg.log_every,
+            metrics_every=cfg.metrics_every,
+            metrics_topk=cfg.metrics_topk,
+            is_main=dist_info.is_main,
+            device=device,
+            tensorboard=cfg.tensorboard,
+            start_step=self.step,
+            loss_terms=self.loss_terms,
+            flops_per_step=self.flops_per_step,
+            peak_flops=self.peak_flops,
+        )
         self.metrics.tokens_seen, self.metrics.skipped_shards = tokens_seen, skipped
         if cfg.resume:
-            self.metrics.write_event({"event": "resume", "step": self.step,
-                                      "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None})
+            self.metrics.write_event(
+                {
+                    "event": "resume",
+                    "step": self.step,
+                    "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+                }
+            )
         self.tokens_at_start = tokens_seen  # a resumed run's earlier tokens, left out of its tokens/s
         self.skipped: list[tuple[int, str]] = []
         self._last_record: dict[str, Any] | None = None
@@ -228,34 +284,69 @@ class Trainer:
         if not self.dist.is_main:
             return
         r = self.run
-        log.info("run: %d train shards, %d held out; %s; %d steps (%d per epoch), warmup %d",
-                 len(r.train_ids), len(r.eval_ids), plural(self.dist.world_size, "rank"), r.total_steps,
-                 r.steps_per_epoch, r.warmup_steps)
+        log.info(
+            "run: %d train shards, %d held out; %s; %d steps (%d per epoch), warmup %d",
+            len(r.train_ids),
+            len(r.eval_ids),
+            plural(self.dist.world_size, "rank"),
+            r.total_steps,
+            r.steps_per_epoch,
+            r.warmup_steps,
+        )
         left_out = len(r.train_ids) % self.dist.world_size
         if left_out:
-            log.warning("%d of the %d training shards are left out of each epoch (a different set each epoch, "
-                        "drawn by the epoch's shuffle): each of the %d ranks must run the same number of steps. "
-                        "Use a shard count divisible by the rank count to train on every shard every epoch",
-                        left_out, len(r.train_ids), self.dist.world_size)
-        log.info("drafter: %s parameters, %d layers, hidden %d, MLP %d, heads %d/%d x %d, block %d, %d blocks per batch",
-                 f"{count_parameters(r.drafter):,}", r.drafter.num_layers, r.drafter.hidden_size,
-                 r.drafter.intermediate_size, r.drafter.num_attention_heads, r.drafter.num_key_value_heads,
-                 r.drafter.head_dim, r.drafter.block_size, r.num_blocks)
-        mfu = (f"MFU against {self.peak_flops / 1e12:.0f} TFLOP/s bf16 peak ({self._peak_source})" if self.peak_flops
-               else f"no MFU figure: {self._peak_source}")
-        log.info("FLOPs per step: %.4g (drafter and LM-head matmuls, forward and backward, per rank; attention "
-                 "not counted, see train/flops.py); %s", self.flops_per_step, mfu)
+            log.warning(
+                "%d of the %d training shards are left out of each epoch (a different set each epoch, "
+                "drawn by the epoch's shuffle): each of the %d ranks must run the same number of steps. "
+                "Use a shard count divisible by the rank count to train on every shard every epoch",
+                left_out,
+                len(r.train_ids),
+                self.dist.world_size,
+            )
+        log.info(
+            "drafter: %s parameters, %d layers, hidden %d, MLP %d, heads %d/%d x %d, block %d, %d blocks per batch",
+            f"{count_parameters(r.drafter):,}",
+            r.drafter.num_layers,
+            r.drafter.hidden_size,
+            r.drafter.intermediate_size,
+            r.drafter.num_attention_heads,
+            r.drafter.num_key_value_heads,
+            r.drafter.head_dim,
+            r.drafter.block_size,
+            r.num_blocks,
+        )
+        mfu = (
+            f"MFU against {self.peak_flops / 1e12:.0f} TFLOP/s bf16 peak ({self._peak_source})"
+            if self.peak_flops
+            else f"no MFU figure: {self._peak_source}"
+        )
+        log.info(
+            "FLOPs per step: %.4g (drafter and LM-head matmuls, forward and backward, per rank; attention "
+            "not counted, see train/flops.py); %s",
+            self.flops_per_step,
+            mfu,
+        )
         if r.drafter.attention_window is not None:
-            log.info("drafter layers: %s (sliding: causal, window %d tokens)", ",".join(
-                "sliding" if s else "full" for s in r.drafter.sliding_layers), r.drafter.attention_window)
-        log.info("kernels: attention %s, compute %s (fp32 master weights), step %s on %s", backend,
-                 str(compute_dtype).removeprefix("torch."), "CUDA graph" if self.use_graphs else "eager", self.device)
+            log.info(
+                "drafter layers: %s (sliding: causal, window %d tokens)",
+                ",".join("sliding" if s else "full" for s in r.drafter.sliding_layers),
+                r.drafter.attention_window,
+            )
+        log.info(
+            "kernels: attention %s, compute %s (fp32 master weights), step %s on %s",
+            backend,
+            str(compute_dtype).removeprefix("torch."),
+            "CUDA graph" if self.use_graphs else "eager",
+            self.device,
+        )
 
     def _rng_state(self) -> dict[str, str | None]:
         cuda = self.device.type == "cuda"
-        return {"torch_cpu": encode_rng(torch.get_rng_state()),
-                "torch_cuda": encode_rng(torch.cuda.get_rng_state(self.device)) if cuda else None,
-                "block_generator": encode_rng(self.generator.get_state()) if self.generator is not None else None}
+        return {
+            "torch_cpu": encode_rng(torch.get_rng_state()),
+            "torch_cuda": encode_rng(torch.cuda.get_rng_state(self.device)) if cuda else None,
+            "block_generator": encode_rng(self.generator.get_state()) if self.generator is not None else None,
+        }
 
     def _set_rng_state(self, s: dict[str, str | None]) -> None:
         torch.set_rng_state(decode_rng(s["torch_cpu"]))
@@ -265,11 +356,17 @@ class Trainer:
             self.generator.set_state(decode_rng(s["block_generator"]))
 
     def _write_run_record(self) -> None:
-        record = {"config": self.cfg.to_dict(), "config_hash": self.cfg.config_hash(),
-                  "drafter": _drafter_dict(self.run), "num_blocks": self.run.num_blocks,
-                  "total_steps": self.run.total_steps, "world_size": self.dist.world_size,
-                  "shards_left_out_per_epoch": len(self.run.train_ids) % self.dist.world_size,
-                  "cache_target": self.run.cache_config.target.__dict__, "provenance": provenance()}
+        record = {
+            "config": self.cfg.to_dict(),
+            "config_hash": self.cfg.config_hash(),
+            "drafter": _drafter_dict(self.run),
+            "num_blocks": self.run.num_blocks,
+            "total_steps": self.run.total_steps,
+            "world_size": self.dist.world_size,
+            "shards_left_out_per_epoch": len(self.run.train_ids) % self.dist.world_size,
+            "cache_target": self.run.cache_config.target.__dict__,
+            "provenance": provenance(),
+        }
         name = "run.json" if not self.cfg.resume else f"run-resume-{self.step:08d}.json"
         atomic_write_text(self.out_dir / name, json.dumps(record, indent=1, default=str) + "\n")
 
@@ -278,8 +375,13 @@ class Trainer:
         if ckpt is None:
             log.info("resume: no checkpoint in %s, starting from step 0", self.out_dir)
             return 0, 0
-        check_resume_compatible(ckpt, self.cfg.identity(), self.dist.world_size,
-                                self.run.cache_config.target.config_hash, cache_identity(self.run))
+        check_resume_compatible(
+            ckpt,
+            self.cfg.identity(),
+            self.dist.world_size,
+            self.run.cache_config.target.config_hash,
+            cache_identity(self.run),
+        )
         model_state = load_model_state(ckpt)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
@@ -309,15 +411,32 @@ class Trainer:
         if self.step > 0 and (self.last_checkpoint is None or self.last_checkpoint.name != f"step-{self.step:08d}"):
             self._save()
         if stopped:
-            self.metrics.write_event({"event": "stopped", "step": self.step, "reason": "SIGTERM",
-                                      "checkpoint": str(self.last_checkpoint)})
-            log.warning("SIGTERM: stopped after step %d, checkpoint %s; --resume continues", self.step,
-                        self.last_checkpoint)
-            return TrainSummary(self.step, self.metrics.tokens_seen, self._last_record, self.last_checkpoint,
-                                None, self.skipped, eval_before, stopped=True)
+            self.metrics.write_event(
+                {"event": "stopped", "step": self.step, "reason": "SIGTERM", "checkpoint": str(self.last_checkpoint)}
+            )
+            log.warning(
+                "SIGTERM: stopped after step %d, checkpoint %s; --resume continues", self.step, self.last_checkpoint
+            )
+            return TrainSummary(
+                self.step,
+                self.metrics.tokens_seen,
+                self._last_record,
+                self.last_checkpoint,
+                None,
+                self.skipped,
+                eval_before,
+                stopped=True,
+            )
         eval_result = self._evaluate() if run.eval_ids else None
-        return TrainSummary(self.step, self.metrics.tokens_seen, self._last_record, self.last_checkpoint,
-                            eval_result, self.skipped, eval_before)
+        return TrainSummary(
+            self.step,
+            self.metrics.tokens_seen,
+            self._last_record,
+            self.last_checkpoint,
+            eval_result,
+            self.skipped,
+            eval_before,
+        )
 
     def _steps(self, batches: Iterator[Batch], stop: StopOnSigterm) -> bool:
         """Run steps until the budget or the data is used up (False) or SIGTERM asks to stop (True)."""
@@ -356,10 +475,20 @@ class Trainer:
     def _batches(self) -> Iterator[Batch]:
         """This rank's batches from the resume point (epoch, cursor) to the end of the last epoch."""
         cfg = self.cfg
-        return rank_batches(self.reader, self.run.train_ids, epoch=self.epoch, cursor=self.cursor, epochs=cfg.epochs,
-                            seed=cfg.seed, rank=self.dist.rank, world_size=self.dist.world_size,
-                            num_buffers=cfg.num_buffers, pin_memory=self.device.type == "cuda",
-                            verify_checksum=cfg.verify_checksums, skip_bad_shards=cfg.skip_bad_shards)
+        return rank_batches(
+            self.reader,
+            self.run.train_ids,
+            epoch=self.epoch,
+            cursor=self.cursor,
+            epochs=cfg.epochs,
+            seed=cfg.seed,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            num_buffers=cfg.num_buffers,
+            pin_memory=self.device.type == "cuda",
+            verify_checksum=cfg.verify_checksums,
+            skip_bad_shards=cfg.skip_bad_shards,
+        )
 
     def _log(self) -> None:
         """The log: one all-reduce and one host sync; raises NonFiniteError naming a bad step/batch."""
@@ -371,8 +500,9 @@ class Trainer:
         for batch_id, reason in skipped:
             self.skipped.append((batch_id, reason))
             self.metrics.skipped_shards += 1
-            self.metrics.write_event({"event": "skipped_shard", "step": self.step, "batch_id": batch_id,
-                                      "reason": reason})
+            self.metrics.write_event(
+                {"event": "skipped_shard", "step": self.step, "batch_id": batch_id, "reason": reason}
+            )
 
     def _save(self) -> None:
         if self._logged_step != self.step:
@@ -380,17 +510,28 @@ class Trainer:
         rngs = all_gather_objects(self._rng_state())
         if self.dist.is_main:
             train_state = {
-                "step": self.step, "epoch": self.epoch, "cursor": self.cursor,
-                "tokens_seen": self.metrics.tokens_seen, "skipped_shards": self.metrics.skipped_shards,
-                "world_size": self.dist.world_size, "config_hash": self.cfg.config_hash(),
-                "config_identity": self.cfg.identity(), "drafter": _drafter_dict(self.run),
-                "target_config_hash": self.run.cache_config.target.config_hash, "rng": rngs,
+                "step": self.step,
+                "epoch": self.epoch,
+                "cursor": self.cursor,
+                "tokens_seen": self.metrics.tokens_seen,
+                "skipped_shards": self.metrics.skipped_shards,
+                "world_size": self.dist.world_size,
+                "config_hash": self.cfg.config_hash(),
+                "config_identity": self.cfg.identity(),
+                "drafter": _drafter_dict(self.run),
+                "target_config_hash": self.run.cache_config.target.config_hash,
+                "rng": rngs,
                 "cache_identity": cache_identity(self.run),
                 "provenance": provenance(),
             }
-            self.last_checkpoint = save_checkpoint(self.out_dir, self.step, self.model.state_dict(),
-                                                   self.state.optimizer.state_dict(), train_state,
-                                                   keep=self.cfg.keep_checkpoints)
+            self.last_checkpoint = save_checkpoint(
+                self.out_dir,
+                self.step,
+                self.model.state_dict(),
+                self.state.optimizer.state_dict(),
+                train_state,
+                keep=self.cfg.keep_checkpoints,
+            )
         else:
             self.last_checkpoint = self.out_dir / f"step-{self.step:08d}"
         barrier()
@@ -402,12 +543,21 @@ class Trainer:
         # One number per set of weights: the fp32 master weights rounded to the compute dtype, no autocast.
         model = eval_copy(self.model, torch_dtype(cfg.compute_dtype))
         result = evaluate_drafter(
-            model, self.head, cfg.cache, ids, device=self.device,  # eval's own anchors: the same as `eval`'s
-            attention=self.state.layout.backend, chunk_blocks=self.state.loss.chunk_blocks, gamma=self.state.loss.gamma,
-            rank=self.dist.rank, world_size=self.dist.world_size)
+            model,
+            self.head,
+            cfg.cache,
+            ids,
+            device=self.device,  # eval's own anchors: the same as `eval`'s
+            attention=self.state.layout.backend,
+            chunk_blocks=self.state.loss.chunk_blocks,
+            gamma=self.state.loss.gamma,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+        )
         del model
-        self.metrics.write_event({"event": "eval", "step": self.step, **result.to_record(),
-                                  "eval/batch_ids": result.batch_ids})
+        self.metrics.write_event(
+            {"event": "eval", "step": self.step, **result.to_record(), "eval/batch_ids": result.batch_ids}
+        )
         if self.dist.is_main:
             log.info("eval at step %d: %s", self.step, result.summary_line())
             atomic_write_text(self.out_dir / "eval.json", json.dumps(result.to_dict(), indent=1) + "\n")

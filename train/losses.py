@@ -17,6 +17,7 @@ recomputation. The normalisers depend only on the weights, so chunks add up exac
 Legend: NB blocks, B block size, C blocks in a chunk, X = C*B rows, H hidden, V vocab,
 T packed tokens, Kt stored target top-k.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -66,9 +67,16 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_sums(hidden_CBH: torch.Tensor, lm_head_VH: torch.Tensor, labels_CB: torch.Tensor,
-                label_valid_CB: torch.Tensor, weights_CB: torch.Tensor, kl_ids_CBK: torch.Tensor | None,
-                kl_logp_CBK: torch.Tensor | None, with_cap: bool) -> tuple[torch.Tensor, ...]:
+def _chunk_sums(
+    hidden_CBH: torch.Tensor,
+    lm_head_VH: torch.Tensor,
+    labels_CB: torch.Tensor,
+    label_valid_CB: torch.Tensor,
+    weights_CB: torch.Tensor,
+    kl_ids_CBK: torch.Tensor | None,
+    kl_logp_CBK: torch.Tensor | None,
+    with_cap: bool,
+) -> tuple[torch.Tensor, ...]:
     """Unnormalised (ce_sum, kl_sum, cap_sum) of a chunk of blocks; differentiable in hidden."""
     C, B, H = hidden_CBH.shape
     fdt = _float_dtype(hidden_CBH.dtype)
@@ -105,8 +113,10 @@ def _target_topk(blocks: TrainingBlocks, cfg: LossConfig, ids_TK, logp_TK, sl: s
     if cfg.kl_lambda == 0:
         return None, None
     if ids_TK is None or logp_TK is None:
-        raise ValueError("LossConfig.kl_lambda > 0 needs target_topk_ids and target_topk_logprobs; "
-                         "the cache has none: re-extract with target top-k or set kl_lambda 0")
+        raise ValueError(
+            "LossConfig.kl_lambda > 0 needs target_topk_ids and target_topk_logprobs; "
+            "the cache has none: re-extract with target top-k or set kl_lambda 0"
+        )
     index_CB = blocks.prev_index_NB[sl]
     return ids_TK[index_CB], logp_TK[index_CB]
 
@@ -130,8 +140,16 @@ class _ChunkedBlockLoss(torch.autograd.Function):
             h_CBH = hidden_NBH[sl].detach().requires_grad_(needs_grad)
             with torch.enable_grad():
                 kl_ids, kl_logp = _target_topk(blocks, cfg, ids_TK, logp_TK, sl)
-                sums = _chunk_sums(h_CBH, lm_head_VH, blocks.labels_NB[sl], blocks.label_valid_NB[sl],
-                                   blocks.weights_NB[sl], kl_ids, kl_logp, cfg.cap_lambda > 0)
+                sums = _chunk_sums(
+                    h_CBH,
+                    lm_head_VH,
+                    blocks.labels_NB[sl],
+                    blocks.label_valid_NB[sl],
+                    blocks.weights_NB[sl],
+                    kl_ids,
+                    kl_logp,
+                    cfg.cap_lambda > 0,
+                )
                 terms = _combine(sums, ce_norm, cap_norm, cfg)
             if needs_grad:
                 grad_NBH[sl] = torch.autograd.grad(terms[0], h_CBH)[0]
@@ -149,31 +167,51 @@ class _ChunkedBlockLoss(torch.autograd.Function):
 def _frozen_lm_head(head) -> torch.Tensor:
     weight = lm_head_weight(head)
     if weight.requires_grad:
-        raise ValueError("the target lm_head must be frozen (requires_grad False); the chunked loss "
-                         "returns no gradient for it")
+        raise ValueError(
+            "the target lm_head must be frozen (requires_grad False); the chunked loss returns no gradient for it"
+        )
     return weight
 
 
-def block_loss(hidden_NBH: torch.Tensor, lm_head, blocks: TrainingBlocks, cfg: LossConfig,
-               target_topk_ids_TK: torch.Tensor | None = None,
-               target_topk_logprobs_TK: torch.Tensor | None = None) -> LossParts:
+def block_loss(
+    hidden_NBH: torch.Tensor,
+    lm_head,
+    blocks: TrainingBlocks,
+    cfg: LossConfig,
+    target_topk_ids_TK: torch.Tensor | None = None,
+    target_topk_logprobs_TK: torch.Tensor | None = None,
+) -> LossParts:
     """Chunked loss of the drafter's normed block states [NB, B, H]; lm_head is a TargetHead or [V, H]."""
     if not torch.is_grad_enabled():
         hidden_NBH = hidden_NBH.detach()  # evaluation: skip the in-forward gradient work
-    total, parts = _ChunkedBlockLoss.apply(hidden_NBH, _frozen_lm_head(lm_head), blocks, cfg,
-                                           target_topk_ids_TK, target_topk_logprobs_TK)
+    total, parts = _ChunkedBlockLoss.apply(
+        hidden_NBH, _frozen_lm_head(lm_head), blocks, cfg, target_topk_ids_TK, target_topk_logprobs_TK
+    )
     return LossParts(total, parts[1], parts[2], parts[3])
 
 
-def block_loss_unchunked(hidden_NBH: torch.Tensor, lm_head, blocks: TrainingBlocks, cfg: LossConfig,
-                         target_topk_ids_TK: torch.Tensor | None = None,
-                         target_topk_logprobs_TK: torch.Tensor | None = None) -> LossParts:
+def block_loss_unchunked(
+    hidden_NBH: torch.Tensor,
+    lm_head,
+    blocks: TrainingBlocks,
+    cfg: LossConfig,
+    target_topk_ids_TK: torch.Tensor | None = None,
+    target_topk_logprobs_TK: torch.Tensor | None = None,
+) -> LossParts:
     """Same loss in one pass with plain autograd (all logits at once): the reference for tests."""
     fdt = _float_dtype(hidden_NBH.dtype)
     ce_norm, cap_norm = _normalisers(blocks, fdt)
     sl = slice(0, blocks.num_blocks)
     kl_ids, kl_logp = _target_topk(blocks, cfg, target_topk_ids_TK, target_topk_logprobs_TK, sl)
-    sums = _chunk_sums(hidden_NBH, _frozen_lm_head(lm_head), blocks.labels_NB, blocks.label_valid_NB,
-                       blocks.weights_NB, kl_ids, kl_logp, cfg.cap_lambda > 0)
+    sums = _chunk_sums(
+        hidden_NBH,
+        _frozen_lm_head(lm_head),
+        blocks.labels_NB,
+        blocks.label_valid_NB,
+        blocks.weights_NB,
+        kl_ids,
+        kl_logp,
+        cfg.cap_lambda > 0,
+    )
     total, ce, kl, cap = _combine(sums, ce_norm, cap_norm, cfg)
     return LossParts(total, ce.detach(), kl.detach(), cap.detach())

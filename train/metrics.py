@@ -10,6 +10,7 @@ Loss is not metrics (SPEC, STYLE 7-8):
   counts and emits one dict with namespaced keys to metrics.jsonl, one console line on rank 0 and,
   optionally, TensorBoard.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,11 +30,21 @@ log = logging.getLogger(__name__)
 
 # (name in train/metrics_math.block_metrics, key prefix in the log)
 _SLOT_METRICS = (("top1_slot", "acc/slot_"), ("topk_slot", "acc/top{k}_slot_"), ("ce_slot", "ce/slot_"))
-_BLOCK_METRICS = (("accept_streak", "accept/streak"), ("topk_streak", "accept/top{k}_streak"),
-                  ("expected_accept", "accept/expected"))
+_BLOCK_METRICS = (
+    ("accept_streak", "accept/streak"),
+    ("topk_streak", "accept/top{k}_streak"),
+    ("expected_accept", "accept/expected"),
+)
 # Summed once per step and logged as the mean over the interval's steps (sum / "steps"), under these keys.
-_PER_STEP = ("loss/total", "loss/ce", "loss/kl", "loss/cap", "opt/grad_norm", "data/labels_per_step",
-             "data/blocks_per_step")
+_PER_STEP = (
+    "loss/total",
+    "loss/ce",
+    "loss/kl",
+    "loss/cap",
+    "opt/grad_norm",
+    "data/labels_per_step",
+    "data/blocks_per_step",
+)
 _BAD = ("loss_step", "loss_batch", "input_step", "input_batch")  # first_bad's slots
 
 
@@ -62,9 +73,16 @@ class StepTotals:
     def tensors(self) -> list[torch.Tensor]:
         return [self.sums.flat, self.first_bad]
 
-    def add_step(self, loss_parts, grad_norm: torch.Tensor, label_valid_NB: torch.Tensor,
-                 block_valid_N: torch.Tensor, step_t: torch.Tensor, batch_id: torch.Tensor,
-                 inputs_finite: torch.Tensor) -> None:
+    def add_step(
+        self,
+        loss_parts,
+        grad_norm: torch.Tensor,
+        label_valid_NB: torch.Tensor,
+        block_valid_N: torch.Tensor,
+        step_t: torch.Tensor,
+        batch_id: torch.Tensor,
+        inputs_finite: torch.Tensor,
+    ) -> None:
         total, ce, kl, cap = (p.detach() for p in loss_parts)
         for key, value in zip(_PER_STEP, (total, ce, kl, cap, grad_norm, label_valid_NB.sum(), block_valid_N.sum())):
             self.sums.add(key, value)
@@ -94,10 +112,22 @@ class StepTotals:
 class MetricsLogger:
     """Cadence, counters, the one all-reduce + host sync per log, and the outputs (rank 0 writes)."""
 
-    def __init__(self, *, out_dir: str | Path, total_steps: int, log_every: int, metrics_every: int,
-                 metrics_topk: int, is_main: bool, device: torch.device, tensorboard: bool = False,
-                 start_step: int = 0, loss_terms: tuple[str, ...] = (), flops_per_step: int | None = None,
-                 peak_flops: float | None = None):
+    def __init__(
+        self,
+        *,
+        out_dir: str | Path,
+        total_steps: int,
+        log_every: int,
+        metrics_every: int,
+        metrics_topk: int,
+        is_main: bool,
+        device: torch.device,
+        tensorboard: bool = False,
+        start_step: int = 0,
+        loss_terms: tuple[str, ...] = (),
+        flops_per_step: int | None = None,
+        peak_flops: float | None = None,
+    ):
         """loss_terms: the optional loss terms that are on ("kl", "cap"), printed in the console line.
         flops_per_step / peak_flops: for perf/mfu (train/flops.py); no MFU when either is None."""
         self.total_steps, self.log_every, self.metrics_every = total_steps, log_every, metrics_every
@@ -164,8 +194,12 @@ class MetricsLogger:
         done = step - self._start_step
         eta_s = (now - self._run_start) / max(done, 1) * (self.total_steps - step)
         record: dict[str, Any] = {
-            "step": step, "epoch": epoch, **per_step, "opt/lr": lr,
-            "data/tokens_seen": self.tokens_seen, "data/skipped_shards": self.skipped_shards,
+            "step": step,
+            "epoch": epoch,
+            **per_step,
+            "opt/lr": lr,
+            "data/tokens_seen": self.tokens_seen,
+            "data/skipped_shards": self.skipped_shards,
             "perf/tokens_per_s": tokens_per_s,  # this rank's real (context) tokens per second
             "perf/data_wait_frac": self._interval_wait_s / interval_s,  # share of the interval spent waiting on shards
             "perf/eta_s": eta_s,
@@ -209,9 +243,11 @@ class MetricsLogger:
         """One line of a step record: the loss terms that are on, optimiser, speed, data wait, MFU,
         ETA, monitoring metrics when computed, memory, and the figures of an evaluation since the last line."""
         terms = " ".join(f"{t} {record[f'loss/{t}']:.4f}" for t in ("ce", *self.loss_terms) if f"loss/{t}" in record)
-        line = (f"step {record['step']}/{self.total_steps} ep {record['epoch']} | loss {record['loss/total']:.4f} {terms} "
-                f"| lr {record['opt/lr']:.2e} gnorm {record['opt/grad_norm']:.3f} "
-                f"| {record['perf/tokens_per_s']:,.0f} tok/s, data wait {100 * record['perf/data_wait_frac']:.0f}%")
+        line = (
+            f"step {record['step']}/{self.total_steps} ep {record['epoch']} | loss {record['loss/total']:.4f} {terms} "
+            f"| lr {record['opt/lr']:.2e} gnorm {record['opt/grad_norm']:.3f} "
+            f"| {record['perf/tokens_per_s']:,.0f} tok/s, data wait {100 * record['perf/data_wait_frac']:.0f}%"
+        )
         if "perf/mfu" in record:
             line += f", MFU {100 * record['perf/mfu']:.1f}%"
         line += f" | ETA {format_duration(record['perf/eta_s'])}"
@@ -236,7 +272,6 @@ class MetricsLogger:
                     if key.startswith("eval/") and isinstance(value, (int, float)) and not isinstance(value, bool):
                         self._tb.add_scalar(key, value, record["step"])
 
-
     @property
     def has_tensorboard(self) -> bool:
         return self._tb is not None or self._tb_used
@@ -255,11 +290,15 @@ def _raise_if_bad(host: HostSums, step: int) -> None:
         return
     loss_step, loss_batch, input_step, input_batch = (int(x) for x in host.local)
     if input_step >= 0:
-        raise NonFiniteError(f"batch {input_batch} holds non-finite hidden states (first used at step "
-                             f"{input_step + 1}); the run stopped: check or re-extract that shard")
+        raise NonFiniteError(
+            f"batch {input_batch} holds non-finite hidden states (first used at step "
+            f"{input_step + 1}); the run stopped: check or re-extract that shard"
+        )
     if loss_step >= 0:
-        raise NonFiniteError(f"non-finite loss or gradient at step {loss_step + 1} on batch {loss_batch}; "
-                             "the run stopped (lower lr, check that batch, or resume from the last checkpoint)")
+        raise NonFiniteError(
+            f"non-finite loss or gradient at step {loss_step + 1} on batch {loss_batch}; "
+            "the run stopped (lower lr, check that batch, or resume from the last checkpoint)"
+        )
     raise NonFiniteError(f"another rank met a non-finite loss or batch before step {step}; see its log")
 
 
@@ -275,7 +314,13 @@ def _tensorboard_writer(path: Path):
 def eval_figures(record: dict) -> str:
     """`held-out @ step 6: acceptance_length 1.234 heldout_loss 2.345 ...`: every scalar eval key of an eval
     record except the per-slot ones (those are in metrics.jsonl)."""
-    figures = " ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in record.items()
-                       if k.startswith("eval/") and isinstance(v, (int, float)) and not isinstance(v, bool)
-                       and "_slot_" not in k and "slot_acceptance" not in k)
+    figures = " ".join(
+        f"{k.removeprefix('eval/')} {v:.4g}"
+        for k, v in record.items()
+        if k.startswith("eval/")
+        and isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and "_slot_" not in k
+        and "slot_acceptance" not in k
+    )
     return f"held-out @ step {record['step']}: {figures}"

@@ -16,6 +16,7 @@ Per valid block:
 
 Legend: NB blocks, B block size, C blocks in a chunk, H hidden, V vocab.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,8 +41,9 @@ def accepted_prefix_length(ok_CS: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def block_metrics(hidden_NBH: torch.Tensor, lm_head, blocks: TrainingBlocks, *, topk: int = 4,
-                  chunk_blocks: int = 32) -> dict[str, Counted]:
+def block_metrics(
+    hidden_NBH: torch.Tensor, lm_head, blocks: TrainingBlocks, *, topk: int = 4, chunk_blocks: int = 32
+) -> dict[str, Counted]:
     """(sum, count) float32 tensors per metric: [B-1] vectors for *_slot, scalars for the rest."""
     if topk < 1:
         raise ValueError(f"metrics topk must be >= 1, got {topk}")
@@ -60,7 +62,7 @@ def block_metrics(hidden_NBH: torch.Tensor, lm_head, blocks: TrainingBlocks, *, 
         labels_CB = blocks.labels_NB[sl]
         valid_CS = blocks.label_valid_NB[sl][:, 1:]  # slots 1..B-1
         label_logit_CB1 = logits_CBV.gather(2, labels_CB.unsqueeze(-1))
-        logp_label_CB = (label_logit_CB1.squeeze(-1) - torch.logsumexp(logits_CBV, dim=-1))
+        logp_label_CB = label_logit_CB1.squeeze(-1) - torch.logsumexp(logits_CBV, dim=-1)
         top1_CS = (logits_CBV.argmax(-1) == labels_CB)[:, 1:] & valid_CS
         topk_CS = ((logits_CBV > label_logit_CB1).sum(-1) < topk)[:, 1:] & valid_CS
         valid_f_CS = valid_CS.float()

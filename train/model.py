@@ -19,6 +19,7 @@ post_attention_layernorm}, layers.N.self_attn.{q,k,v,o}_proj / {q,k}_norm, layer
 Legend: T context tokens, K taps, H hidden, NB blocks, B block size, Q = NB*B block tokens,
 L = T + Q keys, A query heads, M kv heads, D head dim, I MLP width, V vocab.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -50,7 +51,9 @@ class RMSNorm(nn.Module):
         return (self.weight * x32).to(x.dtype)
 
 
-def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [*pos.shape, D] for positions `pos` (any int shape), full-head NeoX layout."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim)
     freqs = pos.float().unsqueeze(-1) * inv_freq  # [..., D/2]
@@ -68,7 +71,11 @@ def apply_rope(x_SHD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) 
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
@@ -76,8 +83,14 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x_QH: torch.Tensor, ctx_TH: torch.Tensor, rope_ctx: tuple[torch.Tensor, torch.Tensor],
-                rope_blk: tuple[torch.Tensor, torch.Tensor], attend: AttendFn) -> torch.Tensor:
+    def forward(
+        self,
+        x_QH: torch.Tensor,
+        ctx_TH: torch.Tensor,
+        rope_ctx: tuple[torch.Tensor, torch.Tensor],
+        rope_blk: tuple[torch.Tensor, torch.Tensor],
+        attend: AttendFn,
+    ) -> torch.Tensor:
         Q, T, D = x_QH.shape[0], ctx_TH.shape[0], self.head_dim
         q_QAD = apply_rope(self.q_norm(self.q_proj(x_QH).view(Q, self.num_heads, D)), *rope_blk)
         # KV injection: this layer's k/v projections of the shared fused context, then of the block.
@@ -133,8 +146,9 @@ class DFlashDrafter(nn.Module):
         """[T, K, H] tapped target states -> [T, H] fused context hidden_norm(fc(concat_k))."""
         return self.hidden_norm(self.fc(hidden_TKH.flatten(1)))
 
-    def _run_layers(self, ctx_TH, ctx_pos_T, x_QH, blk_pos_Q, attends: list[AttendFn],
-                    checkpoint_layers: bool = False) -> torch.Tensor:
+    def _run_layers(
+        self, ctx_TH, ctx_pos_T, x_QH, blk_pos_Q, attends: list[AttendFn], checkpoint_layers: bool = False
+    ) -> torch.Tensor:
         """attends: one attention function per layer (full or sliding)."""
         cfg = self.config
         rope_ctx = rope_cos_sin(ctx_pos_T, cfg.head_dim, cfg.rope_theta, x_QH.dtype)
@@ -143,15 +157,22 @@ class DFlashDrafter(nn.Module):
             if checkpoint_layers and torch.is_grad_enabled():
                 # Recompute each layer in backward: Q = NB*B block tokens at MLP width dominate memory.
                 # No RNG inside a layer (no dropout): skipping the RNG stash keeps it CUDA-graph-capturable.
-                x_QH = torch.utils.checkpoint.checkpoint(layer, x_QH, ctx_TH, rope_ctx, rope_blk, attend,
-                                                         use_reentrant=False, preserve_rng_state=False)
+                x_QH = torch.utils.checkpoint.checkpoint(
+                    layer, x_QH, ctx_TH, rope_ctx, rope_blk, attend, use_reentrant=False, preserve_rng_state=False
+                )
             else:
                 x_QH = layer(x_QH, ctx_TH, rope_ctx, rope_blk, attend)
         return self.norm(x_QH)
 
-    def forward(self, hidden_TKH: torch.Tensor, position_ids_T: torch.Tensor, block_embed_NBH: torch.Tensor,
-                block_pos_NB: torch.Tensor, layout: BlockAttentionLayout,
-                checkpoint_layers: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_TKH: torch.Tensor,
+        position_ids_T: torch.Tensor,
+        block_embed_NBH: torch.Tensor,
+        block_pos_NB: torch.Tensor,
+        layout: BlockAttentionLayout,
+        checkpoint_layers: bool = False,
+    ) -> torch.Tensor:
         """Training forward over one packed batch; returns normed block hidden states [NB, B, H].
 
         hidden_TKH: tapped target states of all T tokens (context K/V computed once per layer over them).
@@ -164,21 +185,26 @@ class DFlashDrafter(nn.Module):
         ctx_TH = self.fuse_context(hidden_TKH.to(dtype))
         x_QH = block_embed_NBH.reshape(NB * B, H)
         if any(self.config.sliding_layers) and layout.sliding_window != self.config.sliding_window:
-            raise ValueError(f"the drafter's sliding layers use window {self.config.sliding_window}, the attention "
-                             f"layout has {layout.sliding_window}: build BlockAttentionLayout with "
-                             "sliding_window=DrafterConfig.attention_window")
+            raise ValueError(
+                f"the drafter's sliding layers use window {self.config.sliding_window}, the attention "
+                f"layout has {layout.sliding_window}: build BlockAttentionLayout with "
+                "sliding_window=DrafterConfig.attention_window"
+            )
         attends = [partial(block_attention, layout=layout, sliding=s) for s in self.config.sliding_layers]
-        out_QH = self._run_layers(ctx_TH, position_ids_T, x_QH, block_pos_NB.reshape(NB * B), attends,
-                                  checkpoint_layers)
+        out_QH = self._run_layers(
+            ctx_TH, position_ids_T, x_QH, block_pos_NB.reshape(NB * B), attends, checkpoint_layers
+        )
         return out_QH.view(NB, B, H)
 
-    def forward_block(self, hidden_LKH: torch.Tensor, ctx_pos_L: torch.Tensor, block_embed_BH: torch.Tensor,
-                      block_pos_B: torch.Tensor) -> torch.Tensor:
+    def forward_block(
+        self, hidden_LKH: torch.Tensor, ctx_pos_L: torch.Tensor, block_embed_BH: torch.Tensor, block_pos_B: torch.Tensor
+    ) -> torch.Tensor:
         """Inference forward: one block over one sequence's prefix (all of it visible); [B, H]."""
         ctx_LH = self.fuse_context(hidden_LKH.to(block_embed_BH.dtype))
         key_pos_L = torch.cat([ctx_pos_L, block_pos_B])
-        sliding = partial(window_attention, q_pos_Q=block_pos_B, k_pos_L=key_pos_L,
-                          sliding_window=self.config.sliding_window)
+        sliding = partial(
+            window_attention, q_pos_Q=block_pos_B, k_pos_L=key_pos_L, sliding_window=self.config.sliding_window
+        )
         attends = [sliding if s else full_attention for s in self.config.sliding_layers]
         return self._run_layers(ctx_LH, ctx_pos_L, block_embed_BH, block_pos_B, attends)
 
@@ -204,8 +230,10 @@ class TargetHead(nn.Module):
     def __init__(self, embed_tokens_VH: torch.Tensor, lm_head_VH: torch.Tensor):
         super().__init__()
         if embed_tokens_VH.shape != lm_head_VH.shape:
-            raise ValueError(f"embed_tokens {tuple(embed_tokens_VH.shape)} and lm_head {tuple(lm_head_VH.shape)} "
-                             "must have the same [vocab, hidden] shape")
+            raise ValueError(
+                f"embed_tokens {tuple(embed_tokens_VH.shape)} and lm_head {tuple(lm_head_VH.shape)} "
+                "must have the same [vocab, hidden] shape"
+            )
         self.register_buffer("embed_tokens_VH", embed_tokens_VH.detach(), persistent=False)
         # Tied targets store lm_head as the embedding; share storage when they are the same tensor.
         same = lm_head_VH.data_ptr() == embed_tokens_VH.data_ptr()

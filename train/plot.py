@@ -9,6 +9,7 @@ from that step on is dropped, and the later run wins (records and evaluations al
 plot_run() draws with matplotlib's Agg backend (no display needed) and returns the plotted series as
 read back from the figure's lines, so a caller (and the tests) can check what was drawn.
 """
+
 from __future__ import annotations
 
 import json
@@ -100,8 +101,14 @@ def plot_run(run_dir: str | Path, out_path: str | Path | None = None) -> dict[st
         if steps:
             accept_ax.plot(steps, values, "o-", label=key.split("/")[1])
     if not accept_ax.lines:
-        accept_ax.text(0.5, 0.5, "no held-out evaluation\n(train with --eval-shards N)", ha="center",
-                       va="center", transform=accept_ax.transAxes)
+        accept_ax.text(
+            0.5,
+            0.5,
+            "no held-out evaluation\n(train with --eval-shards N)",
+            ha="center",
+            va="center",
+            transform=accept_ax.transAxes,
+        )
     accept_ax.set(title="held-out acceptance length (tokens per target forward)", ylabel="tokens", xlabel="step")
     drawn: dict[str, tuple[list[float], list[float]]] = {}
     for name, ax in (("loss", loss_ax), ("lr", lr_ax), ("speed", speed_ax), ("acceptance", accept_ax)):
@@ -109,8 +116,10 @@ def plot_run(run_dir: str | Path, out_path: str | Path | None = None) -> dict[st
         if ax.lines:
             ax.legend(loc="best", fontsize="small")
         for line in ax.lines:
-            drawn[f"{name}/{line.get_label()}"] = ([float(x) for x in line.get_xdata()],
-                                                   [float(y) for y in line.get_ydata()])
+            drawn[f"{name}/{line.get_label()}"] = (
+                [float(x) for x in line.get_xdata()],
+                [float(y) for y in line.get_ydata()],
+            )
     fig.suptitle(str(run_dir))
     fig.tight_layout()
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ Training keeps fp32 master weights and runs activations in bf16 under autocast (
 fp32). Autocast's weight-cast cache is off: cached casts would be captured once by the CUDA graph
 and go stale across replays (the weights change every step).
 """
+
 from __future__ import annotations
 
 import contextlib

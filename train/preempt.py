@@ -6,6 +6,7 @@ after the same step (a rank that stops early hangs the others' all-reduce), so t
 MAX-all-reduced each step on the device, and the result is read one step later: no host sync in the
 step, and all ranks decide on the same reduced value.
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ eval.json, tb/ (TensorBoard), run*.png (dflash-train plot), the lock file and te
 Training refuses an --out that is a cache, lies inside or around the cache, or holds anything else:
 a run writes and prunes files there, and must never touch what it did not make.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,20 +30,28 @@ def check_run_dir(out_dir: str | Path, cache_dir: str | Path) -> None:
     """Refuse an --out that is (or nests with) the cache, or holds files dflash-train does not write."""
     out = Path(out_dir)
     if nested(out, cache_dir):
-        raise ValueError(f"--out {out} and --cache {cache_dir} are the same directory or one lies inside the "
-                         "other; choose a run directory outside the cache")
+        raise ValueError(
+            f"--out {out} and --cache {cache_dir} are the same directory or one lies inside the "
+            "other; choose a run directory outside the cache"
+        )
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; choose a new or empty run directory")
     if not out.is_dir():
         return
     if (out / CACHE_CONFIG_FILE).exists():
-        raise ValueError(f"--out {out} is a dflash-extract cache ({out / CACHE_CONFIG_FILE}); choose a new or empty "
-                         "run directory")
-    foreign = [p for p in sorted(out.iterdir())
-               if not (_OURS.match(p.name) or p.name == LOCK_FILE or p.name.startswith(TMP_PREFIX))]
+        raise ValueError(
+            f"--out {out} is a dflash-extract cache ({out / CACHE_CONFIG_FILE}); choose a new or empty run directory"
+        )
+    foreign = [
+        p
+        for p in sorted(out.iterdir())
+        if not (_OURS.match(p.name) or p.name == LOCK_FILE or p.name.startswith(TMP_PREFIX))
+    ]
     if foreign:
-        raise ValueError(f"--out {out} holds files dflash-train did not write ({describe(foreign)}); choose a new "
-                         "or empty run directory (a run prunes and replaces files in it)")
+        raise ValueError(
+            f"--out {out} holds files dflash-train did not write ({describe(foreign)}); choose a new "
+            "or empty run directory (a run prunes and replaces files in it)"
+        )
 
 
 def clean_stale_temporaries(out_dir: str | Path) -> int:

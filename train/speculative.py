@@ -21,6 +21,7 @@ a registered factory (e.g. `python -m train.cli`) is refused, naming the entry p
 
 Legend: L tokens so far, K taps, H hidden, B block size, S = B-1 drafts, V vocab.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,9 +60,11 @@ def register_verifier_factory(factory: VerifierFactory | None) -> None:
 
 def build_verifier(target_dir: str, tap_layer_ids: list[int], device: torch.device, dtype: torch.dtype) -> Verifier:
     if _factory is None:
-        raise ValueError("--target needs the target model, which the `dflash-train` console script provides "
-                         "(tools/dflash_train.py); run `dflash-train eval ...` or `python -m tools.dflash_train eval ...`"
-                         " rather than `python -m train.cli`")
+        raise ValueError(
+            "--target needs the target model, which the `dflash-train` console script provides "
+            "(tools/dflash_train.py); run `dflash-train eval ...` or `python -m tools.dflash_train eval ...`"
+            " rather than `python -m train.cli`"
+        )
     return _factory(target_dir, tap_layer_ids, device, dtype)
 
 
@@ -75,8 +78,15 @@ class Decoded:
 
 
 @torch.no_grad()
-def speculative_generate(model: DFlashDrafter, head: TargetHead, verifier: Verifier, prompt: list[int],
-                         max_new_tokens: int, *, context_dtype: torch.dtype | None = torch.bfloat16) -> Decoded:
+def speculative_generate(
+    model: DFlashDrafter,
+    head: TargetHead,
+    verifier: Verifier,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    context_dtype: torch.dtype | None = torch.bfloat16,
+) -> Decoded:
     """Greedy speculative decoding of `max_new_tokens` tokens after `prompt`.
 
     context_dtype: the verifier's hidden states are rounded to it before the drafter sees them (the
@@ -139,31 +149,51 @@ class DecodeReport:
 
     def to_dict(self) -> dict:
         w = self.walk
-        return {"acceptance_length": w.acceptance_length, "acceptance_length_pooled": w.acceptance_length_pooled,
-                "num_prompts": self.prompts, "num_steps": w.steps, "accepted_histogram": w.accepted_histogram,
-                "slot_acceptance": w.slot_acceptance, "identical_to_greedy": self.identical,
-                "first_mismatch": self.first_mismatch, "speculative_tokens_per_s": self.speculative_tokens_per_s,
-                "greedy_tokens_per_s": self.greedy_tokens_per_s,
-                "speedup": self.speculative_tokens_per_s / self.greedy_tokens_per_s}
+        return {
+            "acceptance_length": w.acceptance_length,
+            "acceptance_length_pooled": w.acceptance_length_pooled,
+            "num_prompts": self.prompts,
+            "num_steps": w.steps,
+            "accepted_histogram": w.accepted_histogram,
+            "slot_acceptance": w.slot_acceptance,
+            "identical_to_greedy": self.identical,
+            "first_mismatch": self.first_mismatch,
+            "speculative_tokens_per_s": self.speculative_tokens_per_s,
+            "greedy_tokens_per_s": self.greedy_tokens_per_s,
+            "speedup": self.speculative_tokens_per_s / self.greedy_tokens_per_s,
+        }
 
     def table(self) -> str:
         w = self.walk
-        lossless = ("identical to plain greedy decoding" if self.identical == self.prompts else
-                    f"DIFFERS from plain greedy decoding on {self.prompts - self.identical} prompts "
-                    f"(prompt, token): {self.first_mismatch[:5]}")
-        return "\n".join([
-            f"real speculative decoding with the target, {self.prompts} prompts, {w.steps} steps:",
-            f"  acceptance length {w.acceptance_length:.3f} (mean over prompts; pooled {w.acceptance_length_pooled:.3f})",
-            f"  accepted drafts per step, 0..{len(w.accepted_histogram) - 1}: "
-            + " ".join(map(str, w.accepted_histogram)),
-            f"  output {lossless}",
-            f"  {self.speculative_tokens_per_s:.1f} tokens/s speculative vs {self.greedy_tokens_per_s:.1f} plain greedy "
-            f"({self.speculative_tokens_per_s / self.greedy_tokens_per_s:.2f}x; both recompute the prefix per "
-            "target forward, same machine)"])
+        lossless = (
+            "identical to plain greedy decoding"
+            if self.identical == self.prompts
+            else f"DIFFERS from plain greedy decoding on {self.prompts - self.identical} prompts "
+            f"(prompt, token): {self.first_mismatch[:5]}"
+        )
+        return "\n".join(
+            [
+                f"real speculative decoding with the target, {self.prompts} prompts, {w.steps} steps:",
+                f"  acceptance length {w.acceptance_length:.3f} (mean over prompts; pooled {w.acceptance_length_pooled:.3f})",
+                f"  accepted drafts per step, 0..{len(w.accepted_histogram) - 1}: "
+                + " ".join(map(str, w.accepted_histogram)),
+                f"  output {lossless}",
+                f"  {self.speculative_tokens_per_s:.1f} tokens/s speculative vs {self.greedy_tokens_per_s:.1f} plain greedy "
+                f"({self.speculative_tokens_per_s / self.greedy_tokens_per_s:.2f}x; both recompute the prefix per "
+                "target forward, same machine)",
+            ]
+        )
 
 
-def decode_prompts(model: DFlashDrafter, head: TargetHead, verifier: Verifier, prompts: list[list[int]],
-                   max_new_tokens: int, *, context_dtype: torch.dtype | None = torch.bfloat16) -> DecodeReport:
+def decode_prompts(
+    model: DFlashDrafter,
+    head: TargetHead,
+    verifier: Verifier,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    context_dtype: torch.dtype | None = torch.bfloat16,
+) -> DecodeReport:
     """Speculative and plain greedy decoding of every prompt; acceptance figures as the walk's."""
     counts = WalkCounts(model.config.block_size)
     identical, mismatch, spec_s, greedy_s = 0, [], 0.0, 0.0
@@ -191,8 +221,9 @@ def _rows(path: Path):
         table = pq.read_table(path)
         if "input_ids" not in table.column_names:
             raise ValueError(f"--prompts {path}: no input_ids column (columns: {table.column_names})")
-        for n, row in enumerate(table.select([c for c in ("input_ids", "loss_mask") if c in table.column_names])
-                                .to_pylist()):
+        for n, row in enumerate(
+            table.select([c for c in ("input_ids", "loss_mask") if c in table.column_names]).to_pylist()
+        ):
             yield f"--prompts {path} row {n}", row
         return
     for n, line in enumerate(path.read_text().splitlines(), start=1):
@@ -202,8 +233,10 @@ def _rows(path: Path):
         try:
             yield where, json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not JSON ({e.msg}); write one list of token ids or one "
-                             '{"input_ids": [...]} object per line') from None
+            raise ValueError(
+                f"{where}: not JSON ({e.msg}); write one list of token ids or one "
+                '{"input_ids": [...]} object per line'
+            ) from None
 
 
 def read_prompts(path: str | Path, vocab_size: int, max_prompts: int = 0) -> list[list[int]]:

@@ -13,6 +13,7 @@ replayed graph always uses the current value.
 
 Legend: T token budget, K taps, H hidden, NB blocks, B block size.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,8 +42,9 @@ class WarmupCosine:
     s is the 0-based index of the step about to run; `lr_t` always holds lr(step_t).
     """
 
-    def __init__(self, *, peak_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float,
-                 device: torch.device):
+    def __init__(
+        self, *, peak_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float, device: torch.device
+    ):
         self.peak_lr, self.warmup_steps, self.total_steps = peak_lr, warmup_steps, total_steps
         self.min_lr = peak_lr * min_lr_ratio
         self.step_t = torch.zeros((), dtype=torch.float64, device=device)
@@ -100,42 +102,73 @@ class StepState:
 
 def train_step(s: StepState, *, with_metrics: bool) -> None:
     b, drafter = s.batch, s.model.config
-    blocks = sample_blocks(input_ids_T=b.input_ids_T, position_ids_T=b.position_ids_T, loss_mask_T=b.loss_mask_T,
-                           cu_seqlens_S1=b.cu_seqlens_S1, num_blocks=s.layout.num_blocks,
-                           block_size=drafter.block_size, mask_token_id=drafter.mask_token_id,
-                           gamma=s.loss.gamma, generator=s.generator)
+    blocks = sample_blocks(
+        input_ids_T=b.input_ids_T,
+        position_ids_T=b.position_ids_T,
+        loss_mask_T=b.loss_mask_T,
+        cu_seqlens_S1=b.cu_seqlens_S1,
+        num_blocks=s.layout.num_blocks,
+        block_size=drafter.block_size,
+        mask_token_id=drafter.mask_token_id,
+        gamma=s.loss.gamma,
+        generator=s.generator,
+    )
     s.layout.update(blocks.seq_start_N, blocks.anchor_N)
     with s.autocast():
         block_embed_NBH = s.head.embed(blocks.block_ids_NB)  # [NB, B, H]
-        hidden_NBH = s.model(b.hidden_TKH, b.position_ids_T, block_embed_NBH, blocks.block_pos_NB, s.layout,
-                             checkpoint_layers=s.checkpoint_layers)
+        hidden_NBH = s.model(
+            b.hidden_TKH,
+            b.position_ids_T,
+            block_embed_NBH,
+            blocks.block_pos_NB,
+            s.layout,
+            checkpoint_layers=s.checkpoint_layers,
+        )
         loss = block_loss(hidden_NBH, s.head, blocks, s.loss, b.topk_ids_TK, b.topk_logprobs_TK)
     loss.total.backward()
     if with_metrics:
         with s.autocast():
-            s.totals.add_metrics(block_metrics(hidden_NBH.detach(), s.head, blocks, topk=s.metrics_topk,
-                                               chunk_blocks=s.loss.chunk_blocks))
+            s.totals.add_metrics(
+                block_metrics(
+                    hidden_NBH.detach(), s.head, blocks, topk=s.metrics_topk, chunk_blocks=s.loss.chunk_blocks
+                )
+            )
     s.grads.average_across_ranks()
     grad_norm = torch.linalg.vector_norm(s.grads.flat)  # global L2 norm, before clipping
     if s.grad_clip > 0:
         s.grads.flat.mul_((s.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0))
-    s.totals.add_step(loss, grad_norm, blocks.label_valid_NB, blocks.block_valid_N, s.schedule.step_t,
-                      b.batch_id, torch.isfinite(b.hidden_TKH).all())
+    s.totals.add_step(
+        loss,
+        grad_norm,
+        blocks.label_valid_NB,
+        blocks.block_valid_N,
+        s.schedule.step_t,
+        b.batch_id,
+        torch.isfinite(b.hidden_TKH).all(),
+    )
     s.optimizer.step()
     s.schedule.step()
     s.grads.zero()
 
 
-def make_optimizer(params: list[nn.Parameter], schedule: WarmupCosine, *, betas: tuple[float, float],
-                   eps: float, weight_decay: float) -> torch.optim.AdamW:
+def make_optimizer(
+    params: list[nn.Parameter], schedule: WarmupCosine, *, betas: tuple[float, float], eps: float, weight_decay: float
+) -> torch.optim.AdamW:
     """Fused AdamW (graph-capturable on CUDA) reading lr from the schedule's device tensor.
 
     Its state is created here by one zero-lr step on zero gradients (parameters unchanged) and then
     zeroed, so every state tensor exists before capture and checkpoints can be loaded into it in place.
     """
     # capturable: step() refuses graph capture without it; the fused kernel itself is graph-safe.
-    opt = torch.optim.AdamW(params, lr=schedule.lr_t, betas=betas, eps=eps, weight_decay=weight_decay, fused=True,
-                            capturable=params[0].device.type == "cuda")
+    opt = torch.optim.AdamW(
+        params,
+        lr=schedule.lr_t,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        fused=True,
+        capturable=params[0].device.type == "cuda",
+    )
     saved_lr = schedule.lr_t.clone()
     schedule.lr_t.zero_()
     for p in params:
@@ -160,15 +193,20 @@ def load_optimizer_state_(opt: torch.optim.Optimizer, params: list[nn.Parameter]
     for i, p in enumerate(params):
         live = opt.state[p]
         if set(saved_state[i]) != set(live):
-            raise ValueError(f"optimizer state of parameter {i} has keys {sorted(saved_state[i])}, "
-                             f"expected {sorted(live)}")
+            raise ValueError(
+                f"optimizer state of parameter {i} has keys {sorted(saved_state[i])}, expected {sorted(live)}"
+            )
         for key, t in live.items():
             t.copy_(saved_state[i][key])
 
 
 def _persistent_tensors(s: StepState) -> list[torch.Tensor]:
-    return ([p.data for p in s.params] + optimizer_state_tensors(s.optimizer, s.params)
-            + [s.schedule.step_t, s.schedule.lr_t, s.grads.flat] + s.totals.tensors())
+    return (
+        [p.data for p in s.params]
+        + optimizer_state_tensors(s.optimizer, s.params)
+        + [s.schedule.step_t, s.schedule.lr_t, s.grads.flat]
+        + s.totals.tensors()
+    )
 
 
 class StepRunner:

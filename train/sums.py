@@ -11,6 +11,7 @@ exact across ranks and over steps of different sizes. `add` is in-place on a fix
 fixed tensor: no host sync, no allocation that changes shape, so it can sit inside a CUDA graph.
 float64 keeps long intervals exact (counts to 2^53).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -5,6 +5,7 @@
 and returns a `ResolvedRun`: the drafter shape, the train / held-out shard split and the step
 budget, refusing a cache that does not fit the config with both sides named.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -151,8 +152,18 @@ class TrainConfig:
         self.betas = tuple(float(b) for b in self.betas)
         if self.tap_layer_ids is not None:
             self.tap_layer_ids = [int(t) for t in self.tap_layer_ids]
-        _positive_ints(self, "epochs", "block_size", "loss_chunk_blocks", "metrics_topk", "log_every",
-                       "keep_checkpoints", "num_buffers", "num_layers", "eval_max_shards")
+        _positive_ints(
+            self,
+            "epochs",
+            "block_size",
+            "loss_chunk_blocks",
+            "metrics_topk",
+            "log_every",
+            "keep_checkpoints",
+            "num_buffers",
+            "num_layers",
+            "eval_max_shards",
+        )
         _nonnegative_ints(self, "checkpoint_every", "eval_shards", "eval_every", "seed")
         if self.max_steps != -1 and self.max_steps < 1:
             raise config_error(self, "max_steps", "must be >= 1, or -1 for no limit")
@@ -194,30 +205,46 @@ class TrainConfig:
         given = [getattr(self, h) is not None for h in heads]
         if any(given) and not all(given):
             flags = ", ".join(f"{flag_name(TrainConfig, h)} {shown(getattr(self, h))}" for h in heads)
-            raise ValueError(f"{flags}: give the three together or none of them (then they are derived "
-                             "from the target's width)")
+            raise ValueError(
+                f"{flags}: give the three together or none of them (then they are derived from the target's width)"
+            )
         if self.layer_types is not None:
             aliases = {"full": FULL_ATTENTION, "sliding": SLIDING_ATTENTION}
             self.layer_types = [aliases.get(str(t).strip(), str(t).strip()) for t in self.layer_types]
             if not self.layer_types or any(t not in LAYER_TYPES for t in self.layer_types):
-                raise config_error(self, "layer_types", "each entry must be full or sliding (or "
-                                   f"{' / '.join(LAYER_TYPES)})")
+                raise config_error(
+                    self, "layer_types", f"each entry must be full or sliding (or {' / '.join(LAYER_TYPES)})"
+                )
             if self.init_from is None and len(self.layer_types) != self.num_layers:
-                raise config_error(self, "layer_types", f"{len(self.layer_types)} entries for --num-layers "
-                                   f"{self.num_layers}: give one per layer (or --num-layers {len(self.layer_types)})")
+                raise config_error(
+                    self,
+                    "layer_types",
+                    f"{len(self.layer_types)} entries for --num-layers "
+                    f"{self.num_layers}: give one per layer (or --num-layers {len(self.layer_types)})",
+                )
         sliding = self.layer_types is not None and SLIDING_ATTENTION in self.layer_types
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
-                                                or isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or self.sliding_window < 1
+        ):
             raise config_error(self, "sliding_window", "must be a positive number of tokens; omit it for none")
         if sliding and self.sliding_window is None and self.init_from is None:
-            raise config_error(self, "layer_types", "has sliding layers but --sliding-window is not set "
-                               "(the published 27B drafter uses 2048)")
+            raise config_error(
+                self,
+                "layer_types",
+                "has sliding layers but --sliding-window is not set (the published 27B drafter uses 2048)",
+            )
         if self.sliding_window is not None and self.layer_types is not None and not sliding:
-            raise config_error(self, "sliding_window", f"would be ignored: --layer-types {shown(self.layer_types)} "
-                               "has no sliding layer")
+            raise config_error(
+                self,
+                "sliding_window",
+                f"would be ignored: --layer-types {shown(self.layer_types)} has no sliding layer",
+            )
         if self.init_from is not None and not Path(self.init_from).is_dir():
-            raise config_error(self, "init_from", "is not a directory (an exported or published DFlashDraftModel: "
-                               "config.json + safetensors)")
+            raise config_error(
+                self,
+                "init_from",
+                "is not a directory (an exported or published DFlashDraftModel: config.json + safetensors)",
+            )
         if not Path(self.cache).is_dir():
             raise config_error(self, "cache", "is not a directory; pass the --out of dflash-extract")
 
@@ -227,17 +254,34 @@ class TrainConfig:
     def identity(self) -> dict[str, Any]:
         """Settings that decide the training trajectory: a resumed run must match them exactly."""
         d = self.to_dict()
-        for name in ("out_dir", "resume", "log_every", "checkpoint_every", "keep_checkpoints", "tensorboard",
-                     "num_buffers", "eval_every", "eval_max_shards", "verify_checksums", "device", "cache",
-                     "metrics_every", "metrics_topk", "skip_bad_shards", "cuda_graphs", "checkpoint_layers"):
+        for name in (
+            "out_dir",
+            "resume",
+            "log_every",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "tensorboard",
+            "num_buffers",
+            "eval_every",
+            "eval_max_shards",
+            "verify_checksums",
+            "device",
+            "cache",
+            "metrics_every",
+            "metrics_topk",
+            "skip_bad_shards",
+            "cuda_graphs",
+            "checkpoint_layers",
+        ):
             d.pop(name)
         d["betas"] = list(d["betas"])
         return d
 
     def loss_config(self) -> LossConfig:
         """The loss settings of this run (LossConfig owns them from here on)."""
-        return LossConfig(gamma=self.gamma, kl_lambda=self.kl_lambda, cap_lambda=self.cap_lambda,
-                          chunk_blocks=self.loss_chunk_blocks)
+        return LossConfig(
+            gamma=self.gamma, kl_lambda=self.kl_lambda, cap_lambda=self.cap_lambda, chunk_blocks=self.loss_chunk_blocks
+        )
 
     def config_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:16]
@@ -284,8 +328,10 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
     _check_taps(cfg, cache_cfg)
     _check_target_head(cfg.cache, cache_cfg)
     if cfg.kl_lambda > 0 and cache_cfg.target_topk == 0:
-        raise ValueError(f"--kl-lambda {cfg.kl_lambda} needs a cache with --target-topk > 0, but cache {cfg.cache} "
-                         "stores no target top-k; re-extract with --target-topk 8 or pass --kl-lambda 0")
+        raise ValueError(
+            f"--kl-lambda {cfg.kl_lambda} needs a cache with --target-topk > 0, but cache {cfg.cache} "
+            "stores no target top-k; re-extract with --target-topk 8 or pass --kl-lambda 0"
+        )
     mask_token_id = cfg.mask_token_id if cfg.mask_token_id is not None else cache_cfg.mask_token_id
     target = cache_cfg.target
     token_ids = {name: getattr(target, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
@@ -295,60 +341,92 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
         drafter = drafter.replace(**{k: v for k, v in token_ids.items() if v is not None})
     else:
         if mask_token_id is None:
-            raise ValueError(f"no MASK token id: cache {cfg.cache} records none (cache.json mask_token_id null); "
-                             "pass --mask-token-id (248070 for Qwen3.5)")
+            raise ValueError(
+                f"no MASK token id: cache {cfg.cache} records none (cache.json mask_token_id null); "
+                "pass --mask-token-id (248070 for Qwen3.5)"
+            )
         try:
             drafter = DrafterConfig.for_target(
                 hidden_size=target.hidden_size,
-                intermediate_size=(cfg.intermediate_size or target.intermediate_size
-                                   or default_intermediate_size(target.hidden_size)),
-                vocab_size=target.vocab_size, num_target_layers=target.num_layers,
-                tap_layer_ids=list(cache_cfg.tap_layer_ids), mask_token_id=mask_token_id,
-                num_layers=cfg.num_layers, block_size=cfg.block_size, rope_theta=cfg.rope_theta,
-                layer_types=cfg.layer_types, sliding_window=cfg.sliding_window)
+                intermediate_size=(
+                    cfg.intermediate_size or target.intermediate_size or default_intermediate_size(target.hidden_size)
+                ),
+                vocab_size=target.vocab_size,
+                num_target_layers=target.num_layers,
+                tap_layer_ids=list(cache_cfg.tap_layer_ids),
+                mask_token_id=mask_token_id,
+                num_layers=cfg.num_layers,
+                block_size=cfg.block_size,
+                rope_theta=cfg.rope_theta,
+                layer_types=cfg.layer_types,
+                sliding_window=cfg.sliding_window,
+            )
             if cfg.num_attention_heads is not None:
                 try:
-                    drafter = drafter.replace(num_attention_heads=cfg.num_attention_heads,
-                                              num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+                    drafter = drafter.replace(
+                        num_attention_heads=cfg.num_attention_heads,
+                        num_key_value_heads=cfg.num_key_value_heads,
+                        head_dim=cfg.head_dim,
+                    )
                 except ValueError as e:
-                    raise ValueError(f"--num-attention-heads {cfg.num_attention_heads} --num-key-value-heads "
-                                     f"{cfg.num_key_value_heads} --head-dim {cfg.head_dim}: {e}; pick query heads "
-                                     "divisible by the kv heads and an even head dim, or omit all three") from e
+                    raise ValueError(
+                        f"--num-attention-heads {cfg.num_attention_heads} --num-key-value-heads "
+                        f"{cfg.num_key_value_heads} --head-dim {cfg.head_dim}: {e}; pick query heads "
+                        "divisible by the kv heads and an even head dim, or omit all three"
+                    ) from e
             drafter = drafter.replace(**token_ids)
         except ValueError as e:
             raise ValueError(f"drafter shape for cache {cfg.cache}: {e}") from e
 
     num_blocks = cfg.num_blocks or default_num_blocks(cache_cfg.token_budget, cfg.block_size)
     if num_blocks > cache_cfg.token_budget:
-        raise ValueError(f"--num-blocks {num_blocks} exceeds the cache's --token-budget {cache_cfg.token_budget} "
-                         f"(one anchor per token at most); pass a smaller --num-blocks or omit it")
+        raise ValueError(
+            f"--num-blocks {num_blocks} exceeds the cache's --token-budget {cache_cfg.token_budget} "
+            f"(one anchor per token at most); pass a smaller --num-blocks or omit it"
+        )
     # Every planned shard, not just the files present: a missing one is then refused by name (or
     # skipped and counted under --skip-bad-shards) instead of silently shrinking the data.
     planned = cache_cfg.planned_batches
     all_ids = list(range(planned)) if isinstance(planned, int) else ShardReader(cfg.cache).batch_ids()
     if cfg.eval_shards >= len(all_ids):
-        raise ValueError(f"--eval-shards {cfg.eval_shards} leaves no training shards: cache "
-                         f"{cfg.cache} has {len(all_ids)}; pass --eval-shards {max(0, len(all_ids) - 1)} or fewer")
+        raise ValueError(
+            f"--eval-shards {cfg.eval_shards} leaves no training shards: cache "
+            f"{cfg.cache} has {len(all_ids)}; pass --eval-shards {max(0, len(all_ids) - 1)} or fewer"
+        )
     train_ids = all_ids[: len(all_ids) - cfg.eval_shards]
-    eval_ids = all_ids[len(train_ids):]
+    eval_ids = all_ids[len(train_ids) :]
     steps_per_epoch = len(train_ids) // world_size
     if steps_per_epoch < 1:
-        raise ValueError(f"cache {cfg.cache} has {len(train_ids)} training shards, fewer than the "
-                         f"{world_size} ranks: every rank needs at least one shard per epoch")
+        raise ValueError(
+            f"cache {cfg.cache} has {len(train_ids)} training shards, fewer than the "
+            f"{world_size} ranks: every rank needs at least one shard per epoch"
+        )
     total_steps = cfg.epochs * steps_per_epoch
     if cfg.max_steps != -1:
         total_steps = min(total_steps, cfg.max_steps)
     return ResolvedRun(
-        cache_config=cache_cfg, drafter=drafter, num_blocks=num_blocks, train_ids=train_ids,
-        eval_ids=eval_ids, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-        warmup_steps=int(math.ceil(cfg.warmup_ratio * total_steps)))
+        cache_config=cache_cfg,
+        drafter=drafter,
+        num_blocks=num_blocks,
+        train_ids=train_ids,
+        eval_ids=eval_ids,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        warmup_steps=int(math.ceil(cfg.warmup_ratio * total_steps)),
+    )
 
 
 # TrainConfig shape fields that --init-from takes from the drafter's config.json (and DrafterConfig names).
-_INIT_SHAPE_FIELDS = {"num_layers": "num_layers", "intermediate_size": "intermediate_size",
-                      "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
-                      "head_dim": "head_dim", "rope_theta": "rope_theta", "layer_types": "layer_types",
-                      "sliding_window": "sliding_window"}
+_INIT_SHAPE_FIELDS = {
+    "num_layers": "num_layers",
+    "intermediate_size": "intermediate_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "rope_theta": "rope_theta",
+    "layer_types": "layer_types",
+    "sliding_window": "sliding_window",
+}
 
 
 def _drafter_from_init(cfg: TrainConfig, cache_cfg: CacheConfig, mask_token_id: int | None) -> DrafterConfig:
@@ -367,15 +445,18 @@ def _drafter_from_init(cfg: TrainConfig, cache_cfg: CacheConfig, mask_token_id: 
         if ours is not None and ours != defaults[option] and ours != theirs:
             problems.append(f"{option}: drafter {theirs!r}, this run {ours!r} (drop --{option.replace('_', '-')})")
     for name, theirs, cache_value in (
-            ("hidden_size", drafter.hidden_size, target.hidden_size),
-            ("tap_layer_ids", drafter.tap_layer_ids, list(cache_cfg.tap_layer_ids)),
-            ("num_target_layers", drafter.num_target_layers, target.num_layers),
-            ("vocab_size", drafter.vocab_size, target.vocab_size)):
+        ("hidden_size", drafter.hidden_size, target.hidden_size),
+        ("tap_layer_ids", drafter.tap_layer_ids, list(cache_cfg.tap_layer_ids)),
+        ("num_target_layers", drafter.num_target_layers, target.num_layers),
+        ("vocab_size", drafter.vocab_size, target.vocab_size),
+    ):
         if theirs != cache_value:
             problems.append(f"{name}: drafter {theirs!r}, cache {cache_value!r}")
     if drafter.block_size != cfg.block_size:
-        problems.append(f"block_size: drafter {drafter.block_size}, this run {cfg.block_size} "
-                        f"(pass --block-size {drafter.block_size})")
+        problems.append(
+            f"block_size: drafter {drafter.block_size}, this run {cfg.block_size} "
+            f"(pass --block-size {drafter.block_size})"
+        )
     if mask_token_id is not None and drafter.mask_token_id != mask_token_id:
         problems.append(f"mask_token_id: drafter {drafter.mask_token_id}, cache/run {mask_token_id}")
     if problems:
@@ -385,8 +466,10 @@ def _drafter_from_init(cfg: TrainConfig, cache_cfg: CacheConfig, mask_token_id: 
 
 def _check_taps(cfg: TrainConfig, cache_cfg: CacheConfig) -> None:
     if cfg.tap_layer_ids is not None and list(cfg.tap_layer_ids) != list(cache_cfg.tap_layer_ids):
-        raise ValueError(f"--taps {shown(cfg.tap_layer_ids)}: the run expects layers {cfg.tap_layer_ids}, cache "
-                         f"{cfg.cache} holds {cache_cfg.tap_layer_ids}; re-extract with these --taps or drop --taps")
+        raise ValueError(
+            f"--taps {shown(cfg.tap_layer_ids)}: the run expects layers {cfg.tap_layer_ids}, cache "
+            f"{cfg.cache} holds {cache_cfg.tap_layer_ids}; re-extract with these --taps or drop --taps"
+        )
 
 
 def _check_target_head(cache_dir: str, cache_cfg: CacheConfig) -> None:
@@ -400,5 +483,7 @@ def _check_target_head(cache_dir: str, cache_cfg: CacheConfig) -> None:
         if name not in entries:
             raise ValueError(f"{path}: tensor {name} missing; expected shape {shape}")
         if tuple(entries[name].shape) != shape:
-            raise ValueError(f"{path}: tensor {name} has shape {tuple(entries[name].shape)}, but cache.json "
-                             f"declares target vocab {vocab} x hidden {hidden}, i.e. {shape}")
+            raise ValueError(
+                f"{path}: tensor {name} has shape {tuple(entries[name].shape)}, but cache.json "
+                f"declares target vocab {vocab} x hidden {hidden}, i.e. {shape}"
+            )

@@ -8,14 +8,20 @@ Because scores only fall along a path, the tree is the `budget` highest-scoring 
 
 Legend: S depths (draft slots), R ranks kept per depth.
 """
+
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
 
 
-def tree_acceptance(logp_SR: Sequence[Sequence[float]], ids_SR: Sequence[Sequence[int]],
-                    labels_S: Sequence[int], valid_S: Sequence[bool], budget: int) -> int:
+def tree_acceptance(
+    logp_SR: Sequence[Sequence[float]],
+    ids_SR: Sequence[Sequence[int]],
+    labels_S: Sequence[int],
+    valid_S: Sequence[bool],
+    budget: int,
+) -> int:
     """DDTree acceptance length (+1) of one block: S depths, each with its top-R tokens (R >= budget
     or the vocabulary) sorted by log-prob descending."""
     num_depths, num_ranks = len(logp_SR), len(logp_SR[0])

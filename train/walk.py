@@ -27,6 +27,7 @@ forward per round, through the training forward and block attention (BlockAttent
 
 Legend: T token budget, K taps, H hidden, NB lanes (blocks per round), B block size, S = B-1 slots, V vocab.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -102,15 +103,30 @@ class WalkCounts:
         self.response_mean_sum += tokens / steps
 
     def as_vector(self) -> list[float]:
-        return [self.responses, self.steps, self.tokens, self.response_mean_sum, *self.accepted_histogram,
-                *self.slot_reached, *self.slot_accepted]
+        return [
+            self.responses,
+            self.steps,
+            self.tokens,
+            self.response_mean_sum,
+            *self.accepted_histogram,
+            *self.slot_reached,
+            *self.slot_accepted,
+        ]
 
     @classmethod
     def from_vector(cls, block_size: int, v: list[float]) -> WalkCounts:
         B, S = block_size, block_size - 1
         ints = [round(x) for x in v]
-        return cls(block_size, ints[0], ints[1], ints[2], float(v[3]), ints[4 : 4 + B], ints[4 + B : 4 + B + S],
-                   ints[4 + B + S : 4 + B + 2 * S])
+        return cls(
+            block_size,
+            ints[0],
+            ints[1],
+            ints[2],
+            float(v[3]),
+            ints[4 : 4 + B],
+            ints[4 + B : 4 + B + S],
+            ints[4 + B + S : 4 + B + 2 * S],
+        )
 
     @property
     def acceptance_length(self) -> float:
@@ -125,8 +141,14 @@ class WalkCounts:
         return [a / r if r else float("nan") for a, r in zip(self.slot_accepted, self.slot_reached)]
 
 
-def draft_accepted(hidden_NBH: torch.Tensor, head: TargetHead, labels_NS: torch.Tensor, valid_NS: torch.Tensor,
-                   budget: int | None, chunk_blocks: int = 32) -> list[int]:
+def draft_accepted(
+    hidden_NBH: torch.Tensor,
+    head: TargetHead,
+    labels_NS: torch.Tensor,
+    valid_NS: torch.Tensor,
+    budget: int | None,
+    chunk_blocks: int = 32,
+) -> list[int]:
     """Accepted drafts per block: chain (budget None) or DDTree at `budget` nodes; labels [NB, S]."""
     NB, B, H = hidden_NBH.shape
     out: list[int] = []
@@ -147,9 +169,18 @@ def draft_accepted(hidden_NBH: torch.Tensor, head: TargetHead, labels_NS: torch.
 
 
 @torch.no_grad()
-def walk_shard(model: DFlashDrafter, head: TargetHead, hidden_TKH: torch.Tensor, input_ids_T: torch.Tensor,
-               position_ids_T: torch.Tensor, responses: list[Response], layout: BlockAttentionLayout, *,
-               budget: int | None = None, chunk_blocks: int = 32) -> WalkCounts:
+def walk_shard(
+    model: DFlashDrafter,
+    head: TargetHead,
+    hidden_TKH: torch.Tensor,
+    input_ids_T: torch.Tensor,
+    position_ids_T: torch.Tensor,
+    responses: list[Response],
+    layout: BlockAttentionLayout,
+    *,
+    budget: int | None = None,
+    chunk_blocks: int = 32,
+) -> WalkCounts:
     """Walk every response of one packed batch (all tensors on the model's device; `layout` sized for
     T context tokens and NB lanes). budget None = greedy chain, else DDTree at that node budget."""
     cfg = model.config
@@ -173,8 +204,11 @@ def walk_shard(model: DFlashDrafter, head: TargetHead, hidden_TKH: torch.Tensor,
         last_N = torch.tensor([lane[n][2] if lane[n] else -1 for n in range(NB)])
         layout.update(seq_start_N.to(device), anchor_N.to(device))
         anchor_dev = anchor_N.to(device).long()
-        block_ids_NB = torch.where(k_B == 0, input_ids_T[anchor_dev].long().unsqueeze(1),
-                                   torch.full((NB, B), cfg.mask_token_id, device=device, dtype=torch.long))
+        block_ids_NB = torch.where(
+            k_B == 0,
+            input_ids_T[anchor_dev].long().unsqueeze(1),
+            torch.full((NB, B), cfg.mask_token_id, device=device, dtype=torch.long),
+        )
         block_pos_NB = position_ids_T[anchor_dev].long().unsqueeze(1) + k_B
         index_NS = anchor_dev.unsqueeze(1) + k_B[1:]
         valid_NS = index_NS <= last_N.to(device).unsqueeze(1)
