@@ -2,12 +2,12 @@
 uninterrupted reference extraction that faulted runs must reproduce, and ways to damage a shard."""
 
 import json
-import os
 import shutil
 import struct
 
 import numpy as np
 import torch
+from process_helpers import REPO as REPO  # re-exported: the fault tests take it from here
 
 from extract.config import ExtractConfig
 from extract.data import Sample, write_jsonl
@@ -16,7 +16,6 @@ from shards import ShardReader, read_manifest
 from shards.inspect import verify_cache
 from tools.tiny_target import write_random_checkpoint
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_SAMPLES = 24
 VOCAB = 512  # tiny_target's vocabulary
 
@@ -46,7 +45,8 @@ def extract_cfg(target, data, out, **kw):
     return ExtractConfig(**base)
 
 
-def cli_args(target, data, out, *extra):
+def cli_args(target, data, out, *extra, token_budget=256, max_seqs=8):
+    """dflash-extract's arguments for the settings of extract_cfg, then `extra`."""
     return [
         "--target",
         str(target),
@@ -55,9 +55,9 @@ def cli_args(target, data, out, *extra):
         "--out",
         str(out),
         "--token-budget",
-        "256",
+        str(token_budget),
         "--max-seqs",
-        "8",
+        str(max_seqs),
         "--dtype",
         "float32",
         "--mask-token-id",

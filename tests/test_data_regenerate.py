@@ -69,13 +69,15 @@ def _conversations(path: Path, n: int, multi_turn: bool = True) -> Path:
     return path
 
 
-def _regenerate(url: str, data: Path, out: Path, *extra: str):
-    args = [
+def _regenerate_args(url: str, data: Path, out: Path, *extra: str, model: str = "tiny", thinking: str = "off"):
+    """dflash-data regenerate's arguments against the tiny server: MAX_TOKENS per reply, no progress bar,
+    short retry backoff, then `extra`."""
+    return [
         "regenerate",
         "--server",
         url,
         "--model",
-        "tiny",
+        model,
         "--data",
         str(data),
         "--out",
@@ -83,13 +85,16 @@ def _regenerate(url: str, data: Path, out: Path, *extra: str):
         "--max-tokens",
         str(MAX_TOKENS),
         "--thinking",
-        "off",
+        thinking,
         "--no-progress",
         "--retry-backoff",
         "0.05",
         *extra,
     ]
-    return CliRunner().invoke(data_cli, args, catch_exceptions=False)
+
+
+def _regenerate(url: str, data: Path, out: Path, *extra: str, **options: str):
+    return CliRunner().invoke(data_cli, _regenerate_args(url, data, out, *extra, **options), catch_exceptions=False)
 
 
 def _rows(out: Path) -> list[dict]:
@@ -140,23 +145,7 @@ def test_thinking_on_keeps_reasoning(chat_model, tmp_path):
     data = _conversations(tmp_path / "chats.jsonl", 1, multi_turn=False)
     out = tmp_path / "regen.jsonl"
     with serving(chat_model) as url:
-        args = [
-            "regenerate",
-            "--server",
-            url,
-            "--model",
-            "tiny",
-            "--data",
-            str(data),
-            "--out",
-            str(out),
-            "--max-tokens",
-            str(MAX_TOKENS),
-            "--thinking",
-            "on",
-            "--no-progress",
-        ]
-        result = CliRunner().invoke(data_cli, args, catch_exceptions=False)
+        result = _regenerate(url, data, out, thinking="on")
     assert result.exit_code == 0, result.output
     reply = _rows(out)[0]["messages"][-1]
     # The random target never closes </think> within 5 tokens: everything it wrote is reasoning.
@@ -171,27 +160,7 @@ def test_kill_in_the_middle_then_resume_loses_and_duplicates_nothing(chat_model,
         assert _regenerate(url, data, clean, "--concurrency", "2").exit_code == 0
     # The server answers 3 requests, then hangs: with one conversation in flight exactly 3 are written.
     with serving(chat_model, Faults(hang_after=3)) as url:
-        cmd = [
-            sys.executable,
-            "-m",
-            "extract.data_cli",
-            "regenerate",
-            "--server",
-            url,
-            "--model",
-            "tiny",
-            "--data",
-            str(data),
-            "--out",
-            str(out),
-            "--max-tokens",
-            str(MAX_TOKENS),
-            "--thinking",
-            "off",
-            "--concurrency",
-            "1",
-            "--no-progress",
-        ]
+        cmd = [sys.executable, "-m", "extract.data_cli", *_regenerate_args(url, data, out, "--concurrency", "1")]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 120
@@ -254,21 +223,7 @@ def test_refusals_name_the_problem(chat_model, tmp_path):
         assert _regenerate(url, data, out).exit_code == 0
         other = _regenerate(url, data, out, "--temperature", "0.5")
         assert other.exit_code == 1 and "temperature: 0.0" in other.output and "0.5 now" in other.output
-        wrong = CliRunner().invoke(
-            data_cli,
-            [
-                "regenerate",
-                "--server",
-                url,
-                "--model",
-                "nope",
-                "--data",
-                str(data),
-                "--out",
-                str(tmp_path / "w.jsonl"),
-                "--no-progress",
-            ],
-        )
+        wrong = _regenerate(url, data, tmp_path / "w.jsonl", model="nope")
         assert wrong.exit_code == 1 and "--model 'nope' is not served" in wrong.output and "tiny" in wrong.output
         foreign = tmp_path / "foreign.jsonl"
         foreign.write_text("mine\n")

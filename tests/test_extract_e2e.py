@@ -1,7 +1,6 @@
 """dflash-extract end to end on the tiny target: cache contents, resume after SIGKILL, ranks, refusals."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from extract_helpers import all_tensors, cli_args, extract_cfg, make_samples
+from process_helpers import REPO, torchrun_command
 
 from extract.cli import main as extract_cli
-from extract.config import ExtractConfig
-from extract.data import Sample, write_jsonl, write_parquet
+from extract.data import write_jsonl, write_parquet
 from extract.model import TargetModel
 from extract.runner import CacheMismatchError, run_extract
 from extract.writer import NonFiniteHiddenError
@@ -22,62 +22,17 @@ from shards import ShardReader, decode_hidden, read_manifest
 from shards.inspect import verify_cache
 from tools.tiny_target import write_random_checkpoint
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _samples(n=24, seed=0, vocab=512, max_len=90):
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        length = int(rng.integers(3, max_len))
-        ids = rng.integers(0, vocab, size=length)
-        mask = (np.arange(length) >= length // 3).astype(np.uint8)
-        out.append(Sample(f"doc-{i}", ids, mask))
-    return out
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return write_random_checkpoint(tmp_path_factory.mktemp("target") / "tiny", seed=1, dtype=torch.float32)
-
-
-@pytest.fixture
-def data(tmp_path):
-    path = tmp_path / "data.jsonl"
-    write_jsonl(path, _samples())
-    return path
-
-
-def _cfg(target, data, out, **kw):
-    base = dict(
-        target=str(target),
-        data=str(data),
-        out_dir=str(out),
-        token_budget=256,
-        max_seqs=8,
-        dtype="float32",
-        mask_token_id=511,
-        progress_interval_s=0.0,
-    )
-    base.update(kw)
-    return ExtractConfig(**base)
-
-
-def _all_tensors(cache):
-    reader = ShardReader(cache)
-    return {b: reader.read(b, verify_checksum=True)[0] for b in reader.batch_ids()}
-
 
 @pytest.mark.parametrize("storage", ["bf16", "fp8"])
 def test_cache_equals_direct_forward_of_each_sample(target, data, tmp_path, storage):
     out = tmp_path / "cache"
-    summary = run_extract(_cfg(target, data, out, storage_dtype=storage, target_topk=3))
+    summary = run_extract(extract_cfg(target, data, out, storage_dtype=storage, target_topk=3))
     assert summary.written == summary.num_batches > 1
     assert verify_cache(out).ok
     reader = ShardReader(out)
     taps = reader.config.tap_layer_ids
     model = TargetModel.from_pretrained(target, "cpu", dtype=torch.float32, with_head=True)
-    samples = {s.sample_id: s for s in _samples()}
+    samples = {s.sample_id: s for s in make_samples()}
     seen = set()
     for b in reader.batch_ids():
         tensors, info = reader.read(b)
@@ -109,7 +64,7 @@ def test_cache_equals_direct_forward_of_each_sample(target, data, tmp_path, stor
 @pytest.mark.slow
 def test_sigkill_then_resume_gives_identical_cache(target, data, tmp_path):
     reference = tmp_path / "reference"
-    run_extract(_cfg(target, data, reference))
+    run_extract(extract_cfg(target, data, reference))
     out = tmp_path / "cache"
     kills = 0
     for seed in (3, 5):
@@ -131,7 +86,7 @@ def test_sigkill_then_resume_gives_identical_cache(target, data, tmp_path):
                 real(f, tensors, meta)
             w.write_container = dying
             import json
-            run_extract(ExtractConfig(**json.loads({json.dumps(vars(_cfg(target, data, out)))!r})))
+            run_extract(ExtractConfig(**json.loads({json.dumps(vars(extract_cfg(target, data, out)))!r})))
         """)
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
         if proc.returncode == -signal.SIGKILL:
@@ -142,10 +97,10 @@ def test_sigkill_then_resume_gives_identical_cache(target, data, tmp_path):
     assert list((out / "shards").glob(".tmp-*")) or len(ShardReader(out).batch_ids()) < len(
         ShardReader(reference).batch_ids()
     )
-    summary = run_extract(_cfg(target, data, out))
+    summary = run_extract(extract_cfg(target, data, out))
     assert summary.resumed >= 1
     assert not list((out / "shards").glob(".tmp-*"))
-    got, want = _all_tensors(out), _all_tensors(reference)
+    got, want = all_tensors(out), all_tensors(reference)
     assert got.keys() == want.keys()
     for b in want:
         for name in want[b]:
@@ -156,76 +111,34 @@ def test_sigkill_then_resume_gives_identical_cache(target, data, tmp_path):
 @pytest.mark.slow
 def test_two_ranks_cover_the_plan_disjointly(target, data, tmp_path):
     out = tmp_path / "cache"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "extract.cli",
-        "--target",
-        str(target),
-        "--data",
-        str(data),
-        "--out",
-        str(out),
-        "--token-budget",
-        "256",
-        "--max-seqs",
-        "8",
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--progress-interval",
-        "0",
-    ]
+    cmd = torchrun_command("extract.cli", *cli_args(target, data, out, "--device", "cpu", "--progress-interval", "0"))
     proc = subprocess.run(cmd, capture_output=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     logs = {p.name: [json.loads(line) for line in p.read_text().splitlines()] for p in (out / "logs").glob("*.jsonl")}
     assert set(logs) == {"extract-rank0.jsonl", "extract-rank1.jsonl"}
     assert verify_cache(out).ok
     single = tmp_path / "single"
-    run_extract(_cfg(target, data, single))
+    run_extract(extract_cfg(target, data, single))
     assert read_manifest(out).equals(read_manifest(single))
-    got, want = _all_tensors(out), _all_tensors(single)
+    got, want = all_tensors(out), all_tensors(single)
     for b in want:
         assert torch.equal(got[b]["hidden"].view(torch.uint8), want[b]["hidden"].view(torch.uint8)), b
 
 
 def test_resume_with_other_settings_is_refused(target, data, tmp_path):
     out = tmp_path / "cache"
-    run_extract(_cfg(target, data, out))
+    run_extract(extract_cfg(target, data, out))
     with pytest.raises(CacheMismatchError, match="storage_dtype: cache has 'bf16', this run has 'fp8'"):
-        run_extract(_cfg(target, data, out, storage_dtype="fp8"))
+        run_extract(extract_cfg(target, data, out, storage_dtype="fp8"))
     with pytest.raises(CacheMismatchError, match="tap_layer_ids"):
-        run_extract(_cfg(target, data, out, tap_layer_ids=[1, 3]))
+        run_extract(extract_cfg(target, data, out, tap_layer_ids=[1, 3]))
     other = tmp_path / "other.jsonl"
-    write_jsonl(other, _samples(seed=9))
+    write_jsonl(other, make_samples(seed=9))
     with pytest.raises(CacheMismatchError, match="dataset.fingerprint"):
-        run_extract(_cfg(target, other, out))
-    result = CliRunner().invoke(
-        extract_cli,
-        [
-            "--target",
-            str(target),
-            "--data",
-            str(other),
-            "--out",
-            str(out),
-            "--token-budget",
-            "256",
-            "--max-seqs",
-            "8",
-            "--dtype",
-            "float32",
-            "--mask-token-id",
-            "511",
-        ],
-    )
+        run_extract(extract_cfg(target, other, out))
+    result = CliRunner().invoke(extract_cli, cli_args(target, other, out))
     assert result.exit_code != 0 and "--overwrite" in result.output
-    summary = run_extract(_cfg(target, other, out, overwrite=True))
+    summary = run_extract(extract_cfg(target, other, out, overwrite=True))
     assert summary.resumed == 0 and verify_cache(out).ok
 
 
@@ -239,7 +152,7 @@ def test_bad_rows_are_refused_before_the_model_loads(target, tmp_path, monkeypat
 
     monkeypatch.setattr(TargetModel, "from_pretrained", no_model)
     with pytest.raises(ValueError) as e:
-        run_extract(_cfg(target, bad, tmp_path / "cache"))
+        run_extract(extract_cfg(target, bad, tmp_path / "cache"))
     assert "bad.jsonl" in str(e.value) and "row 1" in str(e.value)
 
 
@@ -254,59 +167,20 @@ def test_non_finite_hidden_states_stop_the_run_naming_the_batch(target, data, tm
     monkeypatch.setattr(TargetModel, "forward_packed", poisoned)
     out = tmp_path / "cache"
     with pytest.raises(NonFiniteHiddenError, match=r"batch 0: .*NaN/Inf.*doc-"):
-        run_extract(_cfg(target, data, out))
+        run_extract(extract_cfg(target, data, out))
     assert 0 not in ShardReader(out).batch_ids()
 
 
 def test_parquet_input_and_cli_summary(target, tmp_path):
     data = tmp_path / "data.parquet"
-    write_parquet(data, _samples(n=10))
+    write_parquet(data, make_samples(n=10))
     out = tmp_path / "cache"
-    result = CliRunner().invoke(
-        extract_cli,
-        [
-            "--target",
-            str(target),
-            "--data",
-            str(data),
-            "--out",
-            str(out),
-            "--token-budget",
-            "256",
-            "--max-seqs",
-            "8",
-            "--dtype",
-            "float32",
-            "--storage",
-            "fp8",
-            "--taps",
-            "1,3",
-        ],
-    )
+    args = cli_args(target, data, out, "--storage", "fp8", "--taps", "1,3")
+    result = CliRunner().invoke(extract_cli, args)
     assert result.exit_code == 0, result.output
     assert "tok/s" in result.output and "padding efficiency" in result.output
     assert ShardReader(out).config.tap_layer_ids == [1, 3]
-    again = CliRunner().invoke(
-        extract_cli,
-        [
-            "--target",
-            str(target),
-            "--data",
-            str(data),
-            "--out",
-            str(out),
-            "--token-budget",
-            "256",
-            "--max-seqs",
-            "8",
-            "--dtype",
-            "float32",
-            "--storage",
-            "fp8",
-            "--taps",
-            "1,3",
-        ],
-    )
+    again = CliRunner().invoke(extract_cli, args)
     assert again.exit_code == 0, again.output
     assert "nothing to extract" in again.output and "is complete" in again.output
     assert "0 tok/s" not in again.output and "0.0%" not in again.output
@@ -314,12 +188,12 @@ def test_parquet_input_and_cli_summary(target, tmp_path):
 
 def test_resume_with_a_same_shape_target_of_other_weights_is_refused(target, data, tmp_path):
     out = tmp_path / "cache"
-    run_extract(_cfg(target, data, out))
+    run_extract(extract_cfg(target, data, out))
     twin = write_random_checkpoint(tmp_path / "twin", seed=2, dtype=torch.float32)
     # Same config.json (same config hash), other weights: only the head checksum tells them apart.
     (twin / "config.json").write_bytes((target / "config.json").read_bytes())
     with pytest.raises(CacheMismatchError, match="target_head_checksum"):
-        run_extract(_cfg(twin, data, out))
+        run_extract(extract_cfg(twin, data, out))
 
 
 def test_drafter_copies_the_target_mlp_width_from_the_cache(target, data, tmp_path):
@@ -327,7 +201,7 @@ def test_drafter_copies_the_target_mlp_width_from_the_cache(target, data, tmp_pa
     from train.train_config import TrainConfig, resolve_run
 
     out = tmp_path / "cache"
-    run_extract(_cfg(target, data, out))
+    run_extract(extract_cfg(target, data, out))
     width = TargetConfig.from_dir(target).intermediate_size
     assert ShardReader(out).config.target.intermediate_size == width
     run = resolve_run(TrainConfig(cache=str(out), out_dir=str(tmp_path / "run")))
@@ -340,7 +214,7 @@ def test_drafter_export_carries_the_target_token_ids_from_the_cache(target, data
     from train.train_config import TrainConfig, resolve_run
 
     out = tmp_path / "cache"
-    run_extract(_cfg(target, data, out))
+    run_extract(extract_cfg(target, data, out))
     raw = json.loads((target / "config.json").read_text())
     raw = raw.get("text_config", raw) if "bos_token_id" in raw.get("text_config", {}) else raw
     want = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
@@ -356,38 +230,14 @@ def test_drafter_export_carries_the_target_token_ids_from_the_cache(target, data
     for k in want:
         old["target"].pop(k)
     path.write_text(json.dumps(old))
-    run_extract(_cfg(target, data, out))
+    run_extract(extract_cfg(target, data, out))
 
 
 @pytest.mark.slow
 def test_a_refusal_on_rank_0_stops_every_rank(target, data, tmp_path):
     out = tmp_path / "cache"
-    run_extract(_cfg(target, data, out))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "extract.cli",
-        "--target",
-        str(target),
-        "--data",
-        str(data),
-        "--out",
-        str(out),
-        "--token-budget",
-        "256",
-        "--max-seqs",
-        "8",
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--storage",
-        "fp8",
-    ]
+    run_extract(extract_cfg(target, data, out))
+    cmd = torchrun_command("extract.cli", *cli_args(target, data, out, "--device", "cpu", "--storage", "fp8"))
     # Rank 1 must not wait at a barrier for rank 0, which refused the resume.
     proc = subprocess.run(cmd, capture_output=True, timeout=240, cwd=REPO)
     assert proc.returncode != 0

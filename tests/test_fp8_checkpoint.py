@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from extract_helpers import cli_args
 from safetensors.torch import load_file, save_file
 
 from extract.checkpoint import load_target_head
@@ -177,23 +178,7 @@ def test_extract_from_fp8_checkpoint_records_it(fp8_target, tmp_path):
     data = tmp_path / "d.jsonl"
     write_jsonl(data, [Sample(f"s{i}", np.arange(1, 30 + i), np.ones(29 + i, np.uint8)) for i in range(4)])
     out = tmp_path / "cache"
-    result = CliRunner().invoke(
-        extract_cli,
-        [
-            "--target",
-            str(fp8_target),
-            "--data",
-            str(data),
-            "--out",
-            str(out),
-            "--token-budget",
-            "128",
-            "--max-seqs",
-            "4",
-            "--dtype",
-            "float32",
-        ],
-    )
+    result = CliRunner().invoke(extract_cli, cli_args(fp8_target, data, out, token_budget=128, max_seqs=4))
     assert result.exit_code == 0, result.output
     target = read_cache_config(out).target
     assert target.quantization == f"fp8 e4m3, {BLOCK}x{BLOCK} blocks (dequantised at load)"

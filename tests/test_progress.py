@@ -11,58 +11,16 @@ import subprocess
 import sys
 import termios
 
-import numpy as np
 import pytest
-import torch
 from click.testing import CliRunner
+from extract_helpers import cli_args, extract_cfg
+from process_helpers import REPO, child_env
 
 from extract.cli import main as extract_cli
-from extract.config import ExtractConfig
-from extract.data import Sample, write_jsonl
 from extract.runner import run_extract
 from shards import ShardReader
 from shards.format import bytes_per_shard
 from shards.progress import ProgressLog, format_bytes, plural
-from tools.tiny_target import write_random_checkpoint
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return write_random_checkpoint(tmp_path_factory.mktemp("target") / "tiny", seed=1, dtype=torch.float32)
-
-
-@pytest.fixture
-def data(tmp_path):
-    rng = np.random.default_rng(0)
-    samples = []
-    for i in range(24):
-        n = int(rng.integers(3, 90))
-        samples.append(Sample(f"doc-{i}", rng.integers(0, 512, size=n), np.ones(n, np.uint8)))
-    path = tmp_path / "data.jsonl"
-    write_jsonl(path, samples)
-    return path
-
-
-def _args(target, data, out, *extra):
-    return [
-        "--target",
-        str(target),
-        "--data",
-        str(data),
-        "--out",
-        str(out),
-        "--token-budget",
-        "256",
-        "--max-seqs",
-        "8",
-        "--dtype",
-        "float32",
-        "--mask-token-id",
-        "511",
-        *extra,
-    ]
 
 
 def test_format_bytes_picks_the_unit_by_magnitude():
@@ -95,16 +53,7 @@ def test_progress_log_plain_lines_without_a_bar(tmp_path, caplog):
 
 def test_extraction_lines_are_true_and_the_plan_is_printed_once(target, data, tmp_path, caplog):
     out = tmp_path / "cache"
-    cfg = ExtractConfig(
-        target=str(target),
-        data=str(data),
-        out_dir=str(out),
-        token_budget=256,
-        max_seqs=8,
-        dtype="float32",
-        mask_token_id=511,
-        progress_interval_s=1e9,
-    )
+    cfg = extract_cfg(target, data, out, progress_interval_s=1e9)
     with caplog.at_level(logging.INFO):
         summary = run_extract(cfg)
     messages = [r.getMessage() for r in caplog.records]
@@ -124,19 +73,18 @@ def test_extraction_lines_are_true_and_the_plan_is_printed_once(target, data, tm
     assert "1 rank" in cache_line and "1 ranks" not in cache_line and "0.00 GB" not in cache_line
     assert f"{n} shards of {format_bytes(bytes_per_shard(reader.config))} on 1 rank" in cache_line
 
-    again = CliRunner().invoke(extract_cli, _args(target, data, out))
+    again = CliRunner().invoke(extract_cli, cli_args(target, data, out))
     assert again.exit_code == 0, again.output
     assert f"nothing to extract: all {n} shards" in again.output and f"cache {out} is complete" in again.output
 
 
 def _cli_command(args):
-    env = {**os.environ, "PYTHONPATH": REPO, "TERM": "xterm"}
-    return [sys.executable, "-m", "extract.cli", *args], env
+    return [sys.executable, "-m", "extract.cli", *args], child_env(TERM="xterm")
 
 
 @pytest.mark.slow
 def test_redirected_output_has_plain_lines_and_no_terminal_codes(target, data, tmp_path):
-    cmd, env = _cli_command(_args(target, data, tmp_path / "cache", "--progress-interval", "0"))
+    cmd, env = _cli_command(cli_args(target, data, tmp_path / "cache", "--progress-interval", "0"))
     proc = subprocess.run(cmd, capture_output=True, timeout=240, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr.decode()
     text = proc.stdout.decode() + proc.stderr.decode()
@@ -146,7 +94,7 @@ def test_redirected_output_has_plain_lines_and_no_terminal_codes(target, data, t
 
 @pytest.mark.slow
 def test_a_terminal_gets_a_progress_bar(target, data, tmp_path):
-    cmd, env = _cli_command(_args(target, data, tmp_path / "cache", "--progress-interval", "0"))
+    cmd, env = _cli_command(cli_args(target, data, tmp_path / "cache", "--progress-interval", "0"))
     parent, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # rows, columns of a real window
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=child, cwd=REPO, env=env)
