@@ -107,7 +107,12 @@ def test_init_from_takes_the_drafter_shape_and_refuses_other_shape_options(tmp_p
         got.layer_types,
         got.sliding_window,
     ) == (3, 40, 1, 5e5, dcfg.layer_types, 5)
-    with pytest.raises(ValueError, match=r"num_layers: drafter 3, this run 2.*sliding_window: drafter 5, this run 7"):
+    with pytest.raises(
+        ValueError,
+        match=r"--num-layers 2: the drafter has 3 \(drop --num-layers\).*"
+        r"--layer-types sliding,full: the drafter has sliding_attention,full_attention,sliding_attention.*"
+        r"--sliding-window 7: the drafter has 5",
+    ):
         resolve_run(
             tiny_config(
                 cache,
@@ -184,11 +189,17 @@ def test_sliding_layer_flags_through_the_cli(tmp_path):
     assert result.exit_code == 0, result.output
     _, cfg = load_exported_drafter(tmp_path / "exported")
     assert cfg.layer_types == ["sliding_attention", "full_attention"] and cfg.sliding_window == 6
+    # Every refusal quotes --layer-types as typed (short names, the user's spelling), never normalised.
     for args, message in (
-        (["--layer-types", "sliding,full"], "sliding-window|sliding_window"),
-        (["--layer-types", "full,full", "--sliding-window", "6"], "ignored"),
-        (["--layer-types", "sliding,diagonal", "--sliding-window", "6"], "full or sliding"),
+        (["--layer-types", "sliding,full"], r"--layer-types sliding,full: has sliding layers but --sliding-window"),
+        (["--layer-types", "full,full", "--sliding-window", "6"], r"ignored: --layer-types full,full has no"),
+        (
+            ["--layer-types", "sliding,diagonal", "--sliding-window", "6"],
+            r"--layer-types sliding,diagonal: 'diagonal' is not a layer type; give full or sliding",
+        ),
+        (["--layer-types", "full_attention,sliding,full"], r"--layer-types full_attention,sliding,full: 3 entries"),
     ):
         result = CliRunner().invoke(train_cli, tiny_cli_args(cache, tmp_path / "bad", "--num-layers", "2", *args))
         assert result.exit_code != 0 and "Traceback" not in result.output
         assert re.search(message, result.output), result.output
+        assert "sliding_attention," not in result.output and "['" not in result.output, result.output

@@ -208,19 +208,23 @@ class TrainConfig:
             raise ValueError(
                 f"{flags}: give the three together or none of them (then they are derived from the target's width)"
             )
+        # Messages quote --layer-types as the user typed it (sliding,full), not as normalised below.
+        self._layer_types_typed = shown(self.layer_types)
+        layer_types_given = f"--layer-types {self._layer_types_typed}"
         if self.layer_types is not None:
             aliases = {"full": FULL_ATTENTION, "sliding": SLIDING_ATTENTION}
             self.layer_types = [aliases.get(str(t).strip(), str(t).strip()) for t in self.layer_types]
-            if not self.layer_types or any(t not in LAYER_TYPES for t in self.layer_types):
-                raise config_error(
-                    self, "layer_types", f"each entry must be full or sliding (or {' / '.join(LAYER_TYPES)})"
+            unknown = [t for t in self.layer_types if t not in LAYER_TYPES]
+            if not self.layer_types or unknown:
+                what = f"{', '.join(map(repr, unknown))} is not a layer type" if unknown else "names no layer"
+                raise ValueError(
+                    f"{layer_types_given}: {what}; give full or sliding (or {' / '.join(LAYER_TYPES)}) per "
+                    "layer, e.g. --layer-types sliding,sliding,sliding,sliding,full"
                 )
             if self.init_from is None and len(self.layer_types) != self.num_layers:
-                raise config_error(
-                    self,
-                    "layer_types",
-                    f"{len(self.layer_types)} entries for --num-layers "
-                    f"{self.num_layers}: give one per layer (or --num-layers {len(self.layer_types)})",
+                raise ValueError(
+                    f"{layer_types_given}: {len(self.layer_types)} entries for --num-layers {self.num_layers}; "
+                    f"give one per layer (or --num-layers {len(self.layer_types)})"
                 )
         sliding = self.layer_types is not None and SLIDING_ATTENTION in self.layer_types
         if self.sliding_window is not None and (
@@ -228,16 +232,16 @@ class TrainConfig:
         ):
             raise config_error(self, "sliding_window", "must be a positive number of tokens; omit it for none")
         if sliding and self.sliding_window is None and self.init_from is None:
-            raise config_error(
-                self,
-                "layer_types",
-                "has sliding layers but --sliding-window is not set (the published 27B drafter uses 2048)",
+            raise ValueError(
+                f"{layer_types_given}: has sliding layers but --sliding-window is not set; pass "
+                "--sliding-window TOKENS (the published 27B drafter uses 2048)"
             )
         if self.sliding_window is not None and self.layer_types is not None and not sliding:
             raise config_error(
                 self,
                 "sliding_window",
-                f"would be ignored: --layer-types {shown(self.layer_types)} has no sliding layer",
+                f"would be ignored: {layer_types_given} has no sliding layer; drop --sliding-window "
+                "or make a layer sliding",
             )
         if self.init_from is not None and not Path(self.init_from).is_dir():
             raise config_error(
@@ -443,7 +447,9 @@ def _drafter_from_init(cfg: TrainConfig, cache_cfg: CacheConfig, mask_token_id: 
     for option, field_name in _INIT_SHAPE_FIELDS.items():
         ours, theirs = getattr(cfg, option), getattr(drafter, field_name)
         if ours is not None and ours != defaults[option] and ours != theirs:
-            problems.append(f"{option}: drafter {theirs!r}, this run {ours!r} (drop --{option.replace('_', '-')})")
+            flag = flag_name(TrainConfig, option)
+            typed = cfg._layer_types_typed if option == "layer_types" else shown(ours)
+            problems.append(f"{flag} {typed}: the drafter has {shown(theirs)} (drop {flag})")
     for name, theirs, cache_value in (
         ("hidden_size", drafter.hidden_size, target.hidden_size),
         ("tap_layer_ids", drafter.tap_layer_ids, list(cache_cfg.tap_layer_ids)),
