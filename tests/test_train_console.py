@@ -3,6 +3,7 @@ the held-out figures after an evaluation, and a final summary naming every outpu
 
 from __future__ import annotations
 
+import json
 import logging
 
 from click.testing import CliRunner
@@ -65,8 +66,15 @@ def test_console_lines_carry_every_figure(tmp_path, caplog, monkeypatch):
     rec = records[2]
     interval_s = (rec["data/tokens_seen"] - prev["data/tokens_seen"]) / rec["perf/tokens_per_s"]
     assert abs(rec["perf/mfu"] - flops * (rec["step"] - prev["step"]) / interval_s / peak) < 1e-6 * rec["perf/mfu"]
-    # The evaluation at step 2 comes after step 2's line: its figures ride on the next line (step 4).
-    assert "held-out @ step 2: " in lines[2] and "acceptance_length " in lines[2] and "heldout_loss " in lines[2]
+    # The evaluation at step 2 comes after step 2's line: its figures ride on the next line (step 4), in
+    # words and short: acceptance and held-out loss of the eval record; the rest stays in metrics.jsonl.
+    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "eval"]
+    at_2 = next(r for r in evals if r["step"] == 2)
+    held_out = lines[2].split(" | ")[-1]
+    assert held_out == (
+        f"held-out @ step 2: accept len {at_2['eval/acceptance_length']:.3f}, loss {at_2['eval/heldout_loss']:.4f}"
+    ), lines[2]
+    assert "eval/" not in lines[2] and "_" not in held_out
     assert "held-out" not in lines[1]
 
     assert "done in " in res.output and ": 4 steps, " in res.output and "tok/s over the whole run" in res.output

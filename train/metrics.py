@@ -312,15 +312,11 @@ def _tensorboard_writer(path: Path):
 
 
 def eval_figures(record: dict) -> str:
-    """`held-out @ step 6: acceptance_length 1.234 heldout_loss 2.345 ...`: every scalar eval key of an eval
-    record except the per-slot ones (those are in metrics.jsonl)."""
-    figures = " ".join(
-        f"{k.removeprefix('eval/')} {v:.4g}"
-        for k, v in record.items()
-        if k.startswith("eval/")
-        and isinstance(v, (int, float))
-        and not isinstance(v, bool)
-        and "_slot_" not in k
-        and "slot_acceptance" not in k
-    )
-    return f"held-out @ step {record['step']}: {figures}"
+    """`held-out @ step 6: accept len 1.234, loss 2.3456`: the decoding-walk acceptance length and the
+    held-out loss of an eval record, in words; every other figure of it is in metrics.jsonl."""
+    figures = [
+        f"{name} {record[key]:{spec}}"
+        for name, key, spec in (("accept len", "eval/acceptance_length", ".3f"), ("loss", "eval/heldout_loss", ".4f"))
+        if key in record
+    ]
+    return f"held-out @ step {record['step']}: {', '.join(figures)}"
