@@ -12,6 +12,29 @@ VOCAB = 97
 MASK_ID = 96
 
 
+# The Qwen3.6-27B target's dimensions, as DrafterConfig.for_target takes them.
+QWEN36_27B_TARGET = dict(
+    hidden_size=5120,
+    intermediate_size=17408,
+    vocab_size=248320,
+    num_target_layers=64,
+    tap_layer_ids=[1, 16, 31, 46, 61],
+    mask_token_id=248070,
+)
+
+
+def drafter_for_target(hidden_size: int, intermediate_size: int, vocab_size: int, **changes) -> DrafterConfig:
+    """DrafterConfig.for_target for a target shaped like the synthetic caches': 8 layers, taps 1, 3, 5 and
+    the last token id as MASK; `changes` are for_target's own (num_layers, block_size, ...)."""
+    target = dict(num_target_layers=8, tap_layer_ids=[1, 3, 5], mask_token_id=vocab_size - 1)
+    return DrafterConfig.for_target(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        **{**target, **changes},
+    )
+
+
 def tiny_config(**changes) -> DrafterConfig:
     base = dict(
         num_layers=2,

@@ -9,10 +9,10 @@ import copy
 
 import pytest
 import torch
-from drafter_helpers import make_batch
+from drafter_helpers import QWEN36_27B_TARGET, batch_blocks, drafter_for_target, make_batch
 
 from train.attention import BlockAttentionLayout
-from train.blocks import TrainingBlocks, sample_blocks
+from train.blocks import TrainingBlocks
 from train.drafter_config import DrafterConfig
 from train.losses import LossConfig, block_loss
 from train.model import DFlashDrafter, TargetHead
@@ -64,23 +64,12 @@ LAYOUTS = {"full": {}, "sliding": dict(layer_types=["sliding_attention"] * 4 + [
 @pytest.mark.parametrize("layers", sorted(LAYOUTS))
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
 def test_flex_matches_sdpa_at_27b_width(param_dtype, layers):
-    cfg = DrafterConfig.for_target(
-        hidden_size=5120,
-        intermediate_size=17408,
-        vocab_size=248320,
-        num_target_layers=64,
-        tap_layer_ids=[1, 16, 31, 46, 61],
-        mask_token_id=248070,
-        **LAYOUTS[layers],
-    )
+    cfg = DrafterConfig.for_target(**QWEN36_27B_TARGET, **LAYOUTS[layers])
     model, head = build(cfg, param_dtype=param_dtype)
     batch = cuda_batch(cfg, [700, 900, 300, 100], 2048, 8)
     num_blocks = 64
-    blocks = sample_blocks(
-        input_ids_T=batch["input_ids_T"],
-        position_ids_T=batch["position_ids_T"],
-        loss_mask_T=batch["loss_mask_T"],
-        cu_seqlens_S1=batch["cu_seqlens_S1"],
+    blocks = batch_blocks(
+        batch,
         num_blocks=num_blocks,
         block_size=cfg.block_size,
         mask_token_id=cfg.mask_token_id,
@@ -116,16 +105,7 @@ def test_flex_matches_sdpa_at_27b_width(param_dtype, layers):
 @pytest.mark.parametrize("layers", ["full", "sliding"])
 def test_training_step_captures_into_cuda_graph_and_replays(layers):
     shape = {} if layers == "full" else dict(layer_types=["sliding_attention", "full_attention"], sliding_window=200)
-    cfg = DrafterConfig.for_target(
-        hidden_size=256,
-        intermediate_size=512,
-        vocab_size=1000,
-        num_target_layers=8,
-        tap_layer_ids=[1, 3, 5],
-        mask_token_id=999,
-        num_layers=2,
-        **shape,
-    )
+    cfg = drafter_for_target(256, 512, 1000, num_layers=2, **shape)
     model, head = build(cfg, param_dtype=torch.float32)  # fp32 master weights under autocast, as the trainer
     reference = copy.deepcopy(model)
     batch = cuda_batch(cfg, [300, 400, 200], 1024, 4)
@@ -142,11 +122,8 @@ def test_training_step_captures_into_cuda_graph_and_replays(layers):
 
     def step():
         # Default CUDA generator: graph-safe, so each replay draws new anchors.
-        blocks = sample_blocks(
-            input_ids_T=batch["input_ids_T"],
-            position_ids_T=batch["position_ids_T"],
-            loss_mask_T=batch["loss_mask_T"],
-            cu_seqlens_S1=batch["cu_seqlens_S1"],
+        blocks = batch_blocks(
+            batch,
             num_blocks=num_blocks,
             block_size=cfg.block_size,
             mask_token_id=cfg.mask_token_id,

@@ -5,7 +5,14 @@ import math
 
 import pytest
 import torch
-from drafter_helpers import batch_blocks, make_batch, tiny_config, tiny_model_and_head
+from drafter_helpers import (
+    QWEN36_27B_TARGET,
+    batch_blocks,
+    drafter_for_target,
+    make_batch,
+    tiny_config,
+    tiny_model_and_head,
+)
 
 from train.attention import BlockAttentionLayout
 from train.drafter_config import DrafterConfig
@@ -22,14 +29,7 @@ def test_parameter_names_are_zlab():
 
 
 def test_27b_width_has_published_shape_and_1_73b_parameters():
-    cfg = DrafterConfig.for_target(
-        hidden_size=5120,
-        intermediate_size=17408,
-        vocab_size=248320,
-        num_target_layers=64,
-        tap_layer_ids=[1, 16, 31, 46, 61],
-        mask_token_id=248070,
-    )
+    cfg = DrafterConfig.for_target(**QWEN36_27B_TARGET)
     assert (cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (5, 32, 8, 128)
     # Closed form: fc + 5 x (q, k, v, o, gate/up/down, 4 norms) + 2 norms.
     H, I, qd, kvd = 5120, 17408, 32 * 128, 8 * 128  # noqa: E741 (I: the MLP width, as in the legend)
@@ -42,14 +42,7 @@ def test_27b_width_has_published_shape_and_1_73b_parameters():
 
 @pytest.mark.parametrize("hidden", [16, 64, 256, 2048, 4096])
 def test_for_target_scales_to_other_widths(hidden):
-    cfg = DrafterConfig.for_target(
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        vocab_size=100,
-        num_target_layers=8,
-        tap_layer_ids=[1, 3, 5],
-        mask_token_id=99,
-    )
+    cfg = drafter_for_target(hidden, 3 * hidden, 100)
     assert cfg.num_attention_heads * cfg.head_dim == hidden
     assert cfg.num_attention_heads % cfg.num_key_value_heads == 0
     assert cfg.head_dim == (128 if hidden >= 1024 else hidden // 8)

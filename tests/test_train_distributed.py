@@ -3,42 +3,28 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from process_helpers import child_env, torchrun_command
 from safetensors.torch import load_file
 from train_helpers import tiny_cache, tiny_cli_args, tiny_config
 
 from shards import ShardReader, epoch_shard_order, load_target_head
 from train.attention import BlockAttentionLayout
-from train.blocks import anchor_seed, sample_blocks
+from train.blocks import anchor_seed, sample_shard_blocks
 from train.losses import LossConfig, block_loss
 from train.model import DFlashDrafter, TargetHead
 from train.train_config import resolve_run
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_two_gloo_ranks_equal_one_process_averaging_both_batches(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=4)
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "train.cli",
-        *tiny_cli_args(cache, out, "--max-steps", "1", "--grad-clip", "0.05"),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    cmd = torchrun_command("train.cli", *tiny_cli_args(cache, out, "--max-steps", "1", "--grad-clip", "0.05"))
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     trained = load_file(str(out / "step-00000001" / "model.safetensors"))
@@ -57,11 +43,8 @@ def test_two_gloo_ranks_equal_one_process_averaging_both_batches(tmp_path):
     for rank in (0, 1):
         batch_id = epoch_shard_order(run.train_ids, 0, cfg.seed, rank, 2)[0]
         t, _ = reader.read(batch_id)
-        blocks = sample_blocks(
-            input_ids_T=t["input_ids"],
-            position_ids_T=t["position_ids"],
-            loss_mask_T=t["loss_mask"],
-            cu_seqlens_S1=t["cu_seqlens"],
+        blocks = sample_shard_blocks(
+            t,
             num_blocks=8,
             block_size=4,
             mask_token_id=run.drafter.mask_token_id,

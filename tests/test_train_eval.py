@@ -10,11 +10,11 @@ import random
 
 import pytest
 import torch
+from drafter_helpers import drafter_for_target
 from train_helpers import make_learnable, tiny_cache, tiny_config
 
 from shards import ShardReader, decode_hidden, load_target_head
-from train.blocks import sample_blocks
-from train.drafter_config import DrafterConfig
+from train.blocks import sample_shard_blocks
 from train.evaluate import evaluate_drafter, tree_acceptance
 from train.loop import run_training
 from train.model import DFlashDrafter, TargetHead
@@ -50,16 +50,7 @@ def test_chain_acceptance_and_slot_accuracy_match_per_block_inference(tmp_path):
     """Packed evaluation (block-attention mask over the whole batch) against one inference forward per
     block over its own sequence's prefix, counted by a plain loop."""
     cache = tiny_cache(tmp_path / "cache", num_batches=2, vocab_size=16)
-    cfg = DrafterConfig.for_target(
-        hidden_size=32,
-        intermediate_size=64,
-        vocab_size=16,
-        num_target_layers=8,
-        tap_layer_ids=[1, 3, 5],
-        mask_token_id=15,
-        num_layers=1,
-        block_size=4,
-    )
+    cfg = drafter_for_target(32, 64, 16, num_layers=1, block_size=4)
     torch.manual_seed(0)
     model = DFlashDrafter(cfg).double()
     head_t = load_target_head(cache)
@@ -73,11 +64,8 @@ def test_chain_acceptance_and_slot_accuracy_match_per_block_inference(tmp_path):
     accepted_total, blocks_total, correct, count = 0, 0, [0] * 3, [0] * 3
     for batch_id in (0, 1):
         t, _ = reader.read(batch_id)
-        blocks = sample_blocks(
-            input_ids_T=t["input_ids"],
-            position_ids_T=t["position_ids"],
-            loss_mask_T=t["loss_mask"],
-            cu_seqlens_S1=t["cu_seqlens"],
+        blocks = sample_shard_blocks(
+            t,
             num_blocks=16,
             block_size=4,
             mask_token_id=15,

@@ -1,24 +1,15 @@
 """The FLOPs per step behind MFU, against torch's own FLOP counter on a real forward and backward."""
 
 import torch
+from drafter_helpers import drafter_for_target
 from torch.utils.flop_counter import FlopCounterMode
 
-from train.drafter_config import DrafterConfig
 from train.flops import drafter_step_flops, peak_flops
 from train.model import DFlashDrafter
 
 
 def test_step_flops_match_torchs_count_of_the_matmuls():
-    cfg = DrafterConfig.for_target(
-        hidden_size=32,
-        intermediate_size=48,
-        vocab_size=96,
-        num_target_layers=8,
-        tap_layer_ids=[1, 3, 5],
-        mask_token_id=95,
-        num_layers=2,
-        block_size=4,
-    )
+    cfg = drafter_for_target(32, 48, 96, num_layers=2, block_size=4)
     T, N = 40, 3
     model = DFlashDrafter(cfg)
     head_VH = torch.randn(cfg.vocab_size, cfg.hidden_size)  # frozen, as the target's lm_head

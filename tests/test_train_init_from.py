@@ -8,13 +8,13 @@ import re
 import pytest
 import torch
 from click.testing import CliRunner
+from drafter_helpers import drafter_for_target
 from train_helpers import read_records, tiny_cache, tiny_cli_args, tiny_config
 
 from shards import ShardReader, decode_hidden, epoch_shard_order, load_target_head
 from train.attention import BlockAttentionLayout
-from train.blocks import anchor_seed, sample_blocks
+from train.blocks import anchor_seed, sample_shard_blocks
 from train.cli import main as train_cli
-from train.drafter_config import DrafterConfig
 from train.export import export_drafter, load_exported_drafter
 from train.loop import run_training
 from train.losses import LossConfig, block_loss
@@ -32,11 +32,8 @@ def first_step_loss_of(drafter_dir, cache, cfg) -> float:
     batch_id = epoch_shard_order(resolve_run(cfg).train_ids, 0, cfg.seed, 0, 1)[0]
     t, _ = reader.read(batch_id)
     gen = torch.Generator().manual_seed(anchor_seed(cfg.seed, rank=0))
-    blocks = sample_blocks(
-        input_ids_T=t["input_ids"],
-        position_ids_T=t["position_ids"],
-        loss_mask_T=t["loss_mask"],
-        cu_seqlens_S1=t["cu_seqlens"],
+    blocks = sample_shard_blocks(
+        t,
         num_blocks=cfg.num_blocks,
         block_size=cfg.block_size,
         mask_token_id=dcfg.mask_token_id,
@@ -79,22 +76,19 @@ def test_init_from_an_exported_drafter_continues_from_its_weights(tmp_path):
 def test_init_from_takes_the_drafter_shape_and_refuses_other_shape_options(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
     cc = ShardReader(cache).config
-    dcfg = DrafterConfig(
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    # A drafter for this cache's target whose shape the run would not derive (1 kv head, MLP 40, 3 layers).
+    dcfg = drafter_for_target(
+        cc.target.hidden_size,
+        40,
+        cc.target.vocab_size,
         num_layers=3,
-        hidden_size=32,
-        intermediate_size=40,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=8,
         rope_theta=5e5,
-        block_size=4,
-        mask_token_id=127,
-        tap_layer_ids=list(cc.tap_layer_ids),
-        num_target_layers=cc.target.num_layers,
-        vocab_size=128,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        layer_types=layer_types,
         sliding_window=5,
-    )
+        block_size=4,
+    ).replace(num_key_value_heads=1)
+    assert (dcfg.tap_layer_ids, dcfg.num_target_layers) == (list(cc.tap_layer_ids), cc.target.num_layers)
     torch.manual_seed(0)
     export_drafter(DFlashDrafter(dcfg), dcfg, tmp_path / "published")
     run = resolve_run(tiny_config(cache, tmp_path / "run", init_from=str(tmp_path / "published"), num_layers=5))
@@ -127,18 +121,8 @@ def test_init_from_takes_the_drafter_shape_and_refuses_other_shape_options(tmp_p
 
 def test_init_from_refuses_a_drafter_that_does_not_fit_the_cache(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
-    dcfg = DrafterConfig(
-        num_layers=1,
-        hidden_size=32,
-        intermediate_size=40,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        block_size=8,
-        mask_token_id=5,
-        tap_layer_ids=[0, 1, 2],
-        num_target_layers=6,
-        vocab_size=128,
+    dcfg = drafter_for_target(
+        32, 40, 128, num_layers=1, block_size=8, mask_token_id=5, tap_layer_ids=[0, 1, 2], num_target_layers=6
     )
     export_drafter(DFlashDrafter(dcfg), dcfg, tmp_path / "other")
     with pytest.raises(ValueError) as e:
@@ -152,7 +136,6 @@ def test_init_from_refuses_a_drafter_that_does_not_fit_the_cache(tmp_path):
         assert field in str(e.value)
     wide = dcfg.replace(
         hidden_size=64,
-        num_attention_heads=8,
         tap_layer_ids=[1, 3, 5],
         num_target_layers=8,
         block_size=4,

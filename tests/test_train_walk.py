@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from drafter_helpers import drafter_for_target
 from train_helpers import rewrite_shard, tiny_cache
 
 from shards import ShardReader, decode_hidden, load_target_head
 from train.attention import BlockAttentionLayout
-from train.drafter_config import DrafterConfig
 from train.evaluate import evaluate_drafter
 from train.model import DFlashDrafter, TargetHead
 from train.tree import tree_acceptance
@@ -35,16 +35,7 @@ def _multi_turn_cache(tmp_path):
 
 
 def _confident_drafter(seed: int = 0) -> DFlashDrafter:
-    cfg = DrafterConfig.for_target(
-        hidden_size=32,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        num_target_layers=8,
-        tap_layer_ids=[1, 3, 5],
-        mask_token_id=VOCAB - 1,
-        num_layers=1,
-        block_size=B,
-    )
+    cfg = drafter_for_target(32, 64, VOCAB, num_layers=1, block_size=B)
     torch.manual_seed(seed)
     model = DFlashDrafter(cfg).double()
     with torch.no_grad():
@@ -136,18 +127,9 @@ class _Oracle(torch.nn.Module):
 
     def __init__(self, input_ids_T, right: bool):
         super().__init__()
-        self.config = DrafterConfig(
-            hidden_size=VOCAB,
-            intermediate_size=8,
-            num_attention_heads=1,
-            num_key_value_heads=1,
-            head_dim=8,
-            num_layers=1,
-            block_size=B,
-            mask_token_id=VOCAB - 1,
-            tap_layer_ids=[1],
-            num_target_layers=4,
-            vocab_size=VOCAB,
+        # Only the walk reads the config (block size, MASK id); the forward below is the oracle.
+        self.config = drafter_for_target(
+            VOCAB, 8, VOCAB, num_layers=1, block_size=B, tap_layer_ids=[1], num_target_layers=4
         )
         self.ids, self.right = input_ids_T.long(), right
 

@@ -145,6 +145,18 @@ def sample_blocks(
     )
 
 
+def sample_shard_blocks(tensors: dict[str, torch.Tensor], **options) -> TrainingBlocks:
+    """sample_blocks over one shard as ShardReader.read returns it (input_ids, position_ids, loss_mask,
+    cu_seqlens); options are sample_blocks' own (num_blocks, block_size, mask_token_id, gamma, generator)."""
+    return sample_blocks(
+        input_ids_T=tensors["input_ids"],
+        position_ids_T=tensors["position_ids"],
+        loss_mask_T=tensors["loss_mask"],
+        cu_seqlens_S1=tensors["cu_seqlens"],
+        **options,
+    )
+
+
 def default_num_blocks(
     token_budget: int, block_size: int, tile_size: int = 128, anchors_per_token: float = 1 / 24
 ) -> int:

@@ -41,7 +41,7 @@ import torch
 from shards import ShardReader, decode_hidden
 
 from .attention import BlockAttentionLayout, choose_backend
-from .blocks import anchor_seed, default_num_blocks, sample_blocks
+from .blocks import anchor_seed, default_num_blocks, sample_shard_blocks
 from .drafter_config import DrafterConfig
 from .eval_config import EvalConfig
 from .losses import LossConfig, block_loss
@@ -257,16 +257,8 @@ def evaluate_drafter(
             )
             sums.add(_walk_key(rule), torch.tensor(counts.as_vector(), dtype=torch.float64))
         gen = torch.Generator().manual_seed(anchor_seed(seed, batch_id=batch_id))
-        blocks = sample_blocks(
-            input_ids_T=tensors["input_ids"],
-            position_ids_T=tensors["position_ids"],
-            loss_mask_T=tensors["loss_mask"],
-            cu_seqlens_S1=tensors["cu_seqlens"],
-            num_blocks=num_blocks,
-            block_size=B,
-            mask_token_id=cfg.mask_token_id,
-            gamma=gamma,
-            generator=gen,
+        blocks = sample_shard_blocks(
+            tensors, num_blocks=num_blocks, block_size=B, mask_token_id=cfg.mask_token_id, gamma=gamma, generator=gen
         )
         blocks = type(blocks)(**{k: v.to(device) for k, v in vars(blocks).items()})
         random_layout.update(blocks.seq_start_N, blocks.anchor_N)
