@@ -19,7 +19,7 @@ import json
 
 import pytest
 import torch
-from drafter_helpers import tiny_config, tiny_model_and_head
+from drafter_helpers import QWEN36_27B_TARGET, tiny_config, tiny_model_and_head
 
 from train.attention import block_mask_dense
 from train.drafter_config import DrafterConfig
@@ -153,18 +153,13 @@ def engine_mask(seq_start, anchor, num_ctx, block_size, causal: bool, window_lef
 def published_27b_layout(**changes) -> DrafterConfig:
     """The Qwen3.6-27B drafter layout SpecForge's configs/qwen3.6-27b-dflash.json describes."""
     base = dict(
+        **QWEN36_27B_TARGET,
         num_layers=5,
-        hidden_size=5120,
-        intermediate_size=17408,
         num_attention_heads=32,
         num_key_value_heads=8,
         head_dim=128,
         rope_theta=1e7,
         block_size=16,
-        mask_token_id=248070,
-        tap_layer_ids=[1, 16, 31, 46, 61],
-        num_target_layers=64,
-        vocab_size=248320,
         layer_types=[SLIDING] * 4 + [FULL],
         sliding_window=2048,
         bos_token_id=248043,
