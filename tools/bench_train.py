@@ -21,9 +21,19 @@ published sliding,sliding,sliding,sliding,full) with --sliding-window, and --seq
 sequence length, i.e. the context length, one run each). Each result also counts the kv tiles the
 flex BlockMasks visit per query tile (full and sliding masks): what the kernel skips outside the window.
 
+Kernel-time split (--profile): after the timed steps, --profile-steps more run under torch.profiler
+and every CUDA kernel is classified by name (tools/kernel_profile.py: GEMM, attention, softmax/loss,
+elementwise, copy/cast, reduction, optimizer, other); the table is printed and stored per result
+under "profile". The step's own options (STEP_FIELDS: --checkpoint-layers, the compute dtype, the
+loss chunk and the elementwise cuts) are dflash-train's flags, generated from TrainConfig, so one
+run can compare a setting on and off; --num-blocks overrides the density (e.g. 4096 per 49152 tokens
+with --checkpoint-layers). Each result also reports ms per query token (step time / query tokens).
+
 Usage: python -m tools.bench_train --out bench_train.json [--sizes 27b,4b] [--steps 5]
        python -m tools.bench_train --sizes 27b --modes graphs --seq-lens 4096,32768 \
            --layer-types full,full,full,full,full --layer-types sliding,sliding,sliding,sliding,full
+       python -m tools.bench_train --sizes 27b --modes graphs --steps 3 --profile
+       python -m tools.bench_train --sizes 27b --modes graphs --steps 3 --num-blocks 4096 --checkpoint-layers
 """
 
 from __future__ import annotations
@@ -35,11 +45,14 @@ import logging
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import click
 import torch
 
 from shards import CacheConfig, TargetInfo
+from shards.cli_options import config_options
+from tools.kernel_profile import format_profile, profile_kernels
 from train.blocks import default_num_blocks, sample_blocks
 from train.drafter_config import DrafterConfig
 from train.loop import build_step_state
@@ -70,7 +83,24 @@ SIZES = {
     "4b": Size("4b", 2560, 9216, (32, 8, 128), 248320, 5, 8192, 2048),
     # Launch-bound: many small kernels per step (4B width, 2048-token budget, 32 blocks = 512 queries).
     "launch": Size("launch", 2560, 9216, (32, 8, 128), 248320, 5, 2048, 512, num_blocks=32),
+    # CPU-sized (tests: --device cpu): 2 layers of width 64, 16 blocks of 16 per 512 tokens.
+    "tiny": Size("tiny", 64, 128, (4, 2, 16), 512, 2, 512, 128, taps=3, num_blocks=16),
 }
+
+# TrainConfig fields of the step itself that the benchmark exposes as dflash-train's own flags.
+STEP_FIELDS = ("checkpoint_layers", "compute_dtype", "loss_chunk_blocks")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What every configuration of one benchmark invocation shares besides size and mode."""
+
+    steps: int  # timed steps per configuration, after warm-up
+    profile_steps: int = 0  # steps run under torch.profiler after the timed ones; 0 = no profile
+    layer_types: list[str] | None = None  # None = all full
+    sliding_window: int | None = None
+    num_blocks: int | None = None  # None = the size's own (or dflash-train's default for the budget)
+    step_options: dict = dataclasses.field(default_factory=dict)  # STEP_FIELDS -> TrainConfig values
 
 
 def bf16_matmul_peak(device: torch.device, n: int = 8192, iters: int = 20) -> float:
@@ -184,16 +214,11 @@ def step_flops(size: Size, cfg: DrafterConfig, num_blocks: int, mean_keys: list[
 
 
 def bench_one(
-    size: Size,
-    mode: str,
-    num_blocks: int,
-    steps: int,
-    device: torch.device,
-    peak: float,
-    layer_types: list[str] | None = None,
-    sliding_window: int | None = None,
+    size: Size, mode: str, num_blocks: int, options: RunOptions, device: torch.device, peak: float | None
 ) -> dict:
-    dcfg = drafter_config(size, layer_types, sliding_window)
+    """One configuration: set-up, warm-up, `options.steps` timed steps, then the optional profile."""
+    steps, cuda = options.steps, device.type == "cuda"
+    dcfg = drafter_config(size, options.layer_types, options.sliding_window)
     cc = CacheConfig(
         target=TargetInfo(
             name="random",
@@ -217,6 +242,7 @@ def bench_one(
             num_blocks=num_blocks,
             num_layers=size.layers,
             cuda_graphs=mode == "graphs",
+            **options.step_options,
         )
     run = ResolvedRun(
         cache_config=cc,
@@ -233,7 +259,8 @@ def bench_one(
         "embed_tokens": torch.randn(size.vocab, size.hidden, device=device, dtype=torch.bfloat16) * 0.02,
         "lm_head": torch.randn(size.vocab, size.hidden, device=device, dtype=torch.bfloat16) * 0.02,
     }
-    torch.cuda.reset_peak_memory_stats(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     state = build_step_state(cfg, run, head, device)
     fill_random_batch(state, size, gen)
     blocks = sample_blocks(
@@ -252,13 +279,14 @@ def bench_one(
     runner = StepRunner(state, cuda_graphs=mode == "graphs", warmup_iters=2)
     for _ in range(2):
         runner.run(with_metrics=False)
-    torch.cuda.synchronize(device)
+    _sync(device)
     setup_s = time.perf_counter() - t_setup
     t0 = time.perf_counter()
     for _ in range(steps):
         runner.run(with_metrics=False)
-    torch.cuda.synchronize(device)
+    _sync(device)
     step_s = (time.perf_counter() - t0) / steps
+    peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     loss = float(state.totals.sums.view("loss/total") / state.totals.sums.view("steps"))
     flops = step_flops(size, dcfg, num_blocks, mean_keys)
     total = sum(flops.values())
@@ -271,8 +299,9 @@ def bench_one(
         "step_ms": step_s * 1e3,
         "query_tokens_per_s": num_blocks * size.block_size / step_s,
         "context_tokens_per_s": size.token_budget / step_s,
+        "ms_per_query_token": step_s * 1e3 / (num_blocks * size.block_size),
         "tflops": total / step_s / 1e12,
-        "mfu": total / step_s / peak,
+        "mfu": total / step_s / peak if peak else None,
         "flops_per_step": flops,
         "layer_types": list(dcfg.layer_types),
         "sliding_window": dcfg.attention_window,
@@ -280,32 +309,37 @@ def bench_one(
         "mean_keys_per_query": sum(mean_keys) / len(mean_keys),
         "mean_keys_per_layer": mean_keys,
         "kv_tiles_per_q_tile": tiles,
-        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "peak_mem_gib": peak_mem,
         "setup_s": setup_s,
         "mean_loss": loss,
         "params": count_parameters(dcfg),
+        "step_options": {k: v for k, v in options.step_options.items()},
     }
+    if options.profile_steps:
+        result["profile"] = profile_kernels(partial(runner.run, with_metrics=False), options.profile_steps, device)
+        log.info("%s %s kernel profile:\n%s", size.name, mode, format_profile(result["profile"]))
     del runner, state, head, blocks
     gc.collect()
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return result
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def bench_size(
-    size: Size,
-    modes: list[str],
-    steps: int,
-    device: torch.device,
-    peak: float,
-    layer_types: list[str] | None = None,
-    sliding_window: int | None = None,
+    size: Size, modes: list[str], options: RunOptions, device: torch.device, peak: float | None
 ) -> list[dict]:
-    num_blocks = size.num_blocks or default_num_blocks(size.token_budget, size.block_size)
+    """Every mode of one size; out of memory halves the blocks and retries (the failure is a result too)."""
+    num_blocks = options.num_blocks or size.num_blocks or default_num_blocks(size.token_budget, size.block_size)
     results = []
     for mode in modes:
         while True:
             try:
-                results.append(bench_one(size, mode, num_blocks, steps, device, peak, layer_types, sliding_window))
+                results.append(bench_one(size, mode, num_blocks, options, device, peak))
                 log.info("%s %s: %s", size.name, mode, _row(results[-1]))
                 break
             except torch.cuda.OutOfMemoryError:
@@ -332,17 +366,21 @@ def _row(r: dict) -> str:
         return f"{r['size']:<5} {r['mode']:<7} {r['num_blocks']:>6}  {r['error']}"
     tiles = r.get("kv_tiles_per_q_tile") or {}
     tile_text = "/".join(f"{tiles[k]:.0f}" for k in ("full", "sliding") if k in tiles)
+    mfu = f"{100 * r['mfu']:>6.1f}%" if r["mfu"] is not None else f"{'-':>7}"
+    mem = f"{r['peak_mem_gib']:>7.1f}" if r["peak_mem_gib"] is not None else f"{'-':>7}"
     return (
         f"{r['size']:<5} {r['mode']:<7} {_layout_name(r):<12} {r['seq_len']:>7} {r['num_blocks']:>6} "
         f"{r['query_tokens_per_s']:>12,.0f} {r['context_tokens_per_s']:>10,.0f} {r['step_ms']:>9.1f} "
-        f"{r['tflops']:>8.1f} {100 * r['mfu']:>6.1f}% {r['peak_mem_gib']:>7.1f} {r['mean_keys_per_query']:>8.0f} "
+        f"{1e3 * r['ms_per_query_token']:>8.2f} {r['tflops']:>8.1f} {mfu} {mem} {r['mean_keys_per_query']:>8.0f} "
         f"{tile_text:>9}"
     )
 
 
 @click.command()
 @click.option("--out", "out_path", default="bench_train.json", show_default=True, help="JSON results file.")
-@click.option("--sizes", default="27b,4b", show_default=True, help="Comma-separated: 27b, 4b, launch.")
+@click.option(
+    "--sizes", default="27b,4b", show_default=True, help="Comma-separated: 27b, 4b, launch, tiny (CPU tests)."
+)
 @click.option("--modes", default="graphs,eager", show_default=True, help="Comma-separated: graphs, eager.")
 @click.option("--steps", default=5, show_default=True, help="Timed steps per configuration (after warm-up).")
 @click.option(
@@ -362,6 +400,22 @@ def _row(r: dict) -> str:
     default=None,
     help="Comma-separated packed sequence lengths (context length) to run each size at; default: the size's own.",
 )
+@click.option(
+    "--num-blocks",
+    default=None,
+    type=int,
+    help="Draft blocks per batch (query tokens = blocks x 16); default: the size's own (27b: 2048).",
+)
+@click.option("--profile", is_flag=True, help="Profile --profile-steps more steps: kernel time by category.")
+@click.option("--profile-steps", default=3, show_default=True, help="Steps under torch.profiler with --profile.")
+@click.option(
+    "--device",
+    "device_name",
+    default="cuda",
+    show_default=True,
+    help="cuda, or cpu (only for the tiny size: tests; eager mode, no MFU, no peak memory).",
+)
+@config_options(TrainConfig, exclude=[f.name for f in dataclasses.fields(TrainConfig) if f.name not in STEP_FIELDS])
 def main(
     out_path: str,
     sizes: str,
@@ -370,17 +424,34 @@ def main(
     layouts: tuple[str, ...],
     sliding_window: int,
     seq_lens: str | None,
+    num_blocks: int | None,
+    profile: bool,
+    profile_steps: int,
+    device_name: str,
+    **step_options,
 ) -> None:
     """Drafter training throughput (query tokens/s per GPU) and MFU, CUDA graphs vs eager."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
-    if not torch.cuda.is_available():
-        raise click.ClickException("bench_train needs a CUDA GPU")
-    device = torch.device("cuda:0")
-    torch.cuda.set_device(device)
-    peak = bf16_matmul_peak(device)
-    log.info("bf16 matmul peak (8192^3): %.1f TFLOP/s on %s", peak / 1e12, torch.cuda.get_device_name(device))
+    mode_list = [m.strip() for m in modes.split(",")]
+    if device_name == "cpu":
+        if "graphs" in mode_list:
+            raise click.BadParameter("--modes graphs needs CUDA; pass --modes eager with --device cpu")
+        device, peak = torch.device("cpu"), None
+    elif device_name == "cuda":
+        if not torch.cuda.is_available():
+            raise click.ClickException("bench_train needs a CUDA GPU (or --device cpu --sizes tiny)")
+        device = torch.device("cuda:0")
+        torch.cuda.set_device(device)
+        peak = bf16_matmul_peak(device)
+        log.info("bf16 matmul peak (8192^3): %.1f TFLOP/s on %s", peak / 1e12, torch.cuda.get_device_name(device))
+    else:
+        raise click.BadParameter(f"--device {device_name}: must be cuda or cpu")
+    if num_blocks is not None and num_blocks < 1:
+        raise click.BadParameter(f"--num-blocks {num_blocks}: must be >= 1")
+    if profile and profile_steps < 1:
+        raise click.BadParameter(f"--profile-steps {profile_steps}: must be >= 1")
     log.info("FLOPs/step = 6*P_layers*Q + 6*L*(2*H*M*D)*T + 12*L*N*D*keys*Q + 4*V*H*Q + 4*(K*H)*H*T")
     layer_specs = [parse_layer_types(spec) for spec in layouts] or [None]
     results = []
@@ -394,21 +465,32 @@ def main(
                 if types is not None and len(types) != base.layers:
                     raise click.BadParameter(f"--layer-types {','.join(types)}: {base.name} has {base.layers} layers")
                 size = dataclasses.replace(base, seq_len=length)
-                results += bench_size(
-                    size, [m.strip() for m in modes.split(",")], steps, device, peak, types, sliding_window
+                options = RunOptions(
+                    steps=steps,
+                    profile_steps=profile_steps if profile else 0,
+                    layer_types=types,
+                    sliding_window=sliding_window,
+                    num_blocks=num_blocks,
+                    step_options=step_options,
                 )
+                results += bench_size(size, mode_list, options, device, peak)
     header = (
         f"{'size':<5} {'mode':<7} {'layout':<12} {'seq len':>7} {'blocks':>6} {'query tok/s':>12} "
-        f"{'ctx tok/s':>10} {'step ms':>9} {'TFLOP/s':>8} {'MFU':>7} {'mem GiB':>7} {'keys/q':>8} {'kv tiles':>9}"
+        f"{'ctx tok/s':>10} {'step ms':>9} {'us/q tok':>8} {'TFLOP/s':>8} {'MFU':>7} {'mem GiB':>7} {'keys/q':>8} "
+        f"{'kv tiles':>9}"
     )
+    click.echo(f"step options: {step_options}")
     click.echo(header)
     click.echo("-" * len(header))
     for r in results:
         click.echo(_row(r))
+    for r in results:
+        if "profile" in r:
+            click.echo(f"\n{r['size']} {r['mode']} {r['num_blocks']} blocks:\n{format_profile(r['profile'])}")
     with open(out_path, "w") as f:
         json.dump(
             {
-                "device": torch.cuda.get_device_name(device),
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 "bf16_peak_flops": peak,
                 "torch": torch.__version__,
                 "results": results,
