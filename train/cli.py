@@ -92,6 +92,8 @@ def train(gpus: str | None, **options) -> None:
                 "run the same command with --resume to continue",
                 err=True,
             )
+        else:  # each rank says it stopped cleanly, at the step every rank agreed on
+            click.echo(f"rank {os.environ.get('RANK')}: stopped by SIGTERM after step {summary.steps}", err=True)
         sys.exit(143)  # 128 + SIGTERM: the job did not finish, and nothing was lost
     if main_rank:
         click.echo(summary.report())

@@ -51,7 +51,7 @@ from .flops import drafter_step_flops, peak_flops
 from .metrics import MetricsLogger, StepTotals
 from .model import DFlashDrafter, TargetHead, count_parameters
 from .precision import autocast_dtype, torch_dtype
-from .preempt import StopOnSigterm
+from .preempt import StopOnSigterm, stop_together
 from .rundir import check_run_dir, clean_stale_temporaries, truncate_metrics
 from .step import StepRunner, StepState, WarmupCosine, load_optimizer_state_, make_optimizer
 from .train_config import ResolvedRun, TrainConfig, resolve_run
@@ -417,6 +417,7 @@ class Trainer:
             log.warning(
                 "SIGTERM: stopped after step %d, checkpoint %s; --resume continues", self.step, self.last_checkpoint
             )
+            stop_together(self.dist.world_size)
             return TrainSummary(
                 self.step,
                 self.metrics.tokens_seen,

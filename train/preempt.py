@@ -5,13 +5,21 @@ that step and exits, so at most the step in flight is lost. Under several ranks 
 after the same step (a rank that stops early hangs the others' all-reduce), so the flags are
 MAX-all-reduced each step on the device, and the result is read one step later: no host sync in the
 step, and all ranks decide on the same reduced value.
+
+Under torchrun the first rank to exit non-zero makes the agent SIGTERM the others: a rank still
+writing the checkpoint or its last record would die half way. So once the ranks have agreed and
+rank 0's files are written, `stop_together` ignores any further SIGTERM (the stop is under way) and
+makes the ranks meet once more: none exits before every rank is done, and each exits with 143.
 """
 
 from __future__ import annotations
 
+import signal
+
 import torch
 import torch.distributed as dist
 
+from shards.runtime import barrier
 from shards.sigterm import SigtermFlag
 
 
@@ -44,3 +52,11 @@ class StopOnSigterm(SigtermFlag):
             self._event.record()
         self._pending = True
         return decided
+
+
+def stop_together(world_size: int) -> None:
+    """After an agreed SIGTERM stop (checkpoint and events written): under several ranks, ignore
+    torchrun's SIGTERM from here to exit and wait until every rank got here. One process: nothing."""
+    if world_size > 1 and dist.is_initialized():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        barrier()
