@@ -15,15 +15,22 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, **extra}
 
 
-def torchrun_command(module: str, *args: str, nproc: int = 2) -> list[str]:
-    """`python -m torch.distributed.run` of `python -m module args` on nproc local ranks."""
+def torchrun_command(module: str, *args: str, nproc: int = 2, log_dir: str | Path | None = None) -> list[str]:
+    """`python -m torch.distributed.run` of `python -m module args` on nproc local ranks; with `log_dir`,
+    each rank's stderr goes to its own file (rank_stderr reads them)."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
+        *(["--redirects=2", f"--log-dir={log_dir}"] if log_dir is not None else []),
         "-m",
         module,
         *args,
     ]
+
+
+def rank_stderr(log_dir: str | Path) -> dict[int, str]:
+    """Local rank -> its stderr, from a torchrun_command(..., log_dir=log_dir) run."""
+    return {int(p.parent.name): p.read_text() for p in Path(log_dir).rglob("stderr.log")}

@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from extract_helpers import REPO
+from process_helpers import REPO, child_env, rank_stderr, torchrun_command
 from train_helpers import read_records, tiny_cache, tiny_cli_args
 
 from shards import ShardReader, epoch_shard_order
@@ -62,16 +61,10 @@ SIGTERM_ONE_RANK = textwrap.dedent("""
 """)
 
 
-def torchrun(*args: str, log_dir: Path | None = None) -> subprocess.CompletedProcess:
-    """Two ranks; with `log_dir`, torchrun keeps each rank's stderr apart (LOG_DIR/.../RANK/stderr.log)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-    logs = ["--redirects=2", f"--log-dir={log_dir}"] if log_dir is not None else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", *logs, *args]
+def torchrun(module: str, *args: str, log_dir: Path | None = None, path: Path | None = None):
+    env = child_env(PYTHONPATH=f"{REPO}{os.pathsep}{path}") if path is not None else child_env()
+    cmd = torchrun_command(module, *args, nproc=WORLD, log_dir=log_dir)
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-
-
-def rank_stderr(log_dir: Path) -> dict[int, str]:
-    return {int(p.parent.name): p.read_text() for p in log_dir.rglob("stderr.log")}
 
 
 def losses(run) -> dict[int, float]:
@@ -83,7 +76,7 @@ def uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("ranks")
     cache = tiny_cache(root / "cache", num_batches=NUM_SHARDS)
     run = root / "run"
-    proc = torchrun("-m", "train.cli", *tiny_cli_args(cache, run, *SETTINGS))
+    proc = torchrun("train.cli", *tiny_cli_args(cache, run, *SETTINGS))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return cache, run, proc
 
@@ -96,9 +89,9 @@ def test_sigterm_on_one_rank_stops_both_at_one_step_and_resume_is_exact(uninterr
     rank, k = 1, 2  # the rank that does not write checkpoints: rank 0 must learn of it through the flag
     cache, full, _ = uninterrupted
     run = tmp_path / "run"
-    script = tmp_path / "sigterm_one_rank.py"
-    script.write_text(SIGTERM_ONE_RANK)
-    proc = torchrun(str(script), str(k), str(rank), *tiny_cli_args(cache, run, *SETTINGS), log_dir=tmp_path / "logs")
+    (tmp_path / "sigterm_one_rank.py").write_text(SIGTERM_ONE_RANK)
+    args = tiny_cli_args(cache, run, *SETTINGS)
+    proc = torchrun("sigterm_one_rank", str(k), str(rank), *args, log_dir=tmp_path / "logs", path=tmp_path)
     logs = rank_stderr(tmp_path / "logs")
     shown = proc.stderr[-3000:] + "".join(f"\n--- rank {r} ---\n{t[-3000:]}" for r, t in sorted(logs.items()))
     assert proc.returncode != 0, "a pre-empted job must not report success\n" + shown
@@ -115,7 +108,7 @@ def test_sigterm_on_one_rank_stops_both_at_one_step_and_resume_is_exact(uninterr
     assert [e["step"] for e in events if e.get("event") == "stopped"] == [stop_step]
     assert sorted(losses(run)) == list(range(1, stop_step + 1)), "no step was trained past the agreed one"
 
-    proc = torchrun("-m", "train.cli", *tiny_cli_args(cache, run, *SETTINGS, "--resume"))
+    proc = torchrun("train.cli", *tiny_cli_args(cache, run, *SETTINGS, "--resume"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got, reference = losses(run), losses(full)
     assert sorted(got) == sorted(reference) == list(range(1, STEPS + 1))
