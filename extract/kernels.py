@@ -281,22 +281,38 @@ def _import_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
 
 
-def _pick_gdn(on_cuda: bool, forced: str | None, fns: dict) -> tuple[str, str]:
-    if forced is not None and forced not in GDN_BACKENDS:
-        raise ValueError(f"gated_delta backend {forced!r}, expected one of {GDN_BACKENDS}")
-    if forced == "torch":
-        return "torch", "forced by caller"
+def _choice_without_import(
+    op: str, forced: str | None, backends: tuple[str, ...], fallback: str, on_cuda: bool, off_gpu: str
+) -> tuple[str, str] | None:
+    """The choices every op makes before importing a fast kernel: a name outside `backends` is refused,
+    the torch `fallback` is taken when forced or off the GPU (where forcing a GPU kernel is refused).
+    None: try the fast kernels."""
+    if forced is not None and forced not in backends:
+        raise ValueError(f"{op} backend {forced!r}, expected one of {backends}")
+    if forced == fallback:
+        return fallback, "forced by caller"
     if not on_cuda:
-        if forced == "fla":
-            raise ValueError("gated_delta backend 'fla' needs a CUDA device")
-        return "torch", "device is not CUDA: pure-torch chunked rule"
+        if forced is not None:
+            raise ValueError(f"{op} backend {forced!r} needs a CUDA device")
+        return fallback, off_gpu
+    return None
+
+
+def _refuse_if_forced(op: str, backend: str, forced: str | None, exc: BaseException, problem: str) -> None:
+    """A fast kernel failed to import or run: an error if the caller forced it, else the next one is tried."""
+    if forced == backend:
+        raise RuntimeError(f"{op} backend {backend!r} forced but {problem}: {_import_error(exc)}") from exc
+
+
+def _pick_gdn(on_cuda: bool, forced: str | None, fns: dict) -> tuple[str, str]:
+    off_gpu = "device is not CUDA: pure-torch chunked rule"
+    chosen = _choice_without_import("gated_delta", forced, GDN_BACKENDS, "torch", on_cuda, off_gpu)
+    if chosen is not None:
+        return chosen
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception as exc:  # fla raises ImportError, or RuntimeError from triton without a driver
-        if forced == "fla":
-            raise RuntimeError(
-                f"gated_delta backend 'fla' forced but fla-core is not importable: {_import_error(exc)}"
-            ) from exc
+        _refuse_if_forced("gated_delta", "fla", forced, exc, "fla-core is not importable")
         return "torch", f"fla-core not importable ({_import_error(exc)}): pure-torch chunked rule"
     fns["fla_gdn"] = chunk_gated_delta_rule
     try:
@@ -309,14 +325,10 @@ def _pick_gdn(on_cuda: bool, forced: str | None, fns: dict) -> tuple[str, str]:
 
 
 def _pick_conv(on_cuda: bool, forced: str | None, fns: dict) -> tuple[str, str]:
-    if forced is not None and forced not in CONV_BACKENDS:
-        raise ValueError(f"conv backend {forced!r}, expected one of {CONV_BACKENDS}")
-    if forced == "torch":
-        return "torch", "forced by caller"
-    if not on_cuda:
-        if forced is not None:
-            raise ValueError(f"conv backend {forced!r} needs a CUDA device")
-        return "torch", "device is not CUDA: torch shifted-sum conv with sequence-start masks"
+    off_gpu = "device is not CUDA: torch shifted-sum conv with sequence-start masks"
+    chosen = _choice_without_import("conv", forced, CONV_BACKENDS, "torch", on_cuda, off_gpu)
+    if chosen is not None:
+        return chosen
     why_not = []
     if forced in (None, "causal_conv1d"):
         try:
@@ -328,10 +340,7 @@ def _pick_conv(on_cuda: bool, forced: str | None, fns: dict) -> tuple[str, str]:
                 f"causal-conv1d {_version('causal-conv1d', 'causal_conv1d')} causal_conv1d_fn with seq_idx",
             )
         except Exception as exc:
-            if forced == "causal_conv1d":
-                raise RuntimeError(
-                    f"conv backend 'causal_conv1d' forced but not importable: {_import_error(exc)}"
-                ) from exc
+            _refuse_if_forced("conv", "causal_conv1d", forced, exc, "not importable")
             why_not.append(f"causal-conv1d not importable ({_import_error(exc)})")
     try:
         try:
@@ -341,23 +350,16 @@ def _pick_conv(on_cuda: bool, forced: str | None, fns: dict) -> tuple[str, str]:
         fns["fla_conv"] = fla_conv
         return "fla", "; ".join(why_not + ["fla Triton causal_conv1d with cu_seqlens"])
     except Exception as exc:
-        if forced == "fla":
-            raise RuntimeError(
-                f"conv backend 'fla' forced but fla-core is not importable: {_import_error(exc)}"
-            ) from exc
+        _refuse_if_forced("conv", "fla", forced, exc, "fla-core is not importable")
         why_not.append(f"fla-core not importable ({_import_error(exc)})")
     return "torch", "; ".join(why_not + ["torch shifted-sum conv"])
 
 
 def _pick_attention(on_cuda: bool, forced: str | None, fns: dict, device: torch.device) -> tuple[str, str, bool]:
-    if forced is not None and forced not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend {forced!r}, expected one of {ATTENTION_BACKENDS}")
-    if forced == "sdpa":
-        return "sdpa", "forced by caller", False
-    if not on_cuda:
-        if forced is not None:
-            raise ValueError(f"attention backend {forced!r} needs a CUDA device")
-        return "sdpa", "device is not CUDA: per-sequence SDPA", False
+    off_gpu = "device is not CUDA: per-sequence SDPA"
+    chosen = _choice_without_import("attention", forced, ATTENTION_BACKENDS, "sdpa", on_cuda, off_gpu)
+    if chosen is not None:
+        return *chosen, False  # kv heads are expanded only for torch varlen
     why_not = []
     if forced in (None, "torch_varlen"):
         try:
@@ -367,10 +369,7 @@ def _pick_attention(on_cuda: bool, forced: str | None, fns: dict, device: torch.
             how = "kv heads expanded (native GQA check failed)" if expand else "native GQA"
             return "torch_varlen", f"torch {torch.__version__} nn.attention.varlen flash, causal, {how}", expand
         except Exception as exc:
-            if forced == "torch_varlen":
-                raise RuntimeError(
-                    f"attention backend 'torch_varlen' forced but unusable: {_import_error(exc)}"
-                ) from exc
+            _refuse_if_forced("attention", "torch_varlen", forced, exc, "unusable")
             why_not.append(f"torch varlen attention unusable ({_import_error(exc)})")
     try:
         from fla.ops.attn import parallel_attn
@@ -378,10 +377,7 @@ def _pick_attention(on_cuda: bool, forced: str | None, fns: dict, device: torch.
         fns["fla_attn"] = parallel_attn
         return "fla", "; ".join(why_not + ["fla Triton parallel_attn with cu_seqlens, native GQA"]), False
     except Exception as exc:
-        if forced == "fla":
-            raise RuntimeError(
-                f"attention backend 'fla' forced but fla-core is not importable: {_import_error(exc)}"
-            ) from exc
+        _refuse_if_forced("attention", "fla", forced, exc, "fla-core is not importable")
         why_not.append(f"fla-core not importable ({_import_error(exc)})")
     return "sdpa", "; ".join(why_not + ["per-sequence SDPA"]), False
 

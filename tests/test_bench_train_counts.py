@@ -1,28 +1,20 @@
 """tools/bench_train's analytic counts (keys per query per layer, kv tiles visited) against the masks."""
 
+from types import SimpleNamespace
+
 import torch
 from drafter_helpers import ranges_at_sequence_starts
 
 from tools.bench_train import SIZES, drafter_config, mean_keys_per_layer, parse_layer_types, visited_kv_tiles
 from train.attention import BlockAttentionLayout, block_mask_dense
-from train.blocks import TrainingBlocks
 
 
 def test_mean_keys_per_layer_counts_the_dense_masks():
     num_ctx, nb, bs, window = 300, 16, 16, 40
     seq_start, anchor = ranges_at_sequence_starts(num_ctx, nb, 2)
     valid = anchor > seq_start  # blocks at a sequence start count as padding here, as the trainer makes them
-    blocks = TrainingBlocks(
-        block_ids_NB=None,
-        block_pos_NB=None,
-        labels_NB=None,
-        label_valid_NB=None,
-        weights_NB=None,
-        prev_index_NB=None,
-        anchor_N=anchor,
-        seq_start_N=seq_start,
-        block_valid_N=valid,
-    )
+    # The count reads only the blocks' ranges and validity (the rest of a TrainingBlocks is not needed).
+    blocks = SimpleNamespace(anchor_N=anchor, seq_start_N=seq_start, block_valid_N=valid)
     cfg = drafter_config(SIZES["launch"], parse_layer_types("sliding,full,sliding,full,full"), window)
     got = mean_keys_per_layer(blocks, cfg)
     for i, sliding in enumerate(cfg.sliding_layers):

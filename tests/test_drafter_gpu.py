@@ -79,13 +79,8 @@ def test_flex_matches_sdpa_at_27b_width(param_dtype, layers):
     results = []
     for backend in ("flex", "sdpa"):
         model.zero_grad(set_to_none=True)
-        layout = BlockAttentionLayout(
-            num_ctx=2048,
-            num_blocks=num_blocks,
-            block_size=cfg.block_size,
-            backend=backend,
-            device=DEVICE,
-            sliding_window=cfg.attention_window,
+        layout = BlockAttentionLayout.for_drafter(
+            cfg, num_ctx=2048, num_blocks=num_blocks, backend=backend, device=DEVICE
         )
         parts = run_step(model, head, batch, blocks, layout, loss_cfg)
         results.append((parts.total.detach().float(), {n: p.grad.clone() for n, p in model.named_parameters()}))
@@ -111,14 +106,7 @@ def test_training_step_captures_into_cuda_graph_and_replays(layers):
     batch = cuda_batch(cfg, [300, 400, 200], 1024, 4)
     num_blocks = 32
     loss_cfg = LossConfig(kl_lambda=0.0, cap_lambda=0.5, chunk_blocks=8)
-    layout = BlockAttentionLayout(
-        num_ctx=1024,
-        num_blocks=num_blocks,
-        block_size=cfg.block_size,
-        backend="flex",
-        device=DEVICE,
-        sliding_window=cfg.attention_window,
-    )
+    layout = BlockAttentionLayout.for_drafter(cfg, num_ctx=1024, num_blocks=num_blocks, backend="flex", device=DEVICE)
 
     def step():
         # Default CUDA generator: graph-safe, so each replay draws new anchors.
@@ -152,13 +140,7 @@ def test_training_step_captures_into_cuda_graph_and_replays(layers):
     assert not torch.equal(*anchors_seen), "replays must draw fresh anchors"
 
     replayed = TrainingBlocks(**{k: v.clone() for k, v in vars(blocks).items()})
-    dense = BlockAttentionLayout(
-        num_ctx=1024,
-        num_blocks=num_blocks,
-        block_size=cfg.block_size,
-        device=DEVICE,
-        sliding_window=cfg.attention_window,
-    )
+    dense = BlockAttentionLayout.for_drafter(cfg, num_ctx=1024, num_blocks=num_blocks, device=DEVICE)
     eager = run_step(reference, head, batch, replayed, dense, loss_cfg)
     assert torch.isfinite(parts.total).item()
     assert abs(parts.total.item() - eager.total.item()) < 2e-2, f"{parts.total.item()} vs {eager.total.item()}"

@@ -9,13 +9,9 @@ import pytest
 import torch
 from process_helpers import child_env, torchrun_command
 from safetensors.torch import load_file
-from train_helpers import tiny_cache, tiny_cli_args, tiny_config
+from train_helpers import hand_step_loss, tiny_cache, tiny_cli_args, tiny_config
 
-from shards import ShardReader, epoch_shard_order, load_target_head
-from train.attention import BlockAttentionLayout
-from train.blocks import anchor_seed, sample_shard_blocks
-from train.losses import LossConfig, block_loss
-from train.model import DFlashDrafter, TargetHead
+from train.model import DFlashDrafter
 from train.train_config import resolve_run
 
 
@@ -35,27 +31,9 @@ def test_two_gloo_ranks_equal_one_process_averaging_both_batches(tmp_path):
     run = resolve_run(cfg, world_size=2)
     torch.manual_seed(cfg.seed)
     model = DFlashDrafter(run.drafter)
-    head_t = load_target_head(cache)
-    head = TargetHead(head_t["embed_tokens"].float(), head_t["lm_head"].float())
-    reader = ShardReader(cache)
-    layout = BlockAttentionLayout(num_ctx=reader.config.token_budget, num_blocks=8, block_size=4)
     losses = []
     for rank in (0, 1):
-        batch_id = epoch_shard_order(run.train_ids, 0, cfg.seed, rank, 2)[0]
-        t, _ = reader.read(batch_id)
-        blocks = sample_shard_blocks(
-            t,
-            num_blocks=8,
-            block_size=4,
-            mask_token_id=run.drafter.mask_token_id,
-            gamma=cfg.gamma,
-            generator=torch.Generator().manual_seed(anchor_seed(cfg.seed, rank=rank)),
-        )
-        layout.update(blocks.seq_start_N, blocks.anchor_N)
-        hidden = model(
-            t["hidden"].float(), t["position_ids"], head.embed(blocks.block_ids_NB), blocks.block_pos_NB, layout
-        )
-        loss = block_loss(hidden, head, blocks, LossConfig())
+        loss = hand_step_loss(model, run.drafter, cache, cfg, rank=rank, world_size=2)
         loss.total.backward()
         losses.append(float(loss.total.detach()))
     params = list(model.parameters())

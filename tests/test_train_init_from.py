@@ -9,16 +9,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 from drafter_helpers import drafter_for_target
-from train_helpers import read_records, tiny_cache, tiny_cli_args, tiny_config
+from train_helpers import hand_step_loss, read_records, tiny_cache, tiny_cli_args, tiny_config
 
-from shards import ShardReader, decode_hidden, epoch_shard_order, load_target_head
-from train.attention import BlockAttentionLayout
-from train.blocks import anchor_seed, sample_shard_blocks
+from shards import ShardReader
 from train.cli import main as train_cli
 from train.export import export_drafter, load_exported_drafter
 from train.loop import run_training
-from train.losses import LossConfig, block_loss
-from train.model import DFlashDrafter, TargetHead
+from train.model import DFlashDrafter
 from train.train_config import resolve_run
 
 SLIDING = dict(num_layers=2, layer_types=["sliding", "full"], sliding_window=6)
@@ -28,31 +25,8 @@ def first_step_loss_of(drafter_dir, cache, cfg) -> float:
     """The loss the trainer's first step must see: the loaded drafter on the first shard of epoch 0, the
     anchors of rank 0's generator, fp32, computed here without the trainer."""
     model, dcfg = load_exported_drafter(drafter_dir, dtype=torch.float32)
-    reader = ShardReader(cache)
-    batch_id = epoch_shard_order(resolve_run(cfg).train_ids, 0, cfg.seed, 0, 1)[0]
-    t, _ = reader.read(batch_id)
-    gen = torch.Generator().manual_seed(anchor_seed(cfg.seed, rank=0))
-    blocks = sample_shard_blocks(
-        t,
-        num_blocks=cfg.num_blocks,
-        block_size=cfg.block_size,
-        mask_token_id=dcfg.mask_token_id,
-        gamma=cfg.gamma,
-        generator=gen,
-    )
-    layout = BlockAttentionLayout(
-        num_ctx=reader.config.token_budget,
-        num_blocks=cfg.num_blocks,
-        block_size=cfg.block_size,
-        sliding_window=dcfg.attention_window,
-    )
-    layout.update(blocks.seq_start_N, blocks.anchor_N)
-    raw = load_target_head(cache)
-    head = TargetHead(raw["embed_tokens"].float(), raw["lm_head"].float())
-    hidden = decode_hidden(t["hidden"], t.get("hidden_scale")).float()
     with torch.no_grad():
-        out = model(hidden, t["position_ids"], head.embed(blocks.block_ids_NB), blocks.block_pos_NB, layout)
-        return block_loss(out, head, blocks, LossConfig(chunk_blocks=cfg.loss_chunk_blocks)).total.item()
+        return hand_step_loss(model, dcfg, cache, cfg).total.item()
 
 
 def test_init_from_an_exported_drafter_continues_from_its_weights(tmp_path):

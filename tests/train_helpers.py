@@ -1,4 +1,5 @@
-"""Helpers shared by the test_train_* modules: tiny caches and a tiny TrainConfig (no tests here)."""
+"""Helpers shared by the test_train_* modules: tiny caches, a tiny TrainConfig and its CLI arguments, the
+trainer's first step computed by hand (no tests here)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,22 @@ from pathlib import Path
 
 import torch
 
-from shards import ShardReader, encode_hidden, write_manifest, write_shard
+from shards import (
+    ShardReader,
+    decode_hidden,
+    encode_hidden,
+    epoch_shard_order,
+    load_target_head,
+    write_manifest,
+    write_shard,
+)
 from tools.synthetic_cache import write_synthetic_cache
-from train.train_config import TrainConfig
+from train.attention import BlockAttentionLayout
+from train.blocks import anchor_seed, sample_shard_blocks
+from train.drafter_config import DrafterConfig
+from train.losses import block_loss
+from train.model import TargetHead
+from train.train_config import TrainConfig, resolve_run
 
 TINY_CACHE = dict(hidden_size=32, vocab_size=128, token_budget=128, max_seqs=4, tap_layer_ids=(1, 3, 5))
 
@@ -74,6 +88,30 @@ def read_records(run_dir: Path) -> list[dict]:
     """Step records of metrics.jsonl (events such as eval or skipped shards left out)."""
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "event" not in r]
+
+
+def hand_step_loss(model, drafter: DrafterConfig, cache: Path, cfg: TrainConfig, rank: int = 0, world_size: int = 1):
+    """The LossParts of the trainer's first step on `rank`, computed here without the trainer: the rank's
+    first shard of epoch 0, the anchors of its generator, the drafter's layout, float32 hidden states and
+    the run's loss settings. Differentiable: the caller may call backward()."""
+    run = resolve_run(cfg, world_size=world_size)
+    reader = ShardReader(cache)
+    t, _ = reader.read(epoch_shard_order(run.train_ids, 0, cfg.seed, rank, world_size)[0])
+    raw = load_target_head(cache)
+    head = TargetHead(raw["embed_tokens"].float(), raw["lm_head"].float())
+    blocks = sample_shard_blocks(
+        t,
+        num_blocks=cfg.num_blocks,
+        block_size=cfg.block_size,
+        mask_token_id=drafter.mask_token_id,
+        gamma=cfg.gamma,
+        generator=torch.Generator().manual_seed(anchor_seed(cfg.seed, rank=rank)),
+    )
+    layout = BlockAttentionLayout.for_drafter(drafter, num_ctx=reader.config.token_budget, num_blocks=cfg.num_blocks)
+    layout.update(blocks.seq_start_N, blocks.anchor_N)
+    hidden_TKH = decode_hidden(t["hidden"], t.get("hidden_scale")).float()
+    out = model(hidden_TKH, t["position_ids"], head.embed(blocks.block_ids_NB), blocks.block_pos_NB, layout)
+    return block_loss(out, head, blocks, cfg.loss_config())
 
 
 def rewrite_shard(cache: Path, batch_id: int, edit) -> None:

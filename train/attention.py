@@ -45,10 +45,13 @@ A query heads, M kv heads, D head dim, W sliding window (tokens, the query inclu
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .drafter_config import DrafterConfig
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +293,15 @@ class BlockAttentionLayout:
             self._flex[False] = _FlexMask(self, None, device)
             if sliding_window is not None:
                 self._flex[True] = _FlexMask(self, sliding_window, device)
+
+    @classmethod
+    def for_drafter(cls, drafter: DrafterConfig, *, num_ctx: int, num_blocks: int, **options) -> BlockAttentionLayout:
+        """The layout a drafter's forward needs: its block size, and its sliding window when it has
+        sliding layers (else no sliding mask is built); options are the constructor's (backend, device, ...)."""
+        block_size, sliding_window = drafter.block_size, drafter.attention_window
+        return cls(
+            num_ctx=num_ctx, num_blocks=num_blocks, block_size=block_size, sliding_window=sliding_window, **options
+        )
 
     # The full layers' flex mask (the sliding one: flex_mask(sliding=True)).
     @property

@@ -85,13 +85,9 @@ class EvalResult:
         """The JSON of `eval --out` and OUT/eval.json."""
         w = self.walk
         return {
-            "acceptance_length": w.acceptance_length,
-            "acceptance_length_pooled": w.acceptance_length_pooled,
+            **w.figures(),
             "num_responses": w.responses,
-            "num_steps": w.steps,
             "num_tokens": w.tokens,
-            "accepted_histogram": w.accepted_histogram,
-            "slot_acceptance": w.slot_acceptance,
             "tree_acceptance": {str(b): t.acceptance_length for b, t in self.tree_walks.items()},
             "tree_acceptance_pooled": {str(b): t.acceptance_length_pooled for b, t in self.tree_walks.items()},
             "heldout_loss": self.heldout_loss,
@@ -213,21 +209,10 @@ def evaluate_drafter(
     lanes = lanes or default_lanes(cc.max_seqs, B)
     # Random anchors independent of the run's settings, so `eval` later draws the very same blocks.
     num_blocks = num_blocks or default_num_blocks(cc.token_budget, B)
-    random_layout = BlockAttentionLayout(
-        num_ctx=cc.token_budget,
-        num_blocks=num_blocks,
-        block_size=B,
-        backend=attention,
-        device=device,
-        sliding_window=cfg.attention_window,
-    )
-    walk_layout = BlockAttentionLayout(
-        num_ctx=cc.token_budget,
-        num_blocks=lanes,
-        block_size=B,
-        backend=attention,
-        device=device,
-        sliding_window=cfg.attention_window,
+    # One layout for the random-anchor blocks, one for the walk's lanes.
+    random_layout, walk_layout = (
+        BlockAttentionLayout.for_drafter(cfg, num_ctx=cc.token_budget, num_blocks=n, backend=attention, device=device)
+        for n in (num_blocks, lanes)
     )
     rules: list[int | None] = [None, *budgets]
     width = len(WalkCounts(B).as_vector())

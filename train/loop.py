@@ -182,13 +182,9 @@ def build_step_state(
     optimizer = make_optimizer(params, schedule, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     cc = run.cache_config
     batch = StaticBatch(cc, device, compute_dtype, with_topk=cfg.kl_lambda > 0)
-    layout = BlockAttentionLayout(
-        num_ctx=cc.token_budget,
-        num_blocks=run.num_blocks,
-        block_size=cfg.block_size,
-        backend=choose_backend(cfg.attention, device),
-        device=device,
-        sliding_window=run.drafter.attention_window,
+    backend = choose_backend(cfg.attention, device)
+    layout = BlockAttentionLayout.for_drafter(
+        run.drafter, num_ctx=cc.token_budget, num_blocks=run.num_blocks, backend=backend, device=device
     )
     # Anchor sampling: the default CUDA generator on GPU (graph-safe); a private one on CPU.
     generator = None if device.type == "cuda" else torch.Generator(device)

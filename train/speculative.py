@@ -150,12 +150,8 @@ class DecodeReport:
     def to_dict(self) -> dict:
         w = self.walk
         return {
-            "acceptance_length": w.acceptance_length,
-            "acceptance_length_pooled": w.acceptance_length_pooled,
+            **w.figures(),
             "num_prompts": self.prompts,
-            "num_steps": w.steps,
-            "accepted_histogram": w.accepted_histogram,
-            "slot_acceptance": w.slot_acceptance,
             "identical_to_greedy": self.identical,
             "first_mismatch": self.first_mismatch,
             "speculative_tokens_per_s": self.speculative_tokens_per_s,

@@ -140,6 +140,16 @@ class WalkCounts:
     def slot_acceptance(self) -> list[float]:
         return [a / r if r else float("nan") for a, r in zip(self.slot_accepted, self.slot_reached)]
 
+    def figures(self) -> dict[str, float | int | list]:
+        """The walk's figures as every report writes them (eval.json, eval --out, the decode report)."""
+        return {
+            "acceptance_length": self.acceptance_length,
+            "acceptance_length_pooled": self.acceptance_length_pooled,
+            "num_steps": self.steps,
+            "accepted_histogram": self.accepted_histogram,
+            "slot_acceptance": self.slot_acceptance,
+        }
+
 
 def draft_accepted(
     hidden_NBH: torch.Tensor,
