@@ -23,11 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from .data import find_data_files
-from .rows import DataError, row_location
+from .rows import DataError, open_parquet, read_row_group, row_location
 
 CONVERSATION_SUFFIXES = (".jsonl", ".json", ".parquet")
 ROLES = ("system", "user", "assistant", "tool")
@@ -192,13 +189,10 @@ def _file_rows(path: str) -> Iterator[tuple[int, Any]]:
     """(row index, parsed row) of one file; a malformed line comes as a DataError in place of the row,
     an unreadable file raises."""
     if path.endswith(".parquet"):
-        try:
-            pf = pq.ParquetFile(path)
-        except (pa.ArrowInvalid, OSError) as e:
-            raise DataError(f"{path}: not a readable Parquet file ({e})") from e
+        pf = open_parquet(path)
         row = 0
         for g in range(pf.num_row_groups):
-            for item in pf.read_row_group(g).to_pylist():
+            for item in read_row_group(pf, g, path, row).to_pylist():
                 yield row, item
                 row += 1
     elif path.endswith(".json"):

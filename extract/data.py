@@ -35,7 +35,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .rows import DataError, Problems, iter_file, parquet_chunk, parquet_columns, parse_json_row, row_location
+from .rows import (
+    DataError,
+    Problems,
+    iter_file,
+    open_parquet,
+    parquet_chunk,
+    parquet_columns,
+    parse_json_row,
+    read_row_group,
+    row_location,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -351,14 +361,14 @@ class SampleLoader:
         """(raw id, tokens, mask) of one Parquet row, via a small LRU of parsed row groups."""
         path = self.index.files[fi]
         if fi not in self._parquet:
-            pf = pq.ParquetFile(path)
+            pf = open_parquet(path)
             sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
             self._parquet[fi] = (pf, parquet_columns(pf.schema_arrow, path), np.cumsum([0] + sizes))
         pf, columns, starts = self._parquet[fi]
         g = int(np.searchsorted(starts, row, side="right")) - 1
         key = (fi, g)
         if key not in self._cache:
-            table = pf.read_row_group(g, columns=columns)
+            table = read_row_group(pf, g, path, int(starts[g]), columns)
             chunk = parquet_chunk(table, path, int(starts[g]), self.index.vocab_size)
             self._cache[key] = (chunk.ids, np.concatenate([[0], np.cumsum(chunk.lengths)]), chunk.tokens, chunk.mask)
             self._cached += chunk.tokens.shape[0]
@@ -396,4 +406,5 @@ def write_parquet(
     }
     if with_ids:
         columns = {"id": pa.array([s.sample_id for s in samples], type=pa.string()), **columns}
-    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+    # Page checksums: a damaged page is then refused by name (rows.read_row_group), never read as other tokens.
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size, write_page_checksum=True)

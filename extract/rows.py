@@ -283,15 +283,40 @@ def parquet_chunk(
     return Chunk(rows, ids, lengths, tokens.astype(np.int32), mask.astype(np.uint8), None)
 
 
-def _iter_parquet(path: str, vocab_size: int, problems: Problems | None = None) -> Iterator[Chunk]:
+def open_parquet(path: str) -> pq.ParquetFile:
+    """A Parquet file whose pages are checked against their CRC checksums where the writer stored them
+    (write_parquet does); a file whose footer cannot be read is a DataError naming it."""
     try:
-        pf = pq.ParquetFile(path)
-    except (pa.ArrowInvalid, OSError) as e:
+        return pq.ParquetFile(path, page_checksum_verification=True)
+    except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable Parquet file ({e})") from e
+
+
+def read_row_group(pf: pq.ParquetFile, g: int, path: str, first_row: int, columns: list[str] | None = None) -> pa.Table:
+    """Row group `g` (its first row is `first_row`) of an open Parquet file. A damaged page (a page
+    header that does not parse, data that does not decompress, a CRC mismatch) is a DataError naming
+    file, row group and rows, never pyarrow's bare message."""
+    try:
+        return pf.read_row_group(g, columns=columns)
+    except (pa.ArrowException, OSError) as e:
+        last = first_row + pf.metadata.row_group(g).num_rows - 1
+        raise DataError(
+            f"{path}, row group {g} (rows {first_row}-{last}): damaged Parquet data ({e}); the file is "
+            "corrupt: restore it from its source or write it again"
+        ) from e
+
+
+def _iter_parquet(path: str, vocab_size: int, problems: Problems | None = None) -> Iterator[Chunk]:
+    pf = open_parquet(path)
     columns = parquet_columns(pf.schema_arrow, path)
     first_row, largest = 0, 0
     for g in range(pf.num_row_groups):
-        table = pf.read_row_group(g, columns=columns)
+        try:
+            table = read_row_group(pf, g, path, first_row, columns)
+        except DataError as e:  # one damaged row group: the scan goes on to name every other one
+            _report(problems, str(e))
+            first_row += pf.metadata.row_group(g).num_rows
+            continue
         chunk = parquet_chunk(table, path, first_row, vocab_size, problems)
         if chunk is not None:
             largest = max(largest, int(chunk.tokens.shape[0]))

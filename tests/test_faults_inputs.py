@@ -13,6 +13,9 @@ Cases (the tiny target and reference cache of test_faults.py; training through t
      Parquet column of the wrong type, a null token, an over-long sample under --long-seqs error.
   4. Empty and over-long samples under --long-seqs truncate / skip: extracted, skipped and counted in
      cache.json and the log, never silently.
+  4b. A Parquet page damaged inside a row group (its page header, or its body under page checksums), in a
+     one-file dataset and in one of three files: one message naming file, row group and rows and the
+     fix, exit 1, no traceback, no cache written.
   5. Resuming an extraction with other settings (target, token budget, max seqs, long-seqs policy, target
      top-k, dtype, MASK id, reordered data): refused naming the field; the cache is left byte-identical.
   6. Resuming training with a cache of another target: refused naming the target config hash.
@@ -37,7 +40,7 @@ from extract_helpers import REPO, VOCAB, cli_args, copy_cache, corrupt_shard, ex
 from train_helpers import read_records, tiny_cache, tiny_cli_args, tiny_config
 
 from extract.cli import main as extract_cli
-from extract.data import Sample, write_jsonl
+from extract.data import Sample, write_jsonl, write_parquet
 from extract.runner import CacheMismatchError, run_extract
 from shards import ShardReader, shard_path, write_manifest
 from tools.shards_cli import main as shards_cli
@@ -277,6 +280,51 @@ def test_empty_and_long_samples_are_counted_never_silent(target, tmp_path, caplo
     assert set(lengths) == want
     if policy == "truncate":
         assert lengths["long"] == 256
+
+
+# ---- 4b. a damaged Parquet page ---------------------------------------------------------------------------
+
+
+def damage_page(path, row_group: int, where: str) -> int:
+    """Flip 4 bytes of the input_ids data page of `row_group`, found from the file's own metadata (the
+    footer stays intact): at the page's first byte ("page header": its Thrift header no longer parses)
+    or half way through the page ("page body": only its CRC checksum can tell). Returns the offset."""
+    meta = pq.ParquetFile(path).metadata.row_group(row_group)
+    col = next(meta.column(i) for i in range(meta.num_columns) if meta.column(i).path_in_schema.startswith("input_ids"))
+    end = (col.dictionary_page_offset or col.data_page_offset) + col.total_compressed_size  # the chunk's end
+    offset = col.data_page_offset if where == "page header" else (col.data_page_offset + end) // 2
+    raw = bytearray(path.read_bytes())
+    raw[offset : offset + 4] = bytes(b ^ 0xFF for b in raw[offset : offset + 4])
+    path.write_bytes(bytes(raw))
+    return offset
+
+
+@pytest.mark.parametrize("files", [1, 3], ids=["one file", "one of three files"])
+@pytest.mark.parametrize("where", ["page header", "page body"])
+def test_a_damaged_parquet_page_names_file_and_row_group(target, tmp_path, files, where):
+    samples = make_samples()  # 24 samples: 8 per file, row groups of 4 (or 24 in one file, row groups of 8)
+    per_file, group = len(samples) // files, 8 if files == 1 else 4
+    folder = tmp_path / "data"
+    folder.mkdir()
+    paths = [folder / f"part-{i}.parquet" for i in range(files)]
+    for i, path in enumerate(paths):
+        part = samples[i * per_file : (i + 1) * per_file]
+        if where == "page header":  # a file written without page checksums, as most writers do
+            rows = {"id": [s.sample_id for s in part], "input_ids": [s.input_ids.tolist() for s in part]}
+            pq.write_table(pa.table(rows), path, row_group_size=group)
+        else:
+            write_parquet(path, part, row_group_size=group)  # with page checksums
+    bad = paths[len(paths) // 2]
+    damage_page(bad, 1, where)
+    assert pq.ParquetFile(bad).metadata.num_rows == per_file, "the footer must still read: the damage is in a page"
+    out = tmp_path / "cache"
+    result = CliRunner().invoke(extract_cli, cli_args(target, bad if files == 1 else folder, out))
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), f"raw traceback: {result.exception!r}"
+    assert f"{bad}, row group 1 (rows {group}-{2 * group - 1}): damaged Parquet data" in result.output, result.output
+    assert "restore it from its source or write it again" in result.output
+    assert all(str(p) not in result.output for p in paths if p != bad), "only the damaged file is named"
+    assert not out.exists(), "no cache.json and no shard for a dataset that cannot be read"
 
 
 # ---- 5. resuming an extraction with other settings --------------------------------------------------------
