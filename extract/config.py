@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from shards.cli_options import cli_field, config_error
-from shards.format import STORAGE_DTYPES, StorageDtype
+from shards.format import STORAGE_DTYPES, StorageDtype, canonical_precision
 
 from .data import LONG_SEQ_POLICIES, LongSeqPolicy
 from .packing import PackingConfig
 
+# torch's names for what the target runs in; --storage names the cache encoding (shards/format.py says why two).
 TargetDtype = Literal["bfloat16", "float16", "float32"]
 DTYPES = get_args(TargetDtype)
 # How the target's linear layers run: "dense" (matmuls in --dtype) or "fp8" (e4m3 matmuls).
@@ -40,8 +41,8 @@ class ExtractConfig:
     num_taps: int = 5
     """Number of taps when --taps is not given: round(1 + i*(N-4)/(L-1))."""
     storage_dtype: StorageDtype = cli_field("bf16", flag="--storage")
-    """Hidden-state storage: bf16 (2 bytes per value), or fp8 e4m3 with a per-token-per-tap scale (half
-    the disk)."""
+    """Hidden-state storage: bf16 (2 bytes per value; bfloat16 is taken too), or fp8 e4m3 with a
+    per-token-per-tap scale (half the disk)."""
     target_topk: int = 0
     """Also store the target's top-K next tokens and log-probs per position (for KL training); 0 = off."""
     # The packing defaults are PackingConfig's: written once, there.
@@ -78,6 +79,9 @@ class ExtractConfig:
     """Pinned host buffers cycling between the forward and the writer thread."""
 
     def __post_init__(self) -> None:
+        # Either spelling of bf16 is taken; the canonical one is stored (shards/format.py says why two).
+        self.storage_dtype = canonical_precision(self.storage_dtype, STORAGE_DTYPES)
+        self.dtype = canonical_precision(self.dtype, DTYPES)
         if self.storage_dtype not in STORAGE_DTYPES:
             raise config_error(self, "storage_dtype", f"must be one of {', '.join(STORAGE_DTYPES)}")
         if self.long_seqs not in LONG_SEQ_POLICIES:

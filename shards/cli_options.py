@@ -32,6 +32,8 @@ from typing import Any, Literal, TypeVar
 
 import click
 
+from .format import canonical_precision
+
 C = TypeVar("C")
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -158,7 +160,7 @@ def _option(cls: type, f: dataclasses.Field, hint: Any, help_text: str) -> Calla
             f"{flag}/--no-{flag[2:]}", f.name, default=default, show_default=default is not None, **kwargs
         )
     if typing.get_origin(base) is Literal:
-        kwargs["type"] = click.Choice([str(c) for c in typing.get_args(base)])
+        kwargs["type"] = PrecisionChoice([str(c) for c in typing.get_args(base)])
     elif typing.get_origin(base) in (list, tuple):
         kind = typing.get_args(base)[0]
         kwargs["type"] = NumberList(kind)
@@ -173,6 +175,14 @@ def _option(cls: type, f: dataclasses.Field, hint: Any, help_text: str) -> Calla
         kwargs["default"] = default
         kwargs["show_default"] = default is not None
     return click.option(flag, f.name, **kwargs)
+
+
+class PrecisionChoice(click.Choice):
+    """click.Choice that also takes the other spelling of a precision name (format.canonical_precision:
+    `--storage bfloat16` is bf16, `--compute-dtype bf16` is bfloat16) and passes on the listed one."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return super().convert(canonical_precision(value, self.choices), param, ctx)
 
 
 def _strip_optional(hint: Any) -> tuple[Any, bool]:

@@ -32,7 +32,7 @@ import dataclasses
 import hashlib
 import json
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -44,15 +44,35 @@ CACHE_CONFIG_FILE = "cache.json"
 TARGET_HEAD_FILE = "target_head.safetensors"
 MANIFEST_FILE = "manifest.parquet"
 SHARDS_DIR = "shards"
-# How hidden states are stored: bf16, or fp8 e4m3 with a per-token-per-tap fp32 scale (codec.py).
+# Precision names: two vocabularies, on purpose.
+#   Compute dtypes, what a model runs in (dflash-extract --dtype, dflash-train --compute-dtype, eval --dtype,
+#     TargetInfo.dtype, the exported drafter's config.json "dtype"): torch's names, as torch.bfloat16 and
+#     HF config.json spell them: "bfloat16", "float16", "float32".
+#   Storage encodings of the cached hidden states (dflash-extract --storage, cache.json storage_dtype): the
+#     codec's short names "bf16" and "fp8" (codec.py), as "fp8" is no torch dtype (e4m3 values plus a
+#     per-token-per-tap fp32 scale), and cache.json keeps the names every existing cache was written with:
+#     a renamed value would make old caches refuse to resume (storage_dtype is part of a cache's identity).
+# Input takes either spelling of bf16 (and fp16/fp32 for the torch names): canonical_precision, which the
+# CLI choices (cli_options) and the configs' __post_init__ apply, so only the canonical name is stored.
 StorageDtype = Literal["bf16", "fp8"]
 STORAGE_DTYPES = get_args(StorageDtype)
+PRECISION_ALIASES = {"bf16": "bfloat16", "bfloat16": "bf16", "fp16": "float16", "fp32": "float32"}
 # Names inside target_head.safetensors. lm_head is always present (a copy of embed_tokens when tied).
 TARGET_HEAD_TENSORS = ("embed_tokens", "lm_head", "final_norm")
 # TargetInfo's special-token fields (what the drafter export copies; not part of a cache's identity).
 TARGET_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Largest finite float8 e4m3fn value; per-row scales map each row's amax onto it.
 FP8_E4M3_MAX = 448.0
+
+
+def canonical_precision(name: Any, choices: Sequence[str]) -> Any:
+    """`name` as `choices` spell it: itself when listed, else its other spelling when that is listed
+    (`--storage bfloat16` is bf16, `--dtype bf16` is bfloat16); anything else unchanged, for the caller
+    to refuse naming the value as given."""
+    if name in choices:
+        return name
+    other = PRECISION_ALIASES.get(name) if isinstance(name, str) else None
+    return other if other in choices else name
 
 
 class CacheFormatError(ValueError):

@@ -245,3 +245,26 @@ def test_bad_drafter_heads_name_the_three_flags(tmp_path):
     )
     assert res.exit_code == 1 and "Traceback" not in res.output
     assert "--num-attention-heads 3 --num-key-value-heads 2 --head-dim 8:" in res.output
+
+
+def test_either_spelling_of_bf16_is_taken_and_the_canonical_one_kept(tmp_path):
+    """Storage encodings are named bf16/fp8 (cache.json), compute dtypes bfloat16/float32 (torch's names):
+    each flag and config takes the other spelling of bf16 and keeps its own, so caches stay comparable."""
+    from train.eval_config import EvalConfig
+
+    (tmp_path / "config.json").write_text("{}")
+    args = ["--target", str(tmp_path), "--data", "d", "--out", "o"]
+    params = extract_cli.make_context("x", [*args, "--storage", "bfloat16", "--dtype", "bf16"]).params
+    assert (params["storage_dtype"], params["dtype"]) == ("bf16", "bfloat16")
+    given = ExtractConfig(target=str(tmp_path), data="d", out_dir="o", storage_dtype="bfloat16", dtype="bf16")
+    assert given == ExtractConfig(target=str(tmp_path), data="d", out_dir="o", storage_dtype="bf16", dtype="bfloat16")
+    train = train_cli.commands["train"].make_context(
+        "train", ["--cache", str(tmp_path), "--out", "r", "--compute-dtype", "bf16"]
+    )
+    assert train.params["compute_dtype"] == "bfloat16"
+    assert TrainConfig(cache=str(tmp_path), out_dir="r", compute_dtype="bf16").compute_dtype == "bfloat16"
+    assert EvalConfig(drafter=str(tmp_path), cache=str(tmp_path), eval_shards=1, dtype="bf16").dtype == "bfloat16"
+    res = CliRunner().invoke(extract_cli, [*args, "--storage", "float8"])
+    assert res.exit_code == 2 and "Invalid value for '--storage'" in res.output and "float8" in res.output
+    with pytest.raises(ValueError, match="compute_dtype|--compute-dtype"):
+        TrainConfig(cache=str(tmp_path), out_dir="r", compute_dtype="fp8")

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shards.cli_options import cli_field
+from shards.format import canonical_precision
 
 
 @dataclass(kw_only=True)
@@ -46,6 +47,7 @@ class EvalConfig:
     """Tokens generated per prompt by --target decoding (speculative and plain greedy)."""
 
     def __post_init__(self) -> None:
+        self.dtype = canonical_precision(self.dtype, ("auto", "bfloat16", "float32"))  # bf16 taken too
         if self.cache is None and self.target is None:
             raise ValueError(
                 "give --cache (the decoding walk on held-out shards), --target with --prompts (real "

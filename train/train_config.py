@@ -20,7 +20,7 @@ from typing import Any, Literal
 from shards import CacheConfig, ShardReader, read_cache_config
 from shards.cli_options import cli_field, config_error, flag_name, shown
 from shards.container import read_header
-from shards.format import TARGET_HEAD_FILE, target_head_shapes
+from shards.format import TARGET_HEAD_FILE, canonical_precision, target_head_shapes
 
 from .blocks import default_num_blocks
 from .drafter_config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, DrafterConfig
@@ -98,7 +98,7 @@ class TrainConfig:
     """Block attention backend: flex (CUDA), sdpa (dense mask; CPU, tests); auto = flex on CUDA, sdpa on
     CPU."""
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Activation dtype: bfloat16 (autocast over fp32 master weights) or float32."""
+    """Activation dtype: bfloat16 (autocast over fp32 master weights; bf16 is taken too) or float32."""
     skip_bad_shards: bool = False
     """Skip a shard that fails its checks (counted in the log) instead of stopping the run."""
     verify_checksums: bool = True
@@ -150,6 +150,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)
+        self.compute_dtype = canonical_precision(self.compute_dtype, ("bfloat16", "float32"))  # bf16 taken too
         if self.tap_layer_ids is not None:
             self.tap_layer_ids = [int(t) for t in self.tap_layer_ids]
         _positive_ints(
