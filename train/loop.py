@@ -36,13 +36,14 @@ from .batch import StaticBatch
 from .blocks import anchor_seed
 from .checkpoint import (
     check_resume_compatible,
+    checkpoint_name,
     decode_rng,
     encode_rng,
     latest_checkpoint,
     load_model_state,
     load_optimizer_state,
-    save_checkpoint,
 )
+from .checkpoint_async import CheckpointWriter
 from .data import Batch, rank_batches
 from .distributed import FlatGrads, all_gather_objects, broadcast_parameters, init_distributed
 from .evaluate import EvalResult, eval_copy, evaluate_drafter
@@ -268,6 +269,15 @@ class Trainer:
                 }
             )
         self.tokens_at_start = tokens_seen  # a resumed run's earlier tokens, left out of its tokens/s
+        self.checkpoints = CheckpointWriter(
+            self.out_dir,
+            keep=cfg.keep_checkpoints,
+            mode=cfg.checkpoint_write,
+            device=device,
+            write_event=self.metrics.write_event,
+            active=dist_info.is_main,
+        )
+        self.checkpoints.allocate(self.model.state_dict(), self.state.optimizer.state_dict())
         self.skipped: list[tuple[int, str]] = []
         self._last_record: dict[str, Any] | None = None
         self._logged_step = -1
@@ -406,6 +416,7 @@ class Trainer:
             self.batch.close()
         if self.step > 0 and (self.last_checkpoint is None or self.last_checkpoint.name != f"step-{self.step:08d}"):
             self._save()
+        self.checkpoints.wait()  # the last checkpoint is durable (or its error raised) before it is reported
         if stopped:
             self.metrics.write_event(
                 {"event": "stopped", "step": self.step, "reason": "SIGTERM", "checkpoint": str(self.last_checkpoint)}
@@ -452,6 +463,7 @@ class Trainer:
 
             self.step += 1
             self.runner.run(with_metrics=self.metrics.should_compute_metrics(self.step))
+            self.checkpoints.poll()  # a background write that finished: reported, or its error raised
 
             done = self.step >= run.total_steps
             checkpoint_due = bool(cfg.checkpoint_every) and self.step % cfg.checkpoint_every == 0
@@ -504,6 +516,7 @@ class Trainer:
     def _save(self) -> None:
         if self._logged_step != self.step:
             self._log()  # never save a checkpoint without the non-finite check of its steps
+        blocked_since = time.monotonic()  # the stall: from here until the writer returns
         rngs = all_gather_objects(self._rng_state())
         if self.dist.is_main:
             train_state = {
@@ -521,16 +534,14 @@ class Trainer:
                 "cache_identity": cache_identity(self.run),
                 "provenance": provenance(),
             }
-            self.last_checkpoint = save_checkpoint(
-                self.out_dir,
+            self.checkpoints.save(
                 self.step,
                 self.model.state_dict(),
                 self.state.optimizer.state_dict(),
                 train_state,
-                keep=self.cfg.keep_checkpoints,
+                blocked_since=blocked_since,
             )
-        else:
-            self.last_checkpoint = self.out_dir / f"step-{self.step:08d}"
+        self.last_checkpoint = self.out_dir / checkpoint_name(self.step)
         barrier()
 
     def _evaluate(self, *, one_off: bool = False) -> EvalResult:
@@ -563,6 +574,7 @@ class Trainer:
         return result
 
     def close(self) -> None:
+        self.checkpoints.close()  # after an error: the write in flight still finishes
         self.metrics.close()
 
 

@@ -87,6 +87,11 @@ class TrainConfig:
     """Save step-NNNNNNNN/ every N steps (and at the end); 0 = only at the end."""
     keep_checkpoints: int = 3
     """Keep the newest N checkpoints, delete older ones."""
+    checkpoint_write: Literal["async", "sync"] = "async"
+    """async: at a save the loop copies weights and optimizer state into host buffers kept for the run
+    (rank 0 only; 12 bytes per parameter: 20.8 GB of page-locked RAM for the 1.73B-parameter 27B drafter)
+    and a background thread makes the checkpoint durable while training goes on (the loop is blocked for
+    the copy only); sync: the loop writes the files itself and waits for the whole write (no buffers)."""
     resume: bool = False
     """Continue from the newest valid checkpoint in --out (refused if the run's settings differ)."""
     cuda_graphs: bool | None = None
@@ -196,6 +201,8 @@ class TrainConfig:
             self.metrics_every = 1
         if self.attention not in ("auto", "flex", "sdpa"):
             raise config_error(self, "attention", "must be auto, flex or sdpa")
+        if self.checkpoint_write not in ("async", "sync"):
+            raise config_error(self, "checkpoint_write", "must be async or sync")
         if self.compute_dtype not in ("bfloat16", "float32"):
             raise config_error(self, "compute_dtype", "must be bfloat16 or float32")
         for name in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "mask_token_id"):
@@ -265,6 +272,7 @@ class TrainConfig:
             "log_every",
             "checkpoint_every",
             "keep_checkpoints",
+            "checkpoint_write",
             "tensorboard",
             "num_buffers",
             "eval_every",
