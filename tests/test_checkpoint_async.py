@@ -15,20 +15,18 @@ tests/test_faults_training.py run, asynchronous being the default.
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from train_helpers import read_records, tiny_cache, tiny_cli_args, tiny_config
+from process_helpers import child_env, sigkill_when
+from train_helpers import fill_disk_on_torch_save, read_records, tiny_cache, tiny_cli_args, tiny_config
 
 from train import checkpoint_async
 from train.checkpoint import MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, latest_checkpoint, load_model_state
@@ -184,25 +182,14 @@ def test_a_kill_mid_write_leaves_the_previous_checkpoint_and_resume_is_exact(tmp
     killed, marker = tmp_path / "killed", tmp_path / "blocked"
     script = tmp_path / "child.py"
     script.write_text(_CHILD.format(tests=str(TESTS), settings=SETTINGS))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS.parent)}
     proc = subprocess.Popen(
         [sys.executable, str(script), str(cache), str(killed), str(marker)],
-        env=env,
+        env=child_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
-    try:
-        deadline = time.monotonic() + 120
-        # Step 9 logged: the loop is at its save, waiting for the blocked step-6 write.
-        while not (marker.exists() and (killed / "metrics.jsonl").exists() and 9 in losses(killed)):
-            assert proc.poll() is None, f"the child exited early: {proc.stderr.read().decode()[-2000:]}"
-            assert time.monotonic() < deadline, "the child never reached the blocked write"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    # Step 9 logged: the loop is at its save, waiting for the blocked step-6 write.
+    sigkill_when(proc, lambda: marker.exists() and (killed / "metrics.jsonl").exists() and 9 in losses(killed))
     assert proc.returncode == -signal.SIGKILL
     assert latest_checkpoint(killed).step == 3, "the interrupted write must not replace or damage step 3"
     assert list(killed.glob(".tmp-step-00000006-*")), "the killed write left its temporary folder"
@@ -222,13 +209,7 @@ def test_a_kill_mid_write_leaves_the_previous_checkpoint_and_resume_is_exact(tmp
 def test_a_failing_write_stops_the_loop_naming_the_file(tmp_path, monkeypatch, mode):
     cache = tiny_cache(tmp_path / "cache", num_batches=4)
     run = tmp_path / "run"
-
-    def full(obj, f, *args, **kwargs):
-        with open(f, "wb") as out:
-            out.write(b"\0" * 100)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(torch, "save", full)
+    fill_disk_on_torch_save(monkeypatch)
     args = tiny_cli_args(cache, run, "--max-steps", "8", "--checkpoint-every", "2", "--checkpoint-write", mode)
     result = CliRunner().invoke(train_cli, args)
     assert result.exit_code == 1, result.output

@@ -12,7 +12,6 @@ Cases (tiny synthetic caches, training through the library and the dflash-train 
   4. A shard copied in from another cache of the same shapes: verify, the reader and training name it.
 """
 
-import errno
 import logging
 import os
 import shutil
@@ -21,7 +20,7 @@ import stat
 import pytest
 from click.testing import CliRunner
 from extract_helpers import snapshot
-from train_helpers import read_records, tiny_cache, tiny_cli_args, tiny_config
+from train_helpers import fill_disk_on_torch_save, read_records, tiny_cache, tiny_cli_args, tiny_config
 
 from shards import ShardReader, shard_path
 from shards.inspect import verify_cache
@@ -142,14 +141,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(trained, tmp_path,
 def test_disk_full_while_checkpointing_names_the_file(tmp_path, monkeypatch):
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
     run = tmp_path / "run"
-    import torch
-
-    def full(obj, f, *a, **kw):
-        with open(f, "wb") as out:
-            out.write(b"\0" * 100)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(torch, "save", full)
+    fill_disk_on_torch_save(monkeypatch)
     result = CliRunner().invoke(train_cli, tiny_cli_args(cache, run, "--max-steps", "2"))
     assert result.exit_code == 1, result.output
     assert "no space left" in result.output and "optimizer.pt" in result.output, result.output

@@ -3,21 +3,18 @@ run stopped cleanly at a checkpoint or was SIGKILLed mid-run."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from process_helpers import child_env, sigkill_when
 from train_helpers import read_records, tiny_cache, tiny_cli_args, tiny_config
 
 from train.checkpoint import latest_checkpoint, list_checkpoints
 from train.loop import run_training
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -62,25 +59,13 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted_run(tmp_path):
     assert total == 160
 
     killed = tmp_path / "killed"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "train.cli", *tiny_cli_args(cache, killed, *extra)],
-        env=env,
+        env=child_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            ckpt = latest_checkpoint(killed)
-            if ckpt is not None and ckpt.step >= 16:
-                break
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    sigkill_when(proc, lambda: (ckpt := latest_checkpoint(killed)) is not None and ckpt.step >= 16, timeout_s=60)
     assert proc.returncode == -signal.SIGKILL
     before = losses(killed)
     last_logged = max(before)
