@@ -90,10 +90,18 @@ class HostSnapshot:
             return torch.empty(t.shape, dtype=t.dtype)
         if t.nbytes >= _REGISTER_MIN_BYTES:
             buf = torch.empty(t.shape, dtype=t.dtype)
-            if int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.nbytes, 0)) == 0:
+            try:
+                failed = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.nbytes, 0))
+            except (AttributeError, RuntimeError) as e:  # a torch build without the cudart binding
+                failed = str(e)
+            if not failed:
                 self._registered.append(buf)
                 return buf
-            log.warning("cudaHostRegister of %s failed: using torch's pinned allocator (rounds up)", _gb(t.nbytes))
+            log.warning(
+                "cudaHostRegister of %s failed (%s): torch's pinned allocator instead (rounds up to a power of two)",
+                _gb(t.nbytes),
+                failed,
+            )
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
     def close(self) -> None:
