@@ -14,6 +14,11 @@ The pointwise math (norms, gates, RoPE, silu-mul) is written as plain functions;
 Packed batches: tokens of several sequences lie end to end; `cu_seqlens` marks the boundaries and
 every op (conv, recurrence, attention) restarts at each one; position ids restart at 0.
 
+Memory-traffic cuts (`ForwardOptions`, all on by default, each switchable so one benchmark run can
+measure it): the MLP's residual add runs inside the next layer's input norm; the GatedDeltaNet conv
+runs per q / k / v group, so fla's kernel gets contiguous inputs and copies nothing; under FP8
+compute, linear layers that read the same input are one matmul (`LINEAR_GROUPS`).
+
 Public API: `TargetModel.from_pretrained`, `forward_packed`, `topk_next_tokens`.
 Parameter names equal HF's text-model names (model.language_model.* or model.* stripped), so
 the checkpoint mapping is one prefix (extract/checkpoint.py).
@@ -34,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from extract.kernels import KernelChoice, VarlenBatch, select_kernels
-from extract.quantization import quantize_rows_fp8
+from extract.quantization import FP8_DTYPE, quantize_rows_fp8
 from extract.target_config import TargetConfig
 
 logger = logging.getLogger(__name__)
@@ -85,8 +90,10 @@ def qk_norm_rope(q_TND, k_TMD, wq, wk, eps: float, cos_TR, sin_TR):
     return q_TND, k_TMD
 
 
-def sigmoid_gate(o_TX: torch.Tensor, gate_TX: torch.Tensor) -> torch.Tensor:
-    return o_TX * torch.sigmoid(gate_TX)
+def sigmoid_gate(o_TND: torch.Tensor, gate_TND: torch.Tensor) -> torch.Tensor:
+    """o * sigmoid(gate) flattened to [T, N*D]. gate_TND is a strided view into q_proj's output:
+    reshaping it before the op would copy it (an eager pass over [T, N*D]); inside, it is one read."""
+    return (o_TND * torch.sigmoid(gate_TND)).reshape(o_TND.shape[0], -1)
 
 
 def silu_mul(gate_TF: torch.Tensor, up_TF: torch.Tensor) -> torch.Tensor:
@@ -121,6 +128,7 @@ FP8_VARIANTS = (
     "zero_centred_rmsnorm_fp8",
     "zero_centred_rmsnorm_fp8_dense",
     "add_zero_centred_rmsnorm_fp8",
+    "add_zero_centred_rmsnorm_fp8_dense",
     "gated_rmsnorm_fp8",
     "sigmoid_gate_fp8",
     "silu_mul_fp8",
@@ -155,13 +163,18 @@ def add_zero_centred_rmsnorm_fp8(h, delta, w, eps: float):
     return (h, *quantize_rows_fp8(y))
 
 
+def add_zero_centred_rmsnorm_fp8_dense(h, delta, w, eps: float):
+    h, y = add_zero_centred_rmsnorm(h, delta, w, eps)
+    return (h, y, *quantize_rows_fp8(y))
+
+
 def gated_rmsnorm_fp8(o_TMD, z_TMD, w, eps: float):
     y_TMD = gated_rmsnorm(o_TMD, z_TMD, w, eps)
     return quantize_rows_fp8(y_TMD.reshape(y_TMD.shape[0], -1))
 
 
-def sigmoid_gate_fp8(o_TX, gate_TX):
-    return quantize_rows_fp8(sigmoid_gate(o_TX, gate_TX))
+def sigmoid_gate_fp8(o_TND, gate_TND):
+    return quantize_rows_fp8(sigmoid_gate(o_TND, gate_TND))
 
 
 def silu_mul_fp8(gate_TF, up_TF):
@@ -176,15 +189,84 @@ def linear(layer: nn.Linear, x: torch.Tensor | Fp8Input) -> torch.Tensor:
         return layer(x.dense if isinstance(x, Fp8Input) else x)
     if not isinstance(x, Fp8Input):
         raise TypeError("an FP8 linear layer needs an Fp8Input (quantised by the preceding pointwise op)")
-    # mat2 is the [K, N] column-major view of the row-major [N, K] weight, as _scaled_mm requires.
+    return fp8_matmul(x, w8_NK, layer.weight_scale_1N)
+
+
+def fp8_matmul(x: Fp8Input, w8_NK: torch.Tensor, scale_1N: torch.Tensor) -> torch.Tensor:
+    """x @ w.T in bf16 from e4m3 operands with rowwise scales (x per token, w per output row)."""
+    # mat2 is the [K, N] column-major view of the row-major [N, K] weight, as _scaled_mm requires:
+    # no copy, also for a row slice of a concatenated weight.
     return torch._scaled_mm(
         x.x8_TX,
         w8_NK.t(),
         scale_a=x.scale_T1,
-        scale_b=layer.weight_scale_1N,
+        scale_b=scale_1N,
         out_dtype=torch.bfloat16,
         use_fast_accum=FP8_FAST_ACCUM,
     )
+
+
+@dataclasses.dataclass(kw_only=True)
+class ForwardOptions:
+    """Switches for the forward's memory-traffic cuts. All on by default; off runs the earlier code
+    path, so that tools/bench_extract.py can time each in one run (TargetModel.set_forward_options).
+    On or off, the results agree: exactly in eager mode, to rounding under torch.compile."""
+
+    # The MLP's residual add runs inside the next layer's input norm (and its FP8 quantisation): one
+    # pass less over the [T, H] residual per layer; the sum is materialised only at taps and the end.
+    fuse_residual: bool = True
+    # The GatedDeltaNet conv runs once per q / k / v channel group: each output is contiguous, so
+    # fla's chunk_gated_delta_rule (which makes its inputs contiguous) no longer copies [T, E].
+    split_conv: bool = True
+    # FP8 compute: each LINEAR_GROUPS entry (linear layers reading one input) is one matmul over the
+    # concatenated weights; its outputs are column slices (views). GatedDeltaNet's dense a|b too.
+    concat_linears: bool = True
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, bool):
+                raise ValueError(f"ForwardOptions.{field.name} must be True or False, found {value!r}")
+
+
+def grouped_linears(module: nn.Module, group: str, x: torch.Tensor | Fp8Input, options: ForwardOptions):
+    """The outputs of the linear layers `module.LINEAR_GROUPS[group]` (all reading x), in order: column
+    slices of one matmul when use_fp8_compute concatenated the group and options.concat_linears, else
+    one matmul per layer (each layer's weight is then a row slice of the concatenation)."""
+    layers = [getattr(module, name) for name in module.LINEAR_GROUPS[group]]
+    w_NK = getattr(module, f"{group}_weight", None)
+    if w_NK is None or not options.concat_linears:
+        return [linear(layer, x) for layer in layers]
+    if w_NK.dtype == FP8_DTYPE:
+        y_TN = fp8_matmul(x, w_NK, getattr(module, f"{group}_scale_1N"))
+    else:  # a dense group under FP8 compute reads the dense copy of the input
+        y_TN = F.linear(x.dense if isinstance(x, Fp8Input) else x, w_NK)
+    return list(torch.split(y_TN, [layer.out_features for layer in layers], dim=-1))
+
+
+def concatenate_group(module: nn.Module, group: str) -> None:
+    """Build `{group}_weight` (and `{group}_scale_1N` for FP8) from the group's layers, then make each
+    layer's weight a row slice (a view) of it: one copy of the weights, both paths still run."""
+    layers = [getattr(module, name) for name in module.LINEAR_GROUPS[group]]
+    fp8 = [getattr(layer, "weight_fp8", None) is not None for layer in layers]
+    if any(fp8) and not all(fp8):
+        raise ValueError(f"{type(module).__name__} group {group}: {module.LINEAR_GROUPS[group]} mix FP8 and dense")
+    bounds = [0]
+    for layer in layers:
+        bounds.append(bounds[-1] + layer.out_features)
+    rows = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    if all(fp8):
+        w8_NK = torch.cat([layer.weight_fp8 for layer in layers])
+        scale_1N = torch.cat([layer.weight_scale_1N for layer in layers], dim=1)
+        module.register_buffer(f"{group}_weight", w8_NK, persistent=False)
+        module.register_buffer(f"{group}_scale_1N", scale_1N, persistent=False)
+        for layer, r in zip(layers, rows):
+            layer.weight_fp8, layer.weight_scale_1N = w8_NK[r], scale_1N[:, r]
+    else:
+        w_NK = torch.cat([layer.weight for layer in layers])
+        module.register_buffer(f"{group}_weight", w_NK, persistent=False)
+        for layer, r in zip(layers, rows):
+            layer.weight = nn.Parameter(w_NK[r], requires_grad=False)
 
 
 class Pointwise:
@@ -239,13 +321,17 @@ class GatedRMSNorm(ZeroCentredRMSNorm):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: TargetConfig, kernels: KernelChoice, pw: Pointwise):
+    # Linear layers reading the normed input: q|k|v|z on FP8 (one matmul under concat_linears), b|a
+    # dense (they feed beta and the decay: 0.6% of the FLOPs) and one matmul of 2 Mv rows.
+    LINEAR_GROUPS = {"qkvz": ("in_proj_qkv", "in_proj_z"), "ba": ("in_proj_b", "in_proj_a")}
+
+    def __init__(self, cfg: TargetConfig, kernels: KernelChoice, pw: Pointwise, options: ForwardOptions):
         super().__init__()
         H, E = cfg.hidden_size, cfg.linear_conv_dim
         self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
         self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.kernels, self.pw = kernels, pw
+        self.kernels, self.pw, self.options = kernels, pw, options
         self.in_proj_qkv = nn.Linear(H, E, bias=False)
         self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(H, self.num_v_heads, bias=False)
@@ -259,27 +345,36 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x_TH: torch.Tensor | Fp8Input, batch: VarlenBatch) -> torch.Tensor:
         T = x_TH.x8_TX.shape[0] if isinstance(x_TH, Fp8Input) else x_TH.shape[0]
-        qkv_TE = self.kernels.conv1d_silu(linear(self.in_proj_qkv, x_TH), self.conv1d.weight.squeeze(1), batch)
-        q_TMK, k_TMK, v_TMV = torch.split(qkv_TE, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q_TMK = q_TMK.view(T, self.num_k_heads, self.head_k_dim)
-        k_TMK = k_TMK.view(T, self.num_k_heads, self.head_k_dim)
-        v_TMV = v_TMV.view(T, self.num_v_heads, self.head_v_dim)
-        beta_TM, g_TM = self.pw.gdn_gates(
-            linear(self.in_proj_b, x_TH), linear(self.in_proj_a, x_TH), self.A_log, self.dt_bias
-        )
+        qkv_TE, z_TV = grouped_linears(self, "qkvz", x_TH, self.options)
+        sizes = [self.key_dim, self.key_dim, self.value_dim]
+        conv_EW = self.conv1d.weight.squeeze(1)
+        if self.options.split_conv:  # the conv is depthwise: per channel group it is the same op
+            q_TC, k_TC, v_TC = (
+                self.kernels.conv1d_silu(x_TC, w_CW, batch)
+                for x_TC, w_CW in zip(torch.split(qkv_TE, sizes, dim=-1), torch.split(conv_EW, sizes, dim=0))
+            )
+        else:
+            q_TC, k_TC, v_TC = torch.split(self.kernels.conv1d_silu(qkv_TE, conv_EW, batch), sizes, dim=-1)
+        q_TMK = q_TC.view(T, self.num_k_heads, self.head_k_dim)
+        k_TMK = k_TC.view(T, self.num_k_heads, self.head_k_dim)
+        v_TMV = v_TC.view(T, self.num_v_heads, self.head_v_dim)
+        b_TM, a_TM = grouped_linears(self, "ba", x_TH, self.options)
+        beta_TM, g_TM = self.pw.gdn_gates(b_TM, a_TM, self.A_log, self.dt_bias)
         o_TMV = self.kernels.gated_delta_rule(q_TMK, k_TMK, v_TMV, g_TM, beta_TM, batch)
-        z_TMV = linear(self.in_proj_z, x_TH).view(T, self.num_v_heads, self.head_v_dim)
+        z_TMV = z_TV.view(T, self.num_v_heads, self.head_v_dim)
         y_TMV = self.pw.feed("gated_rmsnorm", o_TMV.to(z_TMV.dtype), z_TMV, self.norm.weight, self.norm.eps)
         return linear(self.out_proj, y_TMV if isinstance(y_TMV, Fp8Input) else y_TMV.reshape(T, self.value_dim))
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: TargetConfig, kernels: KernelChoice, pw: Pointwise):
+    LINEAR_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj")}
+
+    def __init__(self, cfg: TargetConfig, kernels: KernelChoice, pw: Pointwise, options: ForwardOptions):
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
         self.scale = D**-0.5  # tied to the head dim, not the rotary dim
-        self.kernels, self.pw = kernels, pw
+        self.kernels, self.pw, self.options = kernels, pw, options
         self.q_proj = nn.Linear(H, self.num_heads * D * 2, bias=False)  # rows per head: [q_h | gate_h]
         self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
         self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
@@ -291,15 +386,16 @@ class GatedAttention(nn.Module):
         self, x_TH: torch.Tensor | Fp8Input, rope: tuple[torch.Tensor, torch.Tensor], batch: VarlenBatch
     ) -> torch.Tensor:
         T, D = rope[0].shape[0], self.head_dim
-        qg_TN2D = linear(self.q_proj, x_TH).view(T, self.num_heads, 2 * D)
+        qg_TX, k_TX, v_TX = grouped_linears(self, "qkv", x_TH, self.options)
+        qg_TN2D = qg_TX.view(T, self.num_heads, 2 * D)
         q_TND, gate_TND = qg_TN2D[..., :D], qg_TN2D[..., D:]
-        k_TMD = linear(self.k_proj, x_TH).view(T, self.num_kv_heads, D)
-        v_TMD = linear(self.v_proj, x_TH).view(T, self.num_kv_heads, D)
+        k_TMD = k_TX.view(T, self.num_kv_heads, D)
+        v_TMD = v_TX.view(T, self.num_kv_heads, D)
         q_TND, k_TMD = self.pw.qk_norm_rope(
             q_TND, k_TMD, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope
         )
         o_TND = self.kernels.attention(q_TND, k_TMD, v_TMD, batch, self.scale)
-        o_TX = self.pw.feed("sigmoid_gate", o_TND.reshape(T, -1), gate_TND.reshape(T, -1))
+        o_TX = self.pw.feed("sigmoid_gate", o_TND, gate_TND)
         return linear(self.o_proj, o_TX)
 
 
@@ -317,47 +413,66 @@ def rope_cos_sin(
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: TargetConfig, pw: Pointwise):
+    LINEAR_GROUPS = {"gate_up": ("gate_proj", "up_proj")}
+
+    def __init__(self, cfg: TargetConfig, pw: Pointwise, options: ForwardOptions):
         super().__init__()
-        self.pw = pw
+        self.pw, self.options = pw, options
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x_TH: torch.Tensor | Fp8Input) -> torch.Tensor:
-        return linear(
-            self.down_proj, self.pw.feed("silu_mul", linear(self.gate_proj, x_TH), linear(self.up_proj, x_TH))
-        )
+        gate_TF, up_TF = grouped_linears(self, "gate_up", x_TH, self.options)
+        return linear(self.down_proj, self.pw.feed("silu_mul", gate_TF, up_TF))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TargetConfig, layer_id: int, kernels: KernelChoice, pw: Pointwise):
+    def __init__(self, cfg: TargetConfig, layer_id: int, kernels: KernelChoice, pw: Pointwise, options: ForwardOptions):
         super().__init__()
         self.pw = pw
         self.is_full_attention = cfg.is_full_attention(layer_id)
         if self.is_full_attention:
-            self.self_attn = GatedAttention(cfg, kernels, pw)
+            self.self_attn = GatedAttention(cfg, kernels, pw, options)
         else:
-            self.linear_attn = GatedDeltaNet(cfg, kernels, pw)
-        self.mlp = SwiGLU(cfg, pw)
+            self.linear_attn = GatedDeltaNet(cfg, kernels, pw, options)
+        self.mlp = SwiGLU(cfg, pw, options)
         self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h_TH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: VarlenBatch) -> torch.Tensor:
-        """Pre-norm: h += mixer(norm(h)); h += mlp(norm(h))."""
+    def forward(
+        self,
+        h_TH: torch.Tensor,
+        delta_TH: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        batch: VarlenBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm: h += mixer(norm(h)); h += mlp(norm(h)), with the last add left to the caller:
+        the layer's input is h + delta (delta None: h alone) and it returns (h, mlp output), so the
+        next layer's input norm does that add in the same pass (ForwardOptions.fuse_residual)."""
         pre, post = self.input_layernorm, self.post_attention_layernorm
         # GatedDeltaNet's dense a/b projections read the normed input too: keep it beside the FP8 copy.
-        x_TH = self.pw.feed("zero_centred_rmsnorm", h_TH, pre.weight, pre.eps, keep_dense=not self.is_full_attention)
+        dense = not self.is_full_attention
+        if delta_TH is None:
+            x_TH = self.pw.feed("zero_centred_rmsnorm", h_TH, pre.weight, pre.eps, keep_dense=dense)
+        else:
+            h_TH, x_TH = self.pw.feed("add_zero_centred_rmsnorm", h_TH, delta_TH, pre.weight, pre.eps, keep_dense=dense)
         mixed_TH = self.self_attn(x_TH, rope, batch) if self.is_full_attention else self.linear_attn(x_TH, batch)
         h_TH, x_TH = self.pw.feed("add_zero_centred_rmsnorm", h_TH, mixed_TH, post.weight, post.eps)
-        return h_TH + self.mlp(x_TH)
+        return h_TH, self.mlp(x_TH)
 
 
 class TargetModel(nn.Module):
     """Layers 0..last_layer of the target (plus final norm and LM head when `with_head`)."""
 
     def __init__(
-        self, cfg: TargetConfig, kernels: KernelChoice, *, last_layer: int | None = None, with_head: bool = False
+        self,
+        cfg: TargetConfig,
+        kernels: KernelChoice,
+        *,
+        last_layer: int | None = None,
+        with_head: bool = False,
+        options: ForwardOptions | None = None,
     ):
         super().__init__()
         last = cfg.num_hidden_layers - 1 if last_layer is None else last_layer
@@ -373,7 +488,9 @@ class TargetModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.pw = Pointwise(compiled=kernels.compile_pointwise)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, kernels, self.pw) for i in range(last + 1))
+        # One instance shared by every layer: set_forward_options changes it in place.
+        self.options = ForwardOptions() if options is None else dataclasses.replace(options)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, kernels, self.pw, self.options) for i in range(last + 1))
         if with_head:
             self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -468,14 +585,29 @@ class TargetModel(nn.Module):
                 layer.register_buffer("weight_scale_1N", scale_N1.t().contiguous())
                 layer.weight = None  # the dense copy is never read again: free it
                 converted += 1
+        groups = 0
+        for module in self.modules():
+            for group in getattr(module, "LINEAR_GROUPS", {}):
+                concatenate_group(module, group)
+                groups += 1
         self.pw.fp8 = True
         logger.info(
             "kernel linear: fp8 e4m3 torch._scaled_mm with rowwise scales, %s accumulation (%d layers: weights quantised once "
-            "per output channel, activations per token inside the %s pointwise ops); in_proj_a/b and lm_head dense",
+            "per output channel, activations per token inside the %s pointwise ops; %d groups reading one input "
+            "concatenated: %s); in_proj_a/b and lm_head dense",
             "fast" if FP8_FAST_ACCUM else "fp32",
             converted,
             "compiled" if self.pw.compiled else "eager",
+            groups,
+            "one matmul each" if self.options.concat_linears else "one matmul per layer (concat_linears off)",
         )
+        return self
+
+    def set_forward_options(self, options: ForwardOptions) -> TargetModel:
+        """Switch the forward's memory-traffic cuts for the next forwards (in place, every layer)."""
+        for field in dataclasses.fields(options):
+            setattr(self.options, field.name, getattr(options, field.name))
+        logger.info("forward options: %s", self.options)
         return self
 
     # ---- forward ----------------------------------------------------------------------------
@@ -546,9 +678,12 @@ class TargetModel(nn.Module):
         rope = rope_cos_sin(position_ids_T.to(device, non_blocking=True), self.config, h_TH.dtype)
         hidden_TKH = torch.empty(T, len(taps), self.config.hidden_size, dtype=h_TH.dtype, device=device)
         stop = built - 1 if to_end else max(taps)
+        delta_TH = None  # the last layer's MLP output, not yet added to h (the next input norm adds it)
         for layer_id in range(stop + 1):
-            h_TH = self.layers[layer_id](h_TH, rope, batch)
-            for j, tap in enumerate(taps):
-                if tap == layer_id:
-                    hidden_TKH[:, j] = h_TH
+            h_TH, delta_TH = self.layers[layer_id](h_TH, delta_TH, rope, batch)
+            tapped = [j for j, tap in enumerate(taps) if tap == layer_id]
+            if tapped or layer_id == stop or not self.options.fuse_residual:
+                h_TH, delta_TH = h_TH + delta_TH, None
+            for j in tapped:
+                hidden_TKH[:, j] = h_TH
         return hidden_TKH, h_TH

@@ -1,5 +1,8 @@
 """--compute fp8: rowwise e4m3 quantisation, torch._scaled_mm linear layers, the fused pointwise
-feeds, and extraction end to end (CPU: torch's CPU _scaled_mm runs the same code as the GPU)."""
+feeds, the forward's memory-traffic cuts (ForwardOptions), and extraction end to end (CPU: torch's
+CPU _scaled_mm runs the same code as the GPU)."""
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -10,7 +13,17 @@ from extract.cli import main as extract_cli
 from extract.config import ExtractConfig
 from extract.data import Sample, write_jsonl
 from extract.kernels import select_kernels
-from extract.model import FP8_LINEARS, Fp8Input, Pointwise, TargetModel, linear, silu_mul, zero_centred_rmsnorm
+from extract.model import (
+    FP8_LINEARS,
+    ForwardOptions,
+    Fp8Input,
+    Pointwise,
+    TargetModel,
+    grouped_linears,
+    linear,
+    silu_mul,
+    zero_centred_rmsnorm,
+)
 from extract.quantization import quantize_rows_fp8
 from extract.target_config import TargetConfig
 from shards import read_cache_config
@@ -72,6 +85,31 @@ def test_pointwise_feed_quantises_the_op_output_per_token(keep_dense):
     assert torch.equal(pw.feed("silu_mul", a, b), silu_mul(a, b))
 
 
+@pytest.mark.parametrize("keep_dense", [False, True])
+def test_fused_residual_norm_and_quantisation_equal_the_float64_sequence(keep_dense):
+    """add_zero_centred_rmsnorm under FP8: h + delta (the new residual, rounded to bf16 once), and the
+    e4m3 rows of its zero-centred norm with per-token scales, against float64 arithmetic."""
+    pw = Pointwise(compiled=False)
+    pw.fp8 = True
+    gen = torch.Generator().manual_seed(3)
+    h, delta = (torch.randn(2, 24, 128, generator=gen) * torch.logspace(-1, 2, 24)[None, :, None]).to(torch.bfloat16)
+    w = (0.2 * torch.randn(128, generator=gen)).to(torch.bfloat16)
+    h_new, fed = pw.feed("add_zero_centred_rmsnorm", h, delta, w, 1e-6, keep_dense=keep_dense)
+    h64 = (h.double() + delta.double()).to(torch.bfloat16).double()  # one rounding of the exact sum
+    assert h_new.dtype == torch.bfloat16 and torch.equal(h_new.double(), h64)
+    y64 = h64 / torch.sqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.double())
+    amax = y64.abs().amax(-1, keepdim=True)
+    assert torch.allclose(fed.scale_T1.double(), amax / 448.0, rtol=2**-7)  # the norm output is bf16 first
+    back = fed.x8_TX.double() * fed.scale_T1.double()
+    # half an e4m3 step (2^-4 relative, 2^-10 of the scale for subnormals) plus the bf16 rounding of y
+    bound = y64.abs() * (2.0**-4 + 2.0**-7) + fed.scale_T1.double() * 2.0**-10
+    assert ((back - y64).abs() <= bound).all(), (back - y64).abs().max()
+    if keep_dense:
+        assert torch.allclose(fed.dense.double(), y64, rtol=2**-7, atol=0)
+    else:
+        assert fed.dense is None
+
+
 def _models(compute_modes, dtype=torch.bfloat16):
     cfg = TargetConfig.from_hf_dict(tiny_config_dict())
     state = random_weights(cfg, seed=0, with_head=False)
@@ -99,6 +137,57 @@ def test_fp8_model_is_close_to_dense_and_holds_only_fp8_linears():
     # sequences stay independent under fp8 (per-token scales never mix tokens)
     alone = fp8.forward_packed(ids[30:], pos[30:], torch.tensor([0, 40]), taps)
     assert torch.equal(alone, b[30:])
+
+
+@pytest.mark.parametrize("compute", ["dense", "fp8"])
+def test_each_forward_cut_switched_off_gives_the_same_hidden_states(compute):
+    """ForwardOptions only move memory traffic: with any one cut off, the taps are bit-identical in
+    eager mode (the fused residual adds in bf16 like the separate add; the depthwise conv per channel
+    group is the same arithmetic; a concatenated matmul's columns are the separate matmuls')."""
+    (model,) = _models([compute])
+    rng = np.random.default_rng(4)
+    ids = torch.from_numpy(rng.integers(0, 512, size=70))
+    pos = torch.cat([torch.arange(30), torch.arange(40)])
+    cu = torch.tensor([0, 30, 70])
+    taps = [1, 3, 6]
+    want = model.forward_packed(ids, pos, cu, taps)
+    for field in dataclasses.fields(ForwardOptions):
+        model.set_forward_options(ForwardOptions(**{field.name: False}))
+        got = model.forward_packed(ids, pos, cu, taps)
+        assert torch.equal(got, want), (field.name, (got.float() - want.float()).abs().max())
+    model.set_forward_options(ForwardOptions(fuse_residual=False, split_conv=False, concat_linears=False))
+    assert torch.equal(model.forward_packed(ids, pos, cu, taps), want)
+    with pytest.raises(ValueError, match="ForwardOptions.split_conv"):
+        ForwardOptions(split_conv=1)
+
+
+def test_concatenated_groups_equal_their_layers_one_by_one():
+    """Under FP8 compute each LINEAR_GROUPS entry is one matmul over concatenated weights, each
+    layer's weight a view into it; its output columns equal each layer's own product (float64
+    reference from the quantised operands), and the dense a|b group equals the two dense layers."""
+    (fp8,) = _models(["fp8"])
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(33, fp8.config.hidden_size, generator=gen).to(torch.bfloat16)
+    fed = Fp8Input(*quantize_rows_fp8(x), dense=x)
+    x64 = fed.x8_TX.double() * fed.scale_T1.double()
+    gdn, attn = fp8.layers[0].linear_attn, fp8.layers[3].self_attn
+    checked = 0
+    for module in (gdn, attn, fp8.layers[0].mlp):
+        for group, names in module.LINEAR_GROUPS.items():
+            outs = grouped_linears(module, group, fed, ForwardOptions())
+            assert len(outs) == len(names)
+            for name, y in zip(names, outs):
+                layer = getattr(module, name)
+                if layer.weight is None:  # FP8: a row slice of the group's e4m3 matrix
+                    assert layer.weight_fp8.data_ptr() >= getattr(module, f"{group}_weight").data_ptr()
+                    ref = x64 @ (layer.weight_fp8.double() * layer.weight_scale_1N.double().t()).t()
+                else:  # dense a|b: the dense input, bf16 weights
+                    ref = x.double() @ layer.weight.double().t()
+                assert y.shape == ref.shape and y.dtype == torch.bfloat16
+                assert torch.allclose(y.double(), ref, rtol=2**-7, atol=1e-3 * ref.abs().max().item()), (group, name)
+                checked += 1
+    assert checked == 2 + 2 + 3 + 2
+    assert gdn.in_proj_qkv.weight_fp8.untyped_storage().data_ptr() == gdn.qkvz_weight.untyped_storage().data_ptr()
 
 
 def test_fp8_compute_refusals(tmp_path):
@@ -165,3 +254,63 @@ def test_fp8_layers_at_27b_width_against_bf16_and_fp32():
         )
         assert torch.isfinite(got["fp8"]).all()
         assert e_bf16 < 0.02 and e_fp8 < 0.08
+
+
+@pytest.mark.gpu
+def test_forward_cuts_agree_on_the_fast_kernels_at_27b_width():
+    """Each ForwardOptions cut off vs all on, FP8 compute on the fast kernels at 27B width (the conv on
+    channel slices of a concatenated matmul's output, fla on contiguous q/k/v, varlen attention on a
+    strided v), 2 packed sequences; and the per-group conv equals the whole conv, contiguous."""
+    device = torch.device("cuda")
+    cfg = TargetConfig.from_hf_dict(qwen35_27b_config_dict(num_hidden_layers=4, vocab_size=4096))
+    state = random_weights(cfg, seed=1, device=device, with_head=False, dtype=torch.bfloat16)
+    kernels = select_kernels(device, compile_pointwise=False)
+    model = TargetModel.from_state_dict(cfg, state, kernels, dtype=torch.bfloat16, compute="fp8")
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 4096, (3072,), generator=gen).to(device)
+    pos = torch.cat([torch.arange(1000), torch.arange(2072)]).to(device)
+    cu = torch.tensor([0, 1000, 3072])
+    taps = [0, 1, 2, 3]
+    want = model.forward_packed(ids, pos, cu, taps).float()
+    for field in dataclasses.fields(ForwardOptions):
+        model.set_forward_options(ForwardOptions(**{field.name: False}))
+        got = model.forward_packed(ids, pos, cu, taps).float()
+        errs = [_rel(got[:, j], want[:, j]) for j in range(len(taps))]
+        print(f"{field.name} off vs on, relative L2 per tap: {errs}")
+        assert max(errs) < 1e-2, (field.name, errs)
+    gdn = model.layers[0].linear_attn
+    batch = kernels.prepare(cu, 3072, device)
+    qkvz_TN = torch.randn(3072, cfg.linear_conv_dim + cfg.linear_value_dim, device=device).to(torch.bfloat16)
+    qkv_TE, conv_EW = qkvz_TN[:, : cfg.linear_conv_dim], gdn.conv1d.weight.squeeze(1)
+    sizes = [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim]
+    parts = [
+        kernels.conv1d_silu(x_TC, w_CW, batch)
+        for x_TC, w_CW in zip(torch.split(qkv_TE, sizes, dim=-1), torch.split(conv_EW, sizes, dim=0))
+    ]
+    assert torch.equal(torch.cat(parts, dim=-1), kernels.conv1d_silu(qkv_TE, conv_EW, batch))
+    if kernels.conv_backend == "causal_conv1d":  # channel-last outputs of strided inputs: no copy for fla
+        assert all(p.is_contiguous() for p in parts), [p.stride() for p in parts]
+
+
+@pytest.mark.gpu
+def test_gpu_extraction_with_the_copy_stream_writes_what_the_target_computed(tmp_path):
+    """Shards copied to the host on the writer's side stream (while the next batch runs) hold the
+    same hidden states as a CPU extraction of the same target (fp32, to kernel rounding)."""
+    from extract_helpers import all_tensors, extract_cfg, make_samples
+
+    from extract.runner import run_extract
+    from shards.codec import decode_hidden
+
+    target = write_random_checkpoint(tmp_path / "t", seed=1, dtype=torch.float32)
+    data = tmp_path / "d.jsonl"
+    write_jsonl(data, make_samples())
+    caches = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / f"cache-{device}"
+        run_extract(extract_cfg(target, data, out, device=device, allow_slow_kernels=True, storage_dtype="fp8"))
+        caches[device] = all_tensors(out)
+    assert sorted(caches["cpu"]) == sorted(caches["cuda"]) and len(caches["cpu"]) > 2
+    for b, want in caches["cpu"].items():
+        got = caches["cuda"][b]
+        a, e = (decode_hidden(t["hidden"], t["hidden_scale"]).float() for t in (got, want))
+        assert _rel(a, e) < 2e-2, (b, _rel(a, e))  # fp8 storage: a differently rounded value may flip a step

@@ -10,6 +10,9 @@ the switch to FP8 compute is in place):
   write_fp8       writing an fp8 cache
   fp8_no_write    FP8 compute (linear layers on e4m3 matmuls), compute only
   fp8_write_fp8   FP8 compute writing an fp8 cache (the issue-16 goal: >= 20K tokens/s per H200)
+and the same names with `_before` (every memory-traffic cut off: ForwardOptions all False and the
+writer's host copies on the forward's stream, i.e. the code path before those cuts) or, for
+fp8_write_fp8, `_no_<cut>` (that one cut off: fuse_residual, split_conv, concat_linears, copy_stream),
 each as tokens/s of the short run ("end to end": from the first batch's launch until the last shard is
 durable, so it includes filling and draining the pipeline once) and as the steady rate between the
 first and the last batch finishing (what a long extraction sees), with the write rate and the time the
@@ -21,10 +24,13 @@ length-sorted, padded batches of the same token count, on a layer subset project
 
     python -m tools.bench_extract --out bench_extract.json --cache-dir /tmp/bench_cache --hf-layers 0 \
         --configs no_write,write_fp8,fp8_no_write,fp8_write_fp8 --timed-batches 6
+    python -m tools.bench_extract --out bench_extract_cuts.json --cache-dir /tmp/bench_cache --hf-layers 0 \
+        --configs write_fp8_before,write_fp8,fp8_write_fp8_before,fp8_write_fp8 --timed-batches 10
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
@@ -40,7 +46,7 @@ import torch
 from extract.config import ExtractConfig
 from extract.data import Sample, SampleLoader, scan_dataset, write_parquet
 from extract.kernels import select_kernels
-from extract.model import TargetModel
+from extract.model import ForwardOptions, TargetModel
 from extract.packing import PackingConfig, load_batch, plan_batches
 from extract.runner import build_cache_config, extract_batches
 from extract.target_config import TargetConfig
@@ -67,13 +73,22 @@ def write_mix(path: Path, lengths: np.ndarray, vocab: int, seed: int) -> None:
     write_parquet(path, samples)
 
 
-CONFIGS = {  # name -> (compute, storage, write)
+BASE_CONFIGS = {  # name -> (compute, storage, write)
     "no_write": ("dense", "bf16", False),
     "write_bf16": ("dense", "bf16", True),
     "write_fp8": ("dense", "fp8", True),
     "fp8_no_write": ("fp8", "bf16", False),
     "fp8_write_fp8": ("fp8", "fp8", True),
 }
+# The memory-traffic cuts a configuration can switch off: the ForwardOptions fields and the writer's
+# side stream for host copies.
+CUTS = tuple(f.name for f in dataclasses.fields(ForwardOptions)) + ("copy_stream",)
+CONFIGS = {}  # name -> (compute, storage, write, cuts switched off)
+for _name, _spec in BASE_CONFIGS.items():
+    CONFIGS[_name] = (*_spec, frozenset())
+    CONFIGS[f"{_name}_before"] = (*_spec, frozenset(CUTS))
+for _cut in CUTS:
+    CONFIGS[f"fp8_write_fp8_no_{_cut}"] = (*BASE_CONFIGS["fp8_write_fp8"], frozenset({_cut}))
 
 
 class DiscardingSink:
@@ -121,10 +136,12 @@ class TimedWriter(AsyncShardWriter):
         self.done_s.append(time.monotonic())
 
 
-def _sink(cfg: ExtractConfig, cache_cfg, device: torch.device, write: bool) -> TimedWriter | DiscardingSink:
-    return (
-        TimedWriter(cfg.out_dir, cache_cfg, device, num_buffers=cfg.writer_buffers) if write else DiscardingSink(device)
-    )
+def _sink(
+    cfg: ExtractConfig, cache_cfg, device: torch.device, write: bool, copy_stream: bool
+) -> TimedWriter | DiscardingSink:
+    if not write:
+        return DiscardingSink(device)
+    return TimedWriter(cfg.out_dir, cache_cfg, device, num_buffers=cfg.writer_buffers, copy_stream=copy_stream)
 
 
 def steady_tokens_per_s(tokens_per_batch: list[int], done_s: list[float]) -> float | None:
@@ -305,9 +322,11 @@ def main(out_path, cache_dir, num_samples, timed_batches, layers, hf_layers, tok
     timed = plan.batches[warm:need]
     warmed: set[str] = set()
     for name in names:
-        mode, storage, write = CONFIGS[name]
-        if mode == "fp8" and mode not in warmed:
+        mode, storage, write, off = CONFIGS[name]
+        options = ForwardOptions(**{f.name: f.name not in off for f in dataclasses.fields(ForwardOptions)})
+        if mode == "fp8" and not model.pw.fp8:  # the first FP8 configuration: convert, measure the error
             t1 = time.perf_counter()
+            model.set_forward_options(ForwardOptions())
             dense_nKH = _forward_batch(model, index, plan.batches[warm], taps, device, token_budget)
             model.use_fp8_compute()  # in place: the linear layers' weights quantised once
             fp8_nKH = _forward_batch(model, index, plan.batches[warm], taps, device, token_budget)
@@ -342,12 +361,14 @@ def main(out_path, cache_dir, num_samples, timed_batches, layers, hf_layers, tok
                 "final_norm": torch.zeros(hidden, dtype=torch.bfloat16),
             },
         )
-        if mode not in warmed:  # compile and allocator warm-up, once per compute mode
-            extract_batches(
-                model, cfg, cache_cfg, index, plan.batches[:warm], device, _sink(cfg, cache_cfg, device, write)
-            )
-            warmed.add(mode)
-        sink = _sink(cfg, cache_cfg, device, write)
+        model.set_forward_options(options)
+        copy_stream = "copy_stream" not in off
+        variant = f"{mode} {options}"
+        if variant not in warmed:  # compile and allocator warm-up, once per compute mode and options
+            warm_sink = _sink(cfg, cache_cfg, device, write, copy_stream)
+            extract_batches(model, cfg, cache_cfg, index, plan.batches[:warm], device, warm_sink)
+            warmed.add(variant)
+        sink = _sink(cfg, cache_cfg, device, write, copy_stream)
         s = extract_batches(model, cfg, cache_cfg, index, timed, device, sink)
         steady = steady_tokens_per_s([b.num_tokens for b in timed], sink.done_s)
         result[name] = {
@@ -358,6 +379,7 @@ def main(out_path, cache_dir, num_samples, timed_batches, layers, hf_layers, tok
             "gb_written": s.bytes_written / 1e9,
             "write_gb_per_s": s.bytes_written / 1e9 / s.seconds,
             "wait_for_disk_s": sink.wait_s,
+            "cuts_off": sorted(off),
         }
         _save(out_path, result)
         log.info(
