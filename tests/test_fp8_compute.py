@@ -214,6 +214,14 @@ def test_extract_with_fp8_compute_records_it_and_refuses_a_dense_resume(tmp_path
 
 
 # ---- GPU: error bounds at 27B width -------------------------------------------------------------
+def _two_sequences_27b(device, first_len: int):
+    """3072 random tokens of the 4096-token test vocabulary in two packed sequences; taps on all 4 layers."""
+    gen = torch.Generator().manual_seed(first_len)
+    ids = torch.randint(0, 4096, (3072,), generator=gen).to(device)
+    pos = torch.cat([torch.arange(first_len), torch.arange(3072 - first_len)]).to(device)
+    return ids, pos, torch.tensor([0, first_len, 3072]), [0, 1, 2, 3]
+
+
 @pytest.mark.gpu
 def test_fp8_layers_at_27b_width_against_bf16_and_fp32():
     """One GatedDeltaNet and one attention layer of the 27B shape (plus two more GDN layers), fp8 vs
@@ -228,11 +236,7 @@ def test_fp8_layers_at_27b_width_against_bf16_and_fp32():
     )
     fast = select_kernels(device, compile_pointwise=False)
     ref = TargetModel.from_state_dict(cfg, state, slow, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 4096, (3072,), generator=gen).to(device)
-    pos = torch.cat([torch.arange(1024), torch.arange(2048)]).to(device)
-    cu = torch.tensor([0, 1024, 3072])
-    taps = [0, 1, 2, 3]
+    ids, pos, cu, taps = _two_sequences_27b(device, first_len=1024)
     want = ref.forward_packed(ids, pos, cu, taps).float()
     del ref
     got = {}
@@ -266,11 +270,7 @@ def test_forward_cuts_agree_on_the_fast_kernels_at_27b_width():
     state = random_weights(cfg, seed=1, device=device, with_head=False, dtype=torch.bfloat16)
     kernels = select_kernels(device, compile_pointwise=False)
     model = TargetModel.from_state_dict(cfg, state, kernels, dtype=torch.bfloat16, compute="fp8")
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 4096, (3072,), generator=gen).to(device)
-    pos = torch.cat([torch.arange(1000), torch.arange(2072)]).to(device)
-    cu = torch.tensor([0, 1000, 3072])
-    taps = [0, 1, 2, 3]
+    ids, pos, cu, taps = _two_sequences_27b(device, first_len=1000)
     want = model.forward_packed(ids, pos, cu, taps).float()
     for field in dataclasses.fields(ForwardOptions):
         model.set_forward_options(ForwardOptions(**{field.name: False}))
