@@ -18,11 +18,13 @@ def encode_hidden(hidden_TKH: torch.Tensor, storage_dtype: str) -> dict[str, tor
         return {"hidden": hidden_TKH.to(torch.bfloat16)}
     if storage_dtype != "fp8":
         raise ValueError(f"unknown storage dtype {storage_dtype!r}")
-    x = hidden_TKH.float()
-    amax_TK = x.abs().amax(dim=-1)
+    # One fp32 temporary instead of four (float copy, abs, quotient, clamp): a 49152-token batch of 5
+    # taps at 5120 is 5 GB in fp32. The abs-max is exact in any dtype, and bf16 / fp32 promotes to
+    # the same fp32 quotient as float(x) / scale, so the bits are those of the plain formula.
+    amax_TK = torch.linalg.vector_norm(hidden_TKH, ord=float("inf"), dim=-1, dtype=torch.float32)
     scale_TK = torch.where(amax_TK > 0, amax_TK / FP8_E4M3_MAX, torch.ones_like(amax_TK))
-    q = (x / scale_TK.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return {"hidden": q, "hidden_scale": scale_TK}
+    q = torch.div(hidden_TKH, scale_TK.unsqueeze(-1)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return {"hidden": q.to(torch.float8_e4m3fn), "hidden_scale": scale_TK}
 
 
 def decode_hidden(hidden: torch.Tensor, hidden_scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -76,6 +76,20 @@ def test_fp8_round_trip_error_is_small():
     assert encode_hidden(hidden, "bf16")["hidden"].dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_encoding_is_the_plain_per_row_formula_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(1)
+    hidden = (torch.randn(64, 3, 96, generator=gen) * torch.logspace(-3, 4, 64).view(64, 1, 1)).to(dtype)
+    hidden[5, 1] = 0.0  # an all-zero row: scale 1
+    x64 = hidden.double()
+    amax = x64.abs().amax(-1).float()  # exact: a max of values already in fp32
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    want = (x64.float() / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    enc = encode_hidden(hidden, "fp8")
+    assert torch.equal(enc["hidden_scale"], scale) and enc["hidden_scale"][5, 1] == 1.0
+    assert torch.equal(enc["hidden"].view(torch.uint8), want.view(torch.uint8))
+
+
 @pytest.mark.parametrize(
     "how,expect",
     [("truncate", "truncated"), ("flip", "checksum mismatch"), ("version", "format version"), ("shape", "input_ids")],
