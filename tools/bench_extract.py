@@ -25,7 +25,7 @@ length-sorted, padded batches of the same token count, on a layer subset project
     python -m tools.bench_extract --out bench_extract.json --cache-dir /tmp/bench_cache --hf-layers 0 \
         --configs no_write,write_fp8,fp8_no_write,fp8_write_fp8 --timed-batches 6
     python -m tools.bench_extract --out bench_extract_cuts.json --cache-dir /tmp/bench_cache --hf-layers 0 \
-        --configs write_fp8_before,write_fp8,fp8_write_fp8_before,fp8_write_fp8 --timed-batches 10
+        --configs write_fp8_before,write_fp8,fp8_write_fp8_before,fp8_write_fp8 --timed-batches 8 --profile
 """
 
 from __future__ import annotations
@@ -236,6 +236,39 @@ def _forward_batch(
     return model.forward_packed(ids, pos, cu, taps)
 
 
+MATMUL_KERNEL_WORDS = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "f8f8bf16")  # in GEMM kernel names
+
+
+def kernel_profile(
+    model: TargetModel, index, batch, taps: list[int], device: torch.device, token_budget: int, top: int = 25
+) -> dict:
+    """GPU time per kernel name over one forward (torch.profiler), most first, and the share of the
+    GEMMs in it: what is left besides the matmuls, by kernel. On CPU: self CPU time per op instead."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = device.type == "cuda"
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA] if on_cuda else [ProfilerActivity.CPU]) as prof:
+        _forward_batch(model, index, batch, taps, device, token_budget)
+        _sync(device)
+    us_per_name: dict[str, float] = {}
+    for event in prof.events():
+        if on_cuda and event.device_type != DeviceType.CUDA:
+            continue
+        us = event.time_range.elapsed_us() if on_cuda else event.self_cpu_time_total
+        us_per_name[event.name] = us_per_name.get(event.name, 0.0) + us
+    total_us = sum(us_per_name.values())
+    matmul_us = sum(us for n, us in us_per_name.items() if any(w in n.lower() for w in MATMUL_KERNEL_WORDS))
+    ranked = sorted(us_per_name.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "tokens": batch.num_tokens,
+        "total_ms": total_us / 1e3,
+        "matmul_ms": matmul_us / 1e3,
+        "top": [{"name": n, "ms": us / 1e3, "share": us / max(total_us, 1e-9)} for n, us in ranked],
+    }
+
+
 @click.command()
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False))
 @click.option("--cache-dir", default="/tmp/bench_extract_cache", show_default=True)
@@ -264,7 +297,15 @@ def _forward_batch(
 @click.option(
     "--tiny", is_flag=True, help="CPU smoke run on the tiny config (checks the script, measures nothing useful)."
 )
-def main(out_path, cache_dir, num_samples, timed_batches, layers, hf_layers, token_budget, configs, tiny) -> None:
+@click.option(
+    "--profile",
+    is_flag=True,
+    help="After the last configuration, profile one forward in its settings: GPU time per kernel name, "
+    "GEMMs vs the rest (printed, and under 'profile' in --out).",
+)
+def main(
+    out_path, cache_dir, num_samples, timed_batches, layers, hf_layers, token_budget, configs, tiny, profile
+) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     names = [c.strip() for c in configs.split(",") if c.strip()]
     unknown = [c for c in names if c not in CONFIGS]
@@ -386,6 +427,9 @@ def main(out_path, cache_dir, num_samples, timed_batches, layers, hf_layers, tok
             "%s: %.0f tok/s end to end, %s steady", name, s.tokens_per_s, f"{steady:.0f} tok/s" if steady else "no"
         )
     shutil.rmtree(cache_dir, ignore_errors=True)
+    if profile:
+        result["profile"] = {"config": names[-1], **kernel_profile(model, index, timed[0], taps, device, token_budget)}
+        _save(out_path, result)
     if hf_layers:
         del model
         torch.cuda.empty_cache()
@@ -408,6 +452,15 @@ def main(out_path, cache_dir, num_samples, timed_batches, layers, hf_layers, tok
         ):
             errs = ", ".join(f"layer {t}: {e:.2e}" for t, e in result[key].items())
             print(f"{what}, relative L2 per tap (one batch): {errs}")
+    if profile:
+        prof = result["profile"]
+        print(
+            f"\none forward of {prof['tokens']} tokens in {prof['config']}'s settings: {prof['total_ms']:.1f} ms of "
+            f"kernels, GEMMs {prof['matmul_ms']:.1f} ms, the rest {prof['total_ms'] - prof['matmul_ms']:.1f} ms; "
+            "by kernel name:"
+        )
+        for row in prof["top"]:
+            print(f"{row['ms']:>9.2f} ms {100 * row['share']:>5.1f}%  {row['name'][:110]}")
     print(
         f"packing efficiency {result['padding_efficiency']:.4f}, median {result['median_len']:.0f}, max {result['max_len']}"
     )
