@@ -89,12 +89,15 @@ def test_max_seqs_caps_batches(tmp_path):
     assert [len(b.rows) for b in plan.batches] == [8] * 6 + [2]
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    lengths=st.lists(st.integers(1, 120), min_size=0, max_size=200),
-    budget=st.integers(1, 150),
-    max_seqs=st.integers(1, 12),
-)
+def random_packings(min_count: int):
+    """60 random packing problems: up to 200 lengths of 1..120 tokens (at least min_count of them),
+    a token budget of 1..150 and a sequence cap of 1..12 (both packers' property tests)."""
+    lengths = st.lists(st.integers(1, 120), min_size=min_count, max_size=200)
+    cases = given(lengths=lengths, budget=st.integers(1, 150), max_seqs=st.integers(1, 12))
+    return lambda test: settings(max_examples=60, deadline=None)(cases(test))
+
+
+@random_packings(min_count=0)
 def test_packing_invariants_on_random_lengths(lengths, budget, max_seqs):
     arr = np.array(lengths, dtype=np.int64)
     arr = np.minimum(arr, budget)
@@ -110,12 +113,7 @@ def test_packing_invariants_on_random_lengths(lengths, budget, max_seqs):
         assert loads[0] + loads[1] > budget, loads
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    lengths=st.lists(st.integers(1, 120), min_size=1, max_size=200),
-    budget=st.integers(1, 150),
-    max_seqs=st.integers(1, 12),
-)
+@random_packings(min_count=1)
 def test_pack_lengths_is_valid_and_never_worse_than_best_fit(lengths, budget, max_seqs):
     arr = np.minimum(np.array(lengths, dtype=np.int64), budget)
     bins = pack_lengths(arr, token_budget=budget, max_seqs=max_seqs)

@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from extract_helpers import extract_cfg
+from train_helpers import tiny_config
 
-from extract.config import ExtractConfig
 from extract.data import write_jsonl
 from extract.runner import run_extract
 from shards import ShardReader
@@ -41,37 +42,10 @@ def setup(tmp_path_factory):
     target = write_random_checkpoint(root / "target", seed=0, dtype=torch.float32, mixer_scale=0.1)
     samples = greedy_continuations(target, num_samples=24, prompt_len=(4, 12), new_tokens=NEW_TOKENS)
     write_jsonl(root / "data.jsonl", samples)
-    run_extract(
-        ExtractConfig(
-            target=str(target),
-            data=str(root / "data.jsonl"),
-            out_dir=str(root / "cache"),
-            token_budget=256,
-            max_seqs=8,
-            dtype="float32",
-            mask_token_id=511,
-            target_topk=1,
-            progress_interval_s=0.0,
-        )
-    )
-    run_training(
-        TrainConfig(
-            cache=str(root / "cache"),
-            out_dir=str(root / "run"),
-            epochs=30,
-            num_blocks=32,
-            block_size=4,
-            num_layers=1,
-            compute_dtype="float32",
-            attention="sdpa",
-            device="cpu",
-            lr=3e-3,
-            log_every=1000,
-            metrics_every=1000,
-            checkpoint_every=0,
-            num_buffers=2,
-        )
-    )
+    run_extract(extract_cfg(target, root / "data.jsonl", root / "cache", target_topk=1))
+    # The default warmup share, and no logging or metrics to speak of: only the trained drafter matters.
+    quiet = dict(warmup_ratio=TrainConfig.warmup_ratio, log_every=1000, metrics_every=1000)
+    run_training(tiny_config(root / "cache", root / "run", epochs=30, num_blocks=32, lr=3e-3, **quiet))
     return root, target, samples
 
 

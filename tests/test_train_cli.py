@@ -20,16 +20,20 @@ def invoke(args):
     return CliRunner().invoke(main, args, catch_exceptions=False)
 
 
-def test_train_checkpoint_export_eval_end_to_end(tmp_path):
-    cache = tiny_cache(tmp_path / "cache", num_batches=5)
+def train_by_cli(tmp_path, num_batches: int, *flags: str):
+    """dflash-train train on a new tiny cache of num_batches shards into tmp_path/run, which must succeed:
+    (cache, run dir, output)."""
+    cache = tiny_cache(tmp_path / "cache", num_batches=num_batches)
     run = tmp_path / "run"
-    res = invoke(
-        tiny_cli_args(
-            cache, run, "--max-steps", "4", "--checkpoint-every", "2", "--eval-shards", "1", "--keep-checkpoints", "1"
-        )
-    )
+    res = invoke(tiny_cli_args(cache, run, *flags))
     assert res.exit_code == 0, res.output
-    assert "done in " in res.output and ": 4 steps, " in res.output and "acceptance length" in res.output
+    return cache, run, res.output
+
+
+def test_train_checkpoint_export_eval_end_to_end(tmp_path):
+    flags = ("--max-steps", "4", "--checkpoint-every", "2", "--eval-shards", "1", "--keep-checkpoints", "1")
+    cache, run, output = train_by_cli(tmp_path, 5, *flags)
+    assert "done in " in output and ": 4 steps, " in output and "acceptance length" in output
     assert sorted(p.name for p in run.glob("step-*")) == ["step-00000004"], "keep-checkpoints 1 keeps the newest"
     run_json = json.loads((run / "run.json").read_text())
     assert run_json["provenance"]["argv"] and "git_sha" in run_json["provenance"]
@@ -78,14 +82,9 @@ def test_train_checkpoint_export_eval_end_to_end(tmp_path):
 def test_one_number_per_set_of_weights(tmp_path):
     """The run's own eval, eval on its checkpoint (and on the run dir) and eval on its bf16 export agree
     exactly: all of them evaluate the weights rounded to the training compute dtype."""
-    cache = tiny_cache(tmp_path / "cache", num_batches=4)
-    run = tmp_path / "run"
-    res = invoke(
-        tiny_cli_args(
-            cache, run, "--max-steps", "3", "--eval-shards", "1", "--compute-dtype", "bfloat16", "--lr", "1e-2"
-        )
+    cache, run, _ = train_by_cli(
+        tmp_path, 4, "--max-steps", "3", "--eval-shards", "1", "--compute-dtype", "bfloat16", "--lr", "1e-2"
     )
-    assert res.exit_code == 0, res.output
     in_training = json.loads((run / "eval.json").read_text())
     assert invoke(["export", str(run), str(tmp_path / "exported")]).exit_code == 0
     figures = {}

@@ -14,21 +14,13 @@ from train.loop import run_training
 GPU_CACHE = dict(hidden_size=256, vocab_size=2048, token_budget=1024, max_seqs=4, tap_layer_ids=(1, 3, 5))
 
 
+ON_GPU = dict(device="cuda", attention="flex", compute_dtype="bfloat16")
+GPU_DRAFTER = dict(num_blocks=16, block_size=16, num_layers=2, mask_token_id=GPU_CACHE["vocab_size"] - 1)
+
+
 def gpu_config(cache, out, **overrides):
-    options = dict(
-        device="cuda",
-        attention="flex",
-        compute_dtype="bfloat16",
-        num_blocks=16,
-        block_size=16,
-        num_layers=2,
-        epochs=2,
-        metrics_every=2,
-        log_every=1,
-        mask_token_id=2047,
-    )
-    options.update(overrides)
-    return tiny_config(cache, out, **options)
+    """tiny_config on the GPU: flex attention, bf16, a 2-layer drafter with 16 blocks of 16."""
+    return tiny_config(cache, out, **{**ON_GPU, **GPU_DRAFTER, **overrides})
 
 
 def losses(run_dir):

@@ -35,55 +35,25 @@ def tiny_cache(path: Path, num_batches: int = 6, seed: int = 0, **overrides) -> 
     return path
 
 
+# The tiny run's settings, by what they are for. The CLI tests pass the first three groups as flags
+# (tiny_cli_args) and keep the CLI's defaults for the rest.
+TINY_DRAFTER = dict(num_blocks=8, block_size=4, num_layers=1)  # 8 blocks of 4 per 128-token batch, 1 layer
+ON_CPU = dict(compute_dtype="float32", attention="sdpa", device="cpu", num_buffers=2)
+TINY_SCHEDULE = dict(log_every=1, warmup_ratio=0.1)
+TINY_RUN = dict(epochs=2, metrics_every=2, checkpoint_every=0)  # library runs only: short, no checkpoints
+
+
 def tiny_config(cache: Path, out: Path, **overrides) -> TrainConfig:
     """A 1-layer, 32-wide drafter with 8 blocks of 4 per 128-token batch, fp32 on CPU."""
-    options = dict(
-        cache=str(cache),
-        out_dir=str(out),
-        epochs=2,
-        num_blocks=8,
-        block_size=4,
-        num_layers=1,
-        compute_dtype="float32",
-        attention="sdpa",
-        device="cpu",
-        log_every=1,
-        metrics_every=2,
-        checkpoint_every=0,
-        num_buffers=2,
-        warmup_ratio=0.1,
-    )
-    options.update(overrides)
-    return TrainConfig(**options)
+    options = {**TINY_DRAFTER, **ON_CPU, **TINY_SCHEDULE, **TINY_RUN, **overrides}
+    return TrainConfig(cache=str(cache), out_dir=str(out), **options)
 
 
 def tiny_cli_args(cache: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "train",
-        "--cache",
-        str(cache),
-        "--out",
-        str(out),
-        "--num-blocks",
-        "8",
-        "--block-size",
-        "4",
-        "--num-layers",
-        "1",
-        "--compute-dtype",
-        "float32",
-        "--attention",
-        "sdpa",
-        "--device",
-        "cpu",
-        "--log-every",
-        "1",
-        "--num-buffers",
-        "2",
-        "--warmup-ratio",
-        "0.1",
-        *extra,
-    ]
+    """`dflash-train train` arguments of tiny_config's drafter, device and schedule, then `extra`."""
+    settings = {**TINY_DRAFTER, **ON_CPU, **TINY_SCHEDULE}
+    flags = [word for name, value in settings.items() for word in (f"--{name.replace('_', '-')}", str(value))]
+    return ["train", "--cache", str(cache), "--out", str(out), *flags, *extra]
 
 
 def read_records(run_dir: Path) -> list[dict]:
