@@ -242,6 +242,10 @@ def _refuse_unsupervised(cfg: ExtractConfig, index) -> None:
         )
 
 
+# The run's settings cache.json records under the same names (each is part of the cache's identity).
+RECORDED_SETTINGS = ("token_budget", "max_seqs", "storage_dtype", "target_topk", "mask_token_id", "pad_token_id")
+
+
 def build_cache_config(
     cfg: ExtractConfig, target: TargetConfig, taps: list[int], plan: PackingPlan, index
 ) -> CacheConfig:
@@ -260,12 +264,7 @@ def build_cache_config(
             compute=cfg.compute,
         ),
         tap_layer_ids=list(taps),
-        token_budget=cfg.token_budget,
-        max_seqs=cfg.max_seqs,
-        storage_dtype=cfg.storage_dtype,
-        target_topk=cfg.target_topk,
-        mask_token_id=cfg.mask_token_id,
-        pad_token_id=cfg.pad_token_id,
+        **{name: getattr(cfg, name) for name in RECORDED_SETTINGS},
         packing=PackingRecord(
             algorithm=PACKING_ALGORITHM,
             long_seqs=cfg.long_seqs,

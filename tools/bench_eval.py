@@ -20,6 +20,7 @@ import time
 import click
 import torch
 
+from shards.cli_options import CONTEXT_SETTINGS
 from train.attention import BlockAttentionLayout
 from train.drafter_config import DrafterConfig
 from train.model import DFlashDrafter, TargetHead
@@ -60,7 +61,7 @@ def random_drafter(cfg: DrafterConfig, device: str, dtype: torch.dtype) -> tuple
     return model, head
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings=CONTEXT_SETTINGS)
 @click.option("--out", "out_json", required=True, type=click.Path(dir_okay=False), help="JSON file to write.")
 @click.option("--token-budget", default=49152, show_default=True, help="Context tokens of the packed batch.")
 @click.option("--responses", default=64, show_default=True, help="Responses in the batch.")

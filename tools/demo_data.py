@@ -20,6 +20,7 @@ import torch
 
 from extract.data import Sample, write_jsonl
 from extract.model import TargetModel
+from shards.cli_options import CONTEXT_SETTINGS
 from tools.tiny_tokenizer import WORDS
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def demo_conversations(num_conversations: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings=CONTEXT_SETTINGS)
 @click.option(
     "--target",
     default=None,

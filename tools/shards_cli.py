@@ -9,6 +9,7 @@ import sys
 import click
 
 from shards import CacheFormatError, ShardError, ShardReader, rebuild_manifest
+from shards.cli_options import CONTEXT_SETTINGS
 from shards.inspect import QUARANTINE_DIR, find_sample, summarize_cache, verify_cache
 from shards.progress import format_bytes, plural
 
@@ -17,7 +18,7 @@ def _emit(obj: object, as_json: bool, text: str) -> None:
     click.echo(json.dumps(obj, indent=2) if as_json else text)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings=CONTEXT_SETTINGS)
 def main() -> None:
     """Inspect, verify and summarise a dflash hidden-state cache (the output of dflash-extract).
 

@@ -32,6 +32,7 @@ import torch
 
 from extract.chat import load_tokenizer
 from extract.model import TargetModel
+from shards.cli_options import CONTEXT_SETTINGS
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +267,7 @@ def _delays(text: str) -> dict[int, float]:
     return out
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings=CONTEXT_SETTINGS)
 @click.option(
     "--target",
     required=True,

@@ -368,11 +368,7 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
                 num_target_layers=target.num_layers,
                 tap_layer_ids=list(cache_cfg.tap_layer_ids),
                 mask_token_id=mask_token_id,
-                num_layers=cfg.num_layers,
-                block_size=cfg.block_size,
-                rope_theta=cfg.rope_theta,
-                layer_types=cfg.layer_types,
-                sliding_window=cfg.sliding_window,
+                **{name: getattr(cfg, name) for name in _FOR_TARGET_OPTIONS},
             )
             if cfg.num_attention_heads is not None:
                 try:
@@ -429,6 +425,8 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
     )
 
 
+# TrainConfig shape options that DrafterConfig.for_target takes under the same names.
+_FOR_TARGET_OPTIONS = ("num_layers", "block_size", "rope_theta", "layer_types", "sliding_window")
 # TrainConfig shape fields that --init-from takes from the drafter's config.json (and DrafterConfig names).
 _INIT_SHAPE_FIELDS = {
     "num_layers": "num_layers",
