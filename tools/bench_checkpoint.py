@@ -165,6 +165,7 @@ def main(
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise click.ClickException("--device cuda: CUDA is not available; use --device cpu")
+        dev = torch.device("cuda", dev.index or 0)  # torch 2.11's set_device wants an index
         torch.cuda.set_device(dev)
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     if not mode_list or any(m not in ("async", "sync") for m in mode_list):
