@@ -126,6 +126,82 @@ def _source_name(local_name: str, naming: str, locations: dict[str, Path], tied:
     return name
 
 
+MAX_REPORTED_TENSORS = 20  # bad tensors listed in one error; the rest are counted
+
+
+def check_tensors(ckpt_dir: str | Path, expected: dict[str, tuple[int, ...]], tied: bool) -> None:
+    """Every tensor of `expected` (our name -> the shape config.json implies) is in the checkpoint with
+    that shape (and, when stored as FP8, its block scales with theirs). Reads the index and the
+    safetensors headers only, no tensor data, so a damaged checkpoint is refused in seconds, before any
+    work. Raises one ValueError naming every problem (file, tensor, expected and found shape; an
+    unreadable header by its file), the first MAX_REPORTED_TENSORS listed and all counted."""
+    ckpt_dir = Path(ckpt_dir)
+    quant = checkpoint_quantization(ckpt_dir)
+    locations = tensor_locations(ckpt_dir)
+    naming = detect_naming(locations)
+    headers: dict[Path, dict[str, tuple[tuple[int, ...], str]] | None] = {}  # file -> name -> (shape, dtype)
+    problems: list[str] = []
+    num_missing = 0  # a missing tensor makes the error a MissingTensorError (a KeyError) as well
+
+    def header(path: Path) -> dict[str, tuple[tuple[int, ...], str]] | None:
+        if path not in headers:
+            try:
+                with _open(path) as f:
+                    headers[path] = {
+                        n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in f.keys()
+                    }
+            except ValueError as e:  # named once, however many tensors the file was to hold
+                headers[path] = None
+                problems.append(str(e))
+        return headers[path]
+
+    def check(source: str, want: tuple[int, ...], what: str) -> tuple[tuple[int, ...], str] | None:
+        path = locations[source]
+        held = header(path)
+        if held is None:
+            return None
+        if source not in held:
+            nonlocal num_missing
+            num_missing += 1
+            problems.append(f"{path}: tensor {source!r} is missing ({ckpt_dir / INDEX_FILE} names this file for it)")
+            return None
+        found = held[source]
+        if found[0] != want:
+            problems.append(f"{path}: {source} has shape {found[0]}, expected {want} {what}")
+        return found
+
+    for local, want in expected.items():
+        try:
+            source = _source_name(local, naming, locations, tied, ckpt_dir)
+        except MissingTensorError:
+            num_missing += 1
+            untied = " (config.json says tie_word_embeddings=false)" if local == "lm_head.weight" else ""
+            problems.append(
+                f"{ckpt_dir}: {hf_name(local, naming)} is not in the checkpoint (expected shape {want}){untied}"
+            )
+            continue
+        found = check(source, want, "from config.json")
+        if found is not None and found[1] == "F8_E4M3" and found[0] == want:
+            scale = scale_name(source)
+            if quant is None:
+                problems.append(f"{locations[source]}: {source} is FP8 but config.json has no quantization_config")
+            elif scale not in locations:
+                problems.append(f"{locations[source]}: {source} is FP8 but its block scales {scale!r} are missing")
+            else:
+                check(scale, quant.scale_shape(want), f"for {source} {want} in {quant.describe()}")
+    if problems:
+        shown = problems[:MAX_REPORTED_TENSORS]
+        more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+        raise (MissingTensorError if num_missing else ValueError)(
+            f"{ckpt_dir}: {len(problems)} bad or missing tensor(s) for the model config.json describes"
+            + (f" (the first {len(shown)})" if more else "")
+            + ":\n  "
+            + "\n  ".join(shown)
+            + more
+            + "\nis the checkpoint complete (re-download it) and does its config.json describe it?"
+        )
+
+
 def load_weights_into(model: nn.Module, ckpt_dir: str | Path, device: torch.device, dtype: torch.dtype) -> None:
     """Stream every parameter of `model` (built on meta, HF text-model names) from `ckpt_dir`."""
     ckpt_dir = Path(ckpt_dir)
@@ -134,6 +210,7 @@ def load_weights_into(model: nn.Module, ckpt_dir: str | Path, device: torch.devi
     naming = detect_naming(locations)
     tied = bool(model.config.tie_word_embeddings)
     wanted = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+    check_tensors(ckpt_dir, {name: tuple(p.shape) for name, p in wanted.items()}, tied)
     by_file: dict[Path, list[tuple[str, str]]] = defaultdict(list)
     for local in wanted:
         source = _source_name(local, naming, locations, tied, ckpt_dir)
@@ -148,10 +225,6 @@ def load_weights_into(model: nn.Module, ckpt_dir: str | Path, device: torch.devi
                 if source in read_cache:
                     loaded[local] = read_cache[source]
                     continue
-                expected = tuple(wanted[local].shape)
-                found = tuple(f.get_slice(source).get_shape())
-                if found != expected:
-                    raise ValueError(f"{path}: {source} has shape {found}, expected {expected} from config.json")
                 tensor, was_fp8 = read_tensor(f, path, source, locations, quant, device, storage_dtype(local, dtype))
                 dequantised += was_fp8
                 loaded[local] = tensor

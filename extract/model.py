@@ -525,6 +525,23 @@ class TargetModel(nn.Module):
         load_weights_into(model, path, device=device, dtype=dtype)
         return model.set_compute(compute).eval()
 
+    @staticmethod
+    def check_checkpoint(path: str | Path, *, last_layer: int | None = None, with_head: bool = False) -> None:
+        """Refuse, before any work, a checkpoint that from_pretrained(path, last_layer=, with_head=) and
+        the cache's target head could not load: every tensor they read must be present with the shape
+        config.json implies (safetensors headers only, no tensor data; see check_tensors)."""
+        from extract.checkpoint import check_tensors
+
+        cfg = TargetConfig.from_dir(path)
+        kernels = KernelChoice(gated_delta_backend="torch", conv_backend="torch", attention_backend="sdpa")
+        with torch.device("meta"):  # shapes only: nothing is allocated
+            model = TargetModel(cfg, kernels, last_layer=last_layer, with_head=with_head)
+        expected = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+        # The cache's target_head.safetensors also takes the LM head and the final norm, whatever layers run.
+        expected.setdefault("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+        expected.setdefault("norm.weight", (cfg.hidden_size,))
+        check_tensors(path, expected, cfg.tie_word_embeddings)
+
     @classmethod
     def from_state_dict(
         cls,

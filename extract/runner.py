@@ -139,6 +139,9 @@ def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
     checkpoint_quantization(cfg.target)  # an unimplemented quantization is refused before any work
     taps = cfg.tap_layer_ids or target.default_tap_layer_ids(cfg.num_taps)
     _refuse_impossible_settings(cfg, target, taps)
+    # Every tensor the run will read, checked in the safetensors headers before the dataset scan.
+    with_head = cfg.target_topk > 0
+    TargetModel.check_checkpoint(cfg.target, last_layer=None if with_head else max(taps), with_head=with_head)
     device = resolve_device(cfg.device, dist_info.local_rank)
     index = scan_dataset(cfg.data, vocab_size=target.vocab_size, token_budget=cfg.token_budget, long_seqs=cfg.long_seqs)
     if len(index) == 0:

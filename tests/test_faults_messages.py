@@ -3,11 +3,15 @@ a shard from another cache or outside the plan is refused by name.
 
 Cases (the tiny target, dataset and reference cache of test_faults.py; dflash-extract CLI):
   1. A damaged target checkpoint: config.json not JSON, a tensor missing, a tensor of the wrong shape,
-     a truncated model.safetensors: exit 1, the file named, no cache written.
+     a truncated model.safetensors: exit 1, the file named, refused before the dataset scan and before
+     cache.json. More than 20 bad tensors (layer 3's q_proj of another shape, layers 4 and 5 missing):
+     every one counted, the first 20 named with file, expected and found shape. A sharded checkpoint (index and
+     two files) with one unreadable header and one tensor the index names but its file lacks.
   2. A shard copied in from a cache of another dataset (same shapes): verify and the resumed extraction
      name it and leave it in place; a shard outside the plan of cache.json is named by verify.
 """
 
+import json
 import shutil
 
 import pytest
@@ -15,6 +19,8 @@ from click.testing import CliRunner
 from extract_helpers import cli_args, copy_cache, extract_cfg, make_samples
 from safetensors.torch import load_file, save_file
 
+from extract import runner
+from extract.checkpoint import MAX_REPORTED_TENSORS
 from extract.cli import main as extract_cli
 from extract.data import write_jsonl
 from extract.runner import CacheMismatchError, run_extract
@@ -42,12 +48,12 @@ def _bad_json(ckpt):
 
 def _missing(ckpt):
     name = _edit_tensor(ckpt, lambda t, n: t.pop(n))
-    return name, "is not in the checkpoint"
+    return name, "is not in the checkpoint (expected shape ("
 
 
 def _shape(ckpt):
     name = _edit_tensor(ckpt, lambda t, n: t.__setitem__(n, t[n][:-1].clone()))
-    return name, "expected"
+    return name, "expected ("
 
 
 def _truncated(ckpt):
@@ -56,18 +62,84 @@ def _truncated(ckpt):
     return str(path), "not a readable safetensors file"
 
 
-@pytest.mark.parametrize("damage", [_bad_json, _missing, _shape, _truncated], ids=lambda f: f.__name__.strip("_"))
-def test_a_damaged_target_is_one_message_naming_the_file(target, data, tmp_path, damage):
-    ckpt = tmp_path / "target"
-    shutil.copytree(target, ckpt)
-    named, reason = damage(ckpt)
-    out = tmp_path / "cache"
+@pytest.fixture
+def no_work(monkeypatch):
+    """The dataset scan (the first work of a run) fails the test if it starts."""
+
+    def scan(*a, **kw):
+        raise AssertionError("the dataset scan started: the refusal must come before any work")
+
+    monkeypatch.setattr(runner, "scan_dataset", scan)
+
+
+def refused(ckpt, data, out):
     result = CliRunner().invoke(extract_cli, cli_args(ckpt, data, out))
     assert result.exit_code == 1, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), f"raw traceback: {result.exception!r}"
-    assert named in result.output and reason in result.output, result.output
-    if damage in (_bad_json, _truncated):  # found before the cache is created; the others at model load
-        assert not (out / "cache.json").exists()
+    assert not out.exists(), "refused before cache.json or any shard is written"
+    return result.output
+
+
+@pytest.mark.parametrize("damage", [_bad_json, _missing, _shape, _truncated], ids=lambda f: f.__name__.strip("_"))
+def test_a_damaged_target_is_one_message_naming_the_file(target, data, tmp_path, no_work, damage):
+    ckpt = tmp_path / "target"
+    shutil.copytree(target, ckpt)
+    named, reason = damage(ckpt)
+    shown = refused(ckpt, data, tmp_path / "cache")
+    assert named in shown and reason in shown, shown
+
+
+def _shard(ckpt) -> dict[str, str]:
+    """Split the checkpoint into two files with an index, as large releases ship (names -> file)."""
+    tensors = load_file(str(_weights(ckpt)))
+    _weights(ckpt).unlink()
+    names = sorted(tensors)
+    files = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in files.items():
+        save_file({n: tensors[n] for n in part}, str(ckpt / file))
+    weight_map = {n: file for file, part in files.items() for n in part}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return weight_map
+
+
+def test_every_bad_target_tensor_is_named_with_file_and_shapes(target, data, tmp_path, no_work):
+    ckpt = tmp_path / "target"
+    shutil.copytree(target, ckpt)
+    path = _weights(ckpt)
+    tensors = load_file(str(path))
+    # Layer 3's (full attention) q_proj narrower, and every tensor of layers 4 and 5 (more than 20) gone.
+    missing = sorted(n for n in tensors if ".layers.4." in n or ".layers.5." in n)
+    reshaped = next(n for n in tensors if n.endswith("layers.3.self_attn.q_proj.weight"))
+    assert len(missing) + 1 > MAX_REPORTED_TENSORS
+    for name in missing:
+        del tensors[name]
+    want = tuple(tensors[reshaped].shape)
+    tensors[reshaped] = tensors[reshaped][:, :-2].clone()
+    save_file(tensors, str(path))
+    shown = refused(ckpt, data, tmp_path / "cache")
+    num_bad = len(missing) + 1
+    assert f"{ckpt}: {num_bad} bad or missing tensor(s)" in shown and f"(the first {MAX_REPORTED_TENSORS})" in shown
+    assert f"... and {num_bad - MAX_REPORTED_TENSORS} more" in shown, shown
+    assert f"{ckpt}: {missing[0]} is not in the checkpoint (expected shape (" in shown, shown
+    found = (want[0], want[1] - 2)
+    assert f"{path}: {reshaped} has shape {found}, expected {want} from config.json" in shown, shown
+
+
+def test_a_sharded_target_with_a_bad_header_or_tensor_is_refused_naming_them(target, data, tmp_path, no_work):
+    ckpt = tmp_path / "target"
+    shutil.copytree(target, ckpt)
+    weight_map = _shard(ckpt)
+    first, second = ckpt / "model-00001-of-00002.safetensors", ckpt / "model-00002-of-00002.safetensors"
+    first.write_bytes(b"\xff" * 8 + first.read_bytes()[8:])  # a header length past the file: unreadable
+    dropped = next(n for n, f in sorted(weight_map.items()) if f == second.name and "layers.2." in n)
+    tensors = load_file(str(second))
+    del tensors[dropped]  # the index still names the file for it
+    save_file(tensors, str(second))
+    shown = refused(ckpt, data, tmp_path / "cache")
+    assert f"{first}: not a readable safetensors file" in shown, shown
+    assert shown.count(str(first)) == 1, "an unreadable file is named once, not once per tensor it holds"
+    assert f"{second}: tensor {dropped!r} is missing" in shown, shown
+    assert "2 bad or missing tensor(s)" in shown, shown
 
 
 def test_a_shard_of_another_dataset_is_refused_on_resume_and_by_verify(target, data, reference, tmp_path):
