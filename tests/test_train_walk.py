@@ -84,8 +84,20 @@ def brute_force_walk(model, head, t, budget=None) -> WalkCounts:
     return counts
 
 
-@pytest.mark.parametrize("budget,lanes", [(None, 2), (None, 8), (3, 2)])
-def test_walk_equals_brute_force_per_response_loop(tmp_path, budget, lanes):
+def _walk(model, head, t, layout, budget=None, dtype=torch.float64) -> WalkCounts:
+    """walk_shard over one shard's tensors, its context K/V computed once as evaluate_drafter does."""
+    with torch.no_grad():
+        context = model.context(decode_hidden(t["hidden"]), t["position_ids"], dtype)
+    spans = response_spans(t["loss_mask"], t["cu_seqlens"])
+    return walk_shard(model, head, context, t["input_ids"], t["position_ids"], spans, layout, budget=budget)
+
+
+# sdpa: the CPU round (only the busy lanes); flex (eager on CPU): the GPU's fixed-shape round of all lanes.
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize(
+    "budget,lanes,backend", [(None, 2, "sdpa"), (None, 8, "sdpa"), (3, 2, "sdpa"), (None, 4, "flex"), (3, 4, "flex")]
+)
+def test_walk_equals_brute_force_per_response_loop(tmp_path, budget, lanes, backend):
     cache = _multi_turn_cache(tmp_path)
     model = _confident_drafter()
     head_t = load_target_head(cache)
@@ -96,17 +108,10 @@ def test_walk_equals_brute_force_per_response_loop(tmp_path, budget, lanes):
     want = WalkCounts(B)
     for batch_id in (0, 1):
         t, _ = reader.read(batch_id)
-        layout = BlockAttentionLayout(num_ctx=T, num_blocks=lanes, block_size=B, backend="sdpa")
-        got = walk_shard(
-            model,
-            head,
-            decode_hidden(t["hidden"]).double(),
-            t["input_ids"],
-            t["position_ids"],
-            response_spans(t["loss_mask"], t["cu_seqlens"]),
-            layout,
-            budget=budget,
+        layout = BlockAttentionLayout(
+            num_ctx=T, num_blocks=lanes, block_size=B, backend=backend, tile_size=8, compile_flex=False
         )
+        got = _walk(model, head, t, layout, budget)
         ref = brute_force_walk(model, head, t, budget)
         assert got.as_vector() == pytest.approx(ref.as_vector(), abs=1e-9), f"batch {batch_id}"
         total = WalkCounts.from_vector(B, [a + b for a, b in zip(total.as_vector(), got.as_vector())])
@@ -121,6 +126,54 @@ def test_walk_equals_brute_force_per_response_loop(tmp_path, budget, lanes):
     )
 
 
+class _Recomputing(DFlashDrafter):
+    """The walk as it ran before the context cache: every round recomputes the fused context and every
+    layer's context K/V from the tapped states (the training forward); records how far the cached
+    round (DFlashDrafter.forward_cached over the shard's ContextKV) is from it."""
+
+    max_abs_diff, rounds = 0.0, 0
+
+    def context(self, hidden_TKH, position_ids_T, dtype):
+        return hidden_TKH.to(dtype), position_ids_T, super().context(hidden_TKH, position_ids_T, dtype)
+
+    def forward_cached(self, context, block_embed_NBH, block_pos_NB, layout):
+        hidden_TKH, position_ids_T, cached = context
+        out = self(hidden_TKH, position_ids_T, block_embed_NBH, block_pos_NB, layout)
+        diff = (super().forward_cached(cached, block_embed_NBH, block_pos_NB, layout) - out).abs().max().item()
+        self.max_abs_diff, self.rounds = max(self.max_abs_diff, diff), self.rounds + 1
+        return out
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("budget,backend", [(None, "sdpa"), (3, "sdpa"), (None, "flex")])
+def test_cached_context_walk_equals_recomputing_walk_in_fp32(tmp_path, budget, backend):
+    cache = _multi_turn_cache(tmp_path)
+    model = _confident_drafter().float()
+    uncached = _Recomputing(model.config)
+    uncached.load_state_dict(model.state_dict())
+    head_t = load_target_head(cache)
+    head = TargetHead(head_t["embed_tokens"].float(), head_t["lm_head"].float())
+    reader = ShardReader(cache)
+    for batch_id in (0, 1):
+        t, _ = reader.read(batch_id)
+
+        def layout():
+            return BlockAttentionLayout(
+                num_ctx=reader.config.token_budget,
+                num_blocks=4,
+                block_size=B,
+                backend=backend,
+                tile_size=8,
+                compile_flex=False,
+            )
+
+        got = _walk(model, head, t, layout(), budget, torch.float32)
+        want = _walk(uncached, head, t, layout(), budget, torch.float32)
+        assert got.as_vector() == want.as_vector(), f"batch {batch_id}"
+        assert sum(got.accepted_histogram[1:]) > 0, "the test needs some accepted drafts to mean anything"
+    assert uncached.rounds > 10 and uncached.max_abs_diff <= 1e-5, f"cached vs recomputed: {uncached.max_abs_diff}"
+
+
 class _Oracle(torch.nn.Module):
     """A drafter that reads the answer (right=True) or its successor (right=False) from the packed ids:
     one-hot rows through an identity lm_head."""
@@ -133,7 +186,10 @@ class _Oracle(torch.nn.Module):
         )
         self.ids, self.right = input_ids_T.long(), right
 
-    def forward(self, hidden_TKH, position_ids_T, block_embed_NBH, block_pos_NB, layout):
+    def context(self, hidden_TKH, position_ids_T, dtype):
+        return None  # reads the answer from the ids, needs no context
+
+    def forward_cached(self, context, block_embed_NBH, block_pos_NB, layout):
         index_NB = (layout.anchor_N.long().unsqueeze(1) + torch.arange(B)).clamp(max=self.ids.shape[0] - 1)
         tokens_NB = self.ids[index_NB] if self.right else (self.ids[index_NB] + 1) % VOCAB
         return torch.nn.functional.one_hot(tokens_NB, VOCAB).float()
@@ -147,15 +203,7 @@ def test_always_right_gives_block_size_and_always_wrong_gives_one(tmp_path, righ
     head = TargetHead(torch.eye(VOCAB), torch.eye(VOCAB))
     responses = response_spans(t["loss_mask"], t["cu_seqlens"])
     layout = BlockAttentionLayout(num_ctx=reader.config.token_budget, num_blocks=2, block_size=B, backend="sdpa")
-    got = walk_shard(
-        _Oracle(t["input_ids"], right),
-        head,
-        decode_hidden(t["hidden"]),
-        t["input_ids"],
-        t["position_ids"],
-        responses,
-        layout,
-    )
+    got = _walk(_Oracle(t["input_ids"], right), head, t, layout)
     if not right:
         assert got.acceptance_length == got.acceptance_length_pooled == 1.0
         assert got.accepted_histogram[0] == got.steps

@@ -59,7 +59,9 @@ def _setup(hidden, mlp, vocab, taps, layers, T, responses, response_len, device,
 def _check(model, head, hidden_TKH, ids_T, pos_T, spans, backend, lanes, tolerance):
     T = hidden_TKH.shape[0]
     layout = BlockAttentionLayout(num_ctx=T, num_blocks=lanes, block_size=16, backend=backend, device=ids_T.device)
-    counts = walk_shard(model, head, hidden_TKH, ids_T, pos_T, spans, layout)
+    with torch.no_grad():
+        context = model.context(hidden_TKH, pos_T, hidden_TKH.dtype)
+    counts = walk_shard(model, head, context, ids_T, pos_T, spans, layout)
     ideal_steps = sum(-(-(r.last - r.first) // 16) for r in spans)
     full = counts.accepted_histogram[15] + sum(1 for r in spans if (r.last - r.first) % 16)  # last steps are cut
     print(

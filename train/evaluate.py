@@ -236,9 +236,12 @@ def evaluate_drafter(
         hidden_TKH = decode_hidden(tensors["hidden"], tensors.get("hidden_scale")).to(device, dtype)
         ids_T, pos_T = tensors["input_ids"].to(device), tensors["position_ids"].to(device)
         responses = response_spans(tensors["loss_mask"], tensors["cu_seqlens"])
+        # The fused context and every layer's context K/V: once per shard, for every rule and the random anchors.
+        context = model.context(hidden_TKH, pos_T, dtype)
+        del hidden_TKH
         for rule in rules:
             counts = walk_shard(
-                model, head, hidden_TKH, ids_T, pos_T, responses, walk_layout, budget=rule, chunk_blocks=chunk_blocks
+                model, head, context, ids_T, pos_T, responses, walk_layout, budget=rule, chunk_blocks=chunk_blocks
             )
             sums.add(_walk_key(rule), torch.tensor(counts.as_vector(), dtype=torch.float64))
         gen = torch.Generator().manual_seed(anchor_seed(seed, batch_id=batch_id))
@@ -247,7 +250,7 @@ def evaluate_drafter(
         )
         blocks = type(blocks)(**{k: v.to(device) for k, v in vars(blocks).items()})
         random_layout.update(blocks.seq_start_N, blocks.anchor_N)
-        hidden_NBH = model(hidden_TKH, pos_T, head.embed(blocks.block_ids_NB), blocks.block_pos_NB, random_layout)
+        hidden_NBH = model.forward_cached(context, head.embed(blocks.block_ids_NB), blocks.block_pos_NB, random_layout)
         sums.add("shards", 1.0)
         sums.add("ce", block_loss(hidden_NBH, head, blocks, loss_cfg).ce)
         _score_random_blocks(sums, hidden_NBH, head, blocks, chunk_blocks)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -34,6 +35,13 @@ from .attention import BlockAttentionLayout, block_attention, full_attention, wi
 from .drafter_config import DrafterConfig
 
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ContextKV(NamedTuple):
+    """Every layer's (k, v) [T, M, D] of one packed batch's fused context (DFlashDrafter.context): the
+    part of a forward that depends on the batch and the weights only, not on the blocks."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k (k_norm, RoPE at the context positions), v
 
 
 class RMSNorm(nn.Module):
@@ -83,20 +91,27 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
+    def context_kv(
+        self, ctx_TH: torch.Tensor, rope_ctx: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV injection: this layer's (k, v) [T, M, D] of the fused context; they depend on the batch and the
+        weights only, never on the blocks (a walk computes them once per shard: DFlashDrafter.context)."""
+        T, D = ctx_TH.shape[0], self.head_dim
+        k_ctx_TMD = apply_rope(self.k_norm(self.k_proj(ctx_TH).view(T, self.num_kv_heads, D)), *rope_ctx)
+        v_ctx_TMD = self.v_proj(ctx_TH).view(T, self.num_kv_heads, D)
+        return k_ctx_TMD, v_ctx_TMD
+
     def forward(
         self,
         x_QH: torch.Tensor,
-        ctx_TH: torch.Tensor,
-        rope_ctx: tuple[torch.Tensor, torch.Tensor],
+        ctx_kv: tuple[torch.Tensor, torch.Tensor],
         rope_blk: tuple[torch.Tensor, torch.Tensor],
         attend: AttendFn,
     ) -> torch.Tensor:
-        Q, T, D = x_QH.shape[0], ctx_TH.shape[0], self.head_dim
+        Q, D = x_QH.shape[0], self.head_dim
+        k_ctx_TMD, v_ctx_TMD = ctx_kv
         q_QAD = apply_rope(self.q_norm(self.q_proj(x_QH).view(Q, self.num_heads, D)), *rope_blk)
-        # KV injection: this layer's k/v projections of the shared fused context, then of the block.
-        k_ctx_TMD = apply_rope(self.k_norm(self.k_proj(ctx_TH).view(T, self.num_kv_heads, D)), *rope_ctx)
         k_blk_QMD = apply_rope(self.k_norm(self.k_proj(x_QH).view(Q, self.num_kv_heads, D)), *rope_blk)
-        v_ctx_TMD = self.v_proj(ctx_TH).view(T, self.num_kv_heads, D)
         v_blk_QMD = self.v_proj(x_QH).view(Q, self.num_kv_heads, D)
         # Under autocast with fp32 norm weights q/k come out fp32 while v is bf16; flex needs one dtype.
         dtype = v_ctx_TMD.dtype
@@ -125,9 +140,15 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x_QH, ctx_TH, rope_ctx, rope_blk, attend: AttendFn) -> torch.Tensor:
-        x_QH = x_QH + self.self_attn(self.input_layernorm(x_QH), ctx_TH, rope_ctx, rope_blk, attend)
+    def forward(self, x_QH, ctx_kv, rope_blk, attend: AttendFn) -> torch.Tensor:
+        """ctx_kv: this layer's context (k, v), from self_attn.context_kv."""
+        x_QH = x_QH + self.self_attn(self.input_layernorm(x_QH), ctx_kv, rope_blk, attend)
         return x_QH + self.mlp(self.post_attention_layernorm(x_QH))
+
+    def forward_fused(self, x_QH, ctx_TH, rope_ctx, rope_blk, attend: AttendFn) -> torch.Tensor:
+        """The layer computing its own context K/V from the fused context (training: inside the layer's
+        activation checkpoint, so they are recomputed in backward rather than kept)."""
+        return self(x_QH, self.self_attn.context_kv(ctx_TH, rope_ctx), rope_blk, attend)
 
 
 class DFlashDrafter(nn.Module):
@@ -146,6 +167,13 @@ class DFlashDrafter(nn.Module):
         """[T, K, H] tapped target states -> [T, H] fused context hidden_norm(fc(concat_k))."""
         return self.hidden_norm(self.fc(hidden_TKH.flatten(1)))
 
+    def context(self, hidden_TKH: torch.Tensor, position_ids_T: torch.Tensor, dtype: torch.dtype) -> ContextKV:
+        """Every layer's context K/V of one packed batch, activations in `dtype` (the block embeddings')."""
+        cfg = self.config
+        ctx_TH = self.fuse_context(hidden_TKH.to(dtype))
+        rope_ctx = rope_cos_sin(position_ids_T, cfg.head_dim, cfg.rope_theta, dtype)
+        return ContextKV([layer.self_attn.context_kv(ctx_TH, rope_ctx) for layer in self.layers])
+
     def _run_layers(
         self, ctx_TH, ctx_pos_T, x_QH, blk_pos_Q, attends: list[AttendFn], checkpoint_layers: bool = False
     ) -> torch.Tensor:
@@ -158,11 +186,28 @@ class DFlashDrafter(nn.Module):
                 # Recompute each layer in backward: Q = NB*B block tokens at MLP width dominate memory.
                 # No RNG inside a layer (no dropout): skipping the RNG stash keeps it CUDA-graph-capturable.
                 x_QH = torch.utils.checkpoint.checkpoint(
-                    layer, x_QH, ctx_TH, rope_ctx, rope_blk, attend, use_reentrant=False, preserve_rng_state=False
+                    layer.forward_fused,
+                    x_QH,
+                    ctx_TH,
+                    rope_ctx,
+                    rope_blk,
+                    attend,
+                    use_reentrant=False,
+                    preserve_rng_state=False,
                 )
             else:
-                x_QH = layer(x_QH, ctx_TH, rope_ctx, rope_blk, attend)
+                x_QH = layer.forward_fused(x_QH, ctx_TH, rope_ctx, rope_blk, attend)
         return self.norm(x_QH)
+
+    def _block_attends(self, layout: BlockAttentionLayout) -> list[AttendFn]:
+        """One block attention per layer (full or sliding) under `layout`, whose window must be the drafter's."""
+        if any(self.config.sliding_layers) and layout.sliding_window != self.config.sliding_window:
+            raise ValueError(
+                f"the drafter's sliding layers use window {self.config.sliding_window}, the attention "
+                f"layout has {layout.sliding_window}: build BlockAttentionLayout with "
+                "sliding_window=DrafterConfig.attention_window"
+            )
+        return [partial(block_attention, layout=layout, sliding=s) for s in self.config.sliding_layers]
 
     def forward(
         self,
@@ -181,20 +226,30 @@ class DFlashDrafter(nn.Module):
         checkpoint_layers: recompute every decoder layer in backward (activation checkpointing).
         """
         NB, B, H = block_embed_NBH.shape
-        dtype = block_embed_NBH.dtype
-        ctx_TH = self.fuse_context(hidden_TKH.to(dtype))
+        ctx_TH = self.fuse_context(hidden_TKH.to(block_embed_NBH.dtype))
         x_QH = block_embed_NBH.reshape(NB * B, H)
-        if any(self.config.sliding_layers) and layout.sliding_window != self.config.sliding_window:
-            raise ValueError(
-                f"the drafter's sliding layers use window {self.config.sliding_window}, the attention "
-                f"layout has {layout.sliding_window}: build BlockAttentionLayout with "
-                "sliding_window=DrafterConfig.attention_window"
-            )
-        attends = [partial(block_attention, layout=layout, sliding=s) for s in self.config.sliding_layers]
+        attends = self._block_attends(layout)
         out_QH = self._run_layers(
             ctx_TH, position_ids_T, x_QH, block_pos_NB.reshape(NB * B), attends, checkpoint_layers
         )
         return out_QH.view(NB, B, H)
+
+    def forward_cached(
+        self,
+        context: ContextKV,
+        block_embed_NBH: torch.Tensor,
+        block_pos_NB: torch.Tensor,
+        layout: BlockAttentionLayout,
+    ) -> torch.Tensor:
+        """`forward` with the batch's context K/V already computed (`context`, no gradient path needed):
+        only the blocks' own projections, attention and MLPs run; [NB, B, H]."""
+        cfg = self.config
+        NB, B, H = block_embed_NBH.shape
+        x_QH = block_embed_NBH.reshape(NB * B, H)
+        rope_blk = rope_cos_sin(block_pos_NB.reshape(NB * B), cfg.head_dim, cfg.rope_theta, x_QH.dtype)
+        for layer, attend, ctx_kv in zip(self.layers, self._block_attends(layout), context.kv, strict=True):
+            x_QH = layer(x_QH, ctx_kv, rope_blk, attend)
+        return self.norm(x_QH).view(NB, B, H)
 
     def forward_block(
         self, hidden_LKH: torch.Tensor, ctx_pos_L: torch.Tensor, block_embed_BH: torch.Tensor, block_pos_B: torch.Tensor

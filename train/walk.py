@@ -21,11 +21,16 @@ Figures (WalkCounts):
   accepted_histogram[a]     steps with a accepted drafts, a = 0..B-1
   slot_acceptance[k-1]      P(slot k accepted | slots 1..k-1 accepted and slot k has a label)
 
-Batched: every lane (one response at a time) puts its current anchor into one fixed-shape drafter
-forward per round, through the training forward and block attention (BlockAttentionLayout: context
+Batched: every lane (one response at a time) puts its current anchor into one drafter forward per
+round, through the training forward's layers and block attention (BlockAttentionLayout: context
 [seq_start, anchor) plus the own block); a lane that finishes takes the shard's next response.
+The fused context and every layer's context K/V depend on the shard and the weights only, so they
+are computed once per shard (DFlashDrafter.context -> ContextKV) and every round runs only the
+blocks (DFlashDrafter.forward_cached). On flex (GPU) a round has the fixed shape of all NB lanes;
+on sdpa (CPU) it holds only the busy lanes.
 
-Legend: T token budget, K taps, H hidden, NB lanes (blocks per round), B block size, S = B-1 slots, V vocab.
+Legend: T token budget, K taps, H hidden, NB lanes, R blocks of a round (NB on flex, the busy lanes on
+sdpa), B block size, S = B-1 slots, V vocab.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import torch
 
 from .attention import BlockAttentionLayout
 from .metrics_math import accepted_prefix_length
-from .model import DFlashDrafter, TargetHead
+from .model import ContextKV, DFlashDrafter, TargetHead
 from .tree import tree_acceptance
 
 
@@ -182,7 +187,7 @@ def draft_accepted(
 def walk_shard(
     model: DFlashDrafter,
     head: TargetHead,
-    hidden_TKH: torch.Tensor,
+    context: ContextKV,
     input_ids_T: torch.Tensor,
     position_ids_T: torch.Tensor,
     responses: list[Response],
@@ -192,14 +197,22 @@ def walk_shard(
     chunk_blocks: int = 32,
 ) -> WalkCounts:
     """Walk every response of one packed batch (all tensors on the model's device; `layout` sized for
-    T context tokens and NB lanes). budget None = greedy chain, else DDTree at that node budget."""
+    T context tokens and NB lanes). context = model.context(hidden_TKH, position_ids_T, dtype): the
+    shard's context K/V, computed once and shared by every round (and every rule). budget None =
+    greedy chain, else DDTree at that node budget.
+
+    flex (GPU): every round is the fixed-shape forward of all NB lanes (idle lanes included) through
+    `layout`, as training runs it. sdpa (CPU, tests): no graph or compiled kernel needs a fixed shape,
+    so a round runs only the busy lanes: a shard often holds fewer responses than max_seqs lanes, and
+    lanes fall idle as responses end."""
     cfg = model.config
     B, S, NB = cfg.block_size, cfg.block_size - 1, layout.num_blocks
-    device = hidden_TKH.device
+    device = input_ids_T.device
     counts = WalkCounts(B)
     pending = list(reversed(responses))
     lane: list[list[int] | None] = [None] * NB  # [seq_start, anchor, last, tokens, steps] per busy lane
     k_B = torch.arange(B, device=device)
+    compact = layout.backend == "sdpa"
     while True:
         for n in range(NB):
             if lane[n] is None and pending:
@@ -208,26 +221,41 @@ def walk_shard(
         busy = [n for n in range(NB) if lane[n] is not None]
         if not busy:
             return counts
-        # Idle lanes: anchor 0 with an empty context (seq_start == anchor), ignored below.
-        seq_start_N = torch.tensor([lane[n][0] if lane[n] else 0 for n in range(NB)], dtype=torch.int32)
-        anchor_N = torch.tensor([lane[n][1] if lane[n] else 0 for n in range(NB)], dtype=torch.int32)
-        last_N = torch.tensor([lane[n][2] if lane[n] else -1 for n in range(NB)])
-        layout.update(seq_start_N.to(device), anchor_N.to(device))
-        anchor_dev = anchor_N.to(device).long()
-        block_ids_NB = torch.where(
+        if compact:
+            rows = [lane[n] for n in busy]
+            round_layout = BlockAttentionLayout(
+                num_ctx=layout.num_ctx,
+                num_blocks=len(rows),
+                block_size=B,
+                backend="sdpa",
+                device=device,
+                sliding_window=layout.sliding_window,
+            )
+        else:
+            # Idle lanes: anchor 0 with an empty context (seq_start == anchor), ignored below.
+            rows = [lane[n] or [0, 0, -1] for n in range(NB)]
+            round_layout = layout
+        seq_start_R = torch.tensor([r[0] for r in rows], dtype=torch.int32)
+        anchor_R = torch.tensor([r[1] for r in rows], dtype=torch.int32)
+        last_R = torch.tensor([r[2] for r in rows])
+        round_layout.update(seq_start_R.to(device), anchor_R.to(device))
+        anchor_dev = anchor_R.to(device).long()
+        block_ids_RB = torch.where(
             k_B == 0,
             input_ids_T[anchor_dev].long().unsqueeze(1),
-            torch.full((NB, B), cfg.mask_token_id, device=device, dtype=torch.long),
+            torch.full((len(rows), B), cfg.mask_token_id, device=device, dtype=torch.long),
         )
-        block_pos_NB = position_ids_T[anchor_dev].long().unsqueeze(1) + k_B
-        index_NS = anchor_dev.unsqueeze(1) + k_B[1:]
-        valid_NS = index_NS <= last_N.to(device).unsqueeze(1)
-        labels_NS = input_ids_T[index_NS.clamp(max=input_ids_T.shape[0] - 1)].long()
-        hidden_NBH = model(hidden_TKH, position_ids_T, head.embed(block_ids_NB), block_pos_NB, layout)
-        accepted_N = draft_accepted(hidden_NBH, head, labels_NS, valid_NS, budget, chunk_blocks)
-        for n in busy:
+        block_pos_RB = position_ids_T[anchor_dev].long().unsqueeze(1) + k_B
+        index_RS = anchor_dev.unsqueeze(1) + k_B[1:]
+        valid_RS = index_RS <= last_R.to(device).unsqueeze(1)
+        labels_RS = input_ids_T[index_RS.clamp(max=input_ids_T.shape[0] - 1)].long()
+        hidden_RBH = model.forward_cached(context, head.embed(block_ids_RB), block_pos_RB, round_layout)
+        if not compact:  # the LM head and the verification rule only for the busy lanes
+            keep = torch.tensor(busy, device=device)
+            hidden_RBH, labels_RS, valid_RS = hidden_RBH[keep], labels_RS[keep], valid_RS[keep]
+        accepted = draft_accepted(hidden_RBH, head, labels_RS, valid_RS, budget, chunk_blocks)
+        for n, a in zip(busy, accepted, strict=True):
             seq_start, anchor, last, tokens, steps = lane[n]
-            a = accepted_N[n]
             counts.add_step(a, min(S, last - anchor))
             tokens, steps, anchor = tokens + min(a + 1, last - anchor), steps + 1, anchor + a + 1
             if anchor >= last:
