@@ -5,22 +5,11 @@ from __future__ import annotations
 import torch
 
 from train.blocks import TrainingBlocks, sample_blocks
-from train.drafter_config import DrafterConfig
+from train.drafter_config import QWEN36_27B_TARGET, DrafterConfig  # noqa: F401  (QWEN36_27B_TARGET: for the tests)
 from train.model import DFlashDrafter, TargetHead
 
 VOCAB = 97
 MASK_ID = 96
-
-
-# The Qwen3.6-27B target's dimensions, as DrafterConfig.for_target takes them.
-QWEN36_27B_TARGET = dict(
-    hidden_size=5120,
-    intermediate_size=17408,
-    vocab_size=248320,
-    num_target_layers=64,
-    tap_layer_ids=[1, 16, 31, 46, 61],
-    mask_token_id=248070,
-)
 
 
 def drafter_for_target(hidden_size: int, intermediate_size: int, vocab_size: int, **changes) -> DrafterConfig:

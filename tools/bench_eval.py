@@ -26,7 +26,7 @@ import torch
 
 from shards.cli_options import CONTEXT_SETTINGS
 from train.attention import BlockAttentionLayout
-from train.drafter_config import DrafterConfig
+from train.drafter_config import QWEN36_27B_TARGET, DrafterConfig
 from train.model import DFlashDrafter, TargetHead
 from train.walk import Response, walk_shard
 
@@ -73,14 +73,7 @@ def bench_drafter(cache: str | None) -> DrafterConfig:
 
         # out_dir is never created: resolve_run only reads the cache.
         return resolve_run(TrainConfig(cache=cache, out_dir=f"{cache}/bench-eval-unused")).drafter
-    return DrafterConfig.for_target(
-        hidden_size=5120,
-        intermediate_size=17408,
-        vocab_size=248320,
-        num_target_layers=64,
-        tap_layer_ids=[1, 16, 31, 46, 61],
-        mask_token_id=248070,
-    )
+    return DrafterConfig.for_target(**QWEN36_27B_TARGET)
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)

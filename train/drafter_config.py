@@ -12,6 +12,16 @@ from dataclasses import dataclass, field
 # The published Qwen3.5-27B drafter (z-lab): 5 layers at width 5120, MLP 17408, 32 q / 8 kv heads of dim 128.
 _PUBLISHED_27B_WIDTH = 5120
 _PUBLISHED_27B_HEADS = (32, 8, 128)  # (q heads, kv heads, head dim)
+# The Qwen3.6-27B target's dimensions (Qwen3.5-27B's text decoder), as DrafterConfig.for_target takes them
+# (benchmarks and tests at 27B width).
+QWEN36_27B_TARGET = dict(
+    hidden_size=5120,
+    intermediate_size=17408,
+    vocab_size=248320,
+    num_target_layers=64,
+    tap_layer_ids=(1, 16, 31, 46, 61),
+    mask_token_id=248070,
+)
 # Layer kinds, spelled as config.json layer_types spells them (HF Qwen3, vLLM, SGLang).
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
