@@ -14,7 +14,9 @@ How: three probe renderings give the template's own markers, nothing is hard-cod
 In the final text, each assistant turn is header + body + end. Supervised: the body (without a
 leading prefill) and the end token: reasoning, content and tool calls, exactly the tokens the model
 emits after a generation prompt. Everything else (system, user, tool results, headers, the
-newline after the end token) is 0. A token is supervised when its first character is. The number
+newline after the end token) is 0, and so is the end token of a reply cut at max_tokens (marked
+`finish_reason: "length"` by regenerate: the model never wrote it). A token is supervised when its
+first character is. The number
 of assistant turns found must equal the number in the conversation, or the row is refused.
 
 With thinking off, reasoning is removed from assistant turns before rendering (a model served
@@ -23,6 +25,7 @@ without thinking never writes it); with thinking on it is kept where the templat
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -31,12 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from .conversations import Conversation
+from .conversations import FINISH_REASON, Conversation
 from .rows import DataError
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_GENERIC_FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")  # tokenizer.json as it is
 _SENTINEL = "DFLASHSENTINEL"  # probe content; any text the template copies verbatim works
 _THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
@@ -61,10 +65,19 @@ def load_tokenizer(target_dir: str | Path):
             f"{target_dir}: no tokenizer ({' or '.join(TOKENIZER_FILES)} missing); copy the tokenizer files "
             f"of the release into the checkpoint directory"
         )
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        # A checkpoint that declares the generic fast class gets its tokenizer.json exactly as written:
+        # AutoTokenizer would pick the model type's own class, which rebuilds it (byte-level BPE for
+        # Qwen3.5), and the tiny target's word-level tokenizer is not one.
+        declared = (
+            json.loads((target_dir / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+            if (target_dir / "tokenizer_config.json").is_file()
+            else None
+        )
+        loader = PreTrainedTokenizerFast if declared in _GENERIC_FAST_CLASSES else AutoTokenizer
+        tokenizer = loader.from_pretrained(str(target_dir))
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise ChatTemplateError(f"{target_dir}: the tokenizer does not load ({type(e).__name__}: {e})") from e
     if not getattr(tokenizer, "is_fast", False):
@@ -185,6 +198,10 @@ class ChatRenderer:
                 f"{conv.where}: the rendering holds {len(spans)} assistant turns, the conversation "
                 f"{conv.num_assistant_turns}; does a message contain the template's markup ({self.markers.header!r})?"
             )
+        # A reply cut at max_tokens: the template closes it, the model did not; its end token is not supervised.
+        replies = [m for m in messages if m["role"] == "assistant"]
+        end = len(self.markers.end)
+        spans = [(a, b - end if m.get(FINISH_REASON) == "length" else b) for (a, b), m in zip(spans, replies)]
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int64)
         starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64).reshape(-1)

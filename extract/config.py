@@ -15,6 +15,7 @@ from shards.format import STORAGE_DTYPES, StorageDtype, canonical_precision
 
 from .data import LONG_SEQ_POLICIES, LongSeqPolicy
 from .packing import PackingConfig
+from .prepare import Thinking
 
 # torch's names for what the target runs in; --storage names the cache encoding (shards/format.py says why two).
 TargetDtype = Literal["bfloat16", "float16", "float32"]
@@ -32,7 +33,11 @@ class ExtractConfig:
     """HF checkpoint directory of the Qwen3.5-style target (config.json + *.safetensors)."""
     data: str
     """Parquet or JSON Lines file, directory or glob; rows hold input_ids, optional loss_mask (0/1)
-    and id."""
+    and id. Or conversations (OpenAI messages or ShareGPT, also .json): rendered on the fly with the
+    target's chat template and loss mask, as dflash-data prepare does."""
+    thinking: Thinking | None = None
+    """Conversations in --data only: render them as served with thinking on or off (as dflash-data
+    prepare --thinking). Default: on. Refused with token rows."""
     out_dir: str = cli_field(flag="--out", path="dir")
     """Cache directory to create, or to resume when it exists."""
     tap_layer_ids: list[int] | None = cli_field(None, flag="--taps")
@@ -90,6 +95,8 @@ class ExtractConfig:
             raise config_error(self, "dtype", f"must be one of {', '.join(DTYPES)}")
         if self.compute not in COMPUTE_MODES:
             raise config_error(self, "compute", f"must be one of {', '.join(COMPUTE_MODES)}")
+        if self.thinking not in (None, *get_args(Thinking)):
+            raise config_error(self, "thinking", f"must be one of {', '.join(get_args(Thinking))}")
         if self.compute == "fp8" and self.dtype != "bfloat16":
             raise config_error(self, "dtype", "must be bfloat16 with --compute fp8 (the FP8 matmuls write bf16)")
         for name in ("num_taps", "token_budget", "max_seqs", "topk_chunk_tokens", "writer_buffers"):

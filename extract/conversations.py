@@ -8,7 +8,8 @@ from 0 within their file. A row is one of
 `id` is optional ("<file stem>:<row>" when absent) and must be unique.
 
 Every conversation becomes a `Conversation` of OpenAI-style messages: role in system / user /
-assistant / tool, content a string, reasoning in `reasoning_content`, tool calls as
+assistant / tool, content a string, reasoning in `reasoning_content`, `finish_reason: "length"` on
+an assistant reply cut at max_tokens (regenerate writes it), tool calls as
 {"type": "function", "function": {"name", "arguments": {...}}} (JSON-string arguments are parsed:
 chat templates render the mapping). Anything else is a DataError naming file, row and reason;
 nothing is dropped silently.
@@ -28,6 +29,9 @@ from .rows import DataError, open_parquet, read_row_group, row_location
 
 CONVERSATION_SUFFIXES = (".jsonl", ".json", ".parquet")
 ROLES = ("system", "user", "assistant", "tool")
+# An assistant message's "finish_reason": "length" (written by dflash-data regenerate) says the reply
+# was cut at max_tokens: the model never generated its end-of-turn token, so it is not supervised.
+FINISH_REASON = "finish_reason"
 # ShareGPT speaker names -> OpenAI roles ("function_call" is an assistant turn holding one tool call).
 SHAREGPT_ROLES = {
     "system": "system",
@@ -119,6 +123,12 @@ def _openai_message(msg: Any, i: int, where: str) -> dict[str, Any]:
             if not isinstance(calls, list):
                 raise DataError(f"{where}: {what}.tool_calls must be a list, found {type(calls).__name__}")
             out["tool_calls"] = [_tool_call(c, f"{what}.tool_calls[{j}]", where) for j, c in enumerate(calls)]
+        finish = msg.get(FINISH_REASON)
+        if finish is not None:
+            if finish not in ("stop", "length"):
+                raise DataError(f"{where}: {what}.{FINISH_REASON} must be 'stop' or 'length', found {finish!r}")
+            if finish == "length":
+                out[FINISH_REASON] = finish
     elif role == "tool":
         for key in ("tool_call_id", "name"):
             if isinstance(msg.get(key), str):
@@ -237,3 +247,39 @@ def iter_conversations(path: str | os.PathLike, errors: list[str] | None = None)
                 continue
             seen[conv.sample_id] = conv.where
             yield conv
+
+
+def _file_kind(path: str) -> str | None:
+    """ "conversations", "tokens" or None (unreadable or neither) from a file's first row or schema."""
+    try:
+        if path.endswith(".parquet"):
+            keys = set(open_parquet(path).schema_arrow.names)
+        elif path.endswith(".json"):
+            with open(path, encoding="utf-8") as f:
+                items = json.load(f)
+            keys = set(items[0]) if isinstance(items, list) and items and isinstance(items[0], dict) else set()
+        else:
+            with open(path, "rb") as f:
+                line = next((raw for raw in f if raw.strip()), b"{}")
+            row = json.loads(line)
+            keys = set(row) if isinstance(row, dict) else set()
+    except (OSError, ValueError):  # DataError (an unreadable Parquet footer) included
+        return None  # the token scan reports what is wrong with it, naming file and row
+    if keys & {"messages", "conversations"}:
+        return "conversations"
+    return "tokens" if "input_ids" in keys else None
+
+
+def holds_conversations(path: str | os.PathLike) -> bool:
+    """Whether the dataset at `path` holds conversations (OpenAI messages or ShareGPT) rather than token
+    rows (input_ids), judged by each file's first row; DataError when it holds both."""
+    kinds = {}
+    for file in find_data_files(path, CONVERSATION_SUFFIXES):
+        kinds.setdefault(_file_kind(file), file)
+    kinds.pop(None, None)
+    if len(kinds) > 1:
+        raise DataError(
+            f"{path} holds both conversations ({kinds['conversations']}) and token rows ({kinds['tokens']}); "
+            "give one kind per dataset"
+        )
+    return "conversations" in kinds

@@ -10,10 +10,13 @@ turn, a template that refuses the conversation) are all listed and nothing is wr
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
@@ -23,8 +26,8 @@ import pyarrow.parquet as pq
 
 from shards.cli_options import cli_field, config_error
 
-from .chat import ChatRenderer
-from .conversations import iter_conversations
+from .chat import ChatRenderer, load_tokenizer
+from .conversations import holds_conversations, iter_conversations
 from .data import Sample
 from .rows import DataError
 from .target_config import TargetConfig
@@ -184,3 +187,48 @@ def prepare_dataset(cfg: PrepareConfig) -> PrepareSummary:
         json.dump(record, f, indent=2)
     logger.info("prepared %s", summary.line())
     return summary
+
+
+@contextmanager
+def tokens_for_extraction(data: str, target: str, thinking: Thinking | None) -> Iterator[tuple[str, dict | None]]:
+    """(token dataset path, how it was prepared) for dflash-extract's --data.
+
+    Token rows: `data` itself and None. Conversations: prepared on the fly by `prepare_dataset` (the
+    code of `dflash-data prepare`, with `thinking`, default on) into a temporary Parquet file that
+    lives as long as the context, and a record of the preparation for cache.json (thinking mode,
+    sha256 of the chat template and of tokenizer.json, the summary's counts)."""
+    if not holds_conversations(data):
+        if thinking is not None:
+            raise ValueError(
+                f"--thinking {thinking}: --data {data} holds token rows (input_ids), not conversations; "
+                "drop --thinking (it applies to conversations only)"
+            )
+        yield data, None
+        return
+    with tempfile.TemporaryDirectory(prefix="dflash-extract-prepared-") as tmp:
+        cfg = PrepareConfig(target=target, data=data, out=str(Path(tmp) / "data.parquet"), thinking=thinking or "on")
+        logger.info(
+            "--data %s holds conversations: rendering them with %s's chat template, thinking %s",
+            data,
+            target,
+            cfg.thinking,
+        )
+        summary = prepare_dataset(cfg)
+        template = load_tokenizer(target).chat_template
+        record = {
+            "from": "conversations",
+            "thinking": cfg.thinking,
+            "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
+            "tokenizer_sha256": _file_sha256(Path(target) / "tokenizer.json"),
+            "num_samples": summary.num_samples,
+            "num_supervised": summary.num_supervised,
+            "num_reasoning_removed": summary.num_reasoning_dropped,
+        }
+        yield cfg.out, record
+
+
+def _file_sha256(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 
 from shards.cli_options import cli_field, config_error
 
-from .conversations import Conversation, iter_conversations
+from .conversations import FINISH_REASON, Conversation, iter_conversations
 from .prepare import Thinking
 from .rows import DataError
 
@@ -179,7 +179,9 @@ def _check_meta(cfg: RegenerateConfig, out: Path) -> None:
 
 
 def _wire_message(m: dict[str, Any]) -> dict[str, Any]:
-    """A normalised message in OpenAI wire form (tool-call arguments as a JSON string)."""
+    """A normalised message in OpenAI wire form (tool-call arguments as a JSON string; our
+    finish_reason mark stays out of the request)."""
+    m = {k: v for k, v in m.items() if k != FINISH_REASON}
     if not m.get("tool_calls"):
         return m
     calls = [
@@ -277,7 +279,10 @@ class _Client:
         self.summary.num_truncated_replies += choice.finish_reason == "length"
         if response.usage is not None:
             self.summary.generated_tokens += response.usage.completion_tokens
-        return _reply_message(choice.message)
+        message = _reply_message(choice.message)
+        if choice.finish_reason == "length":  # cut at max_tokens: its end-of-turn token was never generated
+            message[FINISH_REASON] = "length"
+        return message
 
     async def regenerate(self, conv: Conversation) -> dict[str, Any]:
         new: list[dict[str, Any]] = []

@@ -54,6 +54,7 @@ from .distributed import init_distributed, run_on_main
 from .kernels import select_kernels
 from .model import TargetModel
 from .packing import PACKING_ALGORITHM, PackedBatch, PackingPlan, load_batch, plan_batches, shard_batches_for_rank
+from .prepare import tokens_for_extraction
 from .quantization import checkpoint_quantization
 from .target_config import TargetConfig, special_token_ids
 from .writer import AsyncShardWriter
@@ -143,12 +144,28 @@ def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
     with_head = cfg.target_topk > 0
     TargetModel.check_checkpoint(cfg.target, last_layer=None if with_head else max(taps), with_head=with_head)
     device = resolve_device(cfg.device, dist_info.local_rank)
-    index = scan_dataset(cfg.data, vocab_size=target.vocab_size, token_budget=cfg.token_budget, long_seqs=cfg.long_seqs)
+    # Conversations are rendered with the target's chat template first (each rank does the same work).
+    with tokens_for_extraction(cfg.data, cfg.target, cfg.thinking) as (data, prepared):
+        return _extract_dataset(cfg, dist_info, start, target, taps, device, data, prepared)
+
+
+def _extract_dataset(
+    cfg: ExtractConfig,
+    dist_info: DistInfo,
+    start: float,
+    target: TargetConfig,
+    taps: list[int],
+    device: torch.device,
+    data: str,
+    prepared: dict | None,
+) -> ExtractSummary:
+    """Scan the token dataset `data` (cfg.data, or its on-the-fly preparation), plan, extract, finish."""
+    index = scan_dataset(data, vocab_size=target.vocab_size, token_budget=cfg.token_budget, long_seqs=cfg.long_seqs)
     if len(index) == 0:
         raise ValueError(f"{cfg.data}: no non-empty samples ({index.report.summary()})")
     _refuse_unsupervised(cfg, index)
     plan = plan_batches(index, cfg.packing)
-    cache_cfg = build_cache_config(cfg, target, taps, plan, index)
+    cache_cfg = build_cache_config(cfg, target, taps, plan, index, prepared)
     if dist_info.is_main:  # the packing plan itself was logged once by plan_batches
         shard_bytes = bytes_per_shard(cache_cfg)
         log.info(
@@ -250,7 +267,7 @@ RECORDED_SETTINGS = ("token_budget", "max_seqs", "storage_dtype", "target_topk",
 
 
 def build_cache_config(
-    cfg: ExtractConfig, target: TargetConfig, taps: list[int], plan: PackingPlan, index
+    cfg: ExtractConfig, target: TargetConfig, taps: list[int], plan: PackingPlan, index, prepared: dict | None = None
 ) -> CacheConfig:
     """What cache.json will say for this run (the target head checksum is filled in by _prepare_cache)."""
     return CacheConfig(
@@ -282,6 +299,7 @@ def build_cache_config(
             fingerprint=dataset_fingerprint(index),
             num_samples=len(index),
             num_tokens=int(index.lengths.sum()),
+            prepared=prepared,
         ),
         provenance={**provenance(), "extract_config": {k: v for k, v in vars(cfg).items()}},
     )

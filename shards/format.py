@@ -122,6 +122,10 @@ class DatasetRecord:
     fingerprint: str  # hash of the sample ids and lengths in dataset order
     num_samples: int  # non-empty samples scanned
     num_tokens: int  # their tokens, before packing
+    # How --data became token rows when it held conversations (dflash-extract renders them with the
+    # target's chat template: thinking mode, template and tokenizer digests); None = token rows as given.
+    # Like the path, not part of cache_id: the shards equal those of the same tokens prepared beforehand.
+    prepared: dict[str, Any] | None = None
 
 
 def _record(cls: type, value: Any, name: str) -> Any:
@@ -133,7 +137,8 @@ def _record(cls: type, value: Any, name: str) -> Any:
     if not value:
         return None
     known = {f.name for f in dataclasses.fields(cls)}
-    if set(value) != known:
+    required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+    if not required <= set(value) <= known:  # fields added later (with a default) may be absent
         raise ValueError(f"{name} has fields {sorted(value)}, expected {sorted(known)}")
     return cls(**value)
 
@@ -221,6 +226,8 @@ class CacheConfig:
         """The settings that must match for a resumed extraction to add to this cache."""
         d = dataclasses.asdict(self)
         d.pop("provenance")
+        if d["dataset"] is not None:
+            d["dataset"].pop("prepared")  # how the tokens were made, not which (the fingerprint says)
         for name in TARGET_TOKEN_ID_FIELDS:  # metadata for export, not the hidden states: older caches resume
             d["target"].pop(name)
         return d
@@ -241,7 +248,7 @@ class CacheConfig:
             "target_dtype": self.target.dtype,
             "target_quantization": self.target.quantization,
             "target_compute": self.target.compute,
-            "dataset": {k: v for k, v in _plain(self.dataset).items() if k != "path"},
+            "dataset": _dataset_identity(self.dataset),
             "packing": _plain(self.packing),
             "tap_layer_ids": list(self.tap_layer_ids),
             "token_budget": self.token_budget,
@@ -345,3 +352,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _dataset_identity(dataset: DatasetRecord | None) -> dict[str, Any]:
+    """The dataset fields that decide a shard's bytes: not where the data lie nor how they were tokenised."""
+    return {k: v for k, v in _plain(dataset).items() if k not in ("path", "prepared")}

@@ -21,7 +21,7 @@ from extract.conversations import conversation_from_row
 from extract.data import scan_dataset
 from extract.data_cli import main as data_cli
 from tools.tiny_target import tiny_config_dict, write_random_checkpoint
-from tools.tiny_tokenizer import CHAT_TEMPLATE
+from tools.tiny_tokenizer import CHAT_TEMPLATE, unemittable_ids
 
 VOCAB = 512
 
@@ -129,7 +129,8 @@ def test_mask_equals_per_turn_reference(target, name, thinking):
     segs = reference_segments(CONVERSATIONS[name], thinking)
     tok = renderer.tokenizer
     # The reference text is the template's final rendering...
-    assert "".join(t for t, _ in segs) == tok.decode(ids.tolist())
+    conv = conversation_from_row({"messages": CONVERSATIONS[name]}, "chats.jsonl", 0)
+    assert "".join(t for t, _ in segs) == renderer.render(renderer.prepare_messages(conv.messages)[0])
     # ...and its per-segment tokens and flags are exactly the ids and mask.
     ref_ids, ref_mask = [], []
     for text, flag in segs:
@@ -138,7 +139,7 @@ def test_mask_equals_per_turn_reference(target, name, thinking):
         ref_mask += [flag] * len(piece)
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_array_equal(mask, ref_mask)
-    assert tok.decode(ids[mask == 1].tolist()).count("<|im_end|>") == sum(
+    assert (ids[mask == 1] == tok.convert_tokens_to_ids("<|im_end|>")).sum() == sum(
         m["role"] == "assistant" for m in CONVERSATIONS[name]
     )
 
@@ -190,10 +191,10 @@ def test_mask_equals_transformers_assistant_mask(target, name, thinking):
 
 def test_thinking_off_removes_reasoning_and_counts_it(target):
     renderer, ids, mask, dropped = _encode(target, AGENTIC, thinking=False)
-    text = renderer.tokenizer.decode(ids.tolist())
-    assert dropped == 4 and "No data for tomorrow" not in text and "<think>\n\n</think>\n\nI do not know." in text
+    text = renderer.tokenizer.decode(ids.tolist())  # the tiny tokenizer decodes words joined by spaces
+    assert dropped == 4 and "no data for tomorrow" not in text and "<think> </think> i do not know ." in text
     _, ids_on, _, dropped_on = _encode(target, AGENTIC, thinking=True)
-    assert dropped_on == 0 and "No data for tomorrow" in renderer.tokenizer.decode(ids_on.tolist())
+    assert dropped_on == 0 and "no data for tomorrow" in renderer.tokenizer.decode(ids_on.tolist())
 
 
 SHAREGPT = {
@@ -383,9 +384,16 @@ def test_tiny_tokenizer_is_deterministic_and_fits_the_vocabulary(target, tmp_pat
         assert (other / name).read_bytes() == (target / name).read_bytes()
     tok = ChatRenderer(target, thinking=True).tokenizer
     assert max(tok.get_vocab().values()) < VOCAB - 8  # the top ids stay free for a MASK token
-    text = "Hello world, <think>\nreasoning\n</think>\n\n<tool_call>x</tool_call><|im_end|>"
+    text = "Hello world, <think>\nreasoning\n</think>\n\n<tool_call>yes</tool_call><|im_end|>"
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    assert tok.decode(ids) == text and tok.convert_tokens_to_ids("<|im_end|>") in ids
+    assert tok.decode(ids) == "hello world , <think> reasoning </think> <tool_call> yes </tool_call> <|im_end|>"
+    assert tok.convert_tokens_to_ids("<|im_end|>") in ids and tok.convert_tokens_to_ids("<|unk|>") not in ids
+    # Every id the tiny target can emit round-trips through text, in any order and next to any other.
+    emittable = sorted(set(range(VOCAB)) - set(unemittable_ids(VOCAB)))
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        seq = rng.choice(emittable, size=int(rng.integers(1, 40))).tolist()
+        assert tok(tok.decode(seq), add_special_tokens=False)["input_ids"] == seq
 
 
 def test_bad_settings_name_the_flag(target, tmp_path):

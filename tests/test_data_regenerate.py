@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -13,14 +14,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
+from extract_helpers import all_tensors, cli_args
+from train_helpers import tiny_cli_args
 
+from extract.cli import main as extract_cli
 from extract.data_cli import main as data_cli
 from extract.model import TargetModel
 from tools.tiny_server import Faults, TinyChatModel, make_server
 from tools.tiny_target import tiny_config_dict, write_random_checkpoint
+from train.cli import main as train_cli
 
 MAX_TOKENS = 5
 REPO = Path(__file__).resolve().parents[1]
@@ -101,8 +107,8 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def _greedy_reference(target: Path, model: TargetModel, tokenizer, messages: list[dict]) -> str:
-    """The target's greedy reply, one sequence at a time, straight from the model."""
+def _greedy_ids(model: TargetModel, tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(prompt ids, the target's greedy reply ids), one sequence at a time, straight from the model."""
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False, tokenize=False)
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     out = []
@@ -113,7 +119,12 @@ def _greedy_reference(target: Path, model: TargetModel, tokenizer, messages: lis
         out.append(int(top[-1, 0]))
         if out[-1] == tokenizer.eos_token_id:
             break
-    return tokenizer.decode(out, skip_special_tokens=True)
+    return ids, out
+
+
+def _greedy_reference(target: Path, model: TargetModel, tokenizer, messages: list[dict]) -> str:
+    """The target's greedy reply as text, as a server decodes it."""
+    return tokenizer.decode(_greedy_ids(model, tokenizer, messages)[1], skip_special_tokens=True)
 
 
 def test_regenerate_turn_by_turn_equals_greedy_reference(target, chat_model, tmp_path):
@@ -261,3 +272,88 @@ def test_server_batches_concurrent_requests_like_single_ones(chat_model, target)
         job.done.wait()
     assert [job.out for job in jobs] == alone
     assert all(0 <= t < 512 for seq in alone for t in seq) and np.unique(np.concatenate(alone)).size > 1
+
+
+def test_greedy_ids_survive_the_server_text_and_prepare(target, chat_model, tmp_path):
+    """The tiny target's greedy ids -> the server's text -> dflash-data prepare -> the same ids, so the
+    data are the target's own greedy output: extracted with its top-1, data == target greedy on 100% of
+    supervised positions (what `eval` prints as whose tokens). A reply cut at max_tokens is closed by the
+    template with an end token the model never wrote: in the data, not supervised."""
+    data = _conversations(tmp_path / "chats.jsonl", 8, multi_turn=False)
+    regenerated, prepared = tmp_path / "regen.jsonl", tmp_path / "data.parquet"
+    with serving(chat_model) as url:
+        assert _regenerate(url, data, regenerated).exit_code == 0
+    args = ["prepare", "--target", str(target), "--data", str(regenerated), "--out", str(prepared), "--thinking", "off"]
+    result = CliRunner().invoke(data_cli, args)
+    assert result.exit_code == 0, result.output
+    model = TargetModel.from_pretrained(target, "cpu", dtype=torch.float32, with_head=True)
+    tokenizer = chat_model.tokenizer
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rows = pq.read_table(prepared).to_pylist()
+    cut = 0
+    for row, chat in zip(rows, _rows(data)):
+        prompt, reply = _greedy_ids(model, tokenizer, chat["messages"])
+        closed = reply[-1] == end
+        cut += not closed
+        assert row["input_ids"] == prompt + reply + ([] if closed else [end]), row["id"]
+        assert row["loss_mask"] == [0] * len(prompt) + [1] * len(reply) + ([] if closed else [0]), row["id"]
+    assert cut > 0, "the test needs replies cut at max_tokens"
+
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    extract = CliRunner().invoke(
+        extract_cli, cli_args(target, prepared, cache, "--target-topk", "1", token_budget=64, max_seqs=4)
+    )
+    assert extract.exit_code == 0, extract.output
+    train = CliRunner().invoke(train_cli, tiny_cli_args(cache, run, "--max-steps", "1", "--eval-shards", "1"))
+    assert train.exit_code == 0, train.output
+    assert json.loads((run / "eval.json").read_text())["data_is_target_greedy"] == 1.0
+
+
+def test_extract_takes_conversations_as_prepare_then_extract(target, tmp_path):
+    """dflash-extract --data CHATS --thinking off == dflash-data prepare --thinking off, then dflash-extract:
+    the same tensors and dataset fingerprint; cache.json records the on-the-fly preparation; a re-run
+    resumes, one with thinking on is another dataset; --thinking with token rows is refused naming the flag."""
+    chats = tmp_path / "chats.jsonl"
+    rows = [
+        {"id": f"c{i}", "messages": [{"role": "user", "content": f"What is the weather {i}?"}, reply]}
+        for i, reply in enumerate(
+            [{"role": "assistant", "content": "Sunny and warm today.", "reasoning_content": "Look outside."}] * 3
+            + [{"role": "assistant", "content": "I do not know.", "finish_reason": "length"}] * 3
+        )
+    ]
+    chats.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepared = tmp_path / "data.parquet"
+    args = ["prepare", "--target", str(target), "--data", str(chats), "--out", str(prepared), "--thinking", "off"]
+    assert CliRunner().invoke(data_cli, args).exit_code == 0
+    two_step, direct = tmp_path / "two-step", tmp_path / "direct"
+    for data, out, extra in ((prepared, two_step, ()), (chats, direct, ("--thinking", "off"))):
+        result = CliRunner().invoke(extract_cli, cli_args(target, data, out, *extra, token_budget=64, max_seqs=4))
+        assert result.exit_code == 0, result.output
+    want, got = all_tensors(two_step), all_tensors(direct)
+    assert sorted(want) == sorted(got) and len(want) > 1
+    for b in want:
+        assert sorted(want[b]) == sorted(got[b])
+        for name in want[b]:
+            assert torch.equal(want[b][name], got[b][name]), (b, name)
+    record = json.loads((direct / "cache.json").read_text())["dataset"]
+    assert record["fingerprint"] == json.loads((two_step / "cache.json").read_text())["dataset"]["fingerprint"]
+    assert json.loads((two_step / "cache.json").read_text())["dataset"]["prepared"] is None
+    template = (target / "chat_template.jinja").read_text()
+    assert record["prepared"]["from"] == "conversations" and record["prepared"]["thinking"] == "off"
+    assert record["prepared"]["chat_template_sha256"] == hashlib.sha256(template.encode()).hexdigest()
+    assert record["prepared"]["num_reasoning_removed"] == 3
+    # A re-run of the same command resumes: the conversations render to the same tokens again.
+    result = CliRunner().invoke(
+        extract_cli, cli_args(target, chats, direct, "--thinking", "off", token_budget=64, max_seqs=4)
+    )
+    assert result.exit_code == 0 and "nothing to extract" in result.output, result.output
+    # Thinking on renders other tokens: that is another dataset, refused for this cache.
+    result = CliRunner().invoke(
+        extract_cli, cli_args(target, chats, direct, "--thinking", "on", token_budget=64, max_seqs=4)
+    )
+    assert result.exit_code != 0 and "fingerprint" in result.output, result.output
+    result = CliRunner().invoke(
+        extract_cli, cli_args(target, prepared, tmp_path / "c3", "--thinking", "on", token_budget=64, max_seqs=4)
+    )
+    assert result.exit_code != 0 and f"--thinking on: --data {prepared} holds token rows" in result.output
+    assert "Traceback" not in result.output

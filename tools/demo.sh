@@ -6,6 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work="${1:-demo}"
+. tools/work_dir.sh
+fresh_work_dir "$work"  # before the install: a WORK_DIR in the way is refused at once
 
 # Commands in bold on a terminal; no escape codes when the output goes to a file.
 if [ -t 1 ]; then bold=$'\033[1m' plain=$'\033[0m'; else bold='' plain=''; fi
@@ -20,8 +22,6 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
     python -m pip install -q torch==2.13.0
 fi
 python -m pip install -q -e '.[plot,data]'  # matplotlib for dflash-train plot; tokenizer + client for dflash-data
-rm -rf "$work"
-mkdir -p "$work"
 
 # A random-weight Qwen3.5-style target (8 layers, 3:1 GatedDeltaNet/attention, GVA ratio 3). Its
 # token mixers are scaled down so that its greedy text has structure a tiny drafter can learn quickly.
@@ -41,7 +41,8 @@ step dflash-data regenerate --server "http://127.0.0.1:$(cat "$work/port")/v1" -
 kill "$server_pid" 2>/dev/null || true
 step dflash-data prepare --target "$work/target" --data "$work/regenerated.jsonl" --out "$work/data.parquet" --thinking off
 step dflash-extract --target "$work/target" --data "$work/data.parquet" --out "$work/cache" \
-    --token-budget 1024 --max-seqs 32 --mask-token-id 511 --dtype float32 --progress-interval 2
+    --token-budget 1024 --max-seqs 32 --mask-token-id 511 --dtype float32 --progress-interval 2 \
+    --target-topk 1
 step dflash-shards info "$work/cache"
 step dflash-shards verify "$work/cache"
 # The last 3 shards are held out, never trained on. The decoding walk costs minutes per shard on CPU, so

@@ -1,8 +1,10 @@
 """Demo data: chat conversations to regenerate, or the target's own greedy continuations of random prompts.
 
-With --conversations: OpenAI-format chats (word-salad user prompts, one or two user turns, some with
-a system prompt; assistant turns left empty), the input of `dflash-data regenerate`, which fills
-them with the target's replies. Without: token samples, a random prompt (loss_mask 0) followed by the
+With --conversations: OpenAI-format chats (a word-salad user prompt, some with a system prompt, the
+assistant turn left empty), the input of `dflash-data regenerate`, which fills them with the target's
+replies. One user turn each: Qwen3.5's template renders an earlier assistant turn without the empty
+think block its reply was generated after, so in a multi-turn chat the earlier replies are not the
+target's greedy output in the context they are trained in; single-turn replies are, token for token. Without: token samples, a random prompt (loss_mask 0) followed by the
 target's greedy continuation (loss_mask 1). Generation re-runs the packed forward for every new token
 (no KV cache): fine for the tiny target.
 """
@@ -70,8 +72,6 @@ def demo_conversations(num_conversations: int, seed: int = 0) -> list[dict]:
     for i in range(num_conversations):
         messages = [{"role": "system", "content": "You are a helpful assistant."}] if i % 3 == 0 else []
         messages.append({"role": "user", "content": prompt()})
-        if i % 2:
-            messages += [{"role": "assistant", "content": ""}, {"role": "user", "content": prompt()}]
         rows.append({"id": f"chat-{i}", "messages": messages})
     return rows
 

@@ -8,8 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work="${1:-fp8-acceptance}"
-rm -rf "$work"
-mkdir -p "$work"
+. tools/work_dir.sh
+fresh_work_dir "$work"
 step() { printf '\n$ %s\n' "$*"; "$@"; }
 
 step python -m tools.tiny_target "$work/target" --seed 0 --mixer-scale 0.1

@@ -34,7 +34,7 @@ from extract.kernels import KernelChoice
 from extract.model import TargetModel
 from extract.quantization import Fp8BlockFormat, quantize_fp8_blocks, scale_name
 from extract.target_config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig
-from tools.tiny_tokenizer import write_tokenizer
+from tools.tiny_tokenizer import unemittable_ids, write_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,9 @@ def write_random_checkpoint(
     fp8_block: write the decoder's linear weights in fine-grained FP8 with fp8_block x fp8_block
         scale blocks (the releases use 128) and a quantization_config; None = unquantised.
     with_tokenizer: also write a small trained tokenizer and a Qwen3.5-shaped chat template
-        (tools/tiny_tokenizer.py), as releases ship them; needs vocab_size >= 300.
+        (tools/tiny_tokenizer.py), as releases ship them, and give the ids whose text does not encode
+        back to them zero rows of an untied LM head, so the greedy replies of the target round-trip
+        through text; needs vocab_size >= 320.
     """
     if naming not in NAMINGS:
         raise ValueError(f"naming={naming!r}, expected one of {NAMINGS}")
@@ -275,6 +277,11 @@ def write_random_checkpoint(
     for local, value in random_weights(cfg, seed).items():
         if local.endswith(("linear_attn.out_proj.weight", "self_attn.o_proj.weight")):
             value = value * mixer_scale
+        if local == "lm_head.weight" and with_tokenizer:
+            # Zero logits for the ids whose text does not encode back to them (tools/tiny_tokenizer.py):
+            # the max over ~300 random logits is positive, so greedy decoding never picks one.
+            value = value.clone()
+            value[unemittable_ids(cfg.vocab_size)] = 0.0
         name = hf_name(local, naming)
         if fp8 is not None and _fp8_quantised(local, value):
             tensors[name], tensors[scale_name(name)] = quantize_fp8_blocks(value, fp8)

@@ -1,8 +1,10 @@
 """A small real tokenizer and a Qwen3.5-shaped chat template for the tiny target (tests, demo).
 
 The files are the ones an official Qwen3.5 release ships and `dflash-data` reads:
-    tokenizer.json          byte-level BPE trained here with `tokenizers` (offline, deterministic:
-                            a fixed built-in corpus, one trainer thread's worth of work)
+    tokenizer.json          a word-level tokenizer trained here with `tokenizers` (offline,
+                            deterministic: a fixed built-in corpus), lowercase, one token per word,
+                            ASCII punctuation mark or digit; whitespace separates tokens and is not
+                            itself a token; decoding joins tokens with single spaces
     tokenizer_config.json   eos <|im_end|>, pad <|endoftext|>, the tokenizer class
     chat_template.jinja     ChatML (<|im_start|>role ... <|im_end|>) with Qwen3.5's rules: <think>
                             blocks only on assistant turns after the last user query (reasoning of
@@ -11,6 +13,17 @@ The files are the ones an official Qwen3.5 release ships and `dflash-data` reads
                             prompt that opens <think> (thinking on) or closes an empty one (off)
 Every id is below the tiny target's vocab_size; the top ids stay unused so a MASK id (511 in the
 demo) never collides with a real token.
+
+Why word-level: the demo's data must be the tiny target's own greedy output, token for token, after
+the round trip ids -> text (the server) -> chat template -> ids (`dflash-data prepare`). A byte-level
+BPE breaks it (the generated ids are rarely the canonical encoding of their text, and the template
+trims a reply's edge whitespace). Here every id the target can emit is a token without
+whitespace, so the text of any sequence of them is the tokens joined by single spaces, with nothing
+for `| trim` to remove, and encodes back to the same ids, in any context. The tiny target's LM head
+gives the other ids (unused ids, <|unk|>, <|im_start|>, <|endoftext|>, <think>, </think>) zero
+logits (`unemittable_ids`, tools/tiny_target.py), so greedy decoding never picks them: its replies never think, and a
+reply ends with <|im_end|> or at max_tokens. Encoding is lossy the other way (case and spacing are
+normalised; unknown words become <|unk|>), which the pipeline never relies on.
 """
 
 from __future__ import annotations
@@ -18,8 +31,10 @@ from __future__ import annotations
 import functools
 import json
 import random
+import string
 from pathlib import Path
 
+UNK_TOKEN = "<|unk|>"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # never split, skipped when decoding
 # Added but not "special" (as in Qwen's tokenizer): they stay in decoded text, so a server can find them.
 MARKUP_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
@@ -48,10 +63,22 @@ _SNIPPETS = (
 )
 
 
+# Words of the chat template, the demo's and the tests' conversations: in the vocabulary too.
+_EXTRA_TEXT = (
+    "system user assistant tool tools tool_call tool_response function parameter arguments name value arg "
+    "you are a helpful brief assistant what weather paris city unit celsius temperature sky clear degrees "
+    "thanks and tomorrow no data i do not know two plus three four times twelve multiply add them sunny "
+    "call it answer now summarise also the check let me step hello reasoning get_time zone cet days "
+    + string.punctuation
+    + " "
+    + " ".join(string.digits)
+)
+
+
 def _corpus(num_lines: int = 3000, seed: int = 0) -> list[str]:
     """Deterministic training text: seeded word salad in sentences, plus chat and tool markup."""
     rng = random.Random(seed)
-    lines = []
+    lines = [_EXTRA_TEXT]
     for i in range(num_lines):
         words = [rng.choice(WORDS) for _ in range(rng.randint(4, 16))]
         sentence = " ".join(words).capitalize() + rng.choice(".?!")
@@ -65,34 +92,51 @@ def _trained_json(vocab_size: int) -> str:
 
 
 def train_tokenizer(vocab_size: int):
-    """A byte-level BPE `tokenizers.Tokenizer` whose ids all lie below `vocab_size`.
+    """A word-level `tokenizers.Tokenizer` whose ids all lie below `vocab_size` (see the module doc).
 
-    Merges fill the ids up to `vocab_size - 8 - len(added tokens)`; the added tokens come next
-    (as in Qwen, after the BPE vocabulary), the last 8 ids are left free (room for a MASK id)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    <|unk|> is id 0, the corpus' words, punctuation marks and digits follow, then the added tokens
+    (as in Qwen, after the learned vocabulary); the last 8 ids below `vocab_size` are left free
+    (room for a MASK id)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     num_free = 8
     num_added = len(SPECIAL_TOKENS) + len(MARKUP_TOKENS)
-    num_bpe = vocab_size - num_free - num_added
-    if num_bpe < 256 + 16:
-        raise ValueError(f"vocab_size={vocab_size} leaves {num_bpe} BPE ids; byte-level BPE needs 256 + some merges")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=num_bpe,
-        min_frequency=2,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],
+    num_words = vocab_size - num_free - num_added
+    tok = Tokenizer(models.WordLevel(unk_token=UNK_TOKEN))
+    tok.normalizer = normalizers.Lowercase()
+    # Decoding joins tokens with single spaces: WordPiece's decoder with a continuation prefix no token
+    # has ("#" is a token of its own) and no clean-up (which would glue punctuation to words).
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Punctuation("isolated"),
+            pre_tokenizers.Digits(individual_digits=True),
+        ]
     )
+    trainer = trainers.WordLevelTrainer(
+        vocab_size=num_words, min_frequency=1, show_progress=False, special_tokens=[UNK_TOKEN]
+    )
+    if num_words < 128:
+        raise ValueError(f"vocab_size={vocab_size} leaves {num_words} word ids; the tiny tokenizer needs ~300")
     tok.train_from_iterator(_corpus(), trainer=trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
     if tok.get_vocab_size() > vocab_size - num_free:
         raise AssertionError(f"tokenizer has {tok.get_vocab_size()} ids, more than {vocab_size - num_free}")
     return tok
+
+
+def unemittable_ids(vocab_size: int) -> list[int]:
+    """Ids the tiny target must never generate: the text of a sequence holding one of them does not
+    encode back to it (unused ids and <|unk|> have no text of their own, <|im_start|> and
+    <|endoftext|> are dropped when a server decodes, think tags are parsed by the server and the template)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(_trained_json(vocab_size))
+    vocab = tok.get_vocab()
+    named = [vocab[t] for t in (UNK_TOKEN, "<|im_start|>", "<|endoftext|>", "<think>", "</think>")]
+    return sorted(set(named) | set(range(tok.get_vocab_size(), vocab_size)))
 
 
 # Qwen3.5's rules in ChatML; only string content (or a list of {"type": "text"} parts) is rendered.

@@ -1,0 +1,42 @@
+"""tools/demo.sh and tools/fp8_acceptance.sh delete a WORK_DIR only when an earlier run of theirs made it."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from process_helpers import REPO
+
+
+@pytest.mark.parametrize("script", ["tools/demo.sh", "tools/fp8_acceptance.sh"])
+def test_a_work_dir_the_script_did_not_make_is_refused_and_kept(tmp_path, script):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    proc = subprocess.run(["bash", script, str(foreign)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert (
+        f"{foreign} exists and was not made by an earlier run" in proc.stderr and "nothing was deleted" in proc.stderr
+    )
+    assert (foreign / "notes.txt").read_text() == "keep me" and sorted(p.name for p in foreign.iterdir()) == [
+        "notes.txt"
+    ]
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    proc = subprocess.run(["bash", script, str(a_file)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and a_file.read_text() == "x"
+
+
+def test_an_earlier_run_is_remade_and_an_empty_dir_used(tmp_path):
+    def fresh(path):
+        cmd = f". tools/work_dir.sh && fresh_work_dir {path}"
+        return subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+    run = tmp_path / "run"
+    assert fresh(run).returncode == 0 and (run / ".dflash-work-dir").is_file()
+    (run / "old-output").write_text("from the earlier run")
+    assert fresh(run).returncode == 0
+    assert sorted(p.name for p in run.iterdir()) == [".dflash-work-dir"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert fresh(empty).returncode == 0 and (empty / ".dflash-work-dir").is_file()
