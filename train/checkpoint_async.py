@@ -12,11 +12,12 @@ an inactive writer) in mode "async":
   3. starts a thread running train.checkpoint.save_checkpoint on the snapshot: the same temporary
      folder, fsync, rename, directory fsync and checksums as a synchronous save; older checkpoints
      are pruned only after the new one is durable.
-The loop is blocked for 1 + 2 only: the stall is logged per save (console and a "checkpoint" event in
-metrics.jsonl: stall_s = wait_s + snapshot_s). poll() (every step) and wait() (end of training,
-SIGTERM) report a finished write ("checkpoint_durable": background write time, bytes) or raise a
-failed one (CheckpointError naming the file: "no space left on the device"). A kill mid-write leaves
-only .tmp-step-* (ignored by readers, removed at the next start): the previous checkpoint stays the
+The loop is blocked for 1 + 2 (and the RNG states and provenance it gathers first): logged per save in
+the console and as a "checkpoint" event in metrics.jsonl (stall_s in all, of which snapshot_s copying
+and wait_s waiting for the previous write). poll() (every step) and wait() (end of training, SIGTERM)
+report a finished write ("checkpoint_durable": background write time, bytes) or raise a failed one
+(CheckpointError naming the file: "no space left on the device"). A kill mid-write leaves only
+.tmp-step-* (ignored by readers, removed at the next start): the previous checkpoint stays the
 newest valid one. Mode "sync" writes in the calling thread (stall = the whole write), no buffers.
 """
 
@@ -164,6 +165,7 @@ class CheckpointWriter:
             return {}
         blocked_since = time.monotonic() if blocked_since is None else blocked_since
         previous = self._job.get("step")
+        wait_start = time.monotonic()
         self.wait()
         waited = time.monotonic()
         record: dict[str, Any] = {"event": "checkpoint", "step": step, "checkpoint/mode": self.mode}
@@ -188,7 +190,7 @@ class CheckpointWriter:
             record |= {
                 "checkpoint/stall_s": done - blocked_since,
                 "checkpoint/snapshot_s": done - waited,
-                "checkpoint/wait_s": waited - blocked_since,
+                "checkpoint/wait_s": waited - wait_start,
             }
             log.info(
                 "checkpoint step %d: training blocked %.2f s (snapshot of %s %.2f s, waiting for %s %.2f s); "
