@@ -30,7 +30,7 @@ from shards import (
     read_cache_config,
     write_manifest,
 )
-from shards.durable import TMP_PREFIX, remove_stale_temporaries
+from shards.durable import TMP_PREFIX, check_writable, remove_stale_temporaries
 from shards.format import (
     CACHE_CONFIG_FILE,
     MANIFEST_FILE,
@@ -136,6 +136,7 @@ def run_extract(cfg: ExtractConfig) -> ExtractSummary:
 def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
     start = time.monotonic()
     _refuse_nesting(cfg)
+    check_writable(cfg.out_dir, f"--out {cfg.out_dir}")
     target = TargetConfig.from_dir(cfg.target)
     checkpoint_quantization(cfg.target)  # an unimplemented quantization is refused before any work
     taps = cfg.tap_layer_ids or target.default_tap_layer_ids(cfg.num_taps)

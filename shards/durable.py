@@ -43,6 +43,39 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None], mode: int 
     fsync_dir(path.parent)
 
 
+def check_writable(path: str | Path, what: str) -> None:
+    """Refuse, before any work, an output directory the program could not write: `path` itself when
+    it exists, else the nearest existing directory above it (where it would be created).
+
+    Writability is tried, not asked: os.access says yes to root on a read-only mount. A probe
+    temporary of ours (a file in `path`, or a folder where `path` would be made) is created and
+    removed at once. Raises ValueError starting with `what` (the flag and its value), naming the
+    directory, the reason and the fix.
+    """
+    target = Path(path)
+    where = target
+    try:
+        while not where.exists() and where.parent != where:
+            where = where.parent
+    except OSError as e:  # a component we may not even look into
+        raise ValueError(f"{what}: cannot look into {where} ({e.strerror}); choose another directory") from e
+    if not where.is_dir():
+        made = "" if where == target else f", so {target} cannot be made in it"
+        raise ValueError(f"{what}: {where} is a file, not a directory{made}; choose another path")
+    try:
+        if where == target:
+            fd, probe = tempfile.mkstemp(prefix=TMP_PREFIX + "probe.", dir=where)
+            os.close(fd)
+            os.unlink(probe)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=TMP_PREFIX + "probe.", dir=where))
+    except OSError as e:
+        raise ValueError(
+            f"{what}: cannot write in {where} ({e.strerror}); choose a directory on a writable file system, "
+            "or one this user may write to"
+        ) from e
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data))
 

@@ -46,3 +46,19 @@ def data(tmp_path_factory):
 def reference(target, data, tmp_path_factory):
     """The uninterrupted extraction of `data` by `target`, which faulted runs must reproduce."""
     return extract_reference(target, data, tmp_path_factory)
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Each stage's first work (dflash-extract's dataset scan, dflash-train's trainer, the checkpoint an
+    export loads) fails the test if it starts: for refusals that must come before any work."""
+    import extract.runner
+    import train.cli
+    import train.loop
+
+    def started(*a, **kw):
+        raise AssertionError("work started: the refusal must come before any work")
+
+    monkeypatch.setattr(extract.runner, "scan_dataset", started)
+    monkeypatch.setattr(train.loop, "Trainer", started)
+    monkeypatch.setattr(train.cli, "_model_from_checkpoint", started)

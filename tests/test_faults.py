@@ -18,7 +18,8 @@ Corrupted caches, bad inputs, setting mismatches and training faults: tests/test
 exports, damaged checkpoints, disk full while checkpointing, foreign shards: test_faults_export.py;
 run directory, SIGTERM during training, resume bookkeeping: test_faults_training.py; damaged targets
 and foreign or unplanned shards by name: test_faults_messages.py; SIGTERM to one of two gloo ranks and
-shards left out by the rank split: test_faults_ranks.py.
+shards left out by the rank split: test_faults_ranks.py; output directories that cannot be written:
+test_faults_readonly.py.
 """
 
 import errno

@@ -19,7 +19,6 @@ from click.testing import CliRunner
 from extract_helpers import cli_args, copy_cache, extract_cfg, make_samples
 from safetensors.torch import load_file, save_file
 
-from extract import runner
 from extract.checkpoint import MAX_REPORTED_TENSORS
 from extract.cli import main as extract_cli
 from extract.data import write_jsonl
@@ -60,16 +59,6 @@ def _truncated(ckpt):
     path = _weights(ckpt)
     path.write_bytes(path.read_bytes()[:1000])
     return str(path), "not a readable safetensors file"
-
-
-@pytest.fixture
-def no_work(monkeypatch):
-    """The dataset scan (the first work of a run) fails the test if it starts."""
-
-    def scan(*a, **kw):
-        raise AssertionError("the dataset scan started: the refusal must come before any work")
-
-    monkeypatch.setattr(runner, "scan_dataset", scan)
 
 
 def refused(ckpt, data, out):

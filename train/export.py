@@ -38,7 +38,14 @@ import torch
 from safetensors.torch import load_file
 
 from shards.container import read_header, write_container
-from shards.durable import DIR_MODE, TMP_PREFIX, atomic_write, atomic_write_text, remove_stale_temporaries
+from shards.durable import (
+    DIR_MODE,
+    TMP_PREFIX,
+    atomic_write,
+    atomic_write_text,
+    check_writable,
+    remove_stale_temporaries,
+)
 from shards.format import CacheFormatError
 
 from .drafter_config import DrafterConfig
@@ -210,19 +217,20 @@ def check_export_target(out: Path, overwrite: bool) -> None:
     """Refuse a non-empty directory that is not an earlier export of ours; replacing ours needs overwrite."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"export directory {out} is a file; choose a new or empty directory")
-    if not out.is_dir() or not any(out.iterdir()):
-        return
-    ours, foreign = export_status(out)
-    if not ours:
-        shown = ", ".join(str(p) for p in (foreign or sorted(out.iterdir()))[:5])
-        raise ValueError(
-            f"export directory {out} is not empty and is not a drafter exported by dflash-train "
-            f"(found {shown}); nothing was written: choose a new or empty directory"
-        )
-    if not overwrite:
-        raise ValueError(
-            f"export directory {out} holds an earlier export; pass --overwrite to replace it, or choose a new directory"
-        )
+    if out.is_dir() and any(out.iterdir()):
+        ours, foreign = export_status(out)
+        if not ours:
+            shown = ", ".join(str(p) for p in (foreign or sorted(out.iterdir()))[:5])
+            raise ValueError(
+                f"export directory {out} is not empty and is not a drafter exported by dflash-train "
+                f"(found {shown}); nothing was written: choose a new or empty directory"
+            )
+        if not overwrite:
+            raise ValueError(
+                f"export directory {out} holds an earlier export; pass --overwrite to replace it, or choose a new "
+                "directory"
+            )
+    check_writable(out, f"export directory {out}")
 
 
 def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path, overwrite: bool = False) -> Path:

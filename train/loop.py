@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from shards import ShardReader, load_target_head
-from shards.durable import atomic_write_text
+from shards.durable import atomic_write_text, check_writable
 from shards.lock import DirectoryLock
 from shards.progress import format_duration, plural
 from shards.provenance import provenance
@@ -107,6 +107,7 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
     # Every check that needs no model, GPU or process group comes first.
     run = resolve_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_run_dir(cfg.out_dir, cfg.cache)
+    check_writable(cfg.out_dir, f"--out {cfg.out_dir}")
     device = resolve_device(cfg.device, 0)
     # Rank 0 holds the run directory's lock for the whole run (its ranks share it); a second run is refused.
     lock = DirectoryLock(cfg.out_dir, "dflash-train")
