@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from train.attention import BlockAttentionLayout
 from train.blocks import TrainingBlocks, sample_blocks
 from train.drafter_config import QWEN36_27B_TARGET, DrafterConfig  # noqa: F401  (QWEN36_27B_TARGET: for the tests)
 from train.model import DFlashDrafter, TargetHead
@@ -127,3 +128,30 @@ def ranges_at_sequence_starts(num_ctx, num_blocks, seed):
         anchor[n] = seq_start[n] = starts[n % len(starts)]
     order = torch.argsort(anchor, stable=True)
     return seq_start[order].int(), anchor[order].int()
+
+
+def blocks_and_layout(cfg, batch, num_blocks):
+    """Seeded blocks over a 48-token batch and the dense attention layout they imply."""
+    blocks = batch_blocks(
+        batch,
+        num_blocks=num_blocks,
+        block_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id,
+        generator=torch.Generator().manual_seed(0),
+    )
+    layout = BlockAttentionLayout(
+        num_ctx=48, num_blocks=num_blocks, block_size=cfg.block_size, sliding_window=cfg.attention_window
+    )
+    return blocks, layout.update(blocks.seq_start_N, blocks.anchor_N)
+
+
+def forward_blocks(model, head, batch: dict, blocks: TrainingBlocks, layout, **kwargs):
+    """The training forward of `model` over a make_batch() batch and its blocks; kwargs are forward's own."""
+    return model(
+        batch["hidden_TKH"],
+        batch["position_ids_T"],
+        head.embed(blocks.block_ids_NB),
+        blocks.block_pos_NB,
+        layout,
+        **kwargs,
+    )

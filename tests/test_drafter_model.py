@@ -8,7 +8,9 @@ import torch
 from drafter_helpers import (
     QWEN36_27B_TARGET,
     batch_blocks,
+    blocks_and_layout,
     drafter_for_target,
+    forward_blocks,
     make_batch,
     tiny_config,
     tiny_model_and_head,
@@ -176,21 +178,6 @@ def test_forward_block_matches_float64_reference(layers):
     assert diff < 1e-4, f"max abs diff {diff}"
 
 
-def blocks_and_layout(cfg, batch, num_blocks):
-    """Seeded blocks over a 48-token batch and the dense attention layout they imply."""
-    blocks = batch_blocks(
-        batch,
-        num_blocks=num_blocks,
-        block_size=cfg.block_size,
-        mask_token_id=cfg.mask_token_id,
-        generator=torch.Generator().manual_seed(0),
-    )
-    layout = BlockAttentionLayout(
-        num_ctx=48, num_blocks=num_blocks, block_size=cfg.block_size, sliding_window=cfg.attention_window
-    )
-    return blocks, layout.update(blocks.seq_start_N, blocks.anchor_N)
-
-
 @pytest.mark.parametrize("layers", sorted(LAYOUTS))
 def test_training_forward_matches_inference_forward_per_block(layers):
     cfg = tiny_config(**LAYOUTS[layers])
@@ -225,14 +212,7 @@ def test_activation_checkpointing_keeps_values_and_grads():
     results = []
     for ckpt in (False, True):
         model.zero_grad(set_to_none=True)
-        out = model(
-            batch["hidden_TKH"],
-            batch["position_ids_T"],
-            head.embed(blocks.block_ids_NB),
-            blocks.block_pos_NB,
-            layout,
-            checkpoint_layers=ckpt,
-        )
+        out = forward_blocks(model, head, batch, blocks, layout, checkpoint_layers=ckpt)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         results.append((out.detach(), [p.grad.clone() for p in model.parameters()]))
     assert torch.equal(results[0][0], results[1][0])

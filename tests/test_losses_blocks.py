@@ -61,12 +61,15 @@ def naive_terms(blocks, hidden, lm_head, topk_ids, topk_lp):
     return ce_num / w_sum, kl_num / w_sum, -cap_num / (valid_blocks * (B - 1))
 
 
-def test_each_loss_term_matches_naive_loop():
+# fused: the training path of train/fused_loss.py (taken only when the hidden states need a gradient).
+@pytest.mark.parametrize("fused", [False, True])
+def test_each_loss_term_matches_naive_loop(fused):
     blocks, hidden, lm_head, ids, lp = setup(num_blocks=24)
     assert not blocks.block_valid_N.all() and blocks.block_valid_N.any()  # padding blocks are covered
+    assert not blocks.label_valid_NB[blocks.block_valid_N][:, 1:].all()  # ignored labels in valid blocks too
     ce, kl, cap = naive_terms(blocks, hidden, lm_head, ids, lp)
-    cfg = LossConfig(kl_lambda=0.7, cap_lambda=1.3, chunk_blocks=4)
-    parts = block_loss(hidden, lm_head, blocks, cfg, ids, lp)
+    cfg = LossConfig(kl_lambda=0.7, cap_lambda=1.3, chunk_blocks=4, fused=fused)
+    parts = block_loss(hidden.clone().requires_grad_(), lm_head, blocks, cfg, ids, lp)
     assert abs(cap) > 1e-6  # the chain term is exercised, not vanishing
     for name, got, ref in (
         ("ce", parts.ce, ce),
@@ -77,11 +80,12 @@ def test_each_loss_term_matches_naive_loop():
         assert abs(float(got.detach()) - ref) < 1e-9, f"{name}: got {float(got)}, naive {ref}"
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("chunk", [1, 4, 9, 50])
 @pytest.mark.parametrize("lambdas", [(0.0, 0.0), (0.5, 0.0), (0.0, 2.0), (0.3, 0.8)])
-def test_chunked_equals_unchunked_values_and_grads(chunk, lambdas):
+def test_chunked_equals_unchunked_values_and_grads(chunk, lambdas, fused):
     blocks, hidden, lm_head, ids, lp = setup(dtype=torch.float32)
-    cfg = LossConfig(kl_lambda=lambdas[0], cap_lambda=lambdas[1], chunk_blocks=chunk)
+    cfg = LossConfig(kl_lambda=lambdas[0], cap_lambda=lambdas[1], chunk_blocks=chunk, fused=fused)
     results = []
     for fn in (block_loss, block_loss_unchunked):
         h = hidden.clone().requires_grad_()
@@ -96,10 +100,11 @@ def test_chunked_equals_unchunked_values_and_grads(chunk, lambdas):
     assert diff < 1e-6, f"grad: max abs diff {diff}"
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("lambdas", [(1.0, 0.0), (0.0, 1.0), (0.4, 0.9)])
-def test_gradcheck_kl_and_cap(lambdas):
+def test_gradcheck_kl_and_cap(lambdas, fused):
     blocks, hidden, lm_head, ids, lp = setup(num_blocks=3)
-    cfg = LossConfig(kl_lambda=lambdas[0], cap_lambda=lambdas[1], chunk_blocks=2)
+    cfg = LossConfig(kl_lambda=lambdas[0], cap_lambda=lambdas[1], chunk_blocks=2, fused=fused)
 
     def total(h):
         return block_loss(h, lm_head, blocks, cfg, ids, lp).total
@@ -115,13 +120,14 @@ def test_kl_needs_target_topk_and_frozen_head():
         block_loss(hidden, lm_head.clone().requires_grad_(), blocks, LossConfig())
 
 
-def test_no_valid_blocks_gives_zero_loss_and_grad():
+@pytest.mark.parametrize("fused", [False, True])
+def test_no_valid_blocks_gives_zero_loss_and_grad(fused):
     blocks, hidden, lm_head, ids, lp = setup()
     blocks.block_valid_N.zero_()
     blocks.label_valid_NB.zero_()
     blocks.weights_NB.zero_()
     h = hidden.clone().requires_grad_()
-    parts = block_loss(h, lm_head, blocks, LossConfig(kl_lambda=1.0, cap_lambda=1.0), ids, lp)
+    parts = block_loss(h, lm_head, blocks, LossConfig(kl_lambda=1.0, cap_lambda=1.0, fused=fused), ids, lp)
     parts.total.backward()
     assert float(parts.total.detach()) == 0.0 and h.grad.abs().max() == 0
 

@@ -75,13 +75,22 @@ def test_fp8_cache_trains_under_graphs(tmp_path):
     assert summary.eval is not None and summary.eval.num_blocks > 0
 
 
+STEP_OPTIONS = {
+    "checkpoint_layers": dict(checkpoint_layers=True),
+    # The default step has the elementwise cuts on; this one has them all off.
+    "no_elementwise_cuts": dict(weight_copies=False, fused_loss=False, compile_pointwise=False),
+}
+
+
 @pytest.mark.gpu
-def test_checkpoint_layers_under_graphs_follows_the_plain_loss_sequence(tmp_path):
-    """Activation checkpointing inside the captured step: the same losses as the plain step."""
+@pytest.mark.parametrize("option", sorted(STEP_OPTIONS))
+def test_step_options_under_graphs_follow_the_default_loss_sequence(tmp_path, option):
+    """Activation checkpointing, or the step without the elementwise cuts, inside the captured step:
+    the same losses as the default step."""
     cache = tiny_cache(tmp_path / "cache", num_batches=4, **GPU_CACHE)
-    run_training(gpu_config(cache, tmp_path / "plain"))
-    run_training(gpu_config(cache, tmp_path / "ckpt", checkpoint_layers=True))
-    plain, ckpt = losses(tmp_path / "plain"), losses(tmp_path / "ckpt")
-    assert sorted(plain) == sorted(ckpt) == list(range(1, 9))
-    diffs = {s: abs(plain[s] - ckpt[s]) / abs(plain[s]) for s in plain}
-    assert max(diffs.values()) <= 1e-2, f"checkpointed vs plain relative loss diffs {diffs}"
+    run_training(gpu_config(cache, tmp_path / "default"))
+    run_training(gpu_config(cache, tmp_path / "option", **STEP_OPTIONS[option]))
+    default, changed = losses(tmp_path / "default"), losses(tmp_path / "option")
+    assert sorted(default) == sorted(changed) == list(range(1, 9))
+    diffs = {s: abs(default[s] - changed[s]) / abs(default[s]) for s in default}
+    assert max(diffs.values()) <= 1e-2, f"{option} vs default relative loss diffs {diffs}"

@@ -129,3 +129,23 @@ def fill_disk_on_torch_save(monkeypatch) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(torch, "save", full)
+
+
+def run_steps(cache: Path, out: Path, num_steps: int, **overrides) -> dict:
+    """num_steps train_steps of tiny_config(**overrides) on the cache's first shard (CPU), with metrics:
+    the step sums, each step's flat gradient just before its optimizer update, and the final weights."""
+    from shards import LoadedShard, load_target_head
+    from train.loop import build_step_state
+    from train.step import train_step
+    from train.train_config import resolve_run
+
+    cfg = tiny_config(cache, out, **overrides)
+    state = build_step_state(cfg, resolve_run(cfg), load_target_head(cache), torch.device("cpu"))
+    tensors, info = ShardReader(cache).read(0)
+    state.batch.load(LoadedShard(0, tensors, info, release=lambda: None))
+    grads: list[torch.Tensor] = []
+    state.optimizer.register_step_pre_hook(lambda opt, args, kwargs: grads.append(state.grads.flat.clone()))
+    for _ in range(num_steps):
+        train_step(state, with_metrics=True)
+    params = {name: p.detach().clone() for name, p in state.model.named_parameters()}
+    return {"sums": state.totals.sums.flat.clone(), "grads": grads, "params": params, "state": state}

@@ -33,6 +33,8 @@ Usage: python -m tools.bench_train --out bench_train.json [--sizes 27b,4b] [--st
        python -m tools.bench_train --sizes 27b --modes graphs --seq-lens 4096,32768 \
            --layer-types full,full,full,full,full --layer-types sliding,sliding,sliding,sliding,full
        python -m tools.bench_train --sizes 27b --modes graphs --steps 3 --profile
+       python -m tools.bench_train --sizes 27b --modes graphs --steps 3 --profile \
+           --no-weight-copies --no-fused-loss --no-compile-pointwise      (the step before the cuts)
        python -m tools.bench_train --sizes 27b --modes graphs --steps 3 --num-blocks 4096 --checkpoint-layers
 """
 
@@ -88,7 +90,14 @@ SIZES = {
 }
 
 # TrainConfig fields of the step itself that the benchmark exposes as dflash-train's own flags.
-STEP_FIELDS = ("checkpoint_layers", "compute_dtype", "loss_chunk_blocks")
+STEP_FIELDS = (
+    "checkpoint_layers",
+    "compute_dtype",
+    "loss_chunk_blocks",
+    "weight_copies",
+    "fused_loss",
+    "compile_pointwise",
+)
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,9 @@ from .evaluate import EvalResult, eval_copy, evaluate_drafter
 from .export import load_drafter_weights_
 from .flops import drafter_step_flops, peak_flops
 from .metrics import MetricsLogger, StepTotals
-from .model import DFlashDrafter, TargetHead, count_parameters
-from .precision import autocast_dtype, torch_dtype
+from .model import DFlashDrafter, Linear, TargetHead, count_parameters
+from .pointwise import compile_pointwise_
+from .precision import WorkingWeights, autocast_dtype, torch_dtype
 from .preempt import StopOnSigterm, stop_together
 from .rundir import check_run_dir, clean_stale_temporaries, truncate_metrics
 from .step import StepRunner, StepState, WarmupCosine, load_optimizer_state_, make_optimizer
@@ -164,13 +165,16 @@ def build_step_state(
 ) -> StepState:
     """Everything train_step touches, on `device`: seeded fp32 drafter (rank 0's weights on every rank),
     frozen head in the compute dtype, flat grads, schedule, optimizer, static batch, attention layout,
-    totals and the seeded anchor generator."""
+    totals, the seeded anchor generator, and the elementwise options (working weight copies, compiled
+    pointwise regions)."""
     compute_dtype = torch_dtype(cfg.compute_dtype)
     torch.manual_seed(cfg.seed)  # identical init on every rank; the broadcast makes sure
     model = DFlashDrafter(run.drafter).to(device)  # fp32 master weights
     if cfg.init_from is not None:  # a resumed run overwrites these with its checkpoint's
         load_drafter_weights_(model, cfg.init_from)
     broadcast_parameters(model)
+    if cfg.pointwise_compiled(device.type):
+        compile_pointwise_(model)
     target_head = TargetHead(head["embed_tokens"].to(device, compute_dtype), head["lm_head"].to(device, compute_dtype))
     params = list(model.parameters())
     grads = FlatGrads(params)
@@ -210,6 +214,11 @@ def build_step_state(
         generator=generator,
         checkpoint_layers=cfg.checkpoint_layers,
         params=params,
+        working_weights=(
+            WorkingWeights([m for m in model.modules() if isinstance(m, Linear)], compute_dtype)
+            if cfg.weight_copies and autocast_dtype(compute_dtype) is not None
+            else None
+        ),
     )
 
 
@@ -345,6 +354,13 @@ class Trainer:
             str(compute_dtype).removeprefix("torch."),
             "CUDA graph" if self.use_graphs else "eager",
             self.device,
+        )
+        cfg, cuda = self.cfg, self.device.type == "cuda"
+        log.info(
+            "elementwise: working weight copies %s, fused loss %s, compiled pointwise regions %s",
+            "on" if cfg.weight_copies and compute_dtype != torch.float32 else "off",
+            ("on (compiled)" if cuda else "on (eager)") if cfg.fused_loss else "off",
+            "on" if cfg.pointwise_compiled(self.device.type) else "off",
         )
 
     def _rng_state(self) -> dict[str, str | None]:

@@ -13,6 +13,10 @@ function that, for each chunk of blocks, builds the chunk's logits, the loss ter
 gradient with respect to the chunk's hidden states, then frees the logits; backward only scales
 the stored gradient. The LM head costs two matmuls per chunk (logits, grad), not three as with
 recomputation. The normalisers depend only on the weights, so chunks add up exactly.
+With `fused` (training only), the chunk's terms and logit gradient come from fused_loss.py's
+hand-written derivative instead of autograd over log_softmax: the same two matmuls, but the [X, V]
+work between them is one reduction and one pointwise pass over the compute-dtype logits (compiled
+into two kernels on CUDA) instead of float32 logits, log-softmax, a scatter and its backward.
 
 Legend: NB blocks, B block size, C blocks in a chunk, X = C*B rows, H hidden, V vocab,
 T packed tokens, Kt stored target top-k.
@@ -26,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from .blocks import TrainingBlocks
+from .fused_loss import ChunkTargets, compiled_loss_and_logit_grad, loss_and_logit_grad
 from .model import lm_head_weight
 
 
@@ -41,6 +46,9 @@ class LossConfig:
     """Weight of the CAP term (minus the expected accepted length / (B-1)); 0 disables it."""
     chunk_blocks: int = 32
     """Blocks per LM-head chunk: the chunk's float32 logits take chunk_blocks*B*V*4 bytes (x~3 live)."""
+    fused: bool = False
+    """Training chunks take fused_loss.py's hand-written gradient (compiled on CUDA) instead of
+    autograd over float32 log-softmax; evaluation (no gradient) always takes the reference path."""
 
     def __post_init__(self) -> None:
         if not self.gamma > 0:
@@ -68,16 +76,10 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _chunk_sums(
-    hidden_CBH: torch.Tensor,
-    lm_head_VH: torch.Tensor,
-    labels_CB: torch.Tensor,
-    label_valid_CB: torch.Tensor,
-    weights_CB: torch.Tensor,
-    kl_ids_CBK: torch.Tensor | None,
-    kl_logp_CBK: torch.Tensor | None,
-    with_cap: bool,
+    hidden_CBH: torch.Tensor, lm_head_VH: torch.Tensor, targets: ChunkTargets, with_cap: bool
 ) -> tuple[torch.Tensor, ...]:
     """Unnormalised (ce_sum, kl_sum, cap_sum) of a chunk of blocks; differentiable in hidden."""
+    labels_CB, label_valid_CB, weights_CB, kl_ids_CBK, kl_logp_CBK = targets
     C, B, H = hidden_CBH.shape
     fdt = _float_dtype(hidden_CBH.dtype)
     logits_XV = (hidden_CBH.reshape(C * B, H) @ lm_head_VH.T).to(fdt)
@@ -109,16 +111,18 @@ def _normalisers(blocks: TrainingBlocks, dtype: torch.dtype) -> tuple[torch.Tens
     return ce_norm, cap_norm
 
 
-def _target_topk(blocks: TrainingBlocks, cfg: LossConfig, ids_TK, logp_TK, sl: slice):
-    if cfg.kl_lambda == 0:
-        return None, None
-    if ids_TK is None or logp_TK is None:
-        raise ValueError(
-            "LossConfig.kl_lambda > 0 needs target_topk_ids and target_topk_logprobs; "
-            "the cache has none: re-extract with target top-k or set kl_lambda 0"
-        )
-    index_CB = blocks.prev_index_NB[sl]
-    return ids_TK[index_CB], logp_TK[index_CB]
+def _chunk_targets(blocks: TrainingBlocks, cfg: LossConfig, ids_TK, logp_TK, sl: slice) -> ChunkTargets:
+    """The labels, weights and (with KL) stored target top-k of the blocks in `sl`."""
+    kl_ids, kl_logp = None, None
+    if cfg.kl_lambda > 0:
+        if ids_TK is None or logp_TK is None:
+            raise ValueError(
+                "LossConfig.kl_lambda > 0 needs target_topk_ids and target_topk_logprobs; "
+                "the cache has none: re-extract with target top-k or set kl_lambda 0"
+            )
+        index_CB = blocks.prev_index_NB[sl]
+        kl_ids, kl_logp = ids_TK[index_CB], logp_TK[index_CB]
+    return ChunkTargets(blocks.labels_NB[sl], blocks.label_valid_NB[sl], blocks.weights_NB[sl], kl_ids, kl_logp)
 
 
 def _combine(sums, ce_norm, cap_norm, cfg: LossConfig):
@@ -132,24 +136,19 @@ class _ChunkedBlockLoss(torch.autograd.Function):
     def forward(ctx, hidden_NBH, lm_head_VH, blocks, cfg, ids_TK, logp_TK):
         needs_grad = ctx.needs_input_grad[0]
         fdt = _float_dtype(hidden_NBH.dtype)
-        ce_norm, cap_norm = _normalisers(blocks, fdt)
+        ce_norm, cap_norm = norms = _normalisers(blocks, fdt)
         parts = torch.zeros(4, dtype=fdt, device=hidden_NBH.device)
         grad_NBH = torch.zeros_like(hidden_NBH) if needs_grad else None
         for start in range(0, blocks.num_blocks, cfg.chunk_blocks):
             sl = slice(start, start + cfg.chunk_blocks)
+            targets = _chunk_targets(blocks, cfg, ids_TK, logp_TK, sl)
+            if needs_grad and cfg.fused:
+                terms, grad_NBH[sl] = _fused_chunk(hidden_NBH[sl], lm_head_VH, targets, cfg, norms)
+                parts += torch.stack(terms)
+                continue
             h_CBH = hidden_NBH[sl].detach().requires_grad_(needs_grad)
             with torch.enable_grad():
-                kl_ids, kl_logp = _target_topk(blocks, cfg, ids_TK, logp_TK, sl)
-                sums = _chunk_sums(
-                    h_CBH,
-                    lm_head_VH,
-                    blocks.labels_NB[sl],
-                    blocks.label_valid_NB[sl],
-                    blocks.weights_NB[sl],
-                    kl_ids,
-                    kl_logp,
-                    cfg.cap_lambda > 0,
-                )
+                sums = _chunk_sums(h_CBH, lm_head_VH, targets, cfg.cap_lambda > 0)
                 terms = _combine(sums, ce_norm, cap_norm, cfg)
             if needs_grad:
                 grad_NBH[sl] = torch.autograd.grad(terms[0], h_CBH)[0]
@@ -162,6 +161,15 @@ class _ChunkedBlockLoss(torch.autograd.Function):
     def backward(ctx, grad_total, grad_parts):
         (grad_NBH,) = ctx.saved_tensors
         return (grad_NBH * grad_total.to(grad_NBH.dtype), None, None, None, None, None)
+
+
+def _fused_chunk(h_CBH, lm_head_VH, targets: ChunkTargets, cfg: LossConfig, norms):
+    """(the chunk's (total, ce, kl, cap) terms, d total / d h_CBH) by fused_loss's derivative."""
+    C, B, H = h_CBH.shape
+    logits_XV = h_CBH.detach().reshape(C * B, H) @ lm_head_VH.T
+    chunk_fn = compiled_loss_and_logit_grad() if logits_XV.is_cuda else loss_and_logit_grad
+    *sums, grad_XV = chunk_fn(logits_XV, targets, *norms, kl_lambda=cfg.kl_lambda, cap_lambda=cfg.cap_lambda)
+    return _combine(sums, *norms, cfg), (grad_XV @ lm_head_VH).view(C, B, H)
 
 
 def _frozen_lm_head(head) -> torch.Tensor:
@@ -201,17 +209,7 @@ def block_loss_unchunked(
     """Same loss in one pass with plain autograd (all logits at once): the reference for tests."""
     fdt = _float_dtype(hidden_NBH.dtype)
     ce_norm, cap_norm = _normalisers(blocks, fdt)
-    sl = slice(0, blocks.num_blocks)
-    kl_ids, kl_logp = _target_topk(blocks, cfg, target_topk_ids_TK, target_topk_logprobs_TK, sl)
-    sums = _chunk_sums(
-        hidden_NBH,
-        _frozen_lm_head(lm_head),
-        blocks.labels_NB,
-        blocks.label_valid_NB,
-        blocks.weights_NB,
-        kl_ids,
-        kl_logp,
-        cfg.cap_lambda > 0,
-    )
+    targets = _chunk_targets(blocks, cfg, target_topk_ids_TK, target_topk_logprobs_TK, slice(0, blocks.num_blocks))
+    sums = _chunk_sums(hidden_NBH, _frozen_lm_head(lm_head), targets, cfg.cap_lambda > 0)
     total, ce, kl, cap = _combine(sums, ce_norm, cap_norm, cfg)
     return LossParts(total, ce.detach(), kl.detach(), cap.detach())

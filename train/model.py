@@ -33,6 +33,7 @@ import torch.utils.checkpoint
 
 from .attention import BlockAttentionLayout, block_attention, full_attention, window_attention
 from .drafter_config import DrafterConfig
+from .precision import use_working_copy
 
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -44,8 +45,42 @@ class ContextKV(NamedTuple):
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k (k_norm, RoPE at the context positions), v
 
 
+class Linear(nn.Linear):
+    """nn.Linear without bias that computes with a working copy of its weight when training set one.
+
+    weight_copy: the fp32 master weight rounded to the compute dtype (precision.WorkingWeights, refreshed
+    once per step); its gradient reaches the master through use_working_copy. None = the weight itself
+    (the default, and every model outside the training step)."""
+
+    weight_copy: torch.Tensor | None = None
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_copy is None:
+            return F.linear(x, self.weight)
+        return F.linear(x, use_working_copy(self.weight, self.weight_copy))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3 RMSNorm: w * (x / rms(x)), statistics in float32, the result in x's dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    # Cast after the weight: fp32 master weights must not turn bf16 activations into fp32 ones.
+    return (weight * x32).to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+# The pointwise regions (norm, SwiGLU, RoPE) are called through these class attributes;
+# train/pointwise.py sets compiled twins on the modules of the training model only.
 class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: w * (x / rms(x)), statistics in float32, weight initialised to ones."""
+    """Qwen3 RMSNorm (rms_norm), weight initialised to ones."""
+
+    norm_fn = staticmethod(rms_norm)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -53,10 +88,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Cast after the weight: fp32 master weights must not turn bf16 activations into fp32 ones.
-        return (self.weight * x32).to(x.dtype)
+        return self.norm_fn(x, self.weight, self.eps)
 
 
 def rope_cos_sin(
@@ -77,6 +109,8 @@ def apply_rope(x_SHD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) 
 
 
 class DFlashAttention(nn.Module):
+    rope_fn = staticmethod(apply_rope)
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -84,10 +118,10 @@ class DFlashAttention(nn.Module):
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim)
+        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim)
+        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
@@ -97,7 +131,7 @@ class DFlashAttention(nn.Module):
         """KV injection: this layer's (k, v) [T, M, D] of the fused context; they depend on the batch and the
         weights only, never on the blocks (a walk computes them once per shard: DFlashDrafter.context)."""
         T, D = ctx_TH.shape[0], self.head_dim
-        k_ctx_TMD = apply_rope(self.k_norm(self.k_proj(ctx_TH).view(T, self.num_kv_heads, D)), *rope_ctx)
+        k_ctx_TMD = self.rope_fn(self.k_norm(self.k_proj(ctx_TH).view(T, self.num_kv_heads, D)), *rope_ctx)
         v_ctx_TMD = self.v_proj(ctx_TH).view(T, self.num_kv_heads, D)
         return k_ctx_TMD, v_ctx_TMD
 
@@ -108,10 +142,10 @@ class DFlashAttention(nn.Module):
         rope_blk: tuple[torch.Tensor, torch.Tensor],
         attend: AttendFn,
     ) -> torch.Tensor:
-        Q, D = x_QH.shape[0], self.head_dim
+        Q, D, rope = x_QH.shape[0], self.head_dim, self.rope_fn
         k_ctx_TMD, v_ctx_TMD = ctx_kv
-        q_QAD = apply_rope(self.q_norm(self.q_proj(x_QH).view(Q, self.num_heads, D)), *rope_blk)
-        k_blk_QMD = apply_rope(self.k_norm(self.k_proj(x_QH).view(Q, self.num_kv_heads, D)), *rope_blk)
+        q_QAD = rope(self.q_norm(self.q_proj(x_QH).view(Q, self.num_heads, D)), *rope_blk)
+        k_blk_QMD = rope(self.k_norm(self.k_proj(x_QH).view(Q, self.num_kv_heads, D)), *rope_blk)
         v_blk_QMD = self.v_proj(x_QH).view(Q, self.num_kv_heads, D)
         # Under autocast with fp32 norm weights q/k come out fp32 while v is bf16; flex needs one dtype.
         dtype = v_ctx_TMD.dtype
@@ -122,14 +156,16 @@ class DFlashAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    act_fn = staticmethod(swiglu)
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -157,7 +193,7 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
-        self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.fc = Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

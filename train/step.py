@@ -8,8 +8,10 @@ step number; on CUDA each of its two values is its own captured graph (sharing o
 
 Precision: fp32 master parameters and optimizer state, activations in bf16 under autocast (the
 cast weights are not cached across graph replays: autocast's cache is off), loss and metrics in
-fp32. The learning rate lives in a device tensor that the scheduler rewrites inside the step, so a
-replayed graph always uses the current value.
+fp32. With working weights (precision.WorkingWeights) the linear weights are rounded to bf16 once,
+at the top of the step (= after the previous step's optimizer update, and after a resume or the
+capture's state restore), instead of at each use. The learning rate lives in a device tensor that
+the scheduler rewrites inside the step, so a replayed graph always uses the current value.
 
 Legend: T token budget, K taps, H hidden, NB blocks, B block size.
 """
@@ -31,7 +33,7 @@ from .losses import LossConfig, block_loss
 from .metrics import StepTotals
 from .metrics_math import block_metrics
 from .model import DFlashDrafter, TargetHead
-from .precision import compute_autocast
+from .precision import WorkingWeights, compute_autocast
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,7 @@ class StepState:
     generator: torch.Generator | None  # None on CUDA = the default CUDA generator (graph-safe)
     checkpoint_layers: bool = False  # recompute each drafter layer in backward (activation checkpointing)
     params: list[nn.Parameter] = field(default_factory=list)
+    working_weights: WorkingWeights | None = None  # compute-dtype copies of the linear weights; None = cast per use
 
     def autocast(self):
         return compute_autocast(self.batch.device, self.autocast_dtype)
@@ -102,6 +105,8 @@ class StepState:
 
 def train_step(s: StepState, *, with_metrics: bool) -> None:
     b, drafter = s.batch, s.model.config
+    if s.working_weights is not None:
+        s.working_weights.refresh()  # this step's weights, rounded once
     blocks = sample_blocks(
         input_ids_T=b.input_ids_T,
         position_ids_T=b.position_ids_T,

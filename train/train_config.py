@@ -99,6 +99,17 @@ class TrainConfig:
     checkpoint_layers: bool = False
     """Recompute each drafter layer in backward (activation checkpointing): same loss and gradients,
     less activation memory for about one more forward; what makes denser anchors fit at 27B width."""
+    weight_copies: bool = True
+    """Keep compute-dtype working copies of the drafter's linear weights, refreshed once per step inside
+    the step, instead of autocast casting each fp32 master weight at every use (forward and recompute);
+    the same step bit for bit, ~2 bytes per parameter more memory. Only with --compute-dtype bfloat16."""
+    fused_loss: bool = True
+    """Loss chunks take a hand-written gradient (train/fused_loss.py): one reduction and one pointwise
+    pass over the bf16 logits (two compiled kernels on CUDA) instead of float32 log-softmax under
+    autograd; the same loss and gradients to float32 rounding."""
+    compile_pointwise: bool | None = None
+    """torch.compile the drafter's pointwise regions (RMSNorm, SwiGLU, RoPE) for the fixed shapes, captured
+    with the step (train/pointwise.py). Default: on with CUDA, off on CPU."""
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     """Block attention backend: flex (CUDA), sdpa (dense mask; CPU, tests); auto = flex on CUDA, sdpa on
     CPU."""
@@ -285,15 +296,26 @@ class TrainConfig:
             "skip_bad_shards",
             "cuda_graphs",
             "checkpoint_layers",
+            "weight_copies",
+            "fused_loss",
+            "compile_pointwise",
         ):
             d.pop(name)
         d["betas"] = list(d["betas"])
         return d
 
+    def pointwise_compiled(self, device_type: str) -> bool:
+        """Whether --compile-pointwise applies on this device type (unset: on with CUDA)."""
+        return bool(self.compile_pointwise) or (self.compile_pointwise is None and device_type == "cuda")
+
     def loss_config(self) -> LossConfig:
         """The loss settings of this run (LossConfig owns them from here on)."""
         return LossConfig(
-            gamma=self.gamma, kl_lambda=self.kl_lambda, cap_lambda=self.cap_lambda, chunk_blocks=self.loss_chunk_blocks
+            gamma=self.gamma,
+            kl_lambda=self.kl_lambda,
+            cap_lambda=self.cap_lambda,
+            chunk_blocks=self.loss_chunk_blocks,
+            fused=self.fused_loss,
         )
 
     def config_hash(self) -> str:
