@@ -33,8 +33,8 @@ Usage: python -m tools.bench_train --out bench_train.json [--sizes 27b,4b] [--st
        python -m tools.bench_train --sizes 27b --modes graphs --seq-lens 4096,32768 \
            --layer-types full,full,full,full,full --layer-types sliding,sliding,sliding,sliding,full
        python -m tools.bench_train --sizes 27b --modes graphs --steps 3 --profile
-       python -m tools.bench_train --sizes 27b --modes graphs --steps 3 --profile \
-           --no-weight-copies --no-fused-loss --no-compile-pointwise      (the step before the cuts)
+       python -m tools.bench_train --sizes 27b --modes graphs --steps 3 --profile --compare-plain
+           (the step without the elementwise cuts, then with them; or give --no-weight-copies etc.)
        python -m tools.bench_train --sizes 27b --modes graphs --steps 3 --num-blocks 4096 --checkpoint-layers
 """
 
@@ -98,6 +98,8 @@ STEP_FIELDS = (
     "fused_loss",
     "compile_pointwise",
 )
+# The elementwise cuts (train/precision.py, fused_loss.py, pointwise.py) and how the table names them.
+CUTS = {"weight_copies": "copies", "fused_loss": "loss", "compile_pointwise": "compile"}
 
 
 @dataclass(frozen=True)
@@ -322,7 +324,8 @@ def bench_one(
         "setup_s": setup_s,
         "mean_loss": loss,
         "params": count_parameters(dcfg),
-        "step_options": {k: v for k, v in options.step_options.items()},
+        "step_options": dict(options.step_options),
+        "device": device.type,
     }
     if options.profile_steps:
         result["profile"] = profile_kernels(partial(runner.run, with_metrics=False), options.profile_steps, device)
@@ -354,7 +357,16 @@ def bench_size(
             except torch.cuda.OutOfMemoryError:
                 gc.collect()
                 torch.cuda.empty_cache()
-                results.append({"size": size.name, "mode": mode, "num_blocks": num_blocks, "error": "out of memory"})
+                results.append(
+                    {
+                        "size": size.name,
+                        "mode": mode,
+                        "num_blocks": num_blocks,
+                        "step_options": dict(options.step_options),
+                        "device": device.type,
+                        "error": "out of memory",
+                    }
+                )
                 smaller = (num_blocks // 2) // 8 * 8
                 log.warning("%s %s: out of memory at %d blocks; retrying with %d", size.name, mode, num_blocks, smaller)
                 if smaller < 8:
@@ -370,15 +382,28 @@ def _layout_name(r: dict) -> str:
     return "".join("s" if t == "sliding_attention" else "f" for t in types) + f"/{r['sliding_window']}"
 
 
+def _step_name(r: dict) -> str:
+    """The step variant of a result: its elementwise cuts and activation checkpointing, e.g. 'copies+loss+ckpt'."""
+    opts = r.get("step_options") or {}
+    cuda = r.get("device", "cuda") == "cuda"
+    names = [
+        short
+        for name, short in CUTS.items()
+        if opts.get(name) or (name == "compile_pointwise" and opts.get(name) is None and cuda)
+    ]
+    names += ["ckpt"] if opts.get("checkpoint_layers") else []
+    return "+".join(names) or "plain"
+
+
 def _row(r: dict) -> str:
     if "error" in r:
-        return f"{r['size']:<5} {r['mode']:<7} {r['num_blocks']:>6}  {r['error']}"
+        return f"{r['size']:<5} {r['mode']:<7} {_step_name(r):<22} {r['num_blocks']:>6}  {r['error']}"
     tiles = r.get("kv_tiles_per_q_tile") or {}
     tile_text = "/".join(f"{tiles[k]:.0f}" for k in ("full", "sliding") if k in tiles)
     mfu = f"{100 * r['mfu']:>6.1f}%" if r["mfu"] is not None else f"{'-':>7}"
     mem = f"{r['peak_mem_gib']:>7.1f}" if r["peak_mem_gib"] is not None else f"{'-':>7}"
     return (
-        f"{r['size']:<5} {r['mode']:<7} {_layout_name(r):<12} {r['seq_len']:>7} {r['num_blocks']:>6} "
+        f"{r['size']:<5} {r['mode']:<7} {_step_name(r):<22} {_layout_name(r):<12} {r['seq_len']:>7} {r['num_blocks']:>6} "
         f"{r['query_tokens_per_s']:>12,.0f} {r['context_tokens_per_s']:>10,.0f} {r['step_ms']:>9.1f} "
         f"{1e3 * r['ms_per_query_token']:>8.2f} {r['tflops']:>8.1f} {mfu} {mem} {r['mean_keys_per_query']:>8.0f} "
         f"{tile_text:>9}"
@@ -415,6 +440,12 @@ def _row(r: dict) -> str:
     type=int,
     help="Draft blocks per batch (query tokens = blocks x 16); default: the size's own (27b: 2048).",
 )
+@click.option(
+    "--compare-plain",
+    is_flag=True,
+    help="Run every configuration twice: first with the elementwise cuts off (the step before them), then "
+    "with the step flags as given.",
+)
 @click.option("--profile", is_flag=True, help="Profile --profile-steps more steps: kernel time by category.")
 @click.option("--profile-steps", default=3, show_default=True, help="Steps under torch.profiler with --profile.")
 @click.option(
@@ -434,6 +465,7 @@ def main(
     sliding_window: int,
     seq_lens: str | None,
     num_blocks: int | None,
+    compare_plain: bool,
     profile: bool,
     profile_steps: int,
     device_name: str,
@@ -474,28 +506,31 @@ def main(
                 if types is not None and len(types) != base.layers:
                     raise click.BadParameter(f"--layer-types {','.join(types)}: {base.name} has {base.layers} layers")
                 size = dataclasses.replace(base, seq_len=length)
-                options = RunOptions(
-                    steps=steps,
-                    profile_steps=profile_steps if profile else 0,
-                    layer_types=types,
-                    sliding_window=sliding_window,
-                    num_blocks=num_blocks,
-                    step_options=step_options,
-                )
-                results += bench_size(size, mode_list, options, device, peak)
+                plain = {**step_options, **{name: False for name in CUTS}}
+                for chosen in [plain, step_options] if compare_plain else [step_options]:
+                    options = RunOptions(
+                        steps=steps,
+                        profile_steps=profile_steps if profile else 0,
+                        layer_types=types,
+                        sliding_window=sliding_window,
+                        num_blocks=num_blocks,
+                        step_options=chosen,
+                    )
+                    results += bench_size(size, mode_list, options, device, peak)
     header = (
-        f"{'size':<5} {'mode':<7} {'layout':<12} {'seq len':>7} {'blocks':>6} {'query tok/s':>12} "
+        f"{'size':<5} {'mode':<7} {'step':<22} {'layout':<12} {'seq len':>7} {'blocks':>6} {'query tok/s':>12} "
         f"{'ctx tok/s':>10} {'step ms':>9} {'us/q tok':>8} {'TFLOP/s':>8} {'MFU':>7} {'mem GiB':>7} {'keys/q':>8} "
         f"{'kv tiles':>9}"
     )
-    click.echo(f"step options: {step_options}")
     click.echo(header)
     click.echo("-" * len(header))
     for r in results:
         click.echo(_row(r))
     for r in results:
         if "profile" in r:
-            click.echo(f"\n{r['size']} {r['mode']} {r['num_blocks']} blocks:\n{format_profile(r['profile'])}")
+            click.echo(
+                f"\n{r['size']} {r['mode']} {_step_name(r)} {r['num_blocks']} blocks:\n{format_profile(r['profile'])}"
+            )
     with open(out_path, "w") as f:
         json.dump(
             {
