@@ -98,11 +98,13 @@ def test_summarise_kernels_against_hand_sums():
 
 def test_profile_runs_end_to_end_on_a_tiny_cpu_shape(tmp_path):
     out = tmp_path / "bench.json"
-    args = ["--device", "cpu", "--sizes", "tiny", "--modes", "eager", "--steps", "1", "--profile"]
+    args = ["--device", "cpu", "--sizes", "tiny", "--modes", "eager", "--steps", "1", "--profile", "--compare-plain"]
     result = CliRunner().invoke(main, [*args, "--profile-steps", "1", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "copy/cast kernels per step" in result.output
-    (r,) = json.loads(out.read_text())["results"]
+    plain, r = json.loads(out.read_text())["results"]
+    assert not any(plain["step_options"][name] for name in ("weight_copies", "fused_loss", "compile_pointwise"))
+    assert r["step_options"]["fused_loss"] and r["step_options"]["weight_copies"]
     profile = r["profile"]
     assert profile["steps"] == 1 and profile["kernel_ms_per_step"] > 0
     assert sum(c["percent"] for c in profile["categories"].values()) == pytest.approx(100.0)
