@@ -212,4 +212,4 @@ def test_elementwise_cuts_match_the_plain_step_at_27b_width(lambdas, checkpoint_
     assert abs(loss_plain.item() - loss_cut.item()) < 1e-2, f"loss plain {loss_plain.item()} vs cut {loss_cut.item()}"
     errors = {name: rel_err(grads_cut[name], want) for name, want in grads_plain.items()}
     worst = max(errors, key=errors.get)
-    assert errors[worst] < 3e-2, f"{worst}: relative grad error {errors[worst]} (all: {errors})"
+    assert errors[worst] < 5e-2, f"{worst}: relative grad error {errors[worst]} (all: {errors})"
