@@ -107,9 +107,19 @@ def test_training_raises_held_out_acceptance(tmp_path):
     make_learnable(cache)
     untrained = run_training(tiny_config(cache, tmp_path / "r0", max_steps=1, lr=1e-9, eval_shards=1)).eval
     trained = run_training(
-        tiny_config(cache, tmp_path / "r1", epochs=60, lr=1e-2, eval_shards=1, log_every=50, metrics_every=50)
+        tiny_config(
+            cache,
+            tmp_path / "r1",
+            epochs=60,
+            lr=1e-2,
+            eval_shards=1,
+            log_every=50,
+            metrics_every=50,
+            eval_tree_budgets=[16],
+        )
     ).eval
     assert trained.batch_ids == untrained.batch_ids == [5]
+    assert untrained.tree_walks == {} and list(trained.tree_walks) == [16]  # trees only when asked
     gain = trained.acceptance_length - untrained.acceptance_length
     assert gain >= 0.6, (
         f"acceptance length {untrained.acceptance_length:.3f} -> {trained.acceptance_length:.3f}; "

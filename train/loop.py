@@ -575,6 +575,7 @@ class Trainer:
             device=self.device,  # eval's own anchors: the same as `eval`'s
             attention=self.state.layout.backend,
             chunk_blocks=self.state.loss.chunk_blocks,
+            budgets=cfg.eval_tree_budgets,  # default none: trees cost a walk each, dflash-train eval has them
             gamma=self.state.loss.gamma,
             rank=self.dist.rank,
             world_size=self.dist.world_size,

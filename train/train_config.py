@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -125,6 +125,10 @@ class TrainConfig:
     """Evaluate on the held-out shards every N steps; 0 = at the end of every epoch (with --eval-shards > 0; also before training and at the end)."""
     eval_max_shards: int = 8
     """Evaluate on at most this many held-out shards each time."""
+    eval_tree_budgets: list[int] = field(default_factory=list)
+    """DDTree node budgets the in-training evaluation also walks, e.g. 16,32,64 (each costs about one
+    more chain walk per shard). Default: none, the chain walk only (dflash-train eval walks 16,32,64
+    by default)."""
     tensorboard: bool = False
     """Also write TensorBoard scalars to OUT/tb (needs the tensorboard package)."""
     device: str = "auto"
@@ -182,6 +186,9 @@ class TrainConfig:
             "eval_max_shards",
         )
         _nonnegative_ints(self, "checkpoint_every", "eval_shards", "eval_every", "seed")
+        self.eval_tree_budgets = [int(b) for b in self.eval_tree_budgets or ()]  # the CLI passes None for []
+        if any(b < 1 for b in self.eval_tree_budgets):
+            raise config_error(self, "eval_tree_budgets", "must be positive node counts")
         if self.max_steps != -1 and self.max_steps < 1:
             raise config_error(self, "max_steps", "must be >= 1, or -1 for no limit")
         if not self.lr > 0:
@@ -288,6 +295,7 @@ class TrainConfig:
             "num_buffers",
             "eval_every",
             "eval_max_shards",
+            "eval_tree_budgets",
             "verify_checksums",
             "device",
             "cache",
