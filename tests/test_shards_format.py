@@ -291,7 +291,7 @@ def test_packing_and_dataset_are_typed_records_with_the_same_json_keys(tmp_path)
         num_skipped=1,
         num_empty=2,
     )
-    dataset = dict(path="d.jsonl", fingerprint="abc", num_samples=9, num_tokens=900)
+    dataset = dict(path="d.jsonl", fingerprint="abc", num_samples=9, num_tokens=900, prepared=None)
     raw = json.loads(
         CacheConfig(
             target=TargetInfo(name="t", config_hash="h", hidden_size=8, num_layers=4, vocab_size=16, dtype="bfloat16"),
@@ -306,5 +306,7 @@ def test_packing_and_dataset_are_typed_records_with_the_same_json_keys(tmp_path)
     again = json.loads(cfg.to_json())
     assert (again["packing"], again["dataset"]) == (packing, dataset)
     assert CacheConfig.from_json(json.dumps({**raw, "packing": {}})).planned_batches is None
+    older = {k: v for k, v in dataset.items() if k != "prepared"}  # caches written before `prepared` existed
+    assert CacheConfig.from_json(json.dumps({**raw, "packing": packing, "dataset": older})).dataset == cfg.dataset
     with pytest.raises(CacheFormatError, match=r"packing has fields .*expected"):
         CacheConfig.from_json(json.dumps({**raw, "packing": {**packing, "extra": 1}}))
