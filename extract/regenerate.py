@@ -32,6 +32,7 @@ from typing import Any, get_args
 from urllib.parse import urlsplit
 
 from shards.cli_options import cli_field, config_error
+from shards.progress import is_interactive
 
 from .conversations import FINISH_REASON, Conversation, iter_conversations
 from .prepare import Thinking
@@ -293,6 +294,35 @@ class _Client:
         return {**Conversation(conv.sample_id, new, conv.tools).to_row(), **conv.extra}
 
 
+class _ProgressLines:
+    """Plain progress lines (at most one per `interval_s`, and the last) for output that is not a terminal."""
+
+    def __init__(self, total: int, start: float, interval_s: float = 10.0):
+        self.total, self.start, self.interval_s = total, start, interval_s
+        self.done = 0
+        self.last_line = start
+
+    def done_one(self, summary: RegenerateSummary) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self.last_line < self.interval_s and self.done < self.total:
+            return
+        self.last_line = now
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.done / elapsed
+        eta_s = (self.total - self.done) / rate
+        logger.info(
+            "regenerate: %d/%d conversations | %.2f conv/s | %s gen tok/s | %d failed | ETA %dm%02ds",
+            self.done,
+            self.total,
+            rate,
+            f"{summary.generated_tokens / elapsed:,.0f}",
+            len(summary.failures),
+            eta_s // 60,
+            eta_s % 60,
+        )
+
+
 async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: RegenerateSummary, out: Path) -> None:
     from tqdm.auto import tqdm
 
@@ -303,9 +333,16 @@ async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: Regener
     results: dict[int, dict | None] = {}
     cond = asyncio.Condition()
     start = time.monotonic()
+    # A redrawn bar on a terminal; in a log file a bar's carriage returns pile up, so plain lines there.
     bar = tqdm(
-        total=len(todo), unit="conv", dynamic_ncols=True, disable=not cfg.progress, file=sys.stderr, desc="regenerate"
+        total=len(todo),
+        unit="conv",
+        dynamic_ncols=True,
+        disable=not (cfg.progress and is_interactive()),
+        file=sys.stderr,
+        desc="regenerate",
     )
+    lines = _ProgressLines(len(todo), start) if cfg.progress and bar.disable else None
     with open(out, "a", encoding="utf-8") as f:
 
         def flush_in_order() -> None:
@@ -341,6 +378,8 @@ async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: Regener
                     refresh=False,
                 )
                 bar.update(1)
+                if lines is not None:
+                    lines.done_one(summary)
 
         try:
             await asyncio.gather(*(worker() for _ in range(min(cfg.concurrency, max(len(todo), 1)))))

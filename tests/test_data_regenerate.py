@@ -357,3 +357,18 @@ def test_extract_takes_conversations_as_prepare_then_extract(target, tmp_path):
     )
     assert result.exit_code != 0 and f"--thinking on: --data {prepared} holds token rows" in result.output
     assert "Traceback" not in result.output
+
+
+def test_progress_in_a_log_file_is_plain_lines(chat_model, tmp_path, caplog):
+    """Redirected output (not a terminal) gets plain progress lines with rates and ETA, never a bar's carriage
+    returns; the last line counts every conversation."""
+    data = _conversations(tmp_path / "chats.jsonl", 4, multi_turn=False)
+    out = tmp_path / "regen.jsonl"
+    args = [a for a in _regenerate_args("URL", data, out) if a != "--no-progress"]
+    with serving(chat_model) as url, caplog.at_level("INFO", logger="extract.regenerate"):
+        result = CliRunner().invoke(data_cli, [url if a == "URL" else a for a in args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "\r" not in result.output
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("regenerate: ")]
+    assert lines and lines[-1].startswith("regenerate: 4/4 conversations | "), lines
+    assert " conv/s | " in lines[-1] and " gen tok/s | 0 failed | ETA 0m00s" in lines[-1]
