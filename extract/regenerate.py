@@ -24,7 +24,6 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any, get_args
 from urllib.parse import urlsplit
 
 from shards.cli_options import cli_field, config_error
-from shards.progress import is_interactive
+from shards.progress import ProgressLog, format_duration
 
 from .conversations import FINISH_REASON, Conversation, iter_conversations
 from .prepare import Thinking
@@ -76,7 +75,7 @@ class RegenerateConfig:
     api_key: str = "EMPTY"
     """Bearer token, for servers started with an API key (vLLM and SGLang ignore it otherwise)."""
     progress: bool = True
-    """Progress bar with conversations/s, generated tokens/s and ETA."""
+    """Progress with conversations/s, generated tokens/s and ETA: a bar on a terminal, plain lines in a log."""
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "concurrency", "request_timeout_s"):
@@ -294,55 +293,15 @@ class _Client:
         return {**Conversation(conv.sample_id, new, conv.tools).to_row(), **conv.extra}
 
 
-class _ProgressLines:
-    """Plain progress lines (at most one per `interval_s`, and the last) for output that is not a terminal."""
-
-    def __init__(self, total: int, start: float, interval_s: float = 10.0):
-        self.total, self.start, self.interval_s = total, start, interval_s
-        self.done = 0
-        self.last_line = start
-
-    def done_one(self, summary: RegenerateSummary) -> None:
-        self.done += 1
-        now = time.monotonic()
-        if now - self.last_line < self.interval_s and self.done < self.total:
-            return
-        self.last_line = now
-        elapsed = max(now - self.start, 1e-9)
-        rate = self.done / elapsed
-        eta_s = (self.total - self.done) / rate
-        logger.info(
-            "regenerate: %d/%d conversations | %.2f conv/s | %s gen tok/s | %d failed | ETA %dm%02ds",
-            self.done,
-            self.total,
-            rate,
-            f"{summary.generated_tokens / elapsed:,.0f}",
-            len(summary.failures),
-            eta_s // 60,
-            eta_s % 60,
-        )
-
-
 async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: RegenerateSummary, out: Path) -> None:
-    from tqdm.auto import tqdm
-
     client = _Client(cfg, summary)
     await client.check_server()
     window = 4 * cfg.concurrency  # finished conversations wait at most this far ahead of the next to write
-    state = {"next_index": 0, "written": 0}
+    state = {"next_index": 0, "written": 0, "done": 0}
     results: dict[int, dict | None] = {}
     cond = asyncio.Condition()
-    start = time.monotonic()
-    # A redrawn bar on a terminal; in a log file a bar's carriage returns pile up, so plain lines there.
-    bar = tqdm(
-        total=len(todo),
-        unit="conv",
-        dynamic_ncols=True,
-        disable=not (cfg.progress and is_interactive()),
-        file=sys.stderr,
-        desc="regenerate",
-    )
-    lines = _ProgressLines(len(todo), start) if cfg.progress and bar.disable else None
+    # A bar on a terminal, plain lines (at most one per 10 s, and the last) in a log file.
+    progress = ProgressLog(logger, None, len(todo), desc="regenerate", unit="conv") if cfg.progress else None
     with open(out, "a", encoding="utf-8") as f:
 
         def flush_in_order() -> None:
@@ -372,19 +331,27 @@ async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: Regener
                     results[i] = row
                     flush_in_order()
                     cond.notify_all()
-                elapsed = time.monotonic() - start
-                bar.set_postfix_str(
-                    f"{summary.generated_tokens / elapsed:,.0f} gen tok/s, {len(summary.failures)} failed",
-                    refresh=False,
-                )
-                bar.update(1)
-                if lines is not None:
-                    lines.done_one(summary)
+                state["done"] += 1
+                if progress is not None:
+                    done, elapsed = state["done"], max(progress.elapsed(), 1e-9)
+                    tokens_s, failed = (
+                        f"{summary.generated_tokens / elapsed:,.0f} gen tok/s",
+                        f"{len(summary.failures)} failed",
+                    )
+                    progress.report(
+                        {},
+                        f"regenerate: {done}/{len(todo)} conversations | {done / elapsed:.2f} conv/s | {tokens_s} | "
+                        f"{failed} | ETA {format_duration(progress.eta(done))}",
+                        force=done == len(todo),
+                        done_units=done,
+                        postfix=f"{tokens_s}, {failed}",
+                    )
 
         try:
             await asyncio.gather(*(worker() for _ in range(min(cfg.concurrency, max(len(todo), 1)))))
         finally:
-            bar.close()
+            if progress is not None:
+                progress.close()
             f.flush()
             os.fsync(f.fileno())
             await client.api.close()

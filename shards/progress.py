@@ -74,6 +74,7 @@ class ProgressLog:
         *,
         bar: bool | None = None,
         desc: str = "",
+        unit: str = "batch",
     ):
         self.logger = logger
         self.total_units = total_units
@@ -94,7 +95,7 @@ class ProgressLog:
             self._bar = tqdm(
                 total=total_units,
                 desc=desc or None,
-                unit="batch",
+                unit=unit,
                 leave=True,
                 dynamic_ncols=sized,
                 ncols=None if sized else 100,
