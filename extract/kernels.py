@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from extract import fp8_kernels
 from extract.gated_delta import chunk_gated_delta_rule_torch
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class KernelChoice:
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)  # op -> why this backend
     attention_expand_kv: bool = False  # varlen flash without GQA support: repeat kv heads first
     compile_pointwise: bool = False  # fuse norms, gates, RoPE and silu-mul with torch.compile
+    fp8_feed_kernels: bool = False  # --compute fp8: the ops feeding FP8 matmuls as Triton kernels
     _fns: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -91,6 +93,9 @@ class KernelChoice:
             ),
             f"kernel pointwise: {'torch.compile' if self.compile_pointwise else 'eager'} "
             f"({self.reasons.get('pointwise', '')})",
+            f"kernel fp8 feeds (--compute fp8): "
+            f"{'triton, norm/silu-mul and per-token e4m3 quantisation in one read' if self.fp8_feed_kernels else 'the pointwise functions'} "
+            f"({self.reasons.get('fp8_feeds', '')})",
         ]
 
     # ---- per-batch preparation ---------------------------------------------------------
@@ -228,11 +233,14 @@ def select_kernels(
     conv: str | None = None,
     attention: str | None = None,
     compile_pointwise: bool | None = None,
+    fp8_feed_kernels: bool | None = None,
 ) -> KernelChoice:
     """Pick a backend per op (or use the forced ones), log one line per op, refuse slow CUDA paths.
 
     compile_pointwise: fuse the pointwise ops (norms, gates, RoPE, silu-mul) with torch.compile;
     None = on CUDA only (compiling costs start-up time and buys nothing on the CPU test path).
+    fp8_feed_kernels: the Triton kernels of extract/fp8_kernels.py for the ops feeding FP8 matmuls;
+    None = on CUDA when triton imports (on CPU they run only under Triton's interpreter, for tests).
     """
     device = torch.device(device)
     fns: dict[str, Callable[..., Any]] = {}
@@ -247,6 +255,15 @@ def select_kernels(
         reasons["pointwise"] = "default on CUDA: one fused kernel per norm/gate" if on_cuda else "default off the GPU"
     else:
         reasons["pointwise"] = "set by caller"
+    if fp8_feed_kernels is None:
+        fp8_feed_kernels = on_cuda and fp8_kernels.available()
+        reasons["fp8_feeds"] = (
+            "default on CUDA with triton"
+            if fp8_feed_kernels
+            else ("triton is not installed" if on_cuda else "default off the GPU")
+        )
+    else:
+        reasons["fp8_feeds"] = "set by caller"
     choice = KernelChoice(
         gated_delta_backend=gdn,
         conv_backend=cv,
@@ -254,6 +271,7 @@ def select_kernels(
         reasons=reasons,
         attention_expand_kv=expand,
         compile_pointwise=compile_pointwise,
+        fp8_feed_kernels=fp8_feed_kernels,
         _fns=fns,
     )
     for line in choice.log_lines():

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from extract import fp8_kernels
 from extract.kernels import KernelChoice, VarlenBatch, select_kernels
 from extract.quantization import FP8_DTYPE, quantize_rows_fp8
 from extract.target_config import TargetConfig
@@ -210,7 +211,8 @@ def fp8_matmul(x: Fp8Input, w8_NK: torch.Tensor, scale_1N: torch.Tensor) -> torc
 class ForwardOptions:
     """Switches for the forward's memory-traffic cuts. All on by default; off runs the earlier code
     path, so that tools/bench_extract.py can time each in one run (TargetModel.set_forward_options).
-    On or off, the results agree: exactly in eager mode, to rounding under torch.compile."""
+    On or off, the results agree: exactly in eager mode, to rounding under torch.compile and the
+    Triton feed kernels (same roundings, another summation order)."""
 
     # The MLP's residual add runs inside the next layer's input norm (and its FP8 quantisation): one
     # pass less over the [T, H] residual per layer; the sum is materialised only at taps and the end.
@@ -221,6 +223,10 @@ class ForwardOptions:
     # FP8 compute: each LINEAR_GROUPS entry (linear layers reading one input) is one matmul over the
     # concatenated weights; its outputs are column slices (views). GatedDeltaNet's dense a|b too.
     concat_linears: bool = True
+    # FP8 compute: the pointwise ops feeding FP8 matmuls (norms, gated norm, silu-mul, each with its
+    # quantisation) run as the Triton kernels of extract/fp8_kernels.py, one read of each row, where
+    # the kernel choice has them (CUDA with triton); off: the torch.compile'd functions.
+    feed_kernels: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -269,12 +275,41 @@ def concatenate_group(module: nn.Module, group: str) -> None:
             layer.weight = nn.Parameter(w_NK[r], requires_grad=False)
 
 
+# The FP8_VARIANTS functions as fp8_kernels computes them (same arguments, same outputs).
+FEED_KERNELS = {
+    "zero_centred_rmsnorm_fp8": lambda x, w, eps: fp8_kernels.add_rmsnorm_quant(x, None, w, eps),
+    "zero_centred_rmsnorm_fp8_dense": lambda x, w, eps: fp8_kernels.add_rmsnorm_quant(x, None, w, eps, keep_dense=True),
+    "add_zero_centred_rmsnorm_fp8": lambda h, d, w, eps: fp8_kernels.add_rmsnorm_quant(h, d, w, eps),
+    "add_zero_centred_rmsnorm_fp8_dense": lambda h, d, w, eps: fp8_kernels.add_rmsnorm_quant(
+        h, d, w, eps, keep_dense=True
+    ),
+    "gated_rmsnorm_fp8": fp8_kernels.gated_rmsnorm_quant,
+    "silu_mul_fp8": fp8_kernels.silu_mul_quant,
+}
+
+
+def compile_for_tokens(fn):
+    """torch.compile(fn) with the token dimension (dim 0 of every tensor argument of 2+ dims)
+    dynamic from the first call: batches differ in length, and a first graph specialised on one
+    length would be compiled again, dynamic, on the second."""
+    compiled = torch.compile(fn, fullgraph=True)
+
+    def run(*args):
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.ndim >= 2:
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
+        return compiled(*args)
+
+    return run
+
+
 class Pointwise:
     """The pointwise functions above, eager or each wrapped in torch.compile (one fused kernel or
     two per call instead of up to ten eager passes over [T, H]-sized fp32 temporaries).
 
     With fp8 on, `feed` runs the FP8_VARIANTS function of an op, which also quantises its output per
-    token (and keeps the dense output too when keep_dense)."""
+    token (and keeps the dense output too when keep_dense): as a FEED_KERNELS Triton kernel when
+    `feed_kernels` (the kernel choice has them) and options.feed_kernels, else the function."""
 
     NAMES = (
         "zero_centred_rmsnorm",
@@ -286,19 +321,31 @@ class Pointwise:
         "silu_mul",
     )
 
-    def __init__(self, compiled: bool):
+    def __init__(self, compiled: bool, feed_kernels: bool = False, options: ForwardOptions | None = None):
         self.compiled = compiled
         self.fp8 = False  # set by TargetModel.use_fp8_compute
-        wrap = (lambda fn: torch.compile(fn, fullgraph=True)) if compiled else (lambda fn: fn)
+        self.options = ForwardOptions() if options is None else options  # shared with the model
+        self.feed_kernels = dict(FEED_KERNELS) if feed_kernels else {}  # a shape a kernel refuses drops it
+        wrap = compile_for_tokens if compiled else (lambda fn: fn)
         for name in self.NAMES + FP8_VARIANTS:
             setattr(self, name, wrap(globals()[name]))
+
+    def _fp8_variant(self, variant: str, args):
+        kernel = self.feed_kernels.get(variant) if self.options.feed_kernels else None
+        if kernel is not None:
+            try:
+                return kernel(*args)
+            except fp8_kernels.UnsupportedShape as e:
+                logger.info("kernel fp8 feeds: %s falls back to the torch function (%s)", variant, e)
+                del self.feed_kernels[variant]
+        return getattr(self, variant)(*args)
 
     def feed(self, name: str, *args, keep_dense: bool = False):
         """Run pointwise op `name` whose (last) output feeds linear layers: that output as a tensor,
         or under FP8 compute as an Fp8Input (other outputs, like the residual, unchanged)."""
         if not self.fp8:
             return getattr(self, name)(*args)
-        out = getattr(self, f"{name}_fp8_dense" if keep_dense else f"{name}_fp8")(*args)
+        out = self._fp8_variant(f"{name}_fp8_dense" if keep_dense else f"{name}_fp8", args)
         if keep_dense:
             *rest, dense, x8, scale = out
         else:
@@ -487,9 +534,9 @@ class TargetModel(nn.Module):
         self.with_head = with_head
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.pw = Pointwise(compiled=kernels.compile_pointwise)
         # One instance shared by every layer: set_forward_options changes it in place.
         self.options = ForwardOptions() if options is None else dataclasses.replace(options)
+        self.pw = Pointwise(kernels.compile_pointwise, kernels.fp8_feed_kernels, self.options)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, kernels, self.pw, self.options) for i in range(last + 1))
         if with_head:
             self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

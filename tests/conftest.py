@@ -1,9 +1,17 @@
 """Shared test setup: one rule for GPU tests (marked `gpu`, skipped where CUDA is absent), one torch
 thread, and the module-scoped extraction fixtures of the fault tests (each module gets its own)."""
 
+import os
+
 import pytest
 import torch
-from extract_helpers import dataset_file, extract_reference, tiny_target_dir
+
+if not torch.cuda.is_available():
+    # The Triton kernels (extract/fp8_kernels.py) run on CPU tensors under Triton's interpreter; it
+    # must be chosen before the kernels are defined, i.e. before anything imports extract.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from extract_helpers import dataset_file, extract_reference, tiny_target_dir  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,278 @@
+"""Triton kernels for the pointwise ops that feed FP8 matmuls (--compute fp8): each reads its inputs
+once, does the op in fp32 with the same bf16 roundings as the plain functions in extract/model.py,
+and writes the e4m3 output with its per-token scale (rowwise, or per `group` channels).
+
+Why hand-written: torch.compile turns "op, then the row's amax, then divide" into a looped reduction
+that reads the row twice and ran at ~2 TB/s on the H200 (silu-mul over F = 17408 took 3.7 ms per
+layer, 9% of the FP8 forward; tools/bench_fp8_feeds.py measures each against it). Here a program
+owns one token: rows up to 8192 channels are one register tile (one read); wider rows (the MLP's F)
+are walked in chunks, the second walk finding the row in L2.
+
+Kernels (T tokens, X channels, G scale groups per token):
+  add_rmsnorm_quant    [h + delta ->] h, zero-centred RMSNorm, (dense copy), e4m3 + scale
+  gated_rmsnorm_quant  per-head RMSNorm of o, * w, * silu(z), flattened, e4m3 + scale
+  silu_mul_quant       silu(gate) * up, e4m3 + scale
+They run on CUDA tensors; on CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1, the
+CPU tests), whose float casts truncate: there the roundings to bf16 and e4m3 are done on the fp32
+bits first (to nearest even, as the hardware), so the interpreter checks the same numbers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from extract.quantization import MIN_AMAX
+from shards.format import FP8_E4M3_MAX as FP8_MAX
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without triton: the compiled or eager functions are used instead
+    triton = None
+
+TILE_CHANNELS = 8192  # rows up to this width are one register tile (one read of the inputs)
+CHUNK_CHANNELS = 2048  # wider rows are walked in chunks of this many channels
+
+
+class UnsupportedShape(ValueError):
+    """The kernel does not cover these inputs (layout, dtype or width): use the torch function."""
+
+
+def available() -> bool:
+    """Triton is importable (the kernels can run on CUDA tensors, or on CPU under its interpreter)."""
+    return triton is not None
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+if triton is not None:
+    _FP8_MAX = tl.constexpr(FP8_MAX)
+    _MIN_AMAX = tl.constexpr(MIN_AMAX)
+
+    @triton.jit
+    def _round_bits(x, drop: tl.constexpr):
+        """x rounded to nearest even after dropping `drop` low mantissa bits of its fp32 pattern."""
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) & ~((1 << drop) - 1)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _to_bf16(x, EXACT_CASTS: tl.constexpr):
+        """x rounded to the nearest bf16, kept in fp32 (all the math here is fp32)."""
+        if EXACT_CASTS:
+            return x.to(tl.bfloat16).to(tl.float32)
+        return _round_bits(x, 16)
+
+    @triton.jit
+    def _to_e4m3(x, EXACT_CASTS: tl.constexpr):
+        """x in [-448, 448] to float8_e4m3fn, rounding to nearest even."""
+        if EXACT_CASTS:
+            return x.to(tl.float8e4nv)
+        # Normal e4m3 keeps 3 mantissa bits; below 2^-6 (subnormal) the step is 2^-9, and adding and
+        # removing 1.5 * 2^14 rounds an fp32 to that step (to nearest even).
+        small = tl.abs(x) < 0.015625
+        rounded = tl.where(small, (x + 24576.0) - 24576.0, _round_bits(x, 20))
+        return rounded.to(tl.float8e4nv)
+
+    @triton.jit
+    def _silu(x):
+        return x / (1.0 + tl.exp(-x))
+
+    @triton.jit
+    def _store_quantised(y, offs, mask, group_ids, x8_row, scale_row, GROUPED: tl.constexpr, EXACT_CASTS: tl.constexpr):
+        """Write y (fp32, already rounded to bf16 values) as e4m3 with its scale: one per row, or per
+        group (`group_ids` gives each element's group; a [P, C] tile holds whole groups per row)."""
+        y_abs = tl.where(mask, tl.abs(y), 0.0)
+        if GROUPED:
+            amax = tl.maximum(tl.max(y_abs, axis=1), _MIN_AMAX)  # [P]: the tile's rows are the groups
+            scale = amax / _FP8_MAX
+            q = tl.minimum(tl.maximum(y / scale[:, None], -_FP8_MAX), _FP8_MAX)
+            tl.store(scale_row + group_ids, scale, mask=tl.max(mask.to(tl.int32), axis=1) > 0)
+        else:
+            amax = tl.maximum(tl.max(tl.max(y_abs, axis=1), axis=0), _MIN_AMAX)
+            scale = amax / _FP8_MAX
+            q = tl.minimum(tl.maximum(y / scale, -_FP8_MAX), _FP8_MAX)
+            tl.store(scale_row, scale)
+        tl.store(x8_row + offs, _to_e4m3(q, EXACT_CASTS), mask=mask)
+
+    @triton.jit
+    def _add_rmsnorm_quant_kernel(
+        h_ptr, delta_ptr, w_ptr, h_out_ptr, dense_ptr, x8_ptr, scale_ptr,
+        stride_h, stride_delta, G, eps, X: tl.constexpr,
+        HAS_DELTA: tl.constexpr, KEEP_DENSE: tl.constexpr, GROUPED: tl.constexpr,
+        P: tl.constexpr, C: tl.constexpr, EXACT_CASTS: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        p = tl.arange(0, P)[:, None]
+        c = tl.arange(0, C)[None, :]
+        offs = p * C + c  # the row as a [P, C] tile; with groups, C is the group width
+        mask = offs < X
+        h = tl.load(h_ptr + t * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DELTA:  # the residual add rounds to bf16, as h + delta in bf16 does
+            h = _to_bf16(
+                h + tl.load(delta_ptr + t * stride_delta + offs, mask=mask, other=0.0).to(tl.float32), EXACT_CASTS
+            )
+            tl.store(h_out_ptr + t * X + offs, h.to(tl.bfloat16), mask=mask)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(tl.sum(h * h, axis=1), axis=0) / X + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = _to_bf16(h * inv_rms * (1.0 + w), EXACT_CASTS)
+        if KEEP_DENSE:
+            tl.store(dense_ptr + t * X + offs, y.to(tl.bfloat16), mask=mask)
+        _store_quantised(y, offs, mask, tl.arange(0, P), x8_ptr + t * X, scale_ptr + t * G, GROUPED, EXACT_CASTS)
+
+    @triton.jit
+    def _gated_rmsnorm_quant_kernel(
+        o_ptr, z_ptr, w_ptr, x8_ptr, scale_ptr,
+        stride_o, stride_z, G, eps, M: tl.constexpr,
+        GROUPED: tl.constexpr, P: tl.constexpr, D: tl.constexpr, EXACT_CASTS: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        m = tl.arange(0, P)[:, None]
+        d = tl.arange(0, D)[None, :]
+        offs = m * D + d  # the row as [heads, head dim]; with groups, the group is the head
+        mask = (m < M) & (d < D)
+        o = tl.load(o_ptr + t * stride_o + offs, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + t * stride_z + offs, mask=mask, other=0.0).to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / D + eps)  # [P]: one per head
+        normed = _to_bf16(o * inv_rms[:, None], EXACT_CASTS)
+        w = tl.load(w_ptr + d).to(tl.float32)
+        y = _to_bf16(w * normed, EXACT_CASTS)
+        y = _to_bf16(y * _silu(z), EXACT_CASTS)
+        _store_quantised(y, offs, mask, tl.arange(0, P), x8_ptr + t * M * D, scale_ptr + t * G, GROUPED, EXACT_CASTS)
+
+    @triton.jit
+    def _silu_mul_chunk(gate_row, up_row, offs, mask, EXACT_CASTS: tl.constexpr):
+        """silu(gate) * up as the bf16 ops round it: silu to bf16, then the product to bf16."""
+        g = tl.load(gate_row + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_row + offs, mask=mask, other=0.0).to(tl.float32)
+        s = _to_bf16(_silu(g), EXACT_CASTS)
+        return _to_bf16(s * u, EXACT_CASTS)
+
+    @triton.jit
+    def _silu_mul_quant_kernel(
+        gate_ptr, up_ptr, x8_ptr, scale_ptr,
+        stride_gate, stride_up, G, X: tl.constexpr,
+        GROUPED: tl.constexpr, P: tl.constexpr, C: tl.constexpr, EXACT_CASTS: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        gate_row, up_row = gate_ptr + t * stride_gate, up_ptr + t * stride_up
+        x8_row, scale_row = x8_ptr + t * X, scale_ptr + t * G
+        tile = tl.arange(0, P)[:, None] * C + tl.arange(0, C)[None, :]  # P groups of C (or one chunk)
+        if GROUPED:  # every chunk holds whole groups: one walk
+            for start in range(0, X, P * C):
+                offs = start + tile
+                mask = offs < X
+                y = _silu_mul_chunk(gate_row, up_row, offs, mask, EXACT_CASTS)
+                group_ids = start // C + tl.arange(0, P)
+                _store_quantised(y, offs, mask, group_ids, x8_row, scale_row, GROUPED, EXACT_CASTS)
+        else:  # the row's amax first, then the quantised row (the second walk reads L2)
+            amax = tl.zeros([P, C], dtype=tl.float32)
+            for start in range(0, X, P * C):
+                offs = start + tile
+                mask = offs < X
+                y = _silu_mul_chunk(gate_row, up_row, offs, mask, EXACT_CASTS)
+                amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
+            scale = tl.maximum(tl.max(tl.max(amax, axis=1), axis=0), _MIN_AMAX) / _FP8_MAX
+            tl.store(scale_row, scale)
+            for start in range(0, X, P * C):
+                offs = start + tile
+                mask = offs < X
+                y = _silu_mul_chunk(gate_row, up_row, offs, mask, EXACT_CASTS)
+                q = tl.minimum(tl.maximum(y / scale, -_FP8_MAX), _FP8_MAX)
+                tl.store(x8_row + offs, _to_e4m3(q, EXACT_CASTS), mask=mask)
+
+
+def _check_rows(name: str, *tensors: torch.Tensor) -> None:
+    for x in tensors:
+        if x.stride(-1) != 1:
+            raise UnsupportedShape(f"{name}: the channel dimension must be contiguous, found strides {x.stride()}")
+        if x.dtype != torch.bfloat16:
+            raise UnsupportedShape(f"{name}: the FP8 feed kernels take bfloat16 inputs, found {x.dtype}")
+
+
+def _tile(X: int, group: int) -> tuple[int, int]:
+    """(P, C): a [P, C] tile covering a row of X channels; C is the group width when grouped."""
+    C = group if group else min(128, triton.next_power_of_2(X))
+    return triton.next_power_of_2(triton.cdiv(X, C)), C
+
+
+def _outputs(T: int, X: int, group: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    G = triton.cdiv(X, group) if group else 1
+    return (
+        torch.empty(T, X, dtype=torch.float8_e4m3fn, device=device),
+        torch.empty(T, G, dtype=torch.float32, device=device),
+    )
+
+
+def add_rmsnorm_quant(
+    h_TX: torch.Tensor,
+    delta_TX: torch.Tensor | None,
+    w_X: torch.Tensor,
+    eps: float,
+    group: int = 0,
+    keep_dense: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """(h + delta if delta is given, normed dense if keep_dense, e4m3 [T, X], scale [T, G]) of
+    zero_centred_rmsnorm(h + delta, w) quantised per token (group 0) or per `group` channels."""
+    T, X = h_TX.shape
+    _check_rows("add_rmsnorm_quant", h_TX, *([] if delta_TX is None else [delta_TX]))
+    if group and (group & (group - 1) or X % group):
+        raise UnsupportedShape(f"add_rmsnorm_quant: group {group} must be a power of two dividing {X} channels")
+    P, C = _tile(X, group)
+    if P * C > TILE_CHANNELS:
+        raise UnsupportedShape(f"add_rmsnorm_quant: rows of {X} channels exceed one tile ({TILE_CHANNELS})")
+    x8_TX, scale_TG = _outputs(T, X, group, h_TX.device)
+    h_out = torch.empty_like(h_TX, memory_format=torch.contiguous_format) if delta_TX is not None else None
+    dense = torch.empty(T, X, dtype=torch.bfloat16, device=h_TX.device) if keep_dense else None
+    _add_rmsnorm_quant_kernel[(T,)](
+        h_TX, delta_TX if delta_TX is not None else h_TX, w_X, h_out if h_out is not None else h_TX,
+        dense if dense is not None else h_TX, x8_TX, scale_TG,
+        h_TX.stride(0), (delta_TX if delta_TX is not None else h_TX).stride(0), scale_TG.shape[1], eps, X=X,
+        HAS_DELTA=delta_TX is not None, KEEP_DENSE=keep_dense, GROUPED=bool(group), P=P, C=C,
+        EXACT_CASTS=not _interpreted(), num_warps=8,
+    )  # fmt: skip
+    return tuple(x for x in (h_out, dense, x8_TX, scale_TG) if x is not None)
+
+
+def gated_rmsnorm_quant(
+    o_TMD: torch.Tensor, z_TMD: torch.Tensor, w_D: torch.Tensor, eps: float, group: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [T, M*D], scale [T, G]) of gated_rmsnorm(o, z, w) flattened, per token or per group
+    (a group must be one head: group == D)."""
+    T, M, D = o_TMD.shape
+    _check_rows("gated_rmsnorm_quant", o_TMD, z_TMD)
+    if o_TMD.stride(1) != D or z_TMD.stride(1) != D:
+        raise UnsupportedShape("gated_rmsnorm_quant: heads must lie end to end within a token")
+    if D & (D - 1):
+        raise UnsupportedShape(f"gated_rmsnorm_quant: head dim {D} must be a power of two")
+    if group and group != D:
+        raise UnsupportedShape(f"gated_rmsnorm_quant: group {group} must equal the head dim {D}")
+    P = triton.next_power_of_2(M)
+    if P * D > TILE_CHANNELS:
+        raise UnsupportedShape(f"gated_rmsnorm_quant: {M} heads of {D} exceed one tile ({TILE_CHANNELS})")
+    x8_TX, scale_TG = _outputs(T, M * D, group, o_TMD.device)
+    _gated_rmsnorm_quant_kernel[(T,)](
+        o_TMD, z_TMD, w_D, x8_TX, scale_TG, o_TMD.stride(0), z_TMD.stride(0), scale_TG.shape[1], eps, M=M,
+        GROUPED=bool(group), P=P, D=D, EXACT_CASTS=not _interpreted(), num_warps=8,
+    )  # fmt: skip
+    return x8_TX, scale_TG
+
+
+def silu_mul_quant(gate_TX: torch.Tensor, up_TX: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [T, X], scale [T, G]) of silu(gate) * up, per token or per `group` channels."""
+    T, X = gate_TX.shape
+    _check_rows("silu_mul_quant", gate_TX, up_TX)
+    if group and (group & (group - 1) or X % group):
+        raise UnsupportedShape(f"silu_mul_quant: group {group} must be a power of two dividing {X} channels")
+    C = group if group else min(128, triton.next_power_of_2(X))
+    P = max(1, min(CHUNK_CHANNELS // C, triton.next_power_of_2(triton.cdiv(X, C))))
+    x8_TX, scale_TG = _outputs(T, X, group, gate_TX.device)
+    _silu_mul_quant_kernel[(T,)](
+        gate_TX, up_TX, x8_TX, scale_TG, gate_TX.stride(0), up_TX.stride(0), scale_TG.shape[1], X=X,
+        GROUPED=bool(group), P=P, C=C, EXACT_CASTS=not _interpreted(), num_warps=8,
+    )  # fmt: skip
+    return x8_TX, scale_TG

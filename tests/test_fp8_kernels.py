@@ -1,0 +1,207 @@
+"""The Triton kernels that feed FP8 matmuls (extract/fp8_kernels.py) against the torch functions they
+replace (extract/model.py's *_fp8 variants) and against float64 math. On CPU they run under Triton's
+interpreter (tests/conftest.py turns it on); the `gpu` tests run them compiled at 27B widths."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from extract import fp8_kernels as K
+from extract import model as M
+from extract.kernels import select_kernels
+from extract.model import ForwardOptions, TargetModel
+from extract.target_config import TargetConfig
+from shards.format import FP8_E4M3_MAX
+from tools.tiny_target import random_weights, tiny_config_dict
+
+EPS = 1e-6
+
+
+def spread(*shape, seed=0, device="cpu"):
+    """bf16 values over six decades (every e4m3 binade, subnormals included, after scaling)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * 10.0 ** (torch.rand(*shape, generator=g) * 6 - 3)
+    return x.to(torch.bfloat16).to(device)
+
+
+def rows_view(T, X, seed, device="cpu"):
+    """[T, X] as the second column slice of a [T, 2X] tensor (a concatenated matmul's output)."""
+    return spread(T, 2 * X, seed=seed, device=device)[:, X:]
+
+
+def assert_same_quantised(got, want):
+    """e4m3 codes equal but for rare one-step differences (another summation order), scales to fp32
+    rounding, dense outputs to one bf16 step."""
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        if g.dtype == torch.float8_e4m3fn:
+            diff = g.float() != w.float()
+            assert diff.float().mean().item() <= 1e-3
+            step = w.float().abs().clamp(min=2**-6) / 8  # one e4m3 step at that magnitude
+            assert ((g.float() - w.float()).abs() <= step * 1.01).all()
+        else:
+            torch.testing.assert_close(g.float(), w.float(), rtol=2**-7, atol=1e-30)
+
+
+def feed_cases(device="cpu", T=5, H=320, F_=300, heads=6, D=16):
+    h, d = spread(T, H, seed=1, device=device), spread(T, H, seed=2, device=device)
+    w = (0.1 * spread(H, seed=3)).to(device)
+    o = spread(T, heads, D, seed=4, device=device)
+    z = rows_view(T, heads * D, seed=5, device=device).view(T, heads, D)
+    wg = spread(D, seed=6).to(device)
+    gate, up = rows_view(T, F_, seed=7, device=device), rows_view(T, F_, seed=8, device=device)
+    return {
+        "zero_centred_rmsnorm_fp8": (h, w, EPS),
+        "zero_centred_rmsnorm_fp8_dense": (h, w, EPS),
+        "add_zero_centred_rmsnorm_fp8": (h, d, w, EPS),
+        "add_zero_centred_rmsnorm_fp8_dense": (h, d, w, EPS),
+        "gated_rmsnorm_fp8": (o, z, wg, EPS),
+        "silu_mul_fp8": (gate, up),
+    }
+
+
+@pytest.mark.parametrize("variant", sorted(M.FEED_KERNELS))
+def test_feed_kernel_equals_the_torch_function(variant):
+    args = feed_cases()[variant]
+    assert_same_quantised(M.FEED_KERNELS[variant](*args), getattr(M, variant)(*args))
+
+
+def test_silu_mul_over_several_chunks_and_a_partial_one():
+    # F = 17408 (the 27B MLP) is walked in chunks of CHUNK_CHANNELS: 8.5 chunks, the last one partial.
+    gate, up = rows_view(2, 17408, seed=9), rows_view(2, 17408, seed=10)
+    assert_same_quantised(K.silu_mul_quant(gate, up), M.silu_mul_fp8(gate, up))
+
+
+def float64_feed(variant, args):
+    """The op in float64 (no intermediate roundings): what the quantised output approximates."""
+    a = [x.double() if isinstance(x, torch.Tensor) else x for x in args]
+    if variant == "silu_mul_fp8":
+        return F.silu(a[0]) * a[1]
+    if variant == "gated_rmsnorm_fp8":
+        o, z, w, eps = a
+        y = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * w * F.silu(z)
+        return y.reshape(y.shape[0], -1)
+    h, w, eps = (a[0] + a[1], a[2], a[3]) if variant.startswith("add") else (a[0], a[1], a[2])
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (1 + w)
+
+
+@pytest.mark.parametrize("group", [0, 16])
+@pytest.mark.parametrize("variant", ["add_zero_centred_rmsnorm_fp8", "gated_rmsnorm_fp8", "silu_mul_fp8"])
+def test_quantised_output_against_float64(variant, group):
+    """x8 * scale is the float64 op to e4m3's half step plus the bf16 roundings on the way, each
+    scale maps its row's (or group's) amax onto 448."""
+    args = feed_cases(H=320, F_=320, D=16)[variant]
+    kernel = {
+        "add_zero_centred_rmsnorm_fp8": lambda h, d, w, eps: K.add_rmsnorm_quant(h, d, w, eps, group)[1:],
+        "gated_rmsnorm_fp8": lambda o, z, w, eps: K.gated_rmsnorm_quant(o, z, w, eps, group),
+        "silu_mul_fp8": lambda g, u: K.silu_mul_quant(g, u, group),
+    }[variant]
+    x8, scale = kernel(*args)
+    want = float64_feed(variant, args)
+    T, X = want.shape
+    G = X // group if group else 1
+    assert scale.shape == (T, G) and scale.dtype == torch.float32
+    want_g = want.view(T, G, -1)
+    amax = want_g.abs().amax(-1)
+    torch.testing.assert_close(scale.double(), amax / FP8_E4M3_MAX, rtol=2e-2, atol=0)
+    got_g = x8.double().view(T, G, -1) * scale.double()[..., None]
+    # e4m3 keeps 3 mantissa bits (half step 2^-4 relative); subnormals a fixed 2^-10 of the scale's 448.
+    bound = want_g.abs() * (2**-4 + 3 * 2**-8) + scale.double()[..., None] * 2**-10 + 1e-12
+    assert ((got_g - want_g).abs() <= bound).all()
+
+
+def test_an_all_zero_row_gets_the_floor_scale_and_zero_codes():
+    gate = torch.zeros(3, 256, dtype=torch.bfloat16)
+    x8, scale = K.silu_mul_quant(gate, spread(3, 256, seed=11))
+    assert (x8.float() == 0).all()
+    torch.testing.assert_close(scale, torch.full((3, 1), 1e-12 / FP8_E4M3_MAX))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: K.silu_mul_quant(spread(2, 96).float(), spread(2, 96).float()),  # not bf16
+        lambda: K.silu_mul_quant(spread(2, 96), spread(2, 96), group=64),  # group does not divide 96
+        lambda: K.gated_rmsnorm_quant(spread(2, 3, 12), spread(2, 3, 12), spread(12), EPS),  # head dim 12
+        lambda: K.add_rmsnorm_quant(spread(2, 9000), None, spread(9000), EPS),  # wider than one tile
+        lambda: K.add_rmsnorm_quant(spread(2, 64, 2)[..., 0], None, spread(64), EPS),  # strided channels
+    ],
+)
+def test_inputs_a_kernel_does_not_cover_are_refused_by_name(call):
+    with pytest.raises(K.UnsupportedShape):
+        call()
+
+
+def tiny_fp8_model(feed_kernels: bool, **cfg):
+    target = TargetConfig.from_hf_dict(tiny_config_dict(num_hidden_layers=4, **cfg))
+    state = random_weights(target, seed=0, dtype=torch.bfloat16)
+    kernels = select_kernels("cpu", gated_delta="torch", conv="torch", attention="sdpa", fp8_feed_kernels=feed_kernels)
+    return TargetModel.from_state_dict(target, state, kernels, dtype=torch.bfloat16, compute="fp8")
+
+
+def packed_batch(vocab, lengths=(7, 12, 5)):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (sum(lengths),), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    cu = torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()])
+    return ids, pos, cu
+
+
+def test_fp8_forward_with_the_kernels_equals_the_torch_functions():
+    """The tiny target under --compute fp8, every feed through the Triton kernels vs through the
+    torch functions (ForwardOptions.feed_kernels off): the same taps but for rounding."""
+    model = tiny_fp8_model(feed_kernels=True)
+    ids, pos, cu = packed_batch(model.config.vocab_size)
+    taps = [3]  # untapped layers 1-2 take the residual add inside their input norm
+    calls = {}
+    for name, fn in list(model.pw.feed_kernels.items()):
+        model.pw.feed_kernels[name] = lambda *a, _fn=fn, _n=name: calls.__setitem__(_n, 1) or _fn(*a)
+    with_kernels = model.forward_packed(ids, pos, cu, taps)
+    assert set(calls) == set(M.FEED_KERNELS) - {"zero_centred_rmsnorm_fp8"}  # layer 0 is GatedDeltaNet
+    model.set_forward_options(ForwardOptions(feed_kernels=False))
+    calls.clear()
+    without = model.forward_packed(ids, pos, cu, taps)
+    assert not calls
+    rel = (with_kernels.float() - without.float()).norm() / without.float().norm()
+    assert math.isfinite(rel.item()) and rel.item() < 2e-2, rel  # a rare e4m3 step, carried through 4 layers
+
+
+def test_a_head_dim_the_kernel_does_not_cover_falls_back_once(caplog):
+    model = tiny_fp8_model(feed_kernels=True)
+    ids, pos, cu = packed_batch(model.config.vocab_size)
+    model.pw.feed_kernels["gated_rmsnorm_fp8"] = lambda *a: K.gated_rmsnorm_quant(*a, group=8)  # refuses
+    with caplog.at_level("INFO", logger="extract.model"):
+        first = model.forward_packed(ids, pos, cu, [3])
+        second = model.forward_packed(ids, pos, cu, [3])
+    lines = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
+    assert len(lines) == 1 and "gated_rmsnorm_fp8" in lines[0] and "group 8" in lines[0]
+    assert "gated_rmsnorm_fp8" not in model.pw.feed_kernels
+    assert torch.equal(first, second)
+
+
+# ---- GPU: compiled kernels at the 27B widths -----------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", sorted(M.FEED_KERNELS))
+def test_feed_kernel_equals_the_torch_function_at_27b_width_on_cuda(variant):
+    args = feed_cases(device="cuda", T=512, H=5120, F_=17408, heads=48, D=128)[variant]
+    assert_same_quantised(M.FEED_KERNELS[variant](*args), getattr(M, variant)(*args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [0, 128])
+def test_grouped_quantisation_against_float64_on_cuda(group):
+    args = feed_cases(device="cuda", T=256, H=5120, F_=17408, heads=48, D=128)
+    for variant, kernel in (
+        ("add_zero_centred_rmsnorm_fp8", lambda h, d, w, eps: K.add_rmsnorm_quant(h, d, w, eps, group)[1:]),
+        ("gated_rmsnorm_fp8", lambda o, z, w, eps: K.gated_rmsnorm_quant(o, z, w, eps, group)),
+        ("silu_mul_fp8", lambda g, u: K.silu_mul_quant(g, u, group)),
+    ):
+        x8, scale = kernel(*args[variant])
+        want = float64_feed(variant, args[variant])
+        T, X = want.shape
+        G = X // group if group else 1
+        got = (x8.double().view(T, G, -1) * scale.double()[..., None]).view(T, X)
+        bound = want.abs() * (2**-4 + 3 * 2**-8) + scale.double().repeat_interleave(X // G, 1) * 2**-10
+        assert ((got - want).abs() <= bound).all(), variant
