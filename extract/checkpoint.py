@@ -12,8 +12,10 @@ they feed exp() and softplus() of the decay.
 
 Fine-grained FP8 checkpoints (extract/quantization.py) are dequantised while streaming: the e4m3
 tensor and its block scales go to the device, are multiplied there and cast to the compute dtype,
-so host memory and the host-to-device copy carry one byte per weight. Other quantizations are
-refused with their method's name.
+so host memory and the host-to-device copy carry one byte per weight. Under --compute fp8 the
+weights of the FP8 linear layers are kept as stored instead (`keep_fp8`): the e4m3 tensor and its
+fp32 block scales go to the device unchanged, for block-scaled FP8 matmuls (extract/fp8_linear.py).
+Other quantizations are refused with their method's name.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import defaultdict
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -202,8 +205,19 @@ def check_tensors(ckpt_dir: str | Path, expected: dict[str, tuple[int, ...]], ti
         )
 
 
-def load_weights_into(model: nn.Module, ckpt_dir: str | Path, device: torch.device, dtype: torch.dtype) -> None:
-    """Stream every parameter of `model` (built on meta, HF text-model names) from `ckpt_dir`."""
+def load_weights_into(
+    model: nn.Module,
+    ckpt_dir: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    keep_fp8: Collection[str] = (),
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Stream every parameter of `model` (built on meta, HF text-model names) from `ckpt_dir`.
+
+    keep_fp8: our names of weights to keep as stored where the checkpoint holds them in e4m3. Those
+    are returned, {name: (e4m3 [N, K], fp32 weight_scale_inv [n, k])} on `device`, bit for bit the
+    file's tensors, and left out of the model (their parameters stay on meta for the caller to
+    replace); every other tensor is loaded as always (FP8 ones dequantised to `dtype`)."""
     ckpt_dir = Path(ckpt_dir)
     quant = checkpoint_quantization(ckpt_dir)
     locations = tensor_locations(ckpt_dir)
@@ -217,6 +231,7 @@ def load_weights_into(model: nn.Module, ckpt_dir: str | Path, device: torch.devi
         by_file[locations[source]].append((local, source))
 
     loaded: dict[str, torch.Tensor] = {}
+    kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     read_cache: dict[str, torch.Tensor] = {}  # only tied embeddings are read twice
     dequantised = 0
     for path, pairs in by_file.items():
@@ -225,12 +240,18 @@ def load_weights_into(model: nn.Module, ckpt_dir: str | Path, device: torch.devi
                 if source in read_cache:
                     loaded[local] = read_cache[source]
                     continue
+                if local in keep_fp8 and f.get_slice(source).get_dtype() == "F8_E4M3":
+                    w8, scale_inv = read_fp8_pair(f, path, source, locations, quant)
+                    # the scales are fp32 in the releases (.float() is then no copy; exact for bf16 ones)
+                    kept[local] = (w8.to(device), scale_inv.to(device).float())
+                    continue
                 tensor, was_fp8 = read_tensor(f, path, source, locations, quant, device, storage_dtype(local, dtype))
                 dequantised += was_fp8
                 loaded[local] = tensor
                 if source.endswith("embed_tokens.weight") and tied:
                     read_cache[source] = tensor
-    model.load_state_dict(loaded, strict=True, assign=True)
+    result = model.load_state_dict(loaded, strict=False, assign=True)
+    assert not result.unexpected_keys and sorted(result.missing_keys) == sorted(kept), result
     model.requires_grad_(False)
     skipped = sum(1 for n in locations if n.startswith(IGNORED_PREFIXES))
     logger.info(
@@ -244,12 +265,14 @@ def load_weights_into(model: nn.Module, ckpt_dir: str | Path, device: torch.devi
     )
     if quant is not None:
         logger.info(
-            "kernel weights: %s checkpoint; %d tensors dequantised to %s while streaming, %d stored unquantised",
+            "kernel weights: %s checkpoint; %d tensors dequantised to %s while streaming, %d stored unquantised%s",
             quant.describe(),
             dequantised,
             dtype,
             len(loaded) - dequantised,
+            f", {len(kept)} linear weights kept as stored (e4m3 with their block scales)" if kept else "",
         )
+    return kept
 
 
 def read_tensor(
@@ -265,6 +288,15 @@ def read_tensor(
     block scales (`name`_scale_inv, from whichever file holds it) on the device first."""
     if f.get_slice(source).get_dtype() != "F8_E4M3":
         return f.get_tensor(source).to(device=device, dtype=dtype), False
+    w8, scale_inv = read_fp8_pair(f, path, source, locations, quant)
+    return dequantize_fp8_blocks(w8.to(device), scale_inv.to(device), quant, dtype), True
+
+
+def read_fp8_pair(
+    f, path: Path, source: str, locations: dict[str, Path], quant: Fp8BlockFormat | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [N, K], weight_scale_inv [n, k]) of the FP8 tensor `source` as stored, on the host (the
+    scales from whichever file holds them), after checking the pair against config.json's format."""
     if quant is None:
         raise ValueError(
             f"{path}: {source} is stored as float8_e4m3fn but config.json has no quantization_config; "
@@ -287,7 +319,7 @@ def read_tensor(
             f"{locations[scale]}: {scale} has shape {tuple(scale_inv.shape)}, expected {want} for "
             f"{source} {tuple(w8.shape)} in {quant.describe()}"
         )
-    return dequantize_fp8_blocks(w8.to(device), scale_inv.to(device), quant, dtype), True
+    return w8, scale_inv
 
 
 def load_target_head(ckpt_dir: str | Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

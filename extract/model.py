@@ -39,8 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from extract import fp8_kernels
+from extract.fp8_linear import Fp8Input, convert_linears, fp8_kernel_report, fp8_weight_names, grouped_linears, linear
 from extract.kernels import KernelChoice, VarlenBatch, select_kernels
-from extract.quantization import FP8_DTYPE, quantize_rows_fp8
+from extract.quantization import Fp8BlockFormat, quantize_activations_fp8
 from extract.target_config import TargetConfig
 
 logger = logging.getLogger(__name__)
@@ -101,28 +102,7 @@ def silu_mul(gate_TF: torch.Tensor, up_TF: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_TF) * up_TF
 
 
-# ---- FP8 compute (--compute fp8) --------------------------------------------------------------
-# Linear layers that run on e4m3 matmuls; the GatedDeltaNet a/b projections (48 rows feeding the
-# decay and beta, 0.6% of the layer's FLOPs) and the LM head stay dense.
-FP8_LINEARS = (
-    "in_proj_qkv",
-    "in_proj_z",
-    "out_proj",
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
-# Hopper's FP8 tensor cores accumulate in a reduced-precision (~22-bit) accumulator; without fast
-# accumulation CUTLASS copies the partial sums to fp32 registers every 128 elements of K, which costs
-# the rowwise kernel its fast ping-pong schedule (pytorch/ao#1325, pytorch/pytorch#147971). The dropped
-# low bits are an error of ~1e-3 relative per product, small beside the ~3% of the e4m3 operands
-# themselves; inference FP8 GEMMs (FBGEMM's f8f8bf16_rowwise, torchao's inference linear) default to it.
-# CPU _scaled_mm ignores the flag (it accumulates in fp32).
-FP8_FAST_ACCUM = True
+# ---- FP8 compute (--compute fp8; the linear layers: extract/fp8_linear.py) ----------------------
 # Under FP8 compute these ops also quantise the output that feeds linear layers (the `_fp8` functions
 # below; `_fp8_dense` also returns the dense output).
 FP8_VARIANTS = (
@@ -136,75 +116,40 @@ FP8_VARIANTS = (
 )
 
 
-@dataclasses.dataclass
-class Fp8Input:
-    """The input of a group of linear layers under FP8 compute: e4m3 rows with their scales, plus
-    the dense tensor when a dense layer (in_proj_a/b) reads the same input."""
-
-    x8_TX: torch.Tensor  # [T, X] float8_e4m3fn
-    scale_T1: torch.Tensor  # [T, 1] fp32: x ~= x8 * scale
-    dense: torch.Tensor | None = None  # [T, ...] in the model dtype, or None when no dense layer reads it
+# The FP8 variants of the ops whose output feeds linear layers: the op, then the quantisation of that
+# output (flattened to [T, X]) per token (group 0) or per token per `group` channels (block mode);
+# compiled together, the quantisation adds no pass over memory. One function (one code object) each:
+# dynamo counts recompiles per code object, and a shared wrapper would exceed its limit under fullgraph=True.
+def zero_centred_rmsnorm_fp8(x, w, eps: float, group: int):
+    return quantize_activations_fp8(zero_centred_rmsnorm(x, w, eps), group)
 
 
-# The FP8 variants of the ops whose output feeds linear layers: the op, then per-token quantisation
-# of that output (flattened to [T, X]); compiled together, the quantisation adds no pass over memory.
-# One function (one code object) each: dynamo counts recompiles per code object, and a shared
-# wrapper would exceed its limit under fullgraph=True.
-def zero_centred_rmsnorm_fp8(x, w, eps: float):
-    return quantize_rows_fp8(zero_centred_rmsnorm(x, w, eps))
-
-
-def zero_centred_rmsnorm_fp8_dense(x, w, eps: float):
+def zero_centred_rmsnorm_fp8_dense(x, w, eps: float, group: int):
     y = zero_centred_rmsnorm(x, w, eps)
-    return (y, *quantize_rows_fp8(y))
+    return (y, *quantize_activations_fp8(y, group))
 
 
-def add_zero_centred_rmsnorm_fp8(h, delta, w, eps: float):
+def add_zero_centred_rmsnorm_fp8(h, delta, w, eps: float, group: int):
     h, y = add_zero_centred_rmsnorm(h, delta, w, eps)
-    return (h, *quantize_rows_fp8(y))
+    return (h, *quantize_activations_fp8(y, group))
 
 
-def add_zero_centred_rmsnorm_fp8_dense(h, delta, w, eps: float):
+def add_zero_centred_rmsnorm_fp8_dense(h, delta, w, eps: float, group: int):
     h, y = add_zero_centred_rmsnorm(h, delta, w, eps)
-    return (h, y, *quantize_rows_fp8(y))
+    return (h, y, *quantize_activations_fp8(y, group))
 
 
-def gated_rmsnorm_fp8(o_TMD, z_TMD, w, eps: float):
+def gated_rmsnorm_fp8(o_TMD, z_TMD, w, eps: float, group: int):
     y_TMD = gated_rmsnorm(o_TMD, z_TMD, w, eps)
-    return quantize_rows_fp8(y_TMD.reshape(y_TMD.shape[0], -1))
+    return quantize_activations_fp8(y_TMD.reshape(y_TMD.shape[0], -1), group)
 
 
-def sigmoid_gate_fp8(o_TND, gate_TND):
-    return quantize_rows_fp8(sigmoid_gate(o_TND, gate_TND))
+def sigmoid_gate_fp8(o_TND, gate_TND, group: int):
+    return quantize_activations_fp8(sigmoid_gate(o_TND, gate_TND), group)
 
 
-def silu_mul_fp8(gate_TF, up_TF):
-    return quantize_rows_fp8(silu_mul(gate_TF, up_TF))
-
-
-def linear(layer: nn.Linear, x: torch.Tensor | Fp8Input) -> torch.Tensor:
-    """layer(x): an FP8 matmul (torch._scaled_mm, rowwise scales, bf16 out) when the layer holds
-    FP8 weights, else the dense matmul (of x.dense under FP8 compute)."""
-    w8_NK = getattr(layer, "weight_fp8", None)
-    if w8_NK is None:
-        return layer(x.dense if isinstance(x, Fp8Input) else x)
-    if not isinstance(x, Fp8Input):
-        raise TypeError("an FP8 linear layer needs an Fp8Input (quantised by the preceding pointwise op)")
-    return fp8_matmul(x, w8_NK, layer.weight_scale_1N)
-
-
-def fp8_matmul(x: Fp8Input, w8_NK: torch.Tensor, scale_1N: torch.Tensor) -> torch.Tensor:
-    """x @ w.T in bf16 from e4m3 operands with rowwise scales (x per token, w per output row)."""
-    # mat2 is the [K, N] column-major view of the row-major [N, K] weight, as _scaled_mm requires:
-    # no copy, also for a row slice of a concatenated weight.
-    return torch._scaled_mm(
-        x.x8_TX,
-        w8_NK.t(),
-        scale_a=x.scale_T1,
-        scale_b=scale_1N,
-        out_dtype=torch.bfloat16,
-        use_fast_accum=FP8_FAST_ACCUM,
-    )
+def silu_mul_fp8(gate_TF, up_TF, group: int):
+    return quantize_activations_fp8(silu_mul(gate_TF, up_TF), group)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -235,53 +180,17 @@ class ForwardOptions:
                 raise ValueError(f"ForwardOptions.{field.name} must be True or False, found {value!r}")
 
 
-def grouped_linears(module: nn.Module, group: str, x: torch.Tensor | Fp8Input, options: ForwardOptions):
-    """The outputs of the linear layers `module.LINEAR_GROUPS[group]` (all reading x), in order: column
-    slices of one matmul when use_fp8_compute concatenated the group and options.concat_linears, else
-    one matmul per layer (each layer's weight is then a row slice of the concatenation)."""
-    layers = [getattr(module, name) for name in module.LINEAR_GROUPS[group]]
-    w_NK = getattr(module, f"{group}_weight", None)
-    if w_NK is None or not options.concat_linears:
-        return [linear(layer, x) for layer in layers]
-    if w_NK.dtype == FP8_DTYPE:
-        y_TN = fp8_matmul(x, w_NK, getattr(module, f"{group}_scale_1N"))
-    else:  # a dense group under FP8 compute reads the dense copy of the input
-        y_TN = F.linear(x.dense if isinstance(x, Fp8Input) else x, w_NK)
-    return list(torch.split(y_TN, [layer.out_features for layer in layers], dim=-1))
-
-
-def concatenate_group(module: nn.Module, group: str) -> None:
-    """Build `{group}_weight` (and `{group}_scale_1N` for FP8) from the group's layers, then make each
-    layer's weight a row slice (a view) of it: one copy of the weights, both paths still run."""
-    layers = [getattr(module, name) for name in module.LINEAR_GROUPS[group]]
-    fp8 = [getattr(layer, "weight_fp8", None) is not None for layer in layers]
-    if any(fp8) and not all(fp8):
-        raise ValueError(f"{type(module).__name__} group {group}: {module.LINEAR_GROUPS[group]} mix FP8 and dense")
-    bounds = [0]
-    for layer in layers:
-        bounds.append(bounds[-1] + layer.out_features)
-    rows = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-    if all(fp8):
-        w8_NK = torch.cat([layer.weight_fp8 for layer in layers])
-        scale_1N = torch.cat([layer.weight_scale_1N for layer in layers], dim=1)
-        module.register_buffer(f"{group}_weight", w8_NK, persistent=False)
-        module.register_buffer(f"{group}_scale_1N", scale_1N, persistent=False)
-        for layer, r in zip(layers, rows):
-            layer.weight_fp8, layer.weight_scale_1N = w8_NK[r], scale_1N[:, r]
-    else:
-        w_NK = torch.cat([layer.weight for layer in layers])
-        module.register_buffer(f"{group}_weight", w_NK, persistent=False)
-        for layer, r in zip(layers, rows):
-            layer.weight = nn.Parameter(w_NK[r], requires_grad=False)
-
-
 # The FP8_VARIANTS functions as fp8_kernels computes them (same arguments, same outputs).
 FEED_KERNELS = {
-    "zero_centred_rmsnorm_fp8": lambda x, w, eps: fp8_kernels.add_rmsnorm_quant(x, None, w, eps),
-    "zero_centred_rmsnorm_fp8_dense": lambda x, w, eps: fp8_kernels.add_rmsnorm_quant(x, None, w, eps, keep_dense=True),
-    "add_zero_centred_rmsnorm_fp8": lambda h, d, w, eps: fp8_kernels.add_rmsnorm_quant(h, d, w, eps),
-    "add_zero_centred_rmsnorm_fp8_dense": lambda h, d, w, eps: fp8_kernels.add_rmsnorm_quant(
-        h, d, w, eps, keep_dense=True
+    "zero_centred_rmsnorm_fp8": lambda x, w, eps, group: fp8_kernels.add_rmsnorm_quant(x, None, w, eps, group=group),
+    "zero_centred_rmsnorm_fp8_dense": lambda x, w, eps, group: fp8_kernels.add_rmsnorm_quant(
+        x, None, w, eps, keep_dense=True, group=group
+    ),
+    "add_zero_centred_rmsnorm_fp8": lambda h, d, w, eps, group: fp8_kernels.add_rmsnorm_quant(
+        h, d, w, eps, group=group
+    ),
+    "add_zero_centred_rmsnorm_fp8_dense": lambda h, d, w, eps, group: fp8_kernels.add_rmsnorm_quant(
+        h, d, w, eps, keep_dense=True, group=group
     ),
     "gated_rmsnorm_fp8": fp8_kernels.gated_rmsnorm_quant,
     "silu_mul_fp8": fp8_kernels.silu_mul_quant,
@@ -308,8 +217,9 @@ class Pointwise:
     two per call instead of up to ten eager passes over [T, H]-sized fp32 temporaries).
 
     With fp8 on, `feed` runs the FP8_VARIANTS function of an op, which also quantises its output per
-    token (and keeps the dense output too when keep_dense): as a FEED_KERNELS Triton kernel when
-    `feed_kernels` (the kernel choice has them) and options.feed_kernels, else the function."""
+    token, or per token per `fp8_group` channels in block mode (and keeps the dense output too when
+    keep_dense): as a FEED_KERNELS Triton kernel when `feed_kernels` (the kernel choice has them) and
+    options.feed_kernels, else the function."""
 
     NAMES = (
         "zero_centred_rmsnorm",
@@ -324,6 +234,9 @@ class Pointwise:
     def __init__(self, compiled: bool, feed_kernels: bool = False, options: ForwardOptions | None = None):
         self.compiled = compiled
         self.fp8 = False  # set by TargetModel.use_fp8_compute
+        # Channels per activation scale under FP8 compute: 0 = one per token (rowwise mode), else the
+        # weights' block_k (block mode); set by TargetModel.use_fp8_compute.
+        self.fp8_group = 0
         self.options = ForwardOptions() if options is None else options  # shared with the model
         self.feed_kernels = dict(FEED_KERNELS) if feed_kernels else {}  # a shape a kernel refuses drops it
         wrap = compile_for_tokens if compiled else (lambda fn: fn)
@@ -345,7 +258,7 @@ class Pointwise:
         or under FP8 compute as an Fp8Input (other outputs, like the residual, unchanged)."""
         if not self.fp8:
             return getattr(self, name)(*args)
-        out = self._fp8_variant(f"{name}_fp8_dense" if keep_dense else f"{name}_fp8", args)
+        out = self._fp8_variant(f"{name}_fp8_dense" if keep_dense else f"{name}_fp8", (*args, self.fp8_group))
         if keep_dense:
             *rest, dense, x8, scale = out
         else:
@@ -559,9 +472,12 @@ class TargetModel(nn.Module):
         kernels: None selects them for `device` (raising on CUDA when a fast kernel is missing).
         last_layer: the deepest layer to build (usually max(tap_layer_ids)); None = all.
         with_head: also load the final norm and LM head (needed by `topk_next_tokens`).
-        compute: "dense", or "fp8" (use_fp8_compute after loading).
+        compute: "dense", or "fp8" (use_fp8_compute after loading). On an FP8 checkpoint, fp8 keeps
+            the FP8_LINEARS weights as stored (e4m3 and block scales, not dequantised) and runs them
+            block-scaled; dense dequantises every weight while streaming.
         """
         from extract.checkpoint import load_weights_into
+        from extract.quantization import checkpoint_quantization
 
         cfg = TargetConfig.from_dir(path)
         device = torch.device(device)
@@ -569,8 +485,10 @@ class TargetModel(nn.Module):
             kernels = select_kernels(device)
         with torch.device("meta"):
             model = cls(cfg, kernels, last_layer=last_layer, with_head=with_head)
-        load_weights_into(model, path, device=device, dtype=dtype)
-        return model.set_compute(compute).eval()
+        block = checkpoint_quantization(path) if compute == "fp8" else None
+        keep = fp8_weight_names(model) if block is not None else ()
+        stored = load_weights_into(model, path, device=device, dtype=dtype, keep_fp8=keep)
+        return model.set_compute(compute, block=block, stored=stored).eval()
 
     @staticmethod
     def check_checkpoint(path: str | Path, *, last_layer: int | None = None, with_head: bool = False) -> None:
@@ -616,19 +534,34 @@ class TargetModel(nn.Module):
         model.load_state_dict(cast, strict=True, assign=True)
         return model.requires_grad_(False).set_compute(compute).eval()
 
-    def set_compute(self, compute: str) -> TargetModel:
-        """ "dense" (as loaded) or "fp8" (use_fp8_compute); announces the linear-layer kernel."""
+    def set_compute(
+        self,
+        compute: str,
+        *,
+        block: Fp8BlockFormat | None = None,
+        stored: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> TargetModel:
+        """ "dense" (as loaded) or "fp8" (use_fp8_compute(block, stored)); announces the linear-layer kernel."""
         if compute == "fp8":
-            return self.use_fp8_compute()
+            return self.use_fp8_compute(block=block, stored=stored)
         if compute != "dense":
             raise ValueError(f"compute={compute!r}, expected 'dense' or 'fp8'")
         logger.info("kernel linear: dense matmuls in %s", self.embed_tokens.weight.dtype)
         return self
 
-    def use_fp8_compute(self) -> TargetModel:
-        """Put the FP8_LINEARS on e4m3 matmuls, in place: each weight is quantised once, one scale per
-        output channel (amax / 448), and its dense copy freed; activations are quantised per token by
-        the pointwise op before them (Pointwise.feed). Needs bf16 weights, and on CUDA sm_89+."""
+    def use_fp8_compute(
+        self,
+        *,
+        block: Fp8BlockFormat | None = None,
+        stored: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> TargetModel:
+        """Put the FP8_LINEARS on e4m3 matmuls, in place (extract/fp8_linear.py), their dense copies
+        freed; activations are quantised by the pointwise op before them (Pointwise.feed).
+        block None (a bf16 checkpoint): rowwise, each weight quantised once with one scale per output
+        channel (amax / 448), activations one scale per token. block set (an FP8 checkpoint's format):
+        block-scaled, the weights in `stored` (our weight name -> e4m3 and block scales, as the
+        checkpoint holds them) kept unchanged, the other FP8_LINEARS quantised into the same blocks,
+        activations one scale per token per block.block_k channels. Needs bf16 weights, and on CUDA sm_89+."""
         device = self.embed_tokens.weight.device
         if self.embed_tokens.weight.dtype != torch.bfloat16:
             raise ValueError(
@@ -641,30 +574,19 @@ class TargetModel(nn.Module):
                 f"{torch.cuda.get_device_name(device)} is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}: "
                 f"use --compute dense"
             )
-        converted = 0
-        for name, layer in self.named_modules():
-            if isinstance(layer, nn.Linear) and name.rsplit(".", 1)[-1] in FP8_LINEARS:
-                w8_NK, scale_N1 = quantize_rows_fp8(layer.weight)
-                layer.register_buffer("weight_fp8", w8_NK)
-                layer.register_buffer("weight_scale_1N", scale_N1.t().contiguous())
-                layer.weight = None  # the dense copy is never read again: free it
-                converted += 1
-        groups = 0
-        for module in self.modules():
-            for group in getattr(module, "LINEAR_GROUPS", {}):
-                concatenate_group(module, group)
-                groups += 1
+        if block is not None and device.type == "cuda" and not hasattr(F, "scaled_mm"):
+            raise ValueError(
+                f"FP8 compute on an FP8 checkpoint runs block-scaled matmuls, which need "
+                f"torch.nn.functional.scaled_mm (torch {torch.__version__} has none): upgrade torch, "
+                f"or use --compute dense"
+            )
+        if stored and block is None:
+            raise ValueError("use_fp8_compute: FP8 weights kept as stored need their block format (block=)")
+        done = convert_linears(self, block, stored or {})
         self.pw.fp8 = True
-        logger.info(
-            "kernel linear: fp8 e4m3 torch._scaled_mm with rowwise scales, %s accumulation (%d layers: weights quantised once "
-            "per output channel, activations per token inside the %s pointwise ops; %d groups reading one input "
-            "concatenated: %s); in_proj_a/b and lm_head dense",
-            "fast" if FP8_FAST_ACCUM else "fp32",
-            converted,
-            "compiled" if self.pw.compiled else "eager",
-            groups,
-            "one matmul each" if self.options.concat_linears else "one matmul per layer (concat_linears off)",
-        )
+        self.pw.fp8_group = 0 if block is None else block.block_k
+        for level, line in fp8_kernel_report(done, block, device, self.pw.compiled, self.options.concat_linears):
+            logger.log(level, line)
         return self
 
     def set_forward_options(self, options: ForwardOptions) -> TargetModel:

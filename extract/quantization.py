@@ -13,8 +13,9 @@ transformers' `finegrained_fp8` integration and vLLM's `fp8` method read it:
 Any other quantization (GPTQ, AWQ, bitsandbytes, compressed-tensors, per-tensor or static FP8, ...)
 is refused before any work, naming the method.
 
-Also here: rowwise FP8 quantisation for `--compute fp8` (one scale per row of a weight or per token
-of an activation, the layout torch._scaled_mm's rowwise mode takes).
+Also here: the activation quantisation for `--compute fp8`: rowwise (one scale per token, the layout
+torch._scaled_mm's rowwise mode takes; also per row of a weight) or per group of channels (one scale
+per token per `group` input channels, matching a block-scaled weight's block_k: extract/fp8_linear.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from shards.format import FP8_E4M3_MAX
 
@@ -154,3 +156,32 @@ def quantize_rows_fp8(x_RX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale_R1 = x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_E4M3_MAX
     x8 = (x32 / scale_R1).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
     return x8, scale_R1
+
+
+# ---- per-group FP8 (the activations of block-scaled matmuls) -----------------------------------
+def quantize_groups_fp8(x_RX: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [R, X], fp32 scale [R, G]) with G = ceil(X / group) and x[r, c] ~= x8[r, c] * scale[r, c // group]:
+    each group of `group` channels of a row has its amax mapped onto 448 (a last group of X % group
+    channels is scaled by its own amax). Plain torch ops, so torch.compile fuses it like quantize_rows_fp8."""
+    if group <= 0:
+        raise ValueError(f"quantize_groups_fp8: group must be a positive number of channels, found {group}")
+    *lead, X = x_RX.shape
+    G = -(-X // group)
+    # Zero padding to whole groups leaves every amax unchanged; the padding is cut off again below.
+    x32_RGC = F.pad(x_RX.float(), (0, G * group - X)).view(*lead, G, group)
+    scale_RG = x32_RGC.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_E4M3_MAX
+    q_RGC = (x32_RGC / scale_RG.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return q_RGC.view(*lead, G * group)[..., :X].to(FP8_DTYPE), scale_RG
+
+
+def dequantize_groups_fp8(x8_RX: torch.Tensor, scale_RG: torch.Tensor, group: int) -> torch.Tensor:
+    """x8 * scale broadcast over its groups, in fp32 (the inverse of quantize_groups_fp8)."""
+    X = x8_RX.shape[-1]
+    return x8_RX.float() * scale_RG.float().repeat_interleave(group, dim=-1)[..., :X]
+
+
+def quantize_activations_fp8(x_RX: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The --compute fp8 activation quantisation: rowwise (scale [R, 1]) when group is 0, else per
+    `group` channels (scale [R, ceil(X / group)]). `group` is a Python int: under torch.compile the
+    branch is resolved when the op is traced."""
+    return quantize_groups_fp8(x_RX, group) if group else quantize_rows_fp8(x_RX)

@@ -280,7 +280,7 @@ def build_cache_config(
             vocab_size=target.vocab_size,
             dtype=cfg.dtype,
             intermediate_size=target.intermediate_size,
-            quantization=_quantization_record(cfg.target),
+            quantization=_quantization_record(cfg.target, cfg.compute),
             **special_token_ids(cfg.target),
             compute=cfg.compute,
         ),
@@ -306,9 +306,17 @@ def build_cache_config(
     )
 
 
-def _quantization_record(ckpt_dir: str) -> str | None:
+def _quantization_record(ckpt_dir: str, compute: str) -> str | None:
+    """How the run treats the checkpoint's quantization: part of the cache's identity, since --compute
+    fp8 keeps an FP8 checkpoint's weights and block scales (block-scaled matmuls, extract/fp8_linear.py)."""
     quant = checkpoint_quantization(ckpt_dir)
-    return None if quant is None else f"{quant.describe()} (dequantised at load)"
+    if quant is None:
+        return None
+    if compute == "fp8":
+        return (
+            f"{quant.describe()} (kept as stored: block-scaled fp8 matmuls, activations per {quant.block_k} channels)"
+        )
+    return f"{quant.describe()} (dequantised at load)"
 
 
 def _prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig, lock: DirectoryLock) -> None:

@@ -90,7 +90,8 @@ class TargetInfo:
     vocab_size: int  # rows of embed_tokens and lm_head
     dtype: str  # dtype the target ran in, e.g. "bfloat16"
     intermediate_size: int | None = None  # the target's MLP width, which a DFlash drafter copies
-    # The checkpoint's weight quantization ("fp8 e4m3, 128x128 blocks": dequantised at load); None = none.
+    # The checkpoint's weight quantization and how the run used it ("fp8 e4m3, 128x128 blocks (dequantised
+    # at load)", or "(kept as stored: ...)" under compute fp8); None = none.
     quantization: str | None = None
     compute: str = "dense"  # the target's linear layers: "dense" (matmuls in `dtype`) or "fp8" (e4m3 matmuls)
     # The target's special token ids from its config.json (None = not declared / older cache); an

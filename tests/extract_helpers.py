@@ -20,6 +20,20 @@ NUM_SAMPLES = 24
 VOCAB = 512  # tiny_target's vocabulary
 
 
+def rel_l2(a, b) -> float:
+    """Relative L2 error of a against the reference b, in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def two_sequences_27b(device, first_len: int):
+    """3072 random tokens of the 4096-token test vocabulary in two packed sequences (the GPU tests'
+    27B-width input); taps on all 4 layers."""
+    gen = torch.Generator().manual_seed(first_len)
+    ids = torch.randint(0, 4096, (3072,), generator=gen).to(device)
+    pos = torch.cat([torch.arange(first_len), torch.arange(3072 - first_len)]).to(device)
+    return ids, pos, torch.tensor([0, first_len, 3072]), [0, 1, 2, 3]
+
+
 def make_samples(n=NUM_SAMPLES, seed=0, max_len=90):
     rng = np.random.default_rng(seed)
     out = []
