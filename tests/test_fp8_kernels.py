@@ -12,6 +12,7 @@ from extract import fp8_kernels as K
 from extract import model as M
 from extract.kernels import select_kernels
 from extract.model import ForwardOptions, TargetModel
+from extract.quantization import Fp8BlockFormat
 from extract.target_config import TargetConfig
 from shards.format import FP8_E4M3_MAX
 from tools.tiny_target import random_weights, tiny_config_dict
@@ -64,14 +65,14 @@ def feed_cases(device="cpu", T=5, H=320, F_=300, heads=6, D=16):
 
 @pytest.mark.parametrize("variant", sorted(M.FEED_KERNELS))
 def test_feed_kernel_equals_the_torch_function(variant):
-    args = feed_cases()[variant]
+    args = (*feed_cases()[variant], 0)  # group 0: rowwise
     assert_same_quantised(M.FEED_KERNELS[variant](*args), getattr(M, variant)(*args))
 
 
 def test_silu_mul_over_several_chunks_and_a_partial_one():
     # F = 17408 (the 27B MLP) is walked in chunks of CHUNK_CHANNELS: 8.5 chunks, the last one partial.
     gate, up = rows_view(2, 17408, seed=9), rows_view(2, 17408, seed=10)
-    assert_same_quantised(K.silu_mul_quant(gate, up), M.silu_mul_fp8(gate, up))
+    assert_same_quantised(K.silu_mul_quant(gate, up), M.silu_mul_fp8(gate, up, 0))
 
 
 def float64_feed(variant, args):
@@ -134,11 +135,14 @@ def test_inputs_a_kernel_does_not_cover_are_refused_by_name(call):
         call()
 
 
-def tiny_fp8_model(feed_kernels: bool, **cfg):
+def tiny_fp8_model(feed_kernels: bool, block: int | None = None, **cfg):
+    """The tiny target under FP8 compute: rowwise, or block-scaled with block x block blocks (an FP8
+    checkpoint's mode; the feeds then quantise per `block` channels)."""
     target = TargetConfig.from_hf_dict(tiny_config_dict(num_hidden_layers=4, **cfg))
     state = random_weights(target, seed=0, dtype=torch.bfloat16)
     kernels = select_kernels("cpu", gated_delta="torch", conv="torch", attention="sdpa", fp8_feed_kernels=feed_kernels)
-    return TargetModel.from_state_dict(target, state, kernels, dtype=torch.bfloat16, compute="fp8")
+    model = TargetModel.from_state_dict(target, state, kernels, dtype=torch.bfloat16)
+    return model.use_fp8_compute(block=None if block is None else Fp8BlockFormat(block_n=block, block_k=block))
 
 
 def packed_batch(vocab, lengths=(7, 12, 5)):
@@ -149,10 +153,11 @@ def packed_batch(vocab, lengths=(7, 12, 5)):
     return ids, pos, cu
 
 
-def test_fp8_forward_with_the_kernels_equals_the_torch_functions():
-    """The tiny target under --compute fp8, every feed through the Triton kernels vs through the
-    torch functions (ForwardOptions.feed_kernels off): the same taps but for rounding."""
-    model = tiny_fp8_model(feed_kernels=True)
+@pytest.mark.parametrize("block", [None, 16])  # 16: every tiny width is whole groups, as 128 at 27B width
+def test_fp8_forward_with_the_kernels_equals_the_torch_functions(block):
+    """The tiny target under --compute fp8 (rowwise, and block-scaled), every feed through the Triton
+    kernels vs through the torch functions (ForwardOptions.feed_kernels off): the same taps but for rounding."""
+    model = tiny_fp8_model(feed_kernels=True, block=block)
     ids, pos, cu = packed_batch(model.config.vocab_size)
     taps = [3]  # untapped layers 1-2 take the residual add inside their input norm
     calls = {}
@@ -171,7 +176,9 @@ def test_fp8_forward_with_the_kernels_equals_the_torch_functions():
 def test_a_head_dim_the_kernel_does_not_cover_falls_back_once(caplog):
     model = tiny_fp8_model(feed_kernels=True)
     ids, pos, cu = packed_batch(model.config.vocab_size)
-    model.pw.feed_kernels["gated_rmsnorm_fp8"] = lambda *a: K.gated_rmsnorm_quant(*a, group=8)  # refuses
+    model.pw.feed_kernels["gated_rmsnorm_fp8"] = lambda o, z, w, eps, group: K.gated_rmsnorm_quant(
+        o, z, w, eps, group=8
+    )  # refuses
     with caplog.at_level("INFO", logger="extract.model"):
         first = model.forward_packed(ids, pos, cu, [3])
         second = model.forward_packed(ids, pos, cu, [3])
@@ -183,9 +190,10 @@ def test_a_head_dim_the_kernel_does_not_cover_falls_back_once(caplog):
 
 # ---- GPU: compiled kernels at the 27B widths -----------------------------------------------------
 @pytest.mark.gpu
+@pytest.mark.parametrize("group", [0, 128])  # rowwise, and block mode's activations per 128 channels
 @pytest.mark.parametrize("variant", sorted(M.FEED_KERNELS))
-def test_feed_kernel_equals_the_torch_function_at_27b_width_on_cuda(variant):
-    args = feed_cases(device="cuda", T=512, H=5120, F_=17408, heads=48, D=128)[variant]
+def test_feed_kernel_equals_the_torch_function_at_27b_width_on_cuda(variant, group):
+    args = (*feed_cases(device="cuda", T=512, H=5120, F_=17408, heads=48, D=128)[variant], group)
     assert_same_quantised(M.FEED_KERNELS[variant](*args), getattr(M, variant)(*args))
 
 
