@@ -301,6 +301,8 @@ def fp8_kernel_report(
     bn, bk = block.block_n, block.block_k
     if device.type != "cuda":
         backend = "fp32 dequantise-and-matmul (torch has no blockwise scaled_mm off CUDA)"
+    elif done.num_fp32_fallback == done.num_layers:
+        backend = "fp32 dequantise-and-matmul (no layer fits scaled_mm's blockwise kernel)"
     else:
         backend = (
             f"torch scaled_mm blockwise (BlockWise1x{GPU_BLOCK} x BlockWise{GPU_BLOCK}x{GPU_BLOCK}), fp32 accumulation"

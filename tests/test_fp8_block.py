@@ -146,6 +146,11 @@ def test_kernel_choice_and_its_report():
     assert warn_level == logging.WARNING and "4 of 10" in warn and "slow fp32" in warn
     ((_, cpu_line),) = fp8_kernel_report(Fp8Conversion(num_layers=10), b128, cpu, compiled=False, concat=True)
     assert "fp32 dequantise-and-matmul" in cpu_line
+    tiny = Fp8Conversion(num_layers=10, num_fp32_fallback=10)
+    (_, tiny_line), _ = fp8_kernel_report(
+        tiny, Fp8BlockFormat(block_n=32, block_k=32), cuda, compiled=True, concat=True
+    )
+    assert "fp32 dequantise-and-matmul" in tiny_line and "scaled_mm blockwise" not in tiny_line
     ((_, rowwise),) = fp8_kernel_report(Fp8Conversion(num_layers=10), None, cuda, compiled=True, concat=True)
     assert "rowwise scales, fast accumulation" in rowwise
 
