@@ -11,6 +11,7 @@ are walked in chunks, the second walk finding the row in L2.
 Kernels (T tokens, X channels, G scale groups per token):
   add_rmsnorm_quant    [h + delta ->] h, zero-centred RMSNorm, (dense copy), e4m3 + scale
   gated_rmsnorm_quant  per-head RMSNorm of o, * w, * silu(z), flattened, e4m3 + scale
+  sigmoid_gate_quant   attention output * sigmoid(gate), flattened, e4m3 + scale
   silu_mul_quant       silu(gate) * up, e4m3 + scale
 They run on CUDA tensors; on CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1, the
 CPU tests), whose float casts truncate: there the roundings to bf16 and e4m3 are done on the fp32
@@ -145,6 +146,24 @@ if triton is not None:
         _store_quantised(y, offs, mask, tl.arange(0, P), x8_ptr + t * M * D, scale_ptr + t * G, GROUPED, EXACT_CASTS)
 
     @triton.jit
+    def _sigmoid_gate_quant_kernel(
+        o_ptr, gate_ptr, x8_ptr, scale_ptr,
+        stride_o, stride_gate, stride_gate_head, G,
+        N: tl.constexpr, D: tl.constexpr, GROUPED: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
+        EXACT_CASTS: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        r = tl.arange(0, R)[:, None]
+        c = tl.arange(0, C)[None, :]
+        offs = r * C + c  # flattened [N * D] channel; a tile row is C channels of one head
+        mask = offs < N * D
+        head, within = offs // D, offs % D
+        o = tl.load(o_ptr + t * stride_o + offs, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + t * stride_gate + head * stride_gate_head + within, mask=mask, other=0.0)
+        y = _to_bf16(o * _to_bf16(tl.sigmoid(gate.to(tl.float32)), EXACT_CASTS), EXACT_CASTS)
+        _store_quantised(y, offs, mask, tl.arange(0, R), x8_ptr + t * N * D, scale_ptr + t * G, GROUPED, EXACT_CASTS)
+
+    @triton.jit
     def _silu_mul_chunk(gate_row, up_row, offs, mask, EXACT_CASTS: tl.constexpr):
         """silu(gate) * up as the bf16 ops round it: silu to bf16, then the product to bf16."""
         g = tl.load(gate_row + offs, mask=mask, other=0.0).to(tl.float32)
@@ -258,6 +277,29 @@ def gated_rmsnorm_quant(
     _gated_rmsnorm_quant_kernel[(T,)](
         o_TMD, z_TMD, w_D, x8_TX, scale_TG, o_TMD.stride(0), z_TMD.stride(0), scale_TG.shape[1], eps, M=M,
         GROUPED=bool(group), P=P, D=D, EXACT_CASTS=not _interpreted(), num_warps=8,
+    )  # fmt: skip
+    return x8_TX, scale_TG
+
+
+def sigmoid_gate_quant(
+    o_TND: torch.Tensor, gate_TND: torch.Tensor, group: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [T, N*D], scale [T, G]) of sigmoid_gate(o, gate): o * sigmoid(gate) flattened, per token
+    or per `group` channels (within a head). gate may be a strided view (q_proj's [q | gate] rows)."""
+    T, N, D = o_TND.shape
+    _check_rows("sigmoid_gate_quant", o_TND, gate_TND)
+    if not o_TND.is_contiguous():
+        raise UnsupportedShape("sigmoid_gate_quant: the attention output must be contiguous")
+    if D & (D - 1) or (group and (group & (group - 1) or D % group)):
+        raise UnsupportedShape(f"sigmoid_gate_quant: head dim {D} and group {group} must be powers of two, group | D")
+    C = group if group else min(D, 128)
+    R = triton.next_power_of_2(N * D // C)
+    if R * C > TILE_CHANNELS:
+        raise UnsupportedShape(f"sigmoid_gate_quant: {N} heads of {D} exceed one tile ({TILE_CHANNELS})")
+    x8_TX, scale_TG = _outputs(T, N * D, group, o_TND.device)
+    _sigmoid_gate_quant_kernel[(T,)](
+        o_TND, gate_TND, x8_TX, scale_TG, o_TND.stride(0), gate_TND.stride(0), gate_TND.stride(1),
+        scale_TG.shape[1], N=N, D=D, GROUPED=bool(group), R=R, C=C, EXACT_CASTS=not _interpreted(), num_warps=8,
     )  # fmt: skip
     return x8_TX, scale_TG
 

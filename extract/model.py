@@ -193,6 +193,7 @@ FEED_KERNELS = {
         h, d, w, eps, keep_dense=True, group=group
     ),
     "gated_rmsnorm_fp8": fp8_kernels.gated_rmsnorm_quant,
+    "sigmoid_gate_fp8": fp8_kernels.sigmoid_gate_quant,
     "silu_mul_fp8": fp8_kernels.silu_mul_quant,
 }
 

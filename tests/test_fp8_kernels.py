@@ -46,14 +46,18 @@ def assert_same_quantised(got, want):
             torch.testing.assert_close(g.float(), w.float(), rtol=2**-7, atol=1e-30)
 
 
-def feed_cases(device="cpu", T=5, H=320, F_=300, heads=6, D=16):
+def feed_cases(device="cpu", T=5, H=320, F_=300, heads=6, D=16, attn_heads=3, attn_D=32):
     h, d = spread(T, H, seed=1, device=device), spread(T, H, seed=2, device=device)
     w = (0.1 * spread(H, seed=3)).to(device)
     o = spread(T, heads, D, seed=4, device=device)
     z = rows_view(T, heads * D, seed=5, device=device).view(T, heads, D)
     wg = spread(D, seed=6).to(device)
     gate, up = rows_view(T, F_, seed=7, device=device), rows_view(T, F_, seed=8, device=device)
+    # attention: o [T, N, D]; the gate a strided view of q_proj's per-head [q | gate] rows
+    o_attn = spread(T, attn_heads, attn_D, seed=12, device=device)
+    gate_attn = spread(T, attn_heads, 2 * attn_D, seed=13, device=device)[..., attn_D:]
     return {
+        "sigmoid_gate_fp8": (o_attn, gate_attn),
         "zero_centred_rmsnorm_fp8": (h, w, EPS),
         "zero_centred_rmsnorm_fp8_dense": (h, w, EPS),
         "add_zero_centred_rmsnorm_fp8": (h, d, w, EPS),
@@ -80,6 +84,8 @@ def float64_feed(variant, args):
     a = [x.double() if isinstance(x, torch.Tensor) else x for x in args]
     if variant == "silu_mul_fp8":
         return F.silu(a[0]) * a[1]
+    if variant == "sigmoid_gate_fp8":
+        return (a[0] * torch.sigmoid(a[1])).reshape(a[0].shape[0], -1)
     if variant == "gated_rmsnorm_fp8":
         o, z, w, eps = a
         y = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * w * F.silu(z)
@@ -89,7 +95,9 @@ def float64_feed(variant, args):
 
 
 @pytest.mark.parametrize("group", [0, 16])
-@pytest.mark.parametrize("variant", ["add_zero_centred_rmsnorm_fp8", "gated_rmsnorm_fp8", "silu_mul_fp8"])
+@pytest.mark.parametrize(
+    "variant", ["add_zero_centred_rmsnorm_fp8", "gated_rmsnorm_fp8", "sigmoid_gate_fp8", "silu_mul_fp8"]
+)
 def test_quantised_output_against_float64(variant, group):
     """x8 * scale is the float64 op to e4m3's half step plus the bf16 roundings on the way, each
     scale maps its row's (or group's) amax onto 448."""
@@ -97,6 +105,7 @@ def test_quantised_output_against_float64(variant, group):
     kernel = {
         "add_zero_centred_rmsnorm_fp8": lambda h, d, w, eps: K.add_rmsnorm_quant(h, d, w, eps, group)[1:],
         "gated_rmsnorm_fp8": lambda o, z, w, eps: K.gated_rmsnorm_quant(o, z, w, eps, group),
+        "sigmoid_gate_fp8": lambda o, gate: K.sigmoid_gate_quant(o, gate, group),
         "silu_mul_fp8": lambda g, u: K.silu_mul_quant(g, u, group),
     }[variant]
     x8, scale = kernel(*args)
@@ -193,15 +202,17 @@ def test_a_head_dim_the_kernel_does_not_cover_falls_back_once(caplog):
 @pytest.mark.parametrize("group", [0, 128])  # rowwise, and block mode's activations per 128 channels
 @pytest.mark.parametrize("variant", sorted(M.FEED_KERNELS))
 def test_feed_kernel_equals_the_torch_function_at_27b_width_on_cuda(variant, group):
-    args = (*feed_cases(device="cuda", T=512, H=5120, F_=17408, heads=48, D=128)[variant], group)
+    cases = feed_cases(device="cuda", T=512, H=5120, F_=17408, heads=48, D=128, attn_heads=24, attn_D=256)
+    args = (*cases[variant], group)
     assert_same_quantised(M.FEED_KERNELS[variant](*args), getattr(M, variant)(*args))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", [0, 128])
 def test_grouped_quantisation_against_float64_on_cuda(group):
-    args = feed_cases(device="cuda", T=256, H=5120, F_=17408, heads=48, D=128)
+    args = feed_cases(device="cuda", T=256, H=5120, F_=17408, heads=48, D=128, attn_heads=24, attn_D=256)
     for variant, kernel in (
+        ("sigmoid_gate_fp8", lambda o, gate: K.sigmoid_gate_quant(o, gate, group)),
         ("add_zero_centred_rmsnorm_fp8", lambda h, d, w, eps: K.add_rmsnorm_quant(h, d, w, eps, group)[1:]),
         ("gated_rmsnorm_fp8", lambda o, z, w, eps: K.gated_rmsnorm_quant(o, z, w, eps, group)),
         ("silu_mul_fp8", lambda g, u: K.silu_mul_quant(g, u, group)),

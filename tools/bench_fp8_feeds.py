@@ -20,6 +20,7 @@ from extract import fp8_kernels
 from extract import model as M
 
 H, F, MV, DV = 5120, 17408, 48, 128  # 27B hidden, MLP width, GatedDeltaNet value heads and head dim
+NQ, D = 24, 256  # attention query heads and head dim
 GDN_LAYERS, ATTENTION_LAYERS = 47, 15  # layers 0..61 (the deepest default tap is 61)
 # op -> (calls per forward, bytes read and written per token)
 OPS = {
@@ -27,11 +28,17 @@ OPS = {
     "add_zero_centred_rmsnorm_fp8_dense": (GDN_LAYERS - 1, 2 * 2 * H + 2 * H + 2 * H + H),
     "add_zero_centred_rmsnorm_fp8": (GDN_LAYERS + 2 * ATTENTION_LAYERS, 2 * 2 * H + 2 * H + H),
     "gated_rmsnorm_fp8": (GDN_LAYERS, 2 * MV * DV * 2 + MV * DV),
+    "sigmoid_gate_fp8": (ATTENTION_LAYERS, 2 * NQ * D * 2 + NQ * D),
     "silu_mul_fp8": (GDN_LAYERS + ATTENTION_LAYERS, 2 * F * 2 + F),
 }
 
 
 def inputs(op: str, T: int, device: torch.device) -> tuple:
+    """The op's arguments (rowwise quantisation: group 0) as extraction passes them."""
+    return (*_tensors(op, T, device), 0)
+
+
+def _tensors(op: str, T: int, device: torch.device) -> tuple:
     g = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape):
@@ -45,6 +52,9 @@ def inputs(op: str, T: int, device: torch.device) -> tuple:
     if op == "gated_rmsnorm_fp8":
         z = rand(T, 16384)[:, 10240:].view(T, MV, DV)  # z: a column slice of the q|k|v|z matmul
         return rand(T, MV, DV), z, rand(DV), 1e-6
+    if op == "sigmoid_gate_fp8":
+        gate = rand(T, NQ, 2 * D)[..., D:]  # the gate: per-head rows of q_proj's output
+        return rand(T, NQ, D), gate
     gate_up = rand(T, 2 * F)  # gate and up: column slices of one matmul
     return gate_up[:, :F], gate_up[:, F:]
 
