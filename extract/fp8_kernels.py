@@ -34,7 +34,7 @@ except ImportError:  # CPU installs without triton: the compiled or eager functi
     triton = None
 
 TILE_CHANNELS = 8192  # rows up to this width are one register tile (one read of the inputs)
-CHUNK_CHANNELS = 2048  # wider rows are walked in chunks of this many channels
+CHUNK_CHANNELS = 2048  # wider rows are walked in chunks (under the interpreter; on the GPU: tuned)
 
 
 class UnsupportedShape(ValueError):
@@ -205,6 +205,29 @@ if triton is not None:
                 tl.store(x8_row + offs, _to_e4m3(q, EXACT_CASTS), mask=mask)
 
 
+# Launch configurations tried once per row width (triton.autotune, on the GPU): warps per program,
+# and for silu-mul the channels per chunk (P groups of C). The interpreter runs the first.
+WARPS = (4, 8, 16)
+SILU_CHUNK_GROUPS = (8, 16, 32)
+_TUNED: dict[str, object] = {}
+
+
+def _launch(kernel, T: int, args: tuple, consts: dict, key: list[str], chunk_groups: int | None = None) -> None:
+    """kernel[(T,)](*args, **consts): one program per token, with the tuned launch configuration."""
+    if _interpreted():
+        extra = {} if chunk_groups is None else {"P": chunk_groups}
+        kernel[(T,)](*args, **consts, **extra, EXACT_CASTS=False, num_warps=8)
+        return
+    name = kernel.fn.__name__
+    if name not in _TUNED:
+        if chunk_groups is None:
+            configs = [triton.Config({}, num_warps=w) for w in WARPS]
+        else:
+            configs = [triton.Config({"P": p}, num_warps=w) for p in SILU_CHUNK_GROUPS for w in WARPS]
+        _TUNED[name] = triton.autotune(configs=configs, key=key)(kernel)
+    _TUNED[name][(T,)](*args, **consts, EXACT_CASTS=True)
+
+
 def _check_rows(name: str, *tensors: torch.Tensor) -> None:
     for x in tensors:
         if x.stride(-1) != 1:
@@ -247,13 +270,13 @@ def add_rmsnorm_quant(
     x8_TX, scale_TG = _outputs(T, X, group, h_TX.device)
     h_out = torch.empty_like(h_TX, memory_format=torch.contiguous_format) if delta_TX is not None else None
     dense = torch.empty(T, X, dtype=torch.bfloat16, device=h_TX.device) if keep_dense else None
-    _add_rmsnorm_quant_kernel[(T,)](
-        h_TX, delta_TX if delta_TX is not None else h_TX, w_X, h_out if h_out is not None else h_TX,
-        dense if dense is not None else h_TX, x8_TX, scale_TG,
-        h_TX.stride(0), (delta_TX if delta_TX is not None else h_TX).stride(0), scale_TG.shape[1], eps, X=X,
-        HAS_DELTA=delta_TX is not None, KEEP_DENSE=keep_dense, GROUPED=bool(group), P=P, C=C,
-        EXACT_CASTS=not _interpreted(), num_warps=8,
+    d_TX = delta_TX if delta_TX is not None else h_TX  # an unused pointer when there is no delta
+    args = (
+        h_TX, d_TX, w_X, h_out if h_out is not None else h_TX, dense if dense is not None else h_TX, x8_TX, scale_TG,
+        h_TX.stride(0), d_TX.stride(0), scale_TG.shape[1], eps,
     )  # fmt: skip
+    consts = dict(X=X, HAS_DELTA=delta_TX is not None, KEEP_DENSE=keep_dense, GROUPED=bool(group), P=P, C=C)
+    _launch(_add_rmsnorm_quant_kernel, T, args, consts, key=["X", "HAS_DELTA", "KEEP_DENSE", "GROUPED", "C"])
     return tuple(x for x in (h_out, dense, x8_TX, scale_TG) if x is not None)
 
 
@@ -274,10 +297,8 @@ def gated_rmsnorm_quant(
     if P * D > TILE_CHANNELS:
         raise UnsupportedShape(f"gated_rmsnorm_quant: {M} heads of {D} exceed one tile ({TILE_CHANNELS})")
     x8_TX, scale_TG = _outputs(T, M * D, group, o_TMD.device)
-    _gated_rmsnorm_quant_kernel[(T,)](
-        o_TMD, z_TMD, w_D, x8_TX, scale_TG, o_TMD.stride(0), z_TMD.stride(0), scale_TG.shape[1], eps, M=M,
-        GROUPED=bool(group), P=P, D=D, EXACT_CASTS=not _interpreted(), num_warps=8,
-    )  # fmt: skip
+    args = (o_TMD, z_TMD, w_D, x8_TX, scale_TG, o_TMD.stride(0), z_TMD.stride(0), scale_TG.shape[1], eps)
+    _launch(_gated_rmsnorm_quant_kernel, T, args, dict(M=M, GROUPED=bool(group), P=P, D=D), key=["M", "D", "GROUPED"])
     return x8_TX, scale_TG
 
 
@@ -297,10 +318,18 @@ def sigmoid_gate_quant(
     if R * C > TILE_CHANNELS:
         raise UnsupportedShape(f"sigmoid_gate_quant: {N} heads of {D} exceed one tile ({TILE_CHANNELS})")
     x8_TX, scale_TG = _outputs(T, N * D, group, o_TND.device)
-    _sigmoid_gate_quant_kernel[(T,)](
-        o_TND, gate_TND, x8_TX, scale_TG, o_TND.stride(0), gate_TND.stride(0), gate_TND.stride(1),
-        scale_TG.shape[1], N=N, D=D, GROUPED=bool(group), R=R, C=C, EXACT_CASTS=not _interpreted(), num_warps=8,
-    )  # fmt: skip
+    args = (
+        o_TND,
+        gate_TND,
+        x8_TX,
+        scale_TG,
+        o_TND.stride(0),
+        gate_TND.stride(0),
+        gate_TND.stride(1),
+        scale_TG.shape[1],
+    )
+    consts = dict(N=N, D=D, GROUPED=bool(group), R=R, C=C)
+    _launch(_sigmoid_gate_quant_kernel, T, args, consts, key=["N", "D", "GROUPED", "C"])
     return x8_TX, scale_TG
 
 
@@ -311,10 +340,8 @@ def silu_mul_quant(gate_TX: torch.Tensor, up_TX: torch.Tensor, group: int = 0) -
     if group and (group & (group - 1) or X % group):
         raise UnsupportedShape(f"silu_mul_quant: group {group} must be a power of two dividing {X} channels")
     C = group if group else min(128, triton.next_power_of_2(X))
-    P = max(1, min(CHUNK_CHANNELS // C, triton.next_power_of_2(triton.cdiv(X, C))))
+    P = max(1, min(CHUNK_CHANNELS // C, triton.next_power_of_2(triton.cdiv(X, C))))  # the interpreter's chunk
     x8_TX, scale_TG = _outputs(T, X, group, gate_TX.device)
-    _silu_mul_quant_kernel[(T,)](
-        gate_TX, up_TX, x8_TX, scale_TG, gate_TX.stride(0), up_TX.stride(0), scale_TG.shape[1], X=X,
-        GROUPED=bool(group), P=P, C=C, EXACT_CASTS=not _interpreted(), num_warps=8,
-    )  # fmt: skip
+    args = (gate_TX, up_TX, x8_TX, scale_TG, gate_TX.stride(0), up_TX.stride(0), scale_TG.shape[1])
+    _launch(_silu_mul_quant_kernel, T, args, dict(X=X, GROUPED=bool(group), C=C), ["X", "GROUPED", "C"], P)
     return x8_TX, scale_TG

@@ -390,7 +390,8 @@ def _pick_attention(on_cuda: bool, forced: str | None, fns: dict, device: torch.
     if chosen is not None:
         return *chosen, False  # kv heads are expanded only for torch varlen
     why_not = []
-    if forced == "cudnn" or (forced is None and torch.cuda.get_device_capability(device) >= (9, 0)):
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (9, 0)
+    if forced == "cudnn" or (forced is None and hopper):
         try:
             _check_against_sdpa(cudnn_per_sequence, device)
             return "cudnn", "torch SDPA cuDNN attention per sequence, causal, native GQA", False
