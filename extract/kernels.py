@@ -223,11 +223,11 @@ def sdpa_per_sequence(q_THD, k_TMD, v_TMD, bounds: list[int], scale: float) -> t
 
 
 def cudnn_per_sequence(q_THD, k_TMD, v_TMD, bounds: list[int], scale: float) -> torch.Tensor:
-    """sdpa_per_sequence on cuDNN's fused attention (SDPA would pick it on Hopper by priority; pinned
-    here so that the backend announced is the one that runs)."""
+    """sdpa_per_sequence on cuDNN's fused attention first, flash attention for a shape cuDNN declines
+    (pinned, so that the backend announced is the one that runs)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True):
         return sdpa_per_sequence(q_THD, k_TMD, v_TMD, bounds, scale)
 
 
@@ -394,7 +394,7 @@ def _pick_attention(on_cuda: bool, forced: str | None, fns: dict, device: torch.
     if forced == "cudnn" or (forced is None and hopper):
         try:
             _check_against_sdpa(cudnn_per_sequence, device)
-            return "cudnn", "torch SDPA cuDNN attention per sequence, causal, native GQA", False
+            return "cudnn", "torch SDPA cuDNN attention per sequence (flash where cuDNN declines), causal, GQA", False
         except Exception as exc:
             _refuse_if_forced("attention", "cudnn", forced, exc, "unusable")
             why_not.append(f"cuDNN attention unusable ({_import_error(exc)})")

@@ -423,6 +423,11 @@ class DecoderLayer(nn.Module):
         return h_TH, self.mlp(x_TH)
 
 
+# Block-scaled FP8 on CUDA: cuBLAS's blockwise kernel refuses token counts off a multiple of 16
+# (CUBLAS_STATUS_NOT_SUPPORTED at T = 1021 on the H200); the forward pads the batch to this multiple.
+BLOCK_FP8_TOKEN_MULTIPLE = 128
+
+
 class TargetModel(nn.Module):
     """Layers 0..last_layer of the target (plus final norm and LM head when `with_head`)."""
 
@@ -660,6 +665,14 @@ class TargetModel(nn.Module):
             )
         device = self.embed_tokens.weight.device
         T = input_ids_T.shape[0]
+        pad = -T % BLOCK_FP8_TOKEN_MULTIPLE if self.pw.fp8_group and device.type == "cuda" else 0
+        if pad:  # padding tokens form one more isolated sequence (the tail); their outputs are dropped
+            input_ids_T = torch.cat([input_ids_T, input_ids_T.new_zeros(pad)])
+            position_ids_T = torch.cat(
+                [position_ids_T, torch.arange(pad, dtype=position_ids_T.dtype, device=position_ids_T.device)]
+            )
+            hidden_TKH, h_TH = self._run(input_ids_T, position_ids_T, cu_seqlens_S1, tap_layer_ids, to_end)
+            return hidden_TKH[:T], h_TH[:T]
         batch = self.kernels.prepare(cu_seqlens_S1, T, device)
         h_TH = self.embed_tokens(input_ids_T.to(device, non_blocking=True).long())
         rope = rope_cos_sin(position_ids_T.to(device, non_blocking=True), self.config, h_TH.dtype)
