@@ -94,6 +94,11 @@ def blockwise_kernel_fits(device: torch.device, block: Fp8BlockFormat, n: int, k
     )
 
 
+# cuBLAS's blockwise kernel refuses token counts off a multiple of 16 (CUBLAS_STATUS_NOT_SUPPORTED at
+# T = 1021 on the H200): rows are padded to this multiple.
+BLOCKWISE_TOKEN_MULTIPLE = 128
+
+
 def block_fp8_matmul(
     x8_TK: torch.Tensor, scale_TG: torch.Tensor, w8_NK: torch.Tensor, scale_nk: torch.Tensor, block: Fp8BlockFormat
 ) -> torch.Tensor:
@@ -104,12 +109,17 @@ def block_fp8_matmul(
         return block_fp8_matmul_fp32(x8_TK, scale_TG, w8_NK, scale_nk, block)
     from torch.nn.functional import ScalingType, scaled_mm
 
+    T = x8_TK.shape[0]
+    pad = -T % BLOCKWISE_TOKEN_MULTIPLE
+    if pad:  # the forward pads its batches (TargetModel._run); other callers pay a copy here
+        x8_TK = torch.cat([x8_TK, x8_TK.new_zeros(pad, K)])
+        scale_TG = torch.cat([scale_TG, scale_TG.new_ones(pad, scale_TG.shape[1])])
     # The layout the kernel takes (measured on the H200, torch 2.11): mat_b the [K, N] column-major
     # view of the row-major weight (no copy, also for a row slice of a concatenated weight); scale_a
     # [T, G] outer-dim-major, strides (1, T) (a row-major one is refused; the copy is free when the
     # scales already are); scale_b the [k, n] view of the contiguous [n, k] block scales (a copied,
     # column-major one is refused).
-    return scaled_mm(
+    y_TN = scaled_mm(
         x8_TK,
         w8_NK.t(),
         scale_TG.t().contiguous().t(),
@@ -119,6 +129,7 @@ def block_fp8_matmul(
         output_dtype=torch.bfloat16,
         use_fast_accum=False,
     )
+    return y_TN[:T] if pad else y_TN
 
 
 def block_fp8_matmul_fp32(

@@ -3,8 +3,8 @@
 Three ops need sequence-boundary-aware kernels over packed batches:
   gated delta rule   fla-core `chunk_gated_delta_rule` (varlen cu_seqlens, native GVA) | torch chunked
   causal conv1d      Dao `causal_conv1d_fn` (seq_idx) | fla Triton `causal_conv1d` (cu_seqlens) | torch
-  attention          cuDNN attention per sequence (SDPA, Hopper+) | torch varlen flash attention
-                     (`torch.nn.attention.varlen`) | fla `parallel_attn` | per-sequence SDPA
+  attention          torch varlen flash attention (`torch.nn.attention.varlen`) | fla `parallel_attn` |
+                     per-sequence SDPA
 `select_kernels` picks the fastest available backend per op and logs one line per op naming the
 backend and why (plus one for the pointwise ops: eager, or fused by torch.compile on CUDA). On CUDA a torch fallback raises (naming the op and the missing package) unless
 `allow_slow_kernels=True`: a silent fallback once cost 48 of 64 layers their fast path.
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 GDN_BACKENDS = ("fla", "torch")
 CONV_BACKENDS = ("causal_conv1d", "fla", "torch")
-ATTENTION_BACKENDS = ("cudnn", "torch_varlen", "fla", "sdpa")
+ATTENTION_BACKENDS = ("torch_varlen", "fla", "sdpa")
 HALF_DTYPES = (torch.float16, torch.bfloat16)  # what the flash attention backends accept
 FLA_CHUNK_SIZE = 64  # chunk_gated_delta_rule's default chunk; chunk_indices are built for it
 
@@ -185,8 +185,6 @@ class KernelChoice:
                 k_TMD = k_TMD.repeat_interleave(ratio, dim=1)
                 v_TMD = v_TMD.repeat_interleave(ratio, dim=1)
             return self._fns["varlen"](q_THD, k_TMD, v_TMD, batch.cu_seqlens, batch.max_seqlen, scale)
-        if self.attention_backend == "cudnn":
-            return cudnn_per_sequence(q_THD, k_TMD, v_TMD, batch.bounds, scale)
         if self.attention_backend == "fla":
             o_1THD = self._fns["fla_attn"](
                 q_THD.unsqueeze(0), k_TMD.unsqueeze(0), v_TMD.unsqueeze(0), scale=scale, cu_seqlens=batch.cu_seqlens
@@ -220,15 +218,6 @@ def sdpa_per_sequence(q_THD, k_TMD, v_TMD, bounds: list[int], scale: float) -> t
         o_1HLD = F.scaled_dot_product_attention(q_1HLD, k_1MLD, v_1MLD, is_causal=True, scale=scale, enable_gqa=gqa)
         out_THD[bos:eos] = o_1HLD.squeeze(0).transpose(0, 1)
     return out_THD
-
-
-def cudnn_per_sequence(q_THD, k_TMD, v_TMD, bounds: list[int], scale: float) -> torch.Tensor:
-    """sdpa_per_sequence on cuDNN's fused attention first, flash attention for a shape cuDNN declines
-    (pinned, so that the backend announced is the one that runs)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True):
-        return sdpa_per_sequence(q_THD, k_TMD, v_TMD, bounds, scale)
 
 
 # ---- selection --------------------------------------------------------------------------------
@@ -390,16 +379,6 @@ def _pick_attention(on_cuda: bool, forced: str | None, fns: dict, device: torch.
     if chosen is not None:
         return *chosen, False  # kv heads are expanded only for torch varlen
     why_not = []
-    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (9, 0)
-    if forced == "cudnn" or (forced is None and hopper):
-        try:
-            _check_against_sdpa(cudnn_per_sequence, device)
-            return "cudnn", "torch SDPA cuDNN attention per sequence (flash where cuDNN declines), causal, GQA", False
-        except Exception as exc:
-            _refuse_if_forced("attention", "cudnn", forced, exc, "unusable")
-            why_not.append(f"cuDNN attention unusable ({_import_error(exc)})")
-    elif forced is None:
-        why_not.append("cuDNN attention: chosen on Hopper (sm_90) and newer only")
     if forced in (None, "torch_varlen"):
         try:
             fn = _torch_varlen_fn()
@@ -446,21 +425,6 @@ def _torch_varlen_fn() -> Callable[..., torch.Tensor]:
         return varlen_attn(q_THD, k_TMD, v_TMD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kw)
 
     return run
-
-
-def _check_against_sdpa(fn: Callable[..., torch.Tensor], device: torch.device) -> None:
-    """Raise unless fn(q, k, v, bounds, scale) equals fp32 per-sequence SDPA on GQA cases at the head
-    dims the targets use (64 to 256), with sequences of 1, 20 and 77 tokens."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    bounds = [0, 1, 21, 98]
-    for D in (64, 128, 256):
-        q = torch.randn(98, 4, D, generator=gen).to(device, torch.bfloat16)
-        k = torch.randn(98, 2, D, generator=gen).to(device, torch.bfloat16)
-        v = torch.randn(98, 2, D, generator=gen).to(device, torch.bfloat16)
-        ref = sdpa_per_sequence(q.float(), k.float(), v.float(), bounds, D**-0.5)
-        err = (fn(q, k, v, bounds, D**-0.5).float() - ref).abs().max().item()
-        if not err <= 5e-2:
-            raise RuntimeError(f"disagrees with fp32 SDPA at head dim {D} (max error {err:.2e})")
 
 
 def _varlen_gqa_works(fn: Callable[..., torch.Tensor], device: torch.device) -> bool:

@@ -39,7 +39,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from extract import fp8_kernels
-from extract.fp8_linear import Fp8Input, convert_linears, fp8_kernel_report, fp8_weight_names, grouped_linears, linear
+from extract.fp8_linear import (
+    BLOCKWISE_TOKEN_MULTIPLE,
+    Fp8Input,
+    convert_linears,
+    fp8_kernel_report,
+    fp8_weight_names,
+    grouped_linears,
+    linear,
+)
 from extract.kernels import KernelChoice, VarlenBatch, select_kernels
 from extract.quantization import Fp8BlockFormat, quantize_activations_fp8
 from extract.target_config import TargetConfig
@@ -423,11 +431,6 @@ class DecoderLayer(nn.Module):
         return h_TH, self.mlp(x_TH)
 
 
-# Block-scaled FP8 on CUDA: cuBLAS's blockwise kernel refuses token counts off a multiple of 16
-# (CUBLAS_STATUS_NOT_SUPPORTED at T = 1021 on the H200); the forward pads the batch to this multiple.
-BLOCK_FP8_TOKEN_MULTIPLE = 128
-
-
 class TargetModel(nn.Module):
     """Layers 0..last_layer of the target (plus final norm and LM head when `with_head`)."""
 
@@ -665,8 +668,10 @@ class TargetModel(nn.Module):
             )
         device = self.embed_tokens.weight.device
         T = input_ids_T.shape[0]
-        pad = -T % BLOCK_FP8_TOKEN_MULTIPLE if self.pw.fp8_group and device.type == "cuda" else 0
-        if pad:  # padding tokens form one more isolated sequence (the tail); their outputs are dropped
+        pad = -T % BLOCKWISE_TOKEN_MULTIPLE if self.pw.fp8_group and device.type == "cuda" else 0
+        # Block-scaled FP8 on CUDA: the batch is padded for cuBLAS's blockwise kernel (fp8_linear) once
+        # here rather than in every matmul; padding tokens form one more isolated sequence, dropped after.
+        if pad:
             input_ids_T = torch.cat([input_ids_T, input_ids_T.new_zeros(pad)])
             position_ids_T = torch.cat(
                 [position_ids_T, torch.arange(pad, dtype=position_ids_T.dtype, device=position_ids_T.device)]
