@@ -14,8 +14,9 @@ Kernels (T tokens, X channels, G scale groups per token):
   sigmoid_gate_quant   attention output * sigmoid(gate), flattened, e4m3 + scale
   silu_mul_quant       silu(gate) * up, e4m3 + scale
 They run on CUDA tensors; on CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1, the
-CPU tests), whose float casts truncate: there the roundings to bf16 and e4m3 are done on the fp32
-bits first (to nearest even, as the hardware), so the interpreter checks the same numbers.
+CPU tests), whose float casts truncate: there the roundings to bf16 are done on the fp32 bits first
+(to nearest even, as the hardware); the rounding to e4m3 always is, so the interpreter checks the
+same numbers. Divisions are IEEE (tl.div_rn) and NaN propagates, as in the torch functions.
 """
 
 from __future__ import annotations
@@ -69,14 +70,14 @@ if triton is not None:
         return _round_bits(x, 16)
 
     @triton.jit
-    def _to_e4m3(x, EXACT_CASTS: tl.constexpr):
-        """x in [-448, 448] to float8_e4m3fn, rounding to nearest even."""
-        if EXACT_CASTS:
-            return x.to(tl.float8e4nv)
-        # Normal e4m3 keeps 3 mantissa bits; below 2^-6 (subnormal) the step is 2^-9, and adding and
-        # removing 1.5 * 2^14 rounds an fp32 to that step (to nearest even).
+    def _to_e4m3(x):
+        """x in [-448, 448] to float8_e4m3fn, rounding to nearest even. Rounded on the fp32 bits first,
+        so that the cast itself is exact: Triton's interpreter truncates, and some Triton versions
+        convert through fp16 on sm_89 (rounding twice). Normal e4m3 keeps 3 mantissa bits; below 2^-6
+        (subnormal) the step is 2^-9, and adding and removing 1.5 * 2^14 rounds an fp32 to it."""
         small = tl.abs(x) < 0.015625
         rounded = tl.where(small, (x + 24576.0) - 24576.0, _round_bits(x, 20))
+        rounded = tl.where(rounded == 0.0, x * 0.0, rounded)  # keep the sign of zero, as torch's cast
         return rounded.to(tl.float8e4nv)
 
     @triton.jit
@@ -84,21 +85,43 @@ if triton is not None:
         return x / (1.0 + tl.exp(-x))
 
     @triton.jit
-    def _store_quantised(y, offs, mask, group_ids, x8_row, scale_row, GROUPED: tl.constexpr, EXACT_CASTS: tl.constexpr):
+    def _nan_max(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _amax(y_abs, axis: tl.constexpr):
+        """max over `axis`, NaN when any element is NaN (as torch's amax; tl.max would skip it)."""
+        has_nan = tl.max((y_abs != y_abs).to(tl.int32), axis=axis) > 0
+        return tl.where(has_nan, float("nan"), tl.max(y_abs, axis=axis))
+
+    @triton.jit
+    def _scale_of(amax):
+        """amax / 448 as torch divides (IEEE), for a scalar or a vector of amaxes."""
+        return tl.div_rn(amax, tl.zeros_like(amax) + _FP8_MAX)
+
+    @triton.jit
+    def _quantise(y, scale):
+        """y / scale clamped to +-448 and rounded to e4m3, as torch does it: IEEE division (Triton's
+        `/` is approximate on the GPU, and a one-ulp miss moves the e4m3 ties that bf16 values often
+        sit on), NaN kept NaN."""
+        q = tl.minimum(_nan_max(tl.div_rn(y, scale), -_FP8_MAX), _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        return _to_e4m3(q)
+
+    @triton.jit
+    def _store_quantised(y, offs, mask, group_ids, x8_row, scale_row, GROUPED: tl.constexpr):
         """Write y (fp32, already rounded to bf16 values) as e4m3 with its scale: one per row, or per
         group (`group_ids` gives each element's group; a [P, C] tile holds whole groups per row)."""
         y_abs = tl.where(mask, tl.abs(y), 0.0)
         if GROUPED:
-            amax = tl.maximum(tl.max(y_abs, axis=1), _MIN_AMAX)  # [P]: the tile's rows are the groups
-            scale = amax / _FP8_MAX
-            q = tl.minimum(tl.maximum(y / scale[:, None], -_FP8_MAX), _FP8_MAX)
+            amax = _nan_max(_amax(y_abs, 1), _MIN_AMAX)  # [P]: the tile's rows are the groups
+            scale = _scale_of(amax)
             tl.store(scale_row + group_ids, scale, mask=tl.max(mask.to(tl.int32), axis=1) > 0)
+            tl.store(x8_row + offs, _quantise(y, scale[:, None]), mask=mask)
         else:
-            amax = tl.maximum(tl.max(tl.max(y_abs, axis=1), axis=0), _MIN_AMAX)
-            scale = amax / _FP8_MAX
-            q = tl.minimum(tl.maximum(y / scale, -_FP8_MAX), _FP8_MAX)
+            amax = _nan_max(_amax(_amax(y_abs, 1), 0), _MIN_AMAX)
+            scale = _scale_of(amax)
             tl.store(scale_row, scale)
-        tl.store(x8_row + offs, _to_e4m3(q, EXACT_CASTS), mask=mask)
+            tl.store(x8_row + offs, _quantise(y, scale), mask=mask)
 
     @triton.jit
     def _add_rmsnorm_quant_kernel(
@@ -123,7 +146,7 @@ if triton is not None:
         y = _to_bf16(h * inv_rms * (1.0 + w), EXACT_CASTS)
         if KEEP_DENSE:
             tl.store(dense_ptr + t * X + offs, y.to(tl.bfloat16), mask=mask)
-        _store_quantised(y, offs, mask, tl.arange(0, P), x8_ptr + t * X, scale_ptr + t * G, GROUPED, EXACT_CASTS)
+        _store_quantised(y, offs, mask, tl.arange(0, P), x8_ptr + t * X, scale_ptr + t * G, GROUPED)
 
     @triton.jit
     def _gated_rmsnorm_quant_kernel(
@@ -143,7 +166,7 @@ if triton is not None:
         w = tl.load(w_ptr + d).to(tl.float32)
         y = _to_bf16(w * normed, EXACT_CASTS)
         y = _to_bf16(y * _silu(z), EXACT_CASTS)
-        _store_quantised(y, offs, mask, tl.arange(0, P), x8_ptr + t * M * D, scale_ptr + t * G, GROUPED, EXACT_CASTS)
+        _store_quantised(y, offs, mask, tl.arange(0, P), x8_ptr + t * M * D, scale_ptr + t * G, GROUPED)
 
     @triton.jit
     def _sigmoid_gate_quant_kernel(
@@ -161,7 +184,7 @@ if triton is not None:
         o = tl.load(o_ptr + t * stride_o + offs, mask=mask, other=0.0).to(tl.float32)
         gate = tl.load(gate_ptr + t * stride_gate + head * stride_gate_head + within, mask=mask, other=0.0)
         y = _to_bf16(o * _to_bf16(tl.sigmoid(gate.to(tl.float32)), EXACT_CASTS), EXACT_CASTS)
-        _store_quantised(y, offs, mask, tl.arange(0, R), x8_ptr + t * N * D, scale_ptr + t * G, GROUPED, EXACT_CASTS)
+        _store_quantised(y, offs, mask, tl.arange(0, R), x8_ptr + t * N * D, scale_ptr + t * G, GROUPED)
 
     @triton.jit
     def _silu_mul_chunk(gate_row, up_row, offs, mask, EXACT_CASTS: tl.constexpr):
@@ -187,22 +210,21 @@ if triton is not None:
                 mask = offs < X
                 y = _silu_mul_chunk(gate_row, up_row, offs, mask, EXACT_CASTS)
                 group_ids = start // C + tl.arange(0, P)
-                _store_quantised(y, offs, mask, group_ids, x8_row, scale_row, GROUPED, EXACT_CASTS)
+                _store_quantised(y, offs, mask, group_ids, x8_row, scale_row, GROUPED)
         else:  # the row's amax first, then the quantised row (the second walk reads L2)
             amax = tl.zeros([P, C], dtype=tl.float32)
             for start in range(0, X, P * C):
                 offs = start + tile
                 mask = offs < X
                 y = _silu_mul_chunk(gate_row, up_row, offs, mask, EXACT_CASTS)
-                amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
-            scale = tl.maximum(tl.max(tl.max(amax, axis=1), axis=0), _MIN_AMAX) / _FP8_MAX
+                amax = _nan_max(amax, tl.where(mask, tl.abs(y), 0.0))
+            scale = _scale_of(_nan_max(_amax(_amax(amax, 1), 0), _MIN_AMAX))
             tl.store(scale_row, scale)
             for start in range(0, X, P * C):
                 offs = start + tile
                 mask = offs < X
                 y = _silu_mul_chunk(gate_row, up_row, offs, mask, EXACT_CASTS)
-                q = tl.minimum(tl.maximum(y / scale, -_FP8_MAX), _FP8_MAX)
-                tl.store(x8_row + offs, _to_e4m3(q, EXACT_CASTS), mask=mask)
+                tl.store(x8_row + offs, _quantise(y, scale), mask=mask)
 
 
 # Launch configurations tried once per row width (triton.autotune, on the GPU): warps per program,

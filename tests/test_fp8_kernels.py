@@ -224,3 +224,20 @@ def test_grouped_quantisation_against_float64_on_cuda(group):
         got = (x8.double().view(T, G, -1) * scale.double()[..., None]).view(T, X)
         bound = want.abs() * (2**-4 + 3 * 2**-8) + scale.double().repeat_interleave(X // G, 1) * 2**-10
         assert ((got - want).abs() <= bound).all(), variant
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("variant", sorted(M.FEED_KERNELS))
+def test_a_nan_makes_its_row_nan_as_in_torch(variant, device):
+    """A NaN (a diverged attention or GatedDeltaNet output) must reach the writer's finite check: its
+    token's scale NaN, as the torch function gives (the matmul then writes that row NaN), the other
+    tokens untouched. On the GPU tl.max and tl.maximum drop NaNs unless told; the interpreter keeps
+    them either way. (Codes are not compared: the interpreter's cast of NaN to e4m3 is not NaN.)"""
+    args = list(feed_cases(device=device)[variant])
+    poisoned = args[0].clone()
+    poisoned.view(poisoned.shape[0], -1)[2, 7] = float("nan")
+    args = (poisoned, *args[1:], 0)
+    got, want = M.FEED_KERNELS[variant](*args), getattr(M, variant)(*args)
+    assert torch.isnan(got[-1][2]).all() and torch.isnan(want[-1][2]).all()
+    keep = [0, 1, 3, 4]
+    assert_same_quantised([g[keep] for g in got], [w[keep] for w in want])
