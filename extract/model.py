@@ -670,7 +670,8 @@ class TargetModel(nn.Module):
         T = input_ids_T.shape[0]
         pad = -T % BLOCKWISE_TOKEN_MULTIPLE if self.pw.fp8_group and device.type == "cuda" else 0
         # Block-scaled FP8 on CUDA: the batch is padded for cuBLAS's blockwise kernel (fp8_linear) once
-        # here rather than in every matmul; padding tokens form one more isolated sequence, dropped after.
+        # here rather than in every matmul; padding tokens join the batch's isolated tail (kernels.prepare)
+        # and are dropped after (all ops are causal: the real tokens never read them).
         if pad:
             input_ids_T = torch.cat([input_ids_T, input_ids_T.new_zeros(pad)])
             position_ids_T = torch.cat(
