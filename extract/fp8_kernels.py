@@ -82,7 +82,7 @@ if triton is not None:
 
     @triton.jit
     def _silu(x):
-        return x / (1.0 + tl.exp(-x))
+        return tl.div_rn(x, 1.0 + tl.exp(-x))  # IEEE division, as torch's silu
 
     @triton.jit
     def _nan_max(a, b):
@@ -141,7 +141,7 @@ if triton is not None:
                 h + tl.load(delta_ptr + t * stride_delta + offs, mask=mask, other=0.0).to(tl.float32), EXACT_CASTS
             )
             tl.store(h_out_ptr + t * X + offs, h.to(tl.bfloat16), mask=mask)
-        inv_rms = 1.0 / tl.sqrt(tl.sum(tl.sum(h * h, axis=1), axis=0) / X + eps)
+        inv_rms = tl.rsqrt(tl.sum(tl.sum(h * h, axis=1), axis=0) * (1.0 / X) + eps)  # as torch: mean, rsqrt
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = _to_bf16(h * inv_rms * (1.0 + w), EXACT_CASTS)
         if KEEP_DENSE:
@@ -161,7 +161,7 @@ if triton is not None:
         mask = (m < M) & (d < D)
         o = tl.load(o_ptr + t * stride_o + offs, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + t * stride_z + offs, mask=mask, other=0.0).to(tl.float32)
-        inv_rms = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / D + eps)  # [P]: one per head
+        inv_rms = tl.rsqrt(tl.sum(o * o, axis=1) * (1.0 / D) + eps)  # [P]: one per head
         normed = _to_bf16(o * inv_rms[:, None], EXACT_CASTS)
         w = tl.load(w_ptr + d).to(tl.float32)
         y = _to_bf16(w * normed, EXACT_CASTS)
@@ -183,7 +183,8 @@ if triton is not None:
         head, within = offs // D, offs % D
         o = tl.load(o_ptr + t * stride_o + offs, mask=mask, other=0.0).to(tl.float32)
         gate = tl.load(gate_ptr + t * stride_gate + head * stride_gate_head + within, mask=mask, other=0.0)
-        y = _to_bf16(o * _to_bf16(tl.sigmoid(gate.to(tl.float32)), EXACT_CASTS), EXACT_CASTS)
+        sig = tl.div_rn(1.0, 1.0 + tl.exp(-gate.to(tl.float32)))  # tl.sigmoid divides approximately
+        y = _to_bf16(o * _to_bf16(sig, EXACT_CASTS), EXACT_CASTS)
         _store_quantised(y, offs, mask, tl.arange(0, R), x8_ptr + t * N * D, scale_ptr + t * G, GROUPED)
 
     @triton.jit

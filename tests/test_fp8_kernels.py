@@ -2,7 +2,12 @@
 replace (extract/model.py's *_fp8 variants) and against float64 math. On CPU they run under Triton's
 interpreter (tests/conftest.py turns it on); the `gpu` tests run them compiled at 27B widths."""
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -241,3 +246,27 @@ def test_a_nan_makes_its_row_nan_as_in_torch(variant, device):
     assert torch.isnan(got[-1][2]).all() and torch.isnan(want[-1][2]).all()
     keep = [0, 1, 3, 4]
     assert_same_quantised([g[keep] for g in got], [w[keep] for w in want])
+
+
+def test_every_kernel_compiles_for_hopper_without_a_gpu():
+    """The GPU path (not the interpreter's) compiles: each kernel, rowwise and grouped, to sm_90 code,
+    with IEEE divisions only (an approximate one moved e4m3 ties on the H200), NaN-propagating
+    maxima, and the hardware's round-to-nearest e4m3 conversion."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("fp8_kernels_aot.py"))],
+        env={**env, "PYTHONPATH": str(Path(__file__).parents[1])},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert sorted({r["kernel"] for r in rows}) == sorted(
+        f"_{name}_kernel"
+        for name in ("add_rmsnorm_quant", "gated_rmsnorm_quant", "sigmoid_gate_quant", "silu_mul_quant")
+    )
+    for r in rows:
+        assert r["cubin"], r
+        assert r["div.rn.f32"] > 0 and r["div.full.f32"] == 0 and r["div.approx"] == 0, r
+        assert r["max.NaN.f32"] > 0 and r["cvt.rn.satfinite.e4m3x2"] > 0, r

@@ -1,0 +1,124 @@
+"""Compile every FP8 feed kernel (extract/fp8_kernels.py) for Hopper (sm_90) ahead of time, with no GPU:
+triton's wheel carries the CUDA backend and ptxas. Run as a script (tests/test_fp8_kernels.py does, in
+a subprocess without TRITON_INTERPRET, which the CPU test session sets); prints one JSON line per
+kernel variant with the instruction counts the test checks."""
+
+import json
+import os
+import re
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from extract import fp8_kernels as K  # noqa: E402
+
+target = GPUTarget("cuda", 90, 32)
+cases = {
+    "_add_rmsnorm_quant_kernel": (
+        K._add_rmsnorm_quant_kernel,
+        {
+            "h_ptr": "*bf16",
+            "delta_ptr": "*bf16",
+            "w_ptr": "*bf16",
+            "h_out_ptr": "*bf16",
+            "dense_ptr": "*bf16",
+            "x8_ptr": "*fp8e4nv",
+            "scale_ptr": "*fp32",
+            "stride_h": "i32",
+            "stride_delta": "i32",
+            "G": "i32",
+            "eps": "fp32",
+            "X": "constexpr",
+            "HAS_DELTA": "constexpr",
+            "KEEP_DENSE": "constexpr",
+            "GROUPED": "constexpr",
+            "P": "constexpr",
+            "C": "constexpr",
+            "EXACT_CASTS": "constexpr",
+        },
+        [
+            dict(X=5120, HAS_DELTA=True, KEEP_DENSE=True, GROUPED=False, P=64, C=128, EXACT_CASTS=True),
+            dict(X=5120, HAS_DELTA=True, KEEP_DENSE=False, GROUPED=True, P=64, C=128, EXACT_CASTS=True),
+        ],
+    ),
+    "_gated_rmsnorm_quant_kernel": (
+        K._gated_rmsnorm_quant_kernel,
+        {
+            "o_ptr": "*bf16",
+            "z_ptr": "*bf16",
+            "w_ptr": "*bf16",
+            "x8_ptr": "*fp8e4nv",
+            "scale_ptr": "*fp32",
+            "stride_o": "i32",
+            "stride_z": "i32",
+            "G": "i32",
+            "eps": "fp32",
+            "M": "constexpr",
+            "GROUPED": "constexpr",
+            "P": "constexpr",
+            "D": "constexpr",
+            "EXACT_CASTS": "constexpr",
+        },
+        [
+            dict(M=48, GROUPED=False, P=64, D=128, EXACT_CASTS=True),
+            dict(M=48, GROUPED=True, P=64, D=128, EXACT_CASTS=True),
+        ],
+    ),
+    "_sigmoid_gate_quant_kernel": (
+        K._sigmoid_gate_quant_kernel,
+        {
+            "o_ptr": "*bf16",
+            "gate_ptr": "*bf16",
+            "x8_ptr": "*fp8e4nv",
+            "scale_ptr": "*fp32",
+            "stride_o": "i32",
+            "stride_gate": "i32",
+            "stride_gate_head": "i32",
+            "G": "i32",
+            "N": "constexpr",
+            "D": "constexpr",
+            "GROUPED": "constexpr",
+            "R": "constexpr",
+            "C": "constexpr",
+            "EXACT_CASTS": "constexpr",
+        },
+        [
+            dict(N=24, D=256, GROUPED=False, R=64, C=128, EXACT_CASTS=True),
+            dict(N=24, D=256, GROUPED=True, R=64, C=128, EXACT_CASTS=True),
+        ],
+    ),
+    "_silu_mul_quant_kernel": (
+        K._silu_mul_quant_kernel,
+        {
+            "gate_ptr": "*bf16",
+            "up_ptr": "*bf16",
+            "x8_ptr": "*fp8e4nv",
+            "scale_ptr": "*fp32",
+            "stride_gate": "i32",
+            "stride_up": "i32",
+            "G": "i32",
+            "X": "constexpr",
+            "GROUPED": "constexpr",
+            "P": "constexpr",
+            "C": "constexpr",
+            "EXACT_CASTS": "constexpr",
+        },
+        [
+            dict(X=17408, GROUPED=False, P=16, C=128, EXACT_CASTS=True),
+            dict(X=17408, GROUPED=True, P=16, C=128, EXACT_CASTS=True),
+        ],
+    ),
+}
+INSTRUCTIONS = ("div.rn.f32", "div.full.f32", "div.approx", "max.NaN.f32", "cvt.rn.satfinite.e4m3x2")
+
+if __name__ == "__main__":
+    for name, (fn, signature, variants) in cases.items():
+        for consts in variants:
+            constexprs = {(fn.arg_names.index(k),): v for k, v in consts.items()}
+            kernel = triton.compile(ASTSource(fn=fn, signature=dict(signature), constexprs=constexprs), target=target)
+            ptx = kernel.asm["ptx"]
+            counts = {op: len(re.findall(re.escape(op), ptx)) for op in INSTRUCTIONS}
+            print(json.dumps({"kernel": name, "grouped": consts["GROUPED"], "cubin": "cubin" in kernel.asm, **counts}))
