@@ -85,13 +85,31 @@ class Fp8Input:
 # ---- the matmuls --------------------------------------------------------------------------------
 def blockwise_kernel_fits(device: torch.device, block: Fp8BlockFormat, n: int, k: int) -> bool:
     """Whether scaled_mm's blockwise CUDA kernel runs an [N, K] weight of `block` on `device`: CUDA,
-    128x128 blocks, N and K multiples of 128 (whole blocks only); else block_fp8_matmul_fp32 runs."""
+    128x128 blocks, N and K multiples of 128 (whole blocks only), and K / 128 a multiple of 4 (torch
+    checks the weight scales' leading dimension against that: K = 640 is refused, 5120 taken); else
+    block_fp8_matmul_fp32 runs. The GPU itself is checked once, by check_blockwise_device."""
     return (
         device.type == "cuda"
         and (block.block_n, block.block_k) == (GPU_BLOCK, GPU_BLOCK)
         and n % GPU_BLOCK == 0
         and k % GPU_BLOCK == 0
+        and (k // GPU_BLOCK) % 4 == 0
     )
+
+
+def check_blockwise_device(device: torch.device) -> None:
+    """Refuse block-scaled FP8 on a CUDA GPU torch has no blockwise kernel for: its 1x128 x 128x128
+    scaled_mm runs on Hopper (sm_90) only, and the fp32 fallback is far too slow for a real target."""
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        raise ValueError(
+            f"--compute fp8 on an FP8 checkpoint keeps its 128x128 block scales and needs torch's blockwise "
+            f"FP8 matmul, which runs on Hopper (sm_90) only; {torch.cuda.get_device_name(device)} is "
+            f"sm_{major}{minor}: use --compute dense (the FP8 weights dequantised to bf16), or the bf16 "
+            f"release with --compute fp8 (rowwise FP8)"
+        )
 
 
 # cuBLAS's blockwise kernel refuses token counts off a multiple of 16 (CUBLAS_STATUS_NOT_SUPPORTED at
@@ -220,9 +238,10 @@ def convert_linears(
     """Put every FP8_LINEARS layer of `model` on e4m3 weights, in place, and concatenate each
     LINEAR_GROUPS entry. block None: rowwise (weights quantised per output channel). Else block mode:
     a layer named in `stored` ("layers.0.mlp.up_proj.weight" -> (e4m3 [N, K], fp32 scales [n, k]))
-    takes those tensors unchanged, the others are quantised into `block` blocks. Each dense copy is freed."""
+    takes those tensors unchanged, the others are quantised into `block` blocks. Each dense copy is freed.
+    `stored` is consumed (emptied): a caller's reference must not keep the kept tensors alive twice
+    while the groups are concatenated (16.6 GB of device memory at 27B)."""
     done = Fp8Conversion()
-    stored = dict(stored)
     for name, layer in model.named_modules():
         if not _is_fp8_linear(name, layer):
             continue

@@ -42,6 +42,7 @@ from extract import fp8_kernels
 from extract.fp8_linear import (
     BLOCKWISE_TOKEN_MULTIPLE,
     Fp8Input,
+    check_blockwise_device,
     convert_linears,
     fp8_kernel_report,
     fp8_weight_names,
@@ -495,6 +496,8 @@ class TargetModel(nn.Module):
         with torch.device("meta"):
             model = cls(cfg, kernels, last_layer=last_layer, with_head=with_head)
         block = checkpoint_quantization(path) if compute == "fp8" else None
+        if block is not None:
+            check_blockwise_device(device)  # before any tensor is read
         keep = fp8_weight_names(model) if block is not None else ()
         stored = load_weights_into(model, path, device=device, dtype=dtype, keep_fp8=keep)
         return model.set_compute(compute, block=block, stored=stored).eval()
@@ -591,6 +594,8 @@ class TargetModel(nn.Module):
             )
         if stored and block is None:
             raise ValueError("use_fp8_compute: FP8 weights kept as stored need their block format (block=)")
+        if block is not None:
+            check_blockwise_device(device)
         done = convert_linears(self, block, stored or {})
         self.pw.fp8 = True
         self.pw.fp8_group = 0 if block is None else block.block_k

@@ -22,7 +22,7 @@ from extract.fp8_linear import (
     grouped_linears,
     linear,
 )
-from extract.kernels import select_kernels
+from extract.kernels import KernelChoice, select_kernels
 from extract.model import ForwardOptions, Pointwise, TargetModel, zero_centred_rmsnorm
 from extract.quantization import (
     MIN_AMAX,
@@ -138,6 +138,8 @@ def test_kernel_choice_and_its_report():
     assert not blockwise_kernel_fits(cpu, b128, 17408, 5120)
     assert not blockwise_kernel_fits(cuda, b128, 160, 5120) and not blockwise_kernel_fits(cuda, b128, 5120, 96)
     assert not blockwise_kernel_fits(cuda, Fp8BlockFormat(block_n=64, block_k=64), 5120, 5120)
+    # torch wants K / 128 a multiple of 4 for the weight scales (checked on meta tensors: 640 refused)
+    assert not blockwise_kernel_fits(cuda, b128, 5120, 640) and blockwise_kernel_fits(cuda, b128, 5120, 512)
     done = Fp8Conversion(num_layers=10, num_as_stored=9, num_fp32_fallback=4, num_groups=3)
     (level, line), (warn_level, warn) = fp8_kernel_report(done, b128, cuda, compiled=True, concat=True)
     assert level == logging.INFO and "checkpoint's 128x128 block scales" in line and "9 weights as stored" in line
@@ -260,6 +262,28 @@ def test_each_forward_cut_switched_off_gives_the_same_hidden_states_in_block_mod
     model.set_forward_options(ForwardOptions(fuse_residual=False, split_conv=False, concat_linears=False))
     got = model.forward_packed(ids, pos, cu, taps)
     assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+
+
+def test_block_mode_is_refused_before_loading_on_a_gpu_without_the_blockwise_kernel(fp8_targets, monkeypatch):
+    """torch's 1x128 x 128x128 scaled_mm exists for sm_90 only: an L40S (sm_89) or a B200 (sm_100) would
+    load the whole target and fail at the first matmul. Refused before any tensor is read."""
+    import extract.checkpoint
+
+    kernels = KernelChoice(gated_delta_backend="torch", conv_backend="torch", attention_backend="sdpa")
+    for capability, name in (((8, 9), "NVIDIA L40S"), ((10, 0), "NVIDIA B200")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        monkeypatch.setattr(extract.checkpoint, "load_weights_into", lambda *a, **k: pytest.fail("loaded"))
+        with pytest.raises(ValueError, match=rf"Hopper \(sm_90\) only; {name} is sm_{capability[0]}{capability[1]}"):
+            TargetModel.from_pretrained(fp8_targets[32], "cuda", kernels=kernels, compute="fp8")
+
+
+def test_the_kept_weights_are_handed_over_not_copied(fp8_targets):
+    model = TargetModel.from_pretrained(fp8_targets[32], "cpu", compute="dense")
+    fmt = Fp8BlockFormat(block_n=32, block_k=32)
+    stored = {"layers.0.mlp.up_proj.weight": quantize_fp8_blocks(model.layers[0].mlp.up_proj.weight, fmt)}
+    model.use_fp8_compute(block=fmt, stored=stored)
+    assert stored == {}  # consumed: nothing else keeps the kept tensors alive while groups concatenate
 
 
 def test_block_mode_refusals(fp8_targets):
