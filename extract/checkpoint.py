@@ -130,6 +130,7 @@ def _source_name(local_name: str, naming: str, locations: dict[str, Path], tied:
 
 
 MAX_REPORTED_TENSORS = 20  # bad tensors listed in one error; the rest are counted
+SCALE_DTYPES = ("F32", "BF16", "F16")  # weight_scale_inv as the releases store it (float32) or narrower
 
 
 def check_tensors(ckpt_dir: str | Path, expected: dict[str, tuple[int, ...]], tied: bool) -> None:
@@ -145,6 +146,7 @@ def check_tensors(ckpt_dir: str | Path, expected: dict[str, tuple[int, ...]], ti
     headers: dict[Path, dict[str, tuple[tuple[int, ...], str]] | None] = {}  # file -> name -> (shape, dtype)
     problems: list[str] = []
     num_missing = 0  # a missing tensor makes the error a MissingTensorError (a KeyError) as well
+    num_fp8 = 0  # weights stored as e4m3: an FP8 config over none of them is the wrong config
 
     def header(path: Path) -> dict[str, tuple[tuple[int, ...], str]] | None:
         if path not in headers:
@@ -184,14 +186,30 @@ def check_tensors(ckpt_dir: str | Path, expected: dict[str, tuple[int, ...]], ti
             )
             continue
         found = check(source, want, "from config.json")
+        if found is not None and found[1].startswith("F8_") and found[1] != "F8_E4M3":
+            problems.append(
+                f"{locations[source]}: {source} is stored as {found[1]}; the FP8 loader reads e4m3 (F8_E4M3) "
+                f"weights with block scales only"
+            )
         if found is not None and found[1] == "F8_E4M3" and found[0] == want:
+            num_fp8 += 1
             scale = scale_name(source)
             if quant is None:
                 problems.append(f"{locations[source]}: {source} is FP8 but config.json has no quantization_config")
             elif scale not in locations:
                 problems.append(f"{locations[source]}: {source} is FP8 but its block scales {scale!r} are missing")
             else:
-                check(scale, quant.scale_shape(want), f"for {source} {want} in {quant.describe()}")
+                held = check(scale, quant.scale_shape(want), f"for {source} {want} in {quant.describe()}")
+                if held is not None and held[1] not in SCALE_DTYPES:
+                    problems.append(
+                        f"{locations[scale]}: {scale} is stored as {held[1]}; block scales are floats "
+                        f"({', '.join(SCALE_DTYPES)})"
+                    )
+    if quant is not None and not num_fp8 and not problems:
+        problems.append(
+            f"{ckpt_dir / 'config.json'}: quantization_config says {quant.describe()}, but no weight is stored "
+            f"as float8_e4m3fn: remove quantization_config if this is the bf16 release"
+        )
     if problems:
         shown = problems[:MAX_REPORTED_TENSORS]
         more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
@@ -319,6 +337,15 @@ def read_fp8_pair(
             f"{locations[scale]}: {scale} has shape {tuple(scale_inv.shape)}, expected {want} for "
             f"{source} {tuple(w8.shape)} in {quant.describe()}"
         )
+    bad_scales = ~torch.isfinite(scale_inv.float()) | (scale_inv.float() < 0)
+    if bad_scales.any():
+        raise ValueError(
+            f"{locations[scale]}: {scale} holds {int(bad_scales.sum())} negative or non-finite block scale(s) "
+            f"(first {scale_inv.flatten()[bad_scales.flatten()][0].item()!r}); weight_scale_inv is amax / 448 >= 0: "
+            f"the checkpoint is damaged (re-download it)"
+        )
+    if ((w8.view(torch.uint8) & 0x7F) == 0x7F).any():  # e4m3fn's NaN codes (it has no infinity)
+        raise ValueError(f"{path}: {source} holds NaN e4m3 codes: the checkpoint is damaged (re-download it)")
     return w8, scale_inv
 
 

@@ -35,10 +35,11 @@ def main(gpus: str | None, **options) -> None:
         return
     cfg = build_config(ExtractConfig, options)
     from .runner import CacheMismatchError, ExtractionStopped, run_extract  # heavy imports after argument checks
+    from .writer import NonFiniteHiddenError
 
     try:
         summary = run_extract(cfg)
-    except (CacheMismatchError, ValueError, OSError) as e:
+    except (CacheMismatchError, NonFiniteHiddenError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from e
     except ExtractionStopped as e:  # pre-empted: a clean stop, reported as 128 + SIGTERM like a killed job
         click.echo(f"stopped: {e}", err=True)

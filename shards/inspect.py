@@ -90,7 +90,7 @@ class VerifyReport:
             "rewrites the manifest"
         )
         if self.extract_command:
-            rerun += f" (cache.json records it: {self.extract_command})"
+            rerun += f" (as cache.json records it, less --overwrite and --fast-resume: {resume_command(self.extract_command)})"
         if head:
             return (
                 "the target head is damaged and a resume keeps it: extract again into a new --out, or pass "
@@ -101,6 +101,20 @@ class VerifyReport:
         if shards:
             return rerun
         return f"rebuild the manifest from the shards with `dflash-shards index {self.cache_dir}`"
+
+
+# Flags of the recorded command that a repair must not repeat: --overwrite deletes the finished shards,
+# --fast-resume trusts them without reading them.
+NOT_FOR_REPAIR = ("--overwrite", "--fast-resume")
+
+
+def resume_command(command: str) -> str:
+    """The recorded dflash-extract command without the NOT_FOR_REPAIR flags (shell words kept as quoted)."""
+    try:
+        words = shlex.split(command)
+    except ValueError:  # not shell syntax after all: drop the flags word by word
+        return " ".join(w for w in command.split() if w not in NOT_FOR_REPAIR)
+    return shlex.join([w for w in words if w not in NOT_FOR_REPAIR])
 
 
 def verify_cache(cache_dir: str | Path, quarantine: bool = False) -> VerifyReport:

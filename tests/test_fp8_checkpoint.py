@@ -156,7 +156,18 @@ def test_quantization_config_inside_text_config_is_read():
 def test_broken_fp8_checkpoints_name_the_tensor(fp8_target, tmp_path):
     tensors = load_file(str(fp8_target / "model.safetensors"))
     name = "model.language_model.layers.1.mlp.down_proj.weight"
-    for case in ("no scale", "scale shape", "no config"):
+    cases = ("no scale", "scale shape", "no config", "e5m2 weight", "int scale", "negative scale", "nan scale")
+    cases += ("nan weight", "fp8 config, bf16 weights")
+    matches = {
+        "no config": "no quantization_config",
+        "e5m2 weight": "down_proj.weight is stored as F8_E5M2",
+        "int scale": "down_proj.weight_scale_inv is stored as I32",
+        "negative scale": "negative or non-finite block scale",
+        "nan scale": "negative or non-finite block scale",
+        "nan weight": "down_proj.weight holds NaN e4m3 codes",
+        "fp8 config, bf16 weights": "no weight is stored as float8_e4m3fn",
+    }
+    for case in cases:
         bad = tmp_path / case.replace(" ", "_")
         bad.mkdir()
         config = json.loads((fp8_target / "config.json").read_text())
@@ -165,12 +176,27 @@ def test_broken_fp8_checkpoints_name_the_tensor(fp8_target, tmp_path):
             del broken[name + "_scale_inv"]
         elif case == "scale shape":
             broken[name + "_scale_inv"] = broken[name + "_scale_inv"][:, :1].contiguous()
-        else:
+        elif case == "no config":
             del config["quantization_config"]
+        elif case == "e5m2 weight":  # same bytes read as the other FP8 format: silently wrong values before
+            broken[name] = broken[name].view(torch.float8_e5m2)
+        elif case == "int scale":
+            broken[name + "_scale_inv"] = broken[name + "_scale_inv"].to(torch.int32)
+        elif case == "negative scale":
+            broken[name + "_scale_inv"] = -broken[name + "_scale_inv"]
+        elif case == "nan scale":
+            broken[name + "_scale_inv"] = broken[name + "_scale_inv"].clone()
+            broken[name + "_scale_inv"][0, 0] = float("nan")
+        elif case == "nan weight":
+            codes = broken[name].view(torch.uint8).clone()
+            codes[0, 0] = 0x7F
+            broken[name] = codes.view(torch.float8_e4m3fn)
+        elif case == "fp8 config, bf16 weights":  # the bf16 release with an FP8 release's config.json
+            broken = {k: (v.float() if v.dtype == torch.float8_e4m3fn else v) for k, v in broken.items()}
+            broken = {k: v for k, v in broken.items() if not k.endswith("_scale_inv")}
         (bad / "config.json").write_text(json.dumps(config))
         save_file(broken, str(bad / "model.safetensors"))
-        match = "no quantization_config" if case == "no config" else "down_proj.weight_scale_inv"
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match=matches.get(case, "down_proj.weight_scale_inv")):
             TargetModel.from_pretrained(bad, "cpu", dtype=torch.float32)
 
 

@@ -310,3 +310,11 @@ def test_packing_and_dataset_are_typed_records_with_the_same_json_keys(tmp_path)
     assert CacheConfig.from_json(json.dumps({**raw, "packing": packing, "dataset": older})).dataset == cfg.dataset
     with pytest.raises(CacheFormatError, match=r"packing has fields .*expected"):
         CacheConfig.from_json(json.dumps({**raw, "packing": {**packing, "extra": 1}}))
+
+
+def test_the_repair_hint_never_repeats_overwrite_or_fast_resume():
+    from shards.inspect import resume_command
+
+    recorded = "dflash-extract --target /m --data 'my data.jsonl' --out /c --overwrite --fast-resume --compute fp8"
+    assert resume_command(recorded) == "dflash-extract --target /m --data 'my data.jsonl' --out /c --compute fp8"
+    assert resume_command("dflash-extract --out /c --overwrite 'unbalanced") == "dflash-extract --out /c 'unbalanced"
