@@ -65,8 +65,9 @@ class ExtractConfig:
     dtype: TargetDtype = "bfloat16"
     """Dtype the target runs in."""
     compute: ComputeMode = "dense"
-    """The target's linear layers: dense (matmuls in --dtype) or fp8 (e4m3 matmuls with per-token and
-    per-channel scales; needs --dtype bfloat16 and, on GPUs, sm_89+; hidden states differ slightly)."""
+    """The target's linear layers: dense (matmuls in --dtype) or fp8 (e4m3 matmuls: per-token and
+    per-channel scales on a bf16 checkpoint, sm_89+; an FP8 checkpoint's own 128x128 block scales,
+    Hopper only; needs --dtype bfloat16; hidden states differ by a few percent)."""
     device: str = "auto"
     """auto = cuda:LOCAL_RANK when CUDA exists, else cpu; or cpu, cuda, cuda:N."""
     allow_slow_kernels: bool = False

@@ -15,6 +15,7 @@ from extract.data import Sample, write_jsonl
 from extract.model import TargetModel
 from extract.quantization import UnsupportedQuantizationError, read_quantization
 from shards import read_cache_config
+from tools.shards_cli import main as shards_cli
 from tools.tiny_target import write_random_checkpoint
 
 BLOCK = 24  # does not divide the tiny widths (64, 160, ...): partial edge blocks are exercised
@@ -209,3 +210,6 @@ def test_extract_from_fp8_checkpoint_records_it(fp8_target, tmp_path):
     target = read_cache_config(out).target
     assert target.quantization == f"fp8 e4m3, {BLOCK}x{BLOCK} blocks (dequantised at load)"
     assert target.compute == "dense"
+    info = CliRunner().invoke(shards_cli, ["info", str(out)])
+    assert info.exit_code == 0, info.output
+    assert f"dense compute; checkpoint fp8 e4m3, {BLOCK}x{BLOCK} blocks (dequantised at load)" in info.output

@@ -41,6 +41,8 @@ def info(cache: str, as_json: bool) -> None:
         [
             f"cache            {s['cache']} (format v{s['format_version']})",
             f"target           {s['target']} (hidden {s['hidden_size']}), taps {s['tap_layer_ids']}",
+            f"target ran as    {s['target_dtype']}, {s['target_compute']} compute"
+            + (f"; checkpoint {s['target_quantization']}" if s["target_quantization"] else ""),
             f"storage          {s['storage_dtype']}, target top-k {s['target_topk']}, "
             f"{format_bytes(s['bytes_per_token'])}/token",
             f"packing          token budget {s['token_budget']}, max {s['max_seqs']} seqs/shard",
