@@ -34,15 +34,10 @@ cases = {
             "X": "constexpr",
             "HAS_DELTA": "constexpr",
             "KEEP_DENSE": "constexpr",
-            "GROUPED": "constexpr",
             "P": "constexpr",
             "C": "constexpr",
-            "EXACT_CASTS": "constexpr",
         },
-        [
-            dict(X=5120, HAS_DELTA=True, KEEP_DENSE=True, GROUPED=False, P=64, C=128, EXACT_CASTS=True),
-            dict(X=5120, HAS_DELTA=True, KEEP_DENSE=False, GROUPED=True, P=64, C=128, EXACT_CASTS=True),
-        ],
+        dict(X=5120, HAS_DELTA=True, KEEP_DENSE=True, P=64, C=128),
     ),
     "_gated_rmsnorm_quant_kernel": (
         K._gated_rmsnorm_quant_kernel,
@@ -57,15 +52,10 @@ cases = {
             "G": "i32",
             "eps": "fp32",
             "M": "constexpr",
-            "GROUPED": "constexpr",
             "P": "constexpr",
             "D": "constexpr",
-            "EXACT_CASTS": "constexpr",
         },
-        [
-            dict(M=48, GROUPED=False, P=64, D=128, EXACT_CASTS=True),
-            dict(M=48, GROUPED=True, P=64, D=128, EXACT_CASTS=True),
-        ],
+        dict(M=48, P=64, D=128),
     ),
     "_sigmoid_gate_quant_kernel": (
         K._sigmoid_gate_quant_kernel,
@@ -80,15 +70,10 @@ cases = {
             "G": "i32",
             "N": "constexpr",
             "D": "constexpr",
-            "GROUPED": "constexpr",
             "R": "constexpr",
             "C": "constexpr",
-            "EXACT_CASTS": "constexpr",
         },
-        [
-            dict(N=24, D=256, GROUPED=False, R=64, C=128, EXACT_CASTS=True),
-            dict(N=24, D=256, GROUPED=True, R=64, C=128, EXACT_CASTS=True),
-        ],
+        dict(N=24, D=256, R=64, C=128),
     ),
     "_silu_mul_quant_kernel": (
         K._silu_mul_quant_kernel,
@@ -101,24 +86,21 @@ cases = {
             "stride_up": "i32",
             "G": "i32",
             "X": "constexpr",
-            "GROUPED": "constexpr",
             "P": "constexpr",
             "C": "constexpr",
-            "EXACT_CASTS": "constexpr",
         },
-        [
-            dict(X=17408, GROUPED=False, P=16, C=128, EXACT_CASTS=True),
-            dict(X=17408, GROUPED=True, P=16, C=128, EXACT_CASTS=True),
-        ],
+        dict(X=17408, P=16, C=128),
     ),
 }
 INSTRUCTIONS = ("div.rn.f32", "div.full.f32", "div.approx", "max.NaN.f32", "cvt.rn.satfinite.e4m3x2")
 
 if __name__ == "__main__":
-    for name, (fn, signature, variants) in cases.items():
-        for consts in variants:
+    for name, (fn, signature, shape) in cases.items():
+        for grouped in (False, True):  # rowwise, and per 128 channels (block mode)
+            consts = {**shape, "GROUPED": grouped, "EXACT_CASTS": True}
+            signature = {**signature, "GROUPED": "constexpr", "EXACT_CASTS": "constexpr"}
             constexprs = {(fn.arg_names.index(k),): v for k, v in consts.items()}
-            kernel = triton.compile(ASTSource(fn=fn, signature=dict(signature), constexprs=constexprs), target=target)
+            kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target)
             ptx = kernel.asm["ptx"]
             counts = {op: len(re.findall(re.escape(op), ptx)) for op in INSTRUCTIONS}
             print(json.dumps({"kernel": name, "grouped": consts["GROUPED"], "cubin": "cubin" in kernel.asm, **counts}))
