@@ -259,6 +259,12 @@ def _check_rows(name: str, *tensors: torch.Tensor) -> None:
             raise UnsupportedShape(f"{name}: the FP8 feed kernels take bfloat16 inputs, found {x.dtype}")
 
 
+def _check_group(name: str, group: int, X: int) -> None:
+    """A scale group must be a power of two that divides the row (0: one scale per row)."""
+    if group and (group & (group - 1) or X % group):
+        raise UnsupportedShape(f"{name}: group {group} must be a power of two dividing {X} channels")
+
+
 def _tile(X: int, group: int) -> tuple[int, int]:
     """(P, C): a [P, C] tile covering a row of X channels; C is the group width when grouped."""
     C = group if group else min(128, triton.next_power_of_2(X))
@@ -285,8 +291,7 @@ def add_rmsnorm_quant(
     zero_centred_rmsnorm(h + delta, w) quantised per token (group 0) or per `group` channels."""
     T, X = h_TX.shape
     _check_rows("add_rmsnorm_quant", h_TX, *([] if delta_TX is None else [delta_TX]))
-    if group and (group & (group - 1) or X % group):
-        raise UnsupportedShape(f"add_rmsnorm_quant: group {group} must be a power of two dividing {X} channels")
+    _check_group("add_rmsnorm_quant", group, X)
     P, C = _tile(X, group)
     if P * C > TILE_CHANNELS:
         raise UnsupportedShape(f"add_rmsnorm_quant: rows of {X} channels exceed one tile ({TILE_CHANNELS})")
@@ -334,8 +339,9 @@ def sigmoid_gate_quant(
     _check_rows("sigmoid_gate_quant", o_TND, gate_TND)
     if not o_TND.is_contiguous():
         raise UnsupportedShape("sigmoid_gate_quant: the attention output must be contiguous")
-    if D & (D - 1) or (group and (group & (group - 1) or D % group)):
-        raise UnsupportedShape(f"sigmoid_gate_quant: head dim {D} and group {group} must be powers of two, group | D")
+    if D & (D - 1):
+        raise UnsupportedShape(f"sigmoid_gate_quant: head dim {D} must be a power of two")
+    _check_group("sigmoid_gate_quant", group, D)  # a group lies within one head
     C = group if group else min(D, 128)
     R = triton.next_power_of_2(N * D // C)
     if R * C > TILE_CHANNELS:
@@ -360,10 +366,9 @@ def silu_mul_quant(gate_TX: torch.Tensor, up_TX: torch.Tensor, group: int = 0) -
     """(e4m3 [T, X], scale [T, G]) of silu(gate) * up, per token or per `group` channels."""
     T, X = gate_TX.shape
     _check_rows("silu_mul_quant", gate_TX, up_TX)
-    if group and (group & (group - 1) or X % group):
-        raise UnsupportedShape(f"silu_mul_quant: group {group} must be a power of two dividing {X} channels")
-    C = group if group else min(128, triton.next_power_of_2(X))
-    P = max(1, min(CHUNK_CHANNELS // C, triton.next_power_of_2(triton.cdiv(X, C))))  # the interpreter's chunk
+    _check_group("silu_mul_quant", group, X)
+    P, C = _tile(X, group)
+    P = max(1, min(CHUNK_CHANNELS // C, P))  # the interpreter's chunk (the GPU's is tuned)
     x8_TX, scale_TG = _outputs(T, X, group, gate_TX.device)
     args = (gate_TX, up_TX, x8_TX, scale_TG, gate_TX.stride(0), up_TX.stride(0), scale_TG.shape[1])
     _launch(_silu_mul_quant_kernel, T, args, dict(X=X, GROUPED=bool(group), C=C), ["X", "GROUPED", "C"], P)
