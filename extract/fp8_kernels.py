@@ -16,7 +16,10 @@ Kernels (T tokens, X channels, G scale groups per token):
 They run on CUDA tensors; on CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1, the
 CPU tests), whose float casts truncate: there the roundings to bf16 are done on the fp32 bits first
 (to nearest even, as the hardware); the rounding to e4m3 always is, so the interpreter checks the
-same numbers. Divisions are IEEE (tl.div_rn) and NaN propagates, as in the torch functions.
+same numbers. The quantisation multiplies by 448 / amax (one IEEE division per row or group, as
+quantize_rows_fp8 does), so for the same bf16 value both give the same code; the pointwise math
+inside (exp, rsqrt, silu's division) is the GPU's fast fp32, whose last-bit differences from torch's
+reach the bf16 outputs rarely (see tests/test_fp8_kernels.py). NaN propagates, as in torch.
 """
 
 from __future__ import annotations
@@ -70,11 +73,14 @@ if triton is not None:
         return _round_bits(x, 16)
 
     @triton.jit
-    def _to_e4m3(x):
-        """x in [-448, 448] to float8_e4m3fn, rounding to nearest even. Rounded on the fp32 bits first,
-        so that the cast itself is exact: Triton's interpreter truncates, and some Triton versions
-        convert through fp16 on sm_89 (rounding twice). Normal e4m3 keeps 3 mantissa bits; below 2^-6
+    def _to_e4m3(x, EXACT_CASTS: tl.constexpr):
+        """x to float8_e4m3fn, rounding to nearest even and saturating at +-448, NaN kept NaN. On the GPU
+        that is the hardware's conversion (cvt.rn.satfinite). Triton's interpreter truncates: there x is
+        clamped and rounded on its fp32 bits first. Normal e4m3 keeps 3 mantissa bits; below 2^-6
         (subnormal) the step is 2^-9, and adding and removing 1.5 * 2^14 rounds an fp32 to it."""
+        if EXACT_CASTS:
+            return x.to(tl.float8e4nv)
+        x = tl.minimum(_nan_max(x, -_FP8_MAX), _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         small = tl.abs(x) < 0.015625
         rounded = tl.where(small, (x + 24576.0) - 24576.0, _round_bits(x, 20))
         rounded = tl.where(rounded == 0.0, x * 0.0, rounded)  # keep the sign of zero, as torch's cast
@@ -82,7 +88,7 @@ if triton is not None:
 
     @triton.jit
     def _silu(x):
-        return tl.div_rn(x, 1.0 + tl.exp(-x))  # IEEE division, as torch's silu
+        return x / (1.0 + tl.exp(-x))
 
     @triton.jit
     def _nan_max(a, b):
@@ -91,37 +97,27 @@ if triton is not None:
     @triton.jit
     def _amax(y_abs, axis: tl.constexpr):
         """max over `axis`, NaN when any element is NaN (as torch's amax; tl.max would skip it)."""
-        has_nan = tl.max((y_abs != y_abs).to(tl.int32), axis=axis) > 0
-        return tl.where(has_nan, float("nan"), tl.max(y_abs, axis=axis))
+        return tl.reduce(y_abs, axis, _nan_max)
 
     @triton.jit
-    def _scale_of(amax):
-        """amax / 448 as torch divides (IEEE), for a scalar or a vector of amaxes."""
-        return tl.div_rn(amax, tl.zeros_like(amax) + _FP8_MAX)
+    def _scales_of(amax):
+        """(scale, 1 / scale) = (amax / 448, 448 / amax), IEEE divisions as torch's, once per row or group."""
+        fp8_max = tl.zeros_like(amax) + _FP8_MAX
+        return tl.div_rn(amax, fp8_max), tl.div_rn(fp8_max, amax)
 
     @triton.jit
-    def _quantise(y, scale):
-        """y / scale clamped to +-448 and rounded to e4m3, as torch does it: IEEE division (Triton's
-        `/` is approximate on the GPU, and a one-ulp miss moves the e4m3 ties that bf16 values often
-        sit on), NaN kept NaN."""
-        q = tl.minimum(_nan_max(tl.div_rn(y, scale), -_FP8_MAX), _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        return _to_e4m3(q)
-
-    @triton.jit
-    def _store_quantised(y, offs, mask, group_ids, x8_row, scale_row, GROUPED: tl.constexpr):
+    def _store_quantised(y, offs, mask, group_ids, x8_row, scale_row, GROUPED: tl.constexpr, EXACT_CASTS: tl.constexpr):
         """Write y (fp32, already rounded to bf16 values) as e4m3 with its scale: one per row, or per
         group (`group_ids` gives each element's group; a [P, C] tile holds whole groups per row)."""
         y_abs = tl.where(mask, tl.abs(y), 0.0)
         if GROUPED:
-            amax = _nan_max(_amax(y_abs, 1), _MIN_AMAX)  # [P]: the tile's rows are the groups
-            scale = _scale_of(amax)
+            scale, inv = _scales_of(_nan_max(_amax(y_abs, 1), _MIN_AMAX))  # [P]: the tile's rows are the groups
             tl.store(scale_row + group_ids, scale, mask=tl.max(mask.to(tl.int32), axis=1) > 0)
-            tl.store(x8_row + offs, _quantise(y, scale[:, None]), mask=mask)
+            tl.store(x8_row + offs, _to_e4m3(y * inv[:, None], EXACT_CASTS), mask=mask)
         else:
-            amax = _nan_max(_amax(_amax(y_abs, 1), 0), _MIN_AMAX)
-            scale = _scale_of(amax)
+            scale, inv = _scales_of(_nan_max(_amax(_amax(y_abs, 1), 0), _MIN_AMAX))
             tl.store(scale_row, scale)
-            tl.store(x8_row + offs, _quantise(y, scale), mask=mask)
+            tl.store(x8_row + offs, _to_e4m3(y * inv, EXACT_CASTS), mask=mask)
 
     @triton.jit
     def _add_rmsnorm_quant_kernel(
@@ -146,7 +142,7 @@ if triton is not None:
         y = _to_bf16(h * inv_rms * (1.0 + w), EXACT_CASTS)
         if KEEP_DENSE:
             tl.store(dense_ptr + t * X + offs, y.to(tl.bfloat16), mask=mask)
-        _store_quantised(y, offs, mask, tl.arange(0, P), x8_ptr + t * X, scale_ptr + t * G, GROUPED)
+        _store_quantised(y, offs, mask, tl.arange(0, P), x8_ptr + t * X, scale_ptr + t * G, GROUPED, EXACT_CASTS)
 
     @triton.jit
     def _gated_rmsnorm_quant_kernel(
@@ -166,7 +162,7 @@ if triton is not None:
         w = tl.load(w_ptr + d).to(tl.float32)
         y = _to_bf16(w * normed, EXACT_CASTS)
         y = _to_bf16(y * _silu(z), EXACT_CASTS)
-        _store_quantised(y, offs, mask, tl.arange(0, P), x8_ptr + t * M * D, scale_ptr + t * G, GROUPED)
+        _store_quantised(y, offs, mask, tl.arange(0, P), x8_ptr + t * M * D, scale_ptr + t * G, GROUPED, EXACT_CASTS)
 
     @triton.jit
     def _sigmoid_gate_quant_kernel(
@@ -183,9 +179,9 @@ if triton is not None:
         head, within = offs // D, offs % D
         o = tl.load(o_ptr + t * stride_o + offs, mask=mask, other=0.0).to(tl.float32)
         gate = tl.load(gate_ptr + t * stride_gate + head * stride_gate_head + within, mask=mask, other=0.0)
-        sig = tl.div_rn(1.0, 1.0 + tl.exp(-gate.to(tl.float32)))  # tl.sigmoid divides approximately
+        sig = 1.0 / (1.0 + tl.exp(-gate.to(tl.float32)))
         y = _to_bf16(o * _to_bf16(sig, EXACT_CASTS), EXACT_CASTS)
-        _store_quantised(y, offs, mask, tl.arange(0, R), x8_ptr + t * N * D, scale_ptr + t * G, GROUPED)
+        _store_quantised(y, offs, mask, tl.arange(0, R), x8_ptr + t * N * D, scale_ptr + t * G, GROUPED, EXACT_CASTS)
 
     @triton.jit
     def _silu_mul_chunk(gate_row, up_row, offs, mask, EXACT_CASTS: tl.constexpr):
@@ -211,7 +207,7 @@ if triton is not None:
                 mask = offs < X
                 y = _silu_mul_chunk(gate_row, up_row, offs, mask, EXACT_CASTS)
                 group_ids = start // C + tl.arange(0, P)
-                _store_quantised(y, offs, mask, group_ids, x8_row, scale_row, GROUPED)
+                _store_quantised(y, offs, mask, group_ids, x8_row, scale_row, GROUPED, EXACT_CASTS)
         else:  # the row's amax first, then the quantised row (the second walk reads L2)
             amax = tl.zeros([P, C], dtype=tl.float32)
             for start in range(0, X, P * C):
@@ -219,13 +215,13 @@ if triton is not None:
                 mask = offs < X
                 y = _silu_mul_chunk(gate_row, up_row, offs, mask, EXACT_CASTS)
                 amax = _nan_max(amax, tl.where(mask, tl.abs(y), 0.0))
-            scale = _scale_of(_nan_max(_amax(_amax(amax, 1), 0), _MIN_AMAX))
+            scale, inv = _scales_of(_nan_max(_amax(_amax(amax, 1), 0), _MIN_AMAX))
             tl.store(scale_row, scale)
             for start in range(0, X, P * C):
                 offs = start + tile
                 mask = offs < X
                 y = _silu_mul_chunk(gate_row, up_row, offs, mask, EXACT_CASTS)
-                tl.store(x8_row + offs, _quantise(y, scale), mask=mask)
+                tl.store(x8_row + offs, _to_e4m3(y * inv, EXACT_CASTS), mask=mask)
 
 
 # Launch configurations tried once per row width (triton.autotune, on the GPU): warps per program,

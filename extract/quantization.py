@@ -148,14 +148,22 @@ def quantize_fp8_blocks(w_NK: torch.Tensor, fmt: Fp8BlockFormat) -> tuple[torch.
 
 
 # ---- rowwise FP8 (the --compute fp8 matmuls) ---------------------------------------------------
+def _inverse_scale(amax: torch.Tensor) -> torch.Tensor:
+    """448 / amax, one IEEE division (a Python number over a tensor is reciprocal-then-multiply in
+    torch: two roundings, and another code now and then than the feed kernels' division)."""
+    return torch.full_like(amax, FP8_E4M3_MAX) / amax
+
+
 def quantize_rows_fp8(x_RX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [R, X], fp32 scale [R, 1]) with x ~= x8 * scale and each row's amax mapped onto 448.
 
-    Written with plain torch ops so torch.compile fuses it into the pointwise op that produces x."""
+    Written with plain torch ops so torch.compile fuses it into the pointwise op that produces x.
+    x is multiplied by 448 / amax (one division per row, not per element: the Triton feed kernels
+    do the same, so both give the same codes for the same x)."""
     x32 = x_RX.float()
-    scale_R1 = x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_E4M3_MAX
-    x8 = (x32 / scale_R1).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
-    return x8, scale_R1
+    amax_R1 = x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX)
+    x8 = (x32 * _inverse_scale(amax_R1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
+    return x8, amax_R1 / FP8_E4M3_MAX
 
 
 # ---- per-group FP8 (the activations of block-scaled matmuls) -----------------------------------
@@ -169,9 +177,9 @@ def quantize_groups_fp8(x_RX: torch.Tensor, group: int) -> tuple[torch.Tensor, t
     G = -(-X // group)
     # Zero padding to whole groups leaves every amax unchanged; the padding is cut off again below.
     x32_RGC = F.pad(x_RX.float(), (0, G * group - X)).view(*lead, G, group)
-    scale_RG = x32_RGC.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_E4M3_MAX
-    q_RGC = (x32_RGC / scale_RG.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    return q_RGC.view(*lead, G * group)[..., :X].to(FP8_DTYPE), scale_RG
+    amax_RG = x32_RGC.abs().amax(dim=-1).clamp(min=MIN_AMAX)
+    q_RGC = (x32_RGC * _inverse_scale(amax_RG).unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return q_RGC.view(*lead, G * group)[..., :X].to(FP8_DTYPE), amax_RG / FP8_E4M3_MAX
 
 
 def dequantize_groups_fp8(x8_RX: torch.Tensor, scale_RG: torch.Tensor, group: int) -> torch.Tensor:
