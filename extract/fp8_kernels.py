@@ -14,12 +14,14 @@ Kernels (T tokens, X channels, G scale groups per token):
   sigmoid_gate_quant   attention output * sigmoid(gate), flattened, e4m3 + scale
   silu_mul_quant       silu(gate) * up, e4m3 + scale
 They run on CUDA tensors; on CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1, the
-CPU tests), whose float casts truncate: there the roundings to bf16 are done on the fp32 bits first
-(to nearest even, as the hardware); the rounding to e4m3 always is, so the interpreter checks the
-same numbers. The quantisation multiplies by 448 / amax (one IEEE division per row or group, as
-quantize_rows_fp8 does), so for the same bf16 value both give the same code; the pointwise math
-inside (exp, rsqrt, silu's division) is the GPU's fast fp32, whose last-bit differences from torch's
-reach the bf16 outputs rarely (see tests/test_fp8_kernels.py). NaN propagates, as in torch.
+CPU tests), whose float casts truncate: there the roundings to bf16 and e4m3 are done on the fp32 bits
+first (to nearest even, as the hardware), so the interpreter checks the same numbers, bit for bit. On
+sm_90+ the e4m3 conversion is the hardware's (cvt.rn.satfinite: round to nearest even, saturating at
+448, NaN kept); on sm_89 Triton converts through fp16 (rounding twice), so there too the value is
+rounded on its fp32 bits first. The quantisation multiplies by 448 / amax (one IEEE division per row
+or group, as quantize_rows_fp8 does eagerly), so kernel and eager function give the same code for the
+same bf16 value; the pointwise math before it (exp, rsqrt, silu's division) is the GPU's fast fp32,
+whose last-bit differences from torch's reach the bf16 values rarely (tests/test_fp8_kernels.py).
 """
 
 from __future__ import annotations
@@ -73,12 +75,13 @@ if triton is not None:
         return _round_bits(x, 16)
 
     @triton.jit
-    def _to_e4m3(x, EXACT_CASTS: tl.constexpr):
-        """x to float8_e4m3fn, rounding to nearest even and saturating at +-448, NaN kept NaN. On the GPU
-        that is the hardware's conversion (cvt.rn.satfinite). Triton's interpreter truncates: there x is
-        clamped and rounded on its fp32 bits first. Normal e4m3 keeps 3 mantissa bits; below 2^-6
+    def _to_e4m3(x, HW_E4M3: tl.constexpr):
+        """x to float8_e4m3fn as torch's x.clamp(-448, 448).to(float8_e4m3fn): nearest even, NaN kept.
+        HW_E4M3 (sm_90+): the hardware conversion does exactly that. Otherwise (the interpreter, which
+        truncates; sm_89, where Triton goes through fp16) x is clamped and rounded on its fp32 bits
+        first, so the conversion itself is exact: normal e4m3 keeps 3 mantissa bits; below 2^-6
         (subnormal) the step is 2^-9, and adding and removing 1.5 * 2^14 rounds an fp32 to it."""
-        if EXACT_CASTS:
+        if HW_E4M3:
             return x.to(tl.float8e4nv)
         x = tl.minimum(_nan_max(x, -_FP8_MAX), _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         small = tl.abs(x) < 0.015625
@@ -101,30 +104,31 @@ if triton is not None:
 
     @triton.jit
     def _scales_of(amax):
-        """(scale, 1 / scale) = (amax / 448, 448 / amax), IEEE divisions as torch's, once per row or group."""
+        """(amax / 448, 448 / amax): the scale the matmul multiplies back and the factor that quantises,
+        each one IEEE division (as quantize_rows_fp8 computes them), once per row or group."""
         fp8_max = tl.zeros_like(amax) + _FP8_MAX
         return tl.div_rn(amax, fp8_max), tl.div_rn(fp8_max, amax)
 
     @triton.jit
-    def _store_quantised(y, offs, mask, group_ids, x8_row, scale_row, GROUPED: tl.constexpr, EXACT_CASTS: tl.constexpr):
+    def _store_quantised(y, offs, mask, group_ids, x8_row, scale_row, GROUPED: tl.constexpr, HW_E4M3: tl.constexpr):
         """Write y (fp32, already rounded to bf16 values) as e4m3 with its scale: one per row, or per
         group (`group_ids` gives each element's group; a [P, C] tile holds whole groups per row)."""
         y_abs = tl.where(mask, tl.abs(y), 0.0)
         if GROUPED:
             scale, inv = _scales_of(_nan_max(_amax(y_abs, 1), _MIN_AMAX))  # [P]: the tile's rows are the groups
             tl.store(scale_row + group_ids, scale, mask=tl.max(mask.to(tl.int32), axis=1) > 0)
-            tl.store(x8_row + offs, _to_e4m3(y * inv[:, None], EXACT_CASTS), mask=mask)
+            tl.store(x8_row + offs, _to_e4m3(y * inv[:, None], HW_E4M3), mask=mask)
         else:
             scale, inv = _scales_of(_nan_max(_amax(_amax(y_abs, 1), 0), _MIN_AMAX))
             tl.store(scale_row, scale)
-            tl.store(x8_row + offs, _to_e4m3(y * inv, EXACT_CASTS), mask=mask)
+            tl.store(x8_row + offs, _to_e4m3(y * inv, HW_E4M3), mask=mask)
 
     @triton.jit
     def _add_rmsnorm_quant_kernel(
         h_ptr, delta_ptr, w_ptr, h_out_ptr, dense_ptr, x8_ptr, scale_ptr,
         stride_h, stride_delta, G, eps, X: tl.constexpr,
         HAS_DELTA: tl.constexpr, KEEP_DENSE: tl.constexpr, GROUPED: tl.constexpr,
-        P: tl.constexpr, C: tl.constexpr, EXACT_CASTS: tl.constexpr,
+        P: tl.constexpr, C: tl.constexpr, EXACT_CASTS: tl.constexpr, HW_E4M3: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         p = tl.arange(0, P)[:, None]
@@ -142,13 +146,13 @@ if triton is not None:
         y = _to_bf16(h * inv_rms * (1.0 + w), EXACT_CASTS)
         if KEEP_DENSE:
             tl.store(dense_ptr + t * X + offs, y.to(tl.bfloat16), mask=mask)
-        _store_quantised(y, offs, mask, tl.arange(0, P), x8_ptr + t * X, scale_ptr + t * G, GROUPED, EXACT_CASTS)
+        _store_quantised(y, offs, mask, tl.arange(0, P), x8_ptr + t * X, scale_ptr + t * G, GROUPED, HW_E4M3)
 
     @triton.jit
     def _gated_rmsnorm_quant_kernel(
         o_ptr, z_ptr, w_ptr, x8_ptr, scale_ptr,
         stride_o, stride_z, G, eps, M: tl.constexpr,
-        GROUPED: tl.constexpr, P: tl.constexpr, D: tl.constexpr, EXACT_CASTS: tl.constexpr,
+        GROUPED: tl.constexpr, P: tl.constexpr, D: tl.constexpr, EXACT_CASTS: tl.constexpr, HW_E4M3: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         m = tl.arange(0, P)[:, None]
@@ -162,14 +166,14 @@ if triton is not None:
         w = tl.load(w_ptr + d).to(tl.float32)
         y = _to_bf16(w * normed, EXACT_CASTS)
         y = _to_bf16(y * _silu(z), EXACT_CASTS)
-        _store_quantised(y, offs, mask, tl.arange(0, P), x8_ptr + t * M * D, scale_ptr + t * G, GROUPED, EXACT_CASTS)
+        _store_quantised(y, offs, mask, tl.arange(0, P), x8_ptr + t * M * D, scale_ptr + t * G, GROUPED, HW_E4M3)
 
     @triton.jit
     def _sigmoid_gate_quant_kernel(
         o_ptr, gate_ptr, x8_ptr, scale_ptr,
         stride_o, stride_gate, stride_gate_head, G,
         N: tl.constexpr, D: tl.constexpr, GROUPED: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
-        EXACT_CASTS: tl.constexpr,
+        EXACT_CASTS: tl.constexpr, HW_E4M3: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         r = tl.arange(0, R)[:, None]
@@ -181,7 +185,7 @@ if triton is not None:
         gate = tl.load(gate_ptr + t * stride_gate + head * stride_gate_head + within, mask=mask, other=0.0)
         sig = 1.0 / (1.0 + tl.exp(-gate.to(tl.float32)))
         y = _to_bf16(o * _to_bf16(sig, EXACT_CASTS), EXACT_CASTS)
-        _store_quantised(y, offs, mask, tl.arange(0, R), x8_ptr + t * N * D, scale_ptr + t * G, GROUPED, EXACT_CASTS)
+        _store_quantised(y, offs, mask, tl.arange(0, R), x8_ptr + t * N * D, scale_ptr + t * G, GROUPED, HW_E4M3)
 
     @triton.jit
     def _silu_mul_chunk(gate_row, up_row, offs, mask, EXACT_CASTS: tl.constexpr):
@@ -195,7 +199,7 @@ if triton is not None:
     def _silu_mul_quant_kernel(
         gate_ptr, up_ptr, x8_ptr, scale_ptr,
         stride_gate, stride_up, G, X: tl.constexpr,
-        GROUPED: tl.constexpr, P: tl.constexpr, C: tl.constexpr, EXACT_CASTS: tl.constexpr,
+        GROUPED: tl.constexpr, P: tl.constexpr, C: tl.constexpr, EXACT_CASTS: tl.constexpr, HW_E4M3: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         gate_row, up_row = gate_ptr + t * stride_gate, up_ptr + t * stride_up
@@ -207,7 +211,7 @@ if triton is not None:
                 mask = offs < X
                 y = _silu_mul_chunk(gate_row, up_row, offs, mask, EXACT_CASTS)
                 group_ids = start // C + tl.arange(0, P)
-                _store_quantised(y, offs, mask, group_ids, x8_row, scale_row, GROUPED, EXACT_CASTS)
+                _store_quantised(y, offs, mask, group_ids, x8_row, scale_row, GROUPED, HW_E4M3)
         else:  # the row's amax first, then the quantised row (the second walk reads L2)
             amax = tl.zeros([P, C], dtype=tl.float32)
             for start in range(0, X, P * C):
@@ -221,7 +225,7 @@ if triton is not None:
                 offs = start + tile
                 mask = offs < X
                 y = _silu_mul_chunk(gate_row, up_row, offs, mask, EXACT_CASTS)
-                tl.store(x8_row + offs, _to_e4m3(y * inv, EXACT_CASTS), mask=mask)
+                tl.store(x8_row + offs, _to_e4m3(y * inv, HW_E4M3), mask=mask)
 
 
 # Launch configurations tried once per row width (triton.autotune, on the GPU): warps per program,
@@ -235,7 +239,7 @@ def _launch(kernel, T: int, args: tuple, consts: dict, key: list[str], chunk_gro
     """kernel[(T,)](*args, **consts): one program per token, with the tuned launch configuration."""
     if _interpreted():
         extra = {} if chunk_groups is None else {"P": chunk_groups}
-        kernel[(T,)](*args, **consts, **extra, EXACT_CASTS=False, num_warps=8)
+        kernel[(T,)](*args, **consts, **extra, EXACT_CASTS=False, HW_E4M3=False, num_warps=8)
         return
     name = kernel.fn.__name__
     if name not in _TUNED:
@@ -244,7 +248,8 @@ def _launch(kernel, T: int, args: tuple, consts: dict, key: list[str], chunk_gro
         else:
             configs = [triton.Config({"P": p}, num_warps=w) for p in SILU_CHUNK_GROUPS for w in WARPS]
         _TUNED[name] = triton.autotune(configs=configs, key=key)(kernel)
-    _TUNED[name][(T,)](*args, **consts, EXACT_CASTS=True)
+    hw_e4m3 = torch.cuda.get_device_capability(args[0].device) >= (9, 0)
+    _TUNED[name][(T,)](*args, **consts, EXACT_CASTS=True, HW_E4M3=hw_e4m3)
 
 
 def _check_rows(name: str, *tensors: torch.Tensor) -> None:

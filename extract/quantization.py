@@ -148,10 +148,12 @@ def quantize_fp8_blocks(w_NK: torch.Tensor, fmt: Fp8BlockFormat) -> tuple[torch.
 
 
 # ---- rowwise FP8 (the --compute fp8 matmuls) ---------------------------------------------------
-def _inverse_scale(amax: torch.Tensor) -> torch.Tensor:
-    """448 / amax, one IEEE division (a Python number over a tensor is reciprocal-then-multiply in
-    torch: two roundings, and another code now and then than the feed kernels' division)."""
-    return torch.full_like(amax, FP8_E4M3_MAX) / amax
+def _scale_and_inverse(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax / 448, 448 / amax), each one IEEE division as the feed kernels compute them (torch
+    divides by a Python number as a multiply by its reciprocal on CUDA, and a Python number by a
+    tensor as reciprocal-then-multiply: two roundings, another scale or code now and then)."""
+    fp8_max = torch.full_like(amax, FP8_E4M3_MAX)
+    return amax / fp8_max, fp8_max / amax
 
 
 def quantize_rows_fp8(x_RX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,9 +163,9 @@ def quantize_rows_fp8(x_RX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x is multiplied by 448 / amax (one division per row, not per element: the Triton feed kernels
     do the same, so both give the same codes for the same x)."""
     x32 = x_RX.float()
-    amax_R1 = x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX)
-    x8 = (x32 * _inverse_scale(amax_R1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
-    return x8, amax_R1 / FP8_E4M3_MAX
+    scale_R1, inverse_R1 = _scale_and_inverse(x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX))
+    x8 = (x32 * inverse_R1).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
+    return x8, scale_R1
 
 
 # ---- per-group FP8 (the activations of block-scaled matmuls) -----------------------------------
@@ -177,9 +179,9 @@ def quantize_groups_fp8(x_RX: torch.Tensor, group: int) -> tuple[torch.Tensor, t
     G = -(-X // group)
     # Zero padding to whole groups leaves every amax unchanged; the padding is cut off again below.
     x32_RGC = F.pad(x_RX.float(), (0, G * group - X)).view(*lead, G, group)
-    amax_RG = x32_RGC.abs().amax(dim=-1).clamp(min=MIN_AMAX)
-    q_RGC = (x32_RGC * _inverse_scale(amax_RG).unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    return q_RGC.view(*lead, G * group)[..., :X].to(FP8_DTYPE), amax_RG / FP8_E4M3_MAX
+    scale_RG, inverse_RG = _scale_and_inverse(x32_RGC.abs().amax(dim=-1).clamp(min=MIN_AMAX))
+    q_RGC = (x32_RGC * inverse_RG.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return q_RGC.view(*lead, G * group)[..., :X].to(FP8_DTYPE), scale_RG
 
 
 def dequantize_groups_fp8(x8_RX: torch.Tensor, scale_RG: torch.Tensor, group: int) -> torch.Tensor:

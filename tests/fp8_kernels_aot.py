@@ -1,7 +1,7 @@
-"""Compile every FP8 feed kernel (extract/fp8_kernels.py) for Hopper (sm_90) ahead of time, with no GPU:
-triton's wheel carries the CUDA backend and ptxas. Run as a script (tests/test_fp8_kernels.py does, in
-a subprocess without TRITON_INTERPRET, which the CPU test session sets); prints one JSON line per
-kernel variant with the instruction counts the test checks."""
+"""Compile every FP8 feed kernel (extract/fp8_kernels.py) for Hopper (sm_90) and Ada (sm_89) ahead of
+time, with no GPU: triton's wheel carries the CUDA backend and ptxas. Run as a script
+(tests/test_fp8_kernels.py does, in a subprocess without TRITON_INTERPRET, which the CPU test session
+sets); prints one JSON line per kernel variant and target with the PTX counts the test checks."""
 
 import json
 import os
@@ -15,7 +15,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from extract import fp8_kernels as K  # noqa: E402
 
-target = GPUTarget("cuda", 90, 32)
+# (compute capability, HW_E4M3 as fp8_kernels._launch sets it there)
+TARGETS = ((90, True), (89, False))
 cases = {
     "_add_rmsnorm_quant_kernel": (
         K._add_rmsnorm_quant_kernel,
@@ -92,15 +93,26 @@ cases = {
         dict(X=17408, P=16, C=128),
     ),
 }
-INSTRUCTIONS = ("div.rn.f32", "div.full.f32", "div.approx", "max.NaN.f32", "cvt.rn.satfinite.e4m3x2")
+# 0f46C00000 is 24576.0 = 1.5 * 2^14: the constant of the software e4m3 rounding (fp8_kernels._to_e4m3).
+INSTRUCTIONS = (
+    "div.rn.f32",
+    "div.full.f32",
+    "max.NaN.f32",
+    "cvt.rn.satfinite.e4m3x2.f32",
+    "cvt.rz.f16.f32",
+    "0f46C00000",
+)
 
 if __name__ == "__main__":
     for name, (fn, signature, shape) in cases.items():
-        for grouped in (False, True):  # rowwise, and per 128 channels (block mode)
-            consts = {**shape, "GROUPED": grouped, "EXACT_CASTS": True}
-            signature = {**signature, "GROUPED": "constexpr", "EXACT_CASTS": "constexpr"}
-            constexprs = {(fn.arg_names.index(k),): v for k, v in consts.items()}
-            kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target)
-            ptx = kernel.asm["ptx"]
-            counts = {op: len(re.findall(re.escape(op), ptx)) for op in INSTRUCTIONS}
-            print(json.dumps({"kernel": name, "grouped": consts["GROUPED"], "cubin": "cubin" in kernel.asm, **counts}))
+        signature = {**signature, "GROUPED": "constexpr", "EXACT_CASTS": "constexpr", "HW_E4M3": "constexpr"}
+        for arch, hw_e4m3 in TARGETS:
+            for grouped in (False, True):  # rowwise, and per 128 channels (block mode)
+                consts = {**shape, "GROUPED": grouped, "EXACT_CASTS": True, "HW_E4M3": hw_e4m3}
+                constexprs = {(fn.arg_names.index(k),): v for k, v in consts.items()}
+                source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+                kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+                ptx = kernel.asm["ptx"]
+                counts = {op: len(re.findall(re.escape(op), ptx)) for op in INSTRUCTIONS}
+                row = {"kernel": name, "arch": arch, "grouped": grouped, "cubin": "cubin" in kernel.asm, **counts}
+                print(json.dumps(row))
