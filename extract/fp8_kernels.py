@@ -105,8 +105,10 @@ if triton is not None:
 
     @triton.jit
     def _scales_of(amax):
-        """(amax / 448, 448 / amax): the scale the matmul multiplies back and the factor that quantises,
-        each one IEEE division (as quantize_rows_fp8 computes them), once per row or group."""
+        """(amax / 448, 448 / amax) with amax raised to MIN_AMAX (NaN kept): the scale the matmul
+        multiplies back and the factor that quantises, each one IEEE division (as quantize_rows_fp8
+        computes them), once per row or group."""
+        amax = _nan_max(amax, _MIN_AMAX)
         fp8_max = tl.zeros_like(amax) + _FP8_MAX
         return tl.div_rn(amax, fp8_max), tl.div_rn(fp8_max, amax)
 
@@ -116,11 +118,11 @@ if triton is not None:
         group (`group_ids` gives each element's group; a [P, C] tile holds whole groups per row)."""
         y_abs = tl.where(mask, tl.abs(y), 0.0)
         if GROUPED:
-            scale, inv = _scales_of(_nan_max(_amax(y_abs, 1), _MIN_AMAX))  # [P]: the tile's rows are the groups
+            scale, inv = _scales_of(_amax(y_abs, 1))  # [P]: the tile's rows are the groups
             tl.store(scale_row + group_ids, scale, mask=tl.max(mask.to(tl.int32), axis=1) > 0)
             tl.store(x8_row + offs, _to_e4m3(y * inv[:, None], HW_E4M3), mask=mask)
         else:
-            scale, inv = _scales_of(_nan_max(_amax(_amax(y_abs, 1), 0), _MIN_AMAX))
+            scale, inv = _scales_of(_amax(_amax(y_abs, 1), 0))
             tl.store(scale_row, scale)
             tl.store(x8_row + offs, _to_e4m3(y * inv, HW_E4M3), mask=mask)
 
@@ -220,7 +222,7 @@ if triton is not None:
                 mask = offs < X
                 y = _silu_mul_chunk(gate_row, up_row, offs, mask, EXACT_CASTS)
                 amax = _nan_max(amax, tl.where(mask, tl.abs(y), 0.0))
-            scale, inv = _scales_of(_nan_max(_amax(_amax(amax, 1), 0), _MIN_AMAX))
+            scale, inv = _scales_of(_amax(_amax(amax, 1), 0))
             tl.store(scale_row, scale)
             for start in range(0, X, P * C):
                 offs = start + tile

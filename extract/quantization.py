@@ -149,9 +149,11 @@ def quantize_fp8_blocks(w_NK: torch.Tensor, fmt: Fp8BlockFormat) -> tuple[torch.
 
 # ---- rowwise FP8 (the --compute fp8 matmuls) ---------------------------------------------------
 def _scale_and_inverse(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(amax / 448, 448 / amax), each one IEEE division as the feed kernels compute them (torch
+    """(amax / 448, 448 / amax) with amax raised to MIN_AMAX (an all-zero row gets a finite scale),
+    each one IEEE division as the feed kernels compute them (torch
     divides by a Python number as a multiply by its reciprocal on CUDA, and a Python number by a
     tensor as reciprocal-then-multiply: two roundings, another scale or code now and then)."""
+    amax = amax.clamp(min=MIN_AMAX)
     fp8_max = torch.full_like(amax, FP8_E4M3_MAX)
     return amax / fp8_max, fp8_max / amax
 
@@ -163,7 +165,7 @@ def quantize_rows_fp8(x_RX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x is multiplied by 448 / amax (one division per row, not per element: the Triton feed kernels
     do the same, so both give the same codes for the same x)."""
     x32 = x_RX.float()
-    scale_R1, inverse_R1 = _scale_and_inverse(x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX))
+    scale_R1, inverse_R1 = _scale_and_inverse(x32.abs().amax(dim=-1, keepdim=True))
     x8 = (x32 * inverse_R1).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
     return x8, scale_R1
 
@@ -179,7 +181,7 @@ def quantize_groups_fp8(x_RX: torch.Tensor, group: int) -> tuple[torch.Tensor, t
     G = -(-X // group)
     # Zero padding to whole groups leaves every amax unchanged; the padding is cut off again below.
     x32_RGC = F.pad(x_RX.float(), (0, G * group - X)).view(*lead, G, group)
-    scale_RG, inverse_RG = _scale_and_inverse(x32_RGC.abs().amax(dim=-1).clamp(min=MIN_AMAX))
+    scale_RG, inverse_RG = _scale_and_inverse(x32_RGC.abs().amax(dim=-1))
     q_RGC = (x32_RGC * inverse_RG.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return q_RGC.view(*lead, G * group)[..., :X].to(FP8_DTYPE), scale_RG
 
