@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 import tempfile
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+from .crc import crc32
 
 TMP_PREFIX = ".tmp-"
 
@@ -109,7 +110,7 @@ def file_checksum(path: str | Path, chunk_bytes: int = 16 << 20) -> str:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(chunk_bytes):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
     return f"crc32:{crc:08x}"
 
 
