@@ -20,6 +20,7 @@ lines they need. Parsing and validating the rows of each file format is rows.py'
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import json
@@ -129,10 +130,28 @@ class DatasetIndex:
         return row_location(self.files[int(self.file_index[i])], int(self.rows[i]))
 
 
+def is_glob(path: str | os.PathLike) -> bool:
+    """`path` is a pattern: it has a wildcard and names no existing file or directory (a folder
+    called `run[1]` is a folder)."""
+    text = str(path)
+    return any(c in text for c in "*?[") and not os.path.lexists(text)
+
+
+def data_would_read(data: str | os.PathLike, path: str | os.PathLike) -> bool:
+    """--data `data` (a file, directory or glob) names `path`: it is the input file, lies inside the
+    input directory, or matches the pattern (checked with fnmatch, whose `*` also crosses `/`: a
+    pattern that might read it counts), so a file written there would be read back as data."""
+    if not is_glob(data):
+        root, p = Path(os.path.realpath(data)), Path(os.path.realpath(path))
+        return p == root or root in p.parents
+    pattern = os.path.abspath(str(data))
+    return any(fnmatch.fnmatchcase(q, pattern) for q in (os.path.abspath(path), os.path.realpath(path)))
+
+
 def find_data_files(path: str | os.PathLike, suffixes: tuple[str, ...] = DATA_SUFFIXES) -> list[str]:
     """The data files named by `path` (file, directory or glob) whose names end in `suffixes`, sorted."""
     text = str(path)
-    if any(c in text for c in "*?["):
+    if is_glob(text):
         files = sorted(glob.glob(text, recursive=True))
         if not files:
             raise DataError(f"no files match {text!r}")

@@ -10,6 +10,7 @@ Order of work, so that mistakes cost seconds and not GPU hours:
 
 from __future__ import annotations
 
+import glob
 import logging
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from shards import (
     create_cache,
     read_cache_config,
     write_manifest,
+    write_target_head,
 )
 from shards.durable import TMP_PREFIX, check_writable, remove_stale_temporaries
 from shards.format import (
@@ -39,17 +41,19 @@ from shards.format import (
     PackingRecord,
     bytes_per_shard,
     checksum,
+    shard_path,
 )
 from shards.lock import LOCK_FILE, DirectoryLock
-from shards.ownership import describe, foreign_entries, nested, our_entries, remove_cache_files
+from shards.ownership import describe, foreign_entries, is_our_shard, nested, our_entries, remove_cache_files
 from shards.progress import ProgressLog, format_bytes, format_duration, is_interactive, plural
 from shards.provenance import provenance
+from shards.reader import load_target_head as read_cache_head
 from shards.runtime import DistInfo, barrier, resolve_device, shutdown
 from shards.sigterm import SigtermFlag
 
 from .checkpoint import load_target_head
 from .config import ExtractConfig
-from .data import SampleLoader, dataset_fingerprint, scan_dataset
+from .data import SampleLoader, data_would_read, dataset_fingerprint, is_glob, scan_dataset
 from .distributed import init_distributed, run_on_main
 from .kernels import select_kernels
 from .model import TargetModel
@@ -208,23 +212,26 @@ def _extract_dataset(
         lock.release()
 
 
-def _data_root(data: str) -> Path:
-    """The file or directory --data names (for a glob: the directory before its first wildcard)."""
-    cut = min((i for i, c in enumerate(data) if c in "*?["), default=None)
-    if cut is None:
-        return Path(data)
-    return Path(data[:cut]).parent if not data[:cut].endswith("/") else Path(data[:cut])
-
-
 def _refuse_nesting(cfg: ExtractConfig) -> None:
     """--out must be neither --target nor --data, nor inside them, nor contain them: --overwrite and
-    the cleanup of a killed creation delete files in --out."""
-    for flag, path in (("--target", Path(cfg.target)), ("--data", _data_root(cfg.data))):
-        if path.exists() and nested(cfg.out_dir, path):
-            raise CacheMismatchError(
-                f"--out {cfg.out_dir} and {flag} {path} are the same directory or one lies inside the other; "
-                "choose an --out outside both the target checkpoint and the dataset"
-            )
+    the cleanup of a killed creation delete files in --out, and a cache file read back as data (a
+    glob matching manifest.parquet) would change the dataset under a resume."""
+    out = Path(cfg.out_dir)
+    problem = None
+    if Path(cfg.target).exists() and nested(out, cfg.target):
+        problem = f"--out {out} and --target {cfg.target} are the same directory or one lies inside the other"
+    elif not is_glob(cfg.data):
+        if Path(cfg.data).exists() and nested(out, cfg.data):
+            problem = f"--out {out} and --data {cfg.data} are the same directory or one lies inside the other"
+    else:
+        inside = [f for f in glob.glob(cfg.data, recursive=True) if nested(out, f)]
+        written = [out / name for name in (MANIFEST_FILE, CACHE_CONFIG_FILE, shard_path(".", 0), "logs/x.jsonl")]
+        if inside:
+            problem = f"--data {cfg.data!r} matches {inside[0]}, inside --out {out}"
+        elif any(data_would_read(cfg.data, p) for p in written):
+            problem = f"--data {cfg.data!r} would match the files of --out {out} (e.g. its manifest.parquet)"
+    if problem:
+        raise CacheMismatchError(f"{problem}; choose an --out outside both the target checkpoint and the dataset")
 
 
 def _refuse_impossible_settings(cfg: ExtractConfig, target: TargetConfig, taps: list[int]) -> None:
@@ -350,6 +357,7 @@ def _prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig, lock: DirectoryLo
             remove_cache_files(out)
         else:
             _check_resumable(out, cache_cfg)
+            _repair_target_head(out, cache_cfg, head, foreign)
             removed = clean_partial_shards(out) + len(remove_stale_temporaries(out))
             if removed:
                 log.info("removed %d partial file(s) left by a killed run", removed)
@@ -372,12 +380,31 @@ def _is_unfinished_creation(ours: list[Path]) -> bool:
     return all(p.name in (TARGET_HEAD_FILE, LOCK_FILE) or p.name.startswith(TMP_PREFIX) for p in ours)
 
 
+def _repair_target_head(out: Path, cache_cfg: CacheConfig, head: dict, foreign: list[Path]) -> None:
+    """Resume: a missing or damaged target head of ours is written again from the target (the cache's
+    settings, target weights included, matched already); a file of that name we did not write stays."""
+    try:
+        read_cache_head(out)
+        return
+    except CacheFormatError as e:
+        if out / TARGET_HEAD_FILE in foreign:
+            raise CacheMismatchError(
+                f"{e}; dflash-extract did not write this file, so it is not replaced: move it away and re-run"
+            ) from e
+        log.warning("%s: writing it again from --target", e)
+    write_target_head(out, cache_cfg, head)
+
+
 def _check_resumable(out: Path, want: CacheConfig) -> None:
     try:
         have = read_cache_config(out)
     except CacheFormatError as e:
         raise CacheMismatchError(f"{e}; pass --overwrite to start over") from e
     diffs = _diff(have.identity(), want.identity())
+    if any(k == "dataset.fingerprint" for k, _, _ in diffs) and have.dataset and want.dataset:
+        # Other tokens: say which of the preparation's settings (--thinking, the chat template) changed.
+        prepared = _diff(have.dataset.prepared or {}, want.dataset.prepared or {}, "dataset.prepared.")
+        diffs += [d for d in prepared if not d[0].startswith("dataset.prepared.num_")]  # counts follow
     if diffs:
         lines = "\n".join(f"  {k}: cache has {a!r}, this run has {b!r}" for k, a, b in diffs)
         raise CacheMismatchError(
@@ -413,6 +440,11 @@ def _pending(cfg: ExtractConfig, mine: list[PackedBatch]) -> tuple[list[PackedBa
             except ShardError as e:
                 if "belongs to another cache" in e.reason:  # not ours to overwrite: the user decides
                     raise CacheMismatchError(str(e)) from e
+                if not is_our_shard(e.path):
+                    raise CacheMismatchError(
+                        f"{e}; dflash-extract did not write this file, so it is not replaced: move it away "
+                        "and re-run the same command"
+                    ) from e
                 log.warning("extracting batch %d again: %s", batch.batch_id, e)
         todo.append(batch)
     return todo, kept

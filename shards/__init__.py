@@ -22,7 +22,14 @@ from .reader import (
     load_target_head,
     read_cache_config,
 )
-from .writer import SampleEntry, clean_partial_shards, create_cache, write_cache_config, write_shard
+from .writer import (
+    SampleEntry,
+    clean_partial_shards,
+    create_cache,
+    write_cache_config,
+    write_shard,
+    write_target_head,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -52,4 +59,5 @@ __all__ = [
     "create_cache",
     "write_cache_config",
     "write_shard",
+    "write_target_head",
 ]

@@ -73,8 +73,9 @@ def write_container(f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: 
         f.write(raw_bytes(tensors[name].contiguous()))
 
 
-def read_header(path: str | Path) -> Header:
-    """Parse and sanity-check the header; raises CacheFormatError naming the file."""
+def read_header(path: str | Path, check_size: bool = True) -> Header:
+    """Parse and sanity-check the header; raises CacheFormatError naming the file. check_size=False
+    skips only the data section's length (a damaged file's header still says who wrote it)."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -90,7 +91,11 @@ def read_header(path: str | Path) -> Header:
         raise CacheFormatError(f"{path}: cannot read ({e})") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CacheFormatError(f"{path}: header is not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise CacheFormatError(f"{path}: header is JSON but not an object (not a safetensors file)")
     metadata = raw.pop("__metadata__", {}) or {}
+    if not isinstance(metadata, dict):
+        raise CacheFormatError(f"{path}: header __metadata__ is not an object")
     entries = {}
     for name, e in raw.items():
         try:
@@ -100,7 +105,7 @@ def read_header(path: str | Path) -> Header:
         except (KeyError, TypeError, ValueError) as err:
             raise CacheFormatError(f"{path}: bad header entry for tensor {name!r} ({err})") from err
     header = Header(metadata, entries, 8 + n)
-    if header.data_end != size:
+    if check_size and header.data_end != size:
         raise CacheFormatError(
             f"{path}: file is {size} bytes but its header describes {header.data_end} (truncated or padded)"
         )

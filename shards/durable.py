@@ -9,6 +9,7 @@ process that runs as another user).
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,9 @@ from typing import BinaryIO
 from .crc import crc32
 
 TMP_PREFIX = ".tmp-"
+# What tempfile.mkstemp names our temporaries: the prefix, the final name and a dot, then 8 random
+# characters. A user's `.tmp-backup/` folder or `.tmp-notes.txt` has another shape and stays theirs.
+_TEMPORARY = re.compile(re.escape(TMP_PREFIX) + r"(?P<final>.+)\.[a-z0-9_]{8}")
 
 
 FILE_MODE = 0o644  # owner writes, everyone reads
@@ -93,10 +97,22 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def temporary_final_name(path: str | Path) -> str | None:
+    """The final name an atomic_write temporary of ours was for, None for anything else (a folder, a
+    link, another name)."""
+    path = Path(path)
+    match = _TEMPORARY.fullmatch(path.name)
+    if match is None or path.is_symlink() or not path.is_file():
+        return None
+    return match["final"]
+
+
 def remove_stale_temporaries(directory: str | Path) -> list[Path]:
-    """Delete temporary files left by killed writers; returns what was removed."""
+    """Delete the temporary files killed writers of ours left in `directory`; returns what was removed."""
     removed = []
     for p in Path(directory).glob(TMP_PREFIX + "*"):
+        if temporary_final_name(p) is None:
+            continue
         try:
             p.unlink()
             removed.append(p)

@@ -43,6 +43,14 @@ def create_cache(cache_dir: str | Path, cfg: CacheConfig, target_head: Mapping[s
     """
     cache_dir = Path(cache_dir)
     (cache_dir / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+    cfg.target_head_checksum = write_target_head(cache_dir, cfg, target_head)
+    write_cache_config(cache_dir, cfg)
+    return cfg
+
+
+def write_target_head(cache_dir: str | Path, cfg: CacheConfig, target_head: Mapping[str, torch.Tensor]) -> str:
+    """Durably write target_head.safetensors (the tensors checked against the cache's shapes and, when
+    cfg records one, its checksum); returns the checksum."""
     missing = [n for n in TARGET_HEAD_TENSORS if n not in target_head]
     if missing:
         raise ValueError(f"target head is missing {missing}; expected {list(TARGET_HEAD_TENSORS)}")
@@ -56,10 +64,8 @@ def create_cache(cache_dir: str | Path, cfg: CacheConfig, target_head: Mapping[s
     if cfg.target_head_checksum not in (None, head_checksum):
         raise ValueError(f"target head checksum {head_checksum} differs from the config's {cfg.target_head_checksum}")
     meta = {"format_version": str(FORMAT_VERSION), "checksum": head_checksum}
-    atomic_write(cache_dir / TARGET_HEAD_FILE, lambda f: write_container(f, head, meta))
-    cfg.target_head_checksum = head_checksum
-    write_cache_config(cache_dir, cfg)
-    return cfg
+    atomic_write(Path(cache_dir) / TARGET_HEAD_FILE, lambda f: write_container(f, head, meta))
+    return head_checksum
 
 
 def write_cache_config(cache_dir: str | Path, cfg: CacheConfig) -> None:

@@ -17,6 +17,7 @@ Cases (the tiny target, dataset and reference cache of test_faults.py):
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,6 +88,49 @@ def test_overwrite_replaces_a_cache_of_ours(target, data, reference, tmp_path):
     assert_equals_reference(cache, reference)
 
 
+def _tmp_folder(cache):
+    (cache / ".tmp-bak" / "sub").mkdir(parents=True)
+    (cache / ".tmp-bak" / "important.txt").write_text("precious")
+
+
+# Files of the user's that carry one of our names: a name is not proof that dflash-extract wrote it.
+LOOKALIKES = {
+    "a .tmp- folder": _tmp_folder,
+    "a .tmp- file of another shape": lambda c: (c / "shards" / ".tmp-notes.txt").write_text("mine"),
+    "a log of another name": lambda c: (c / "logs" / "extract-notes.txt").write_text("mine"),
+    "junk under a shard name": lambda c: (c / "shards" / "b00000009.safetensors").write_bytes(b"abc"),
+    "a container of a shard name for another batch": lambda c: shutil.copy(
+        c / "shards" / "b00000000.safetensors", c / "quarantine" / "b00000005.safetensors"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LOOKALIKES))
+def test_overwrite_refuses_user_files_that_carry_our_names(target, data, reference, tmp_path, case):
+    cache = copy_cache(reference, tmp_path)
+    (cache / "logs").mkdir(exist_ok=True)
+    (cache / "quarantine").mkdir(exist_ok=True)
+    LOOKALIKES[case](cache)
+    before = snapshot(cache)
+    result = CliRunner().invoke(extract_cli, cli_args(target, data, cache, "--overwrite"))
+    assert result.exit_code == 1, result.output
+    assert "nothing was deleted" in result.output and "Traceback" not in result.output, result.output
+    assert snapshot(cache) == before and (cache / "cache.json").exists()
+
+
+def test_resume_never_replaces_a_file_it_did_not_write(target, data, reference, tmp_path):
+    cache = copy_cache(reference, tmp_path)
+    junk = cache / "shards" / "b00000001.safetensors"
+    junk.write_bytes(b"my own bytes, not a shard")
+    result = CliRunner().invoke(extract_cli, cli_args(target, data, cache))
+    assert result.exit_code == 1 and "did not write this file" in result.output, result.output
+    assert str(junk) in result.output and junk.read_bytes() == b"my own bytes, not a shard"
+    junk.write_bytes(b"")  # empty: nothing to lose, so the resume writes the batch again
+    result = CliRunner().invoke(extract_cli, cli_args(target, data, cache))
+    assert result.exit_code == 0, result.output
+    assert_equals_reference(cache, reference)
+
+
 def test_a_cache_without_cache_json_needs_overwrite(target, data, reference, tmp_path):
     cache = copy_cache(reference, tmp_path)
     (cache / "cache.json").unlink()
@@ -116,6 +160,39 @@ def test_out_nested_with_target_or_data_is_refused(target, data, tmp_path, case)
     assert result.exit_code == 1, result.output
     assert "one lies inside the other" in result.output, result.output
     assert {p: snapshot(p) for p in (target, data.parent)} == before, "the target and the dataset stay untouched"
+
+
+def test_a_glob_beside_out_is_no_nesting_but_one_that_would_read_the_cache_is(target, data, reference, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(data, work / f"part-0{data.suffix}")
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:  # a glob in the current directory, --out beside the data: the cache's files never match it
+        result = CliRunner().invoke(extract_cli, cli_args(target, f"part-*{data.suffix}", "cache"))
+        assert result.exit_code == 0, result.output
+        result = CliRunner().invoke(extract_cli, cli_args(target, "**/*", "cache2"))
+        assert result.exit_code == 1 and "would match the files of --out" in result.output, result.output
+        assert not (work / "cache2").exists()
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.mark.parametrize("damage", ["missing", "flipped"])
+def test_resume_writes_a_missing_or_damaged_target_head_again(target, data, reference, tmp_path, damage):
+    cache = copy_cache(reference, tmp_path)
+    head = cache / "target_head.safetensors"
+    good = head.read_bytes()
+    if damage == "missing":
+        head.unlink()
+    else:
+        raw = bytearray(good)
+        raw[-3] ^= 0xFF
+        head.write_bytes(bytes(raw))
+    result = CliRunner().invoke(extract_cli, cli_args(target, data, cache))
+    assert result.exit_code == 0, result.output
+    assert head.read_bytes() == good
+    assert_equals_reference(cache, reference)
 
 
 # ---- 3. one job at a time ---------------------------------------------------------------------------------
