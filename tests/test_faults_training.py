@@ -10,6 +10,9 @@ Cases (tiny synthetic caches, the dflash-train CLI):
   5. A resumed run marks the resume in metrics.jsonl and leaves exactly one record per step.
   6. --resume onto a cache with another shard count (same target): refused naming the field.
   7. --device cuda without CUDA, for dflash-train and dflash-extract: one message, exit 1, no traceback.
+  8. Retention after a resume past a damaged newest checkpoint: the one just written and the one
+     resumed from are kept, the damaged later one is not counted; --resume where every checkpoint is
+     damaged is refused naming them, and nothing is changed.
 """
 
 import json
@@ -189,3 +192,47 @@ def test_device_cuda_without_cuda_is_one_message(tmp_path):
     assert result.exit_code == 1 and no_traceback(result), result.output
     assert "--device cuda: CUDA is not available" in result.output, result.output
     assert not (tmp_path / "c").exists()
+
+
+# ---- 8. damaged checkpoints and retention -----------------------------------------------------------------
+
+
+def test_pruning_after_a_resume_past_a_damaged_checkpoint_keeps_the_good_ones(uninterrupted, tmp_path):
+    cache, full, reference = uninterrupted
+    run = tmp_path / "run"
+    shutil.copytree(full, run)  # checkpoints of steps 3, 6 and 8
+    os.truncate(run / "step-00000008" / "model.safetensors", 1000)
+    result = train(
+        cache,
+        run,
+        "--epochs",
+        "2",
+        "--metrics-every",
+        "2",
+        "--checkpoint-every",
+        "1",
+        "--keep-checkpoints",
+        "1",
+        "--resume",
+    )
+    assert result.exit_code == 0 and no_traceback(result), result.output
+    # Step 7 was written beside the damaged step 8 (not counted, left), then step 8 was written again.
+    assert [c.step for c in list_checkpoints(run)] == [6, 8], "kept: the one resumed from and the newest"
+    assert latest_checkpoint(run).step == 8, "the rewritten step 8 verifies"
+    got = {r["step"]: r["loss/total"] for r in read_records(run)}
+    assert max(abs(got[s] - reference[s]) for s in reference) <= 1e-6
+
+
+def test_resume_where_every_checkpoint_is_damaged_is_refused(uninterrupted, tmp_path):
+    cache, full, _ = uninterrupted
+    run = tmp_path / "run"
+    shutil.copytree(full, run)
+    for ckpt in list_checkpoints(run):
+        os.truncate(ckpt.path / "model.safetensors", 1000)
+    before = snapshot(run)
+    result = train(cache, run, *CLI_SETTINGS, "--resume")
+    assert result.exit_code == 1 and no_traceback(result), result.output
+    assert "none is valid" in result.output and "step-00000003" in result.output, result.output
+    assert snapshot(run) == before, "no silent restart from step 0: nothing written, truncated or deleted"
+    result = train(cache, run, *CLI_SETTINGS)
+    assert result.exit_code == 1 and "already holds checkpoints" in result.output, result.output

@@ -5,7 +5,8 @@ fsynced, then renamed in one step and the run directory fsynced; train_state.jso
 and records the crc32 of model.safetensors and optimizer.pt. A folder counts only when it holds all
 three files, train_state.json parses and (when verified: resume, export) both checksums match; a
 damaged or partial newest checkpoint is skipped with a warning naming the file, and the previous
-valid one wins. Older ones beyond keep_checkpoints are deleted, and temporaries of a killed save are
+valid one wins. Valid ones older than the newest keep_checkpoints are deleted (Retention: never the
+one just written or resumed from, never a damaged or later one), and temporaries of a killed save are
 removed at the next start (remove_stale_temporaries). Checkpoints are resume sources only.
 
 train_state.json: step, epoch, data cursor (index of the next shard in this epoch's per-rank
@@ -24,7 +25,7 @@ import pickle
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +74,9 @@ def save_checkpoint(
     model_state: dict[str, torch.Tensor],
     optimizer_state: dict,
     train_state: dict[str, Any],
-    keep: int,
+    retention: Retention,
 ) -> Path:
-    """Write step-{step:08d}/ durably (called on rank 0 only); prune to the newest `keep`."""
+    """Write step-{step:08d}/ durably (called on rank 0 only); then prune as `retention` says."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / checkpoint_name(step)
@@ -109,7 +110,8 @@ def save_checkpoint(
             ) from e
         raise
     log.info("checkpoint: saved %s", final)
-    prune_checkpoints(out_dir, keep)
+    retention.verified.add(step)  # its checksums were just computed from the bytes written
+    retention.prune(out_dir, written_step=step)
     return final
 
 
@@ -153,6 +155,14 @@ def list_checkpoints(out_dir: str | Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.step)
 
 
+def checkpoint_folders(out_dir: str | Path) -> list[Path]:
+    """Every step-NNNNNNNN folder in out_dir, valid or not (what a run directory's history holds)."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    return sorted(p for p in out_dir.iterdir() if _NAME.match(p.name) and p.is_dir())
+
+
 def latest_checkpoint(out_dir: str | Path, verify: bool = True) -> Checkpoint | None:
     """The newest checkpoint whose files match their checksums; a damaged newer one is skipped with a
     warning naming the file (verify=False: the newest complete folder, files unchecked)."""
@@ -167,11 +177,47 @@ def latest_checkpoint(out_dir: str | Path, verify: bool = True) -> Checkpoint | 
     return None
 
 
-def prune_checkpoints(out_dir: str | Path, keep: int) -> None:
-    for old in list_checkpoints(out_dir)[:-keep]:
-        shutil.rmtree(old.path, ignore_errors=True)
-        log.info("checkpoint: removed %s (keeping the newest %d)", old.path, keep)
-    remove_stale_temporaries(out_dir)
+@dataclass
+class Retention:
+    """Which checkpoints a run keeps after each save: the newest `keep` *valid* ones up to the step just
+    written. Never pruned: the checkpoint just written and the one this run resumed from. Not counted
+    and left in place (warned about once): a folder whose checksums do not match, and a folder of a
+    later step than the one just written (a resumed run's leftovers: replaced when the run gets there).
+    Used from one thread at a time (the writer's saves never overlap)."""
+
+    keep: int  # valid checkpoints to keep (--keep-checkpoints)
+    protected: set[int] = field(default_factory=set)  # steps never pruned (the one resumed from)
+    verified: set[int] = field(default_factory=set)  # steps whose checksums this process checked or wrote
+    _reported: set[Path] = field(default_factory=set)  # folders already warned about
+
+    def prune(self, out_dir: str | Path, written_step: int) -> None:
+        kept = 0
+        for ckpt in reversed(list_checkpoints(out_dir)):
+            if ckpt.step > written_step:
+                self._report(
+                    ckpt.path,
+                    f"of a later step than the one just written ({written_step}): not counted "
+                    "against --keep-checkpoints, left in place (replaced if the run reaches its step)",
+                )
+                continue
+            if kept >= self.keep and ckpt.step != written_step and ckpt.step not in self.protected:
+                shutil.rmtree(ckpt.path, ignore_errors=True)
+                log.info("checkpoint: removed %s (keeping the newest %d)", ckpt.path, self.keep)
+                continue
+            if ckpt.step not in self.verified:
+                try:
+                    verify_checkpoint(ckpt)
+                except CheckpointError as e:
+                    self._report(ckpt.path, f"damaged ({e}): not counted against --keep-checkpoints, left in place")
+                    continue
+                self.verified.add(ckpt.step)
+            kept += 1
+        remove_stale_temporaries(out_dir)
+
+    def _report(self, path: Path, why: str) -> None:
+        if path not in self._reported:
+            self._reported.add(path)
+            log.warning("checkpoint %s %s", path, why)
 
 
 def remove_stale_temporaries(out_dir: str | Path) -> int:

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from .checkpoint import checkpoint_name, save_checkpoint
+from .checkpoint import Retention, checkpoint_name, save_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +125,16 @@ class CheckpointWriter:
         device: torch.device,
         write_event: Callable[[dict], None] = lambda record: None,
         active: bool = True,
+        resumed_step: int | None = None,
     ):
         """write_event: receives the "checkpoint" / "checkpoint_durable" records (MetricsLogger.write_event).
-        active=False (ranks other than 0): save, poll and wait do nothing."""
+        active=False (ranks other than 0): save, poll and wait do nothing. resumed_step: the checkpoint
+        this run resumed from (verified), never pruned by it (checkpoint.Retention)."""
         if mode not in ("async", "sync"):
             raise ValueError(f"checkpoint mode must be async or sync, got {mode!r}")
         self.out_dir, self.keep, self.mode, self.active = Path(out_dir), keep, mode, active
+        protected = set() if resumed_step is None else {resumed_step}
+        self.retention = Retention(keep=keep, protected=protected, verified=set(protected))
         self.write_event = write_event
         self.snapshot = HostSnapshot(pin=device.type == "cuda") if mode == "async" and active else None
         self._thread: threading.Thread | None = None
@@ -210,7 +214,7 @@ class CheckpointWriter:
         # The writer thread's body (or the loop's, in sync mode): every outcome lands in self._job.
         try:
             path = save_checkpoint(
-                self.out_dir, self._job["step"], model_state, optimizer_state, train_state, self.keep
+                self.out_dir, self._job["step"], model_state, optimizer_state, train_state, self.retention
             )
             self._job["bytes"] = sum(f.stat().st_size for f in path.iterdir())
             self._job["path"] = path

@@ -27,6 +27,7 @@ import torch
 from shards import ShardReader, load_target_head
 from shards.durable import atomic_write_text, check_writable
 from shards.lock import DirectoryLock
+from shards.ownership import describe
 from shards.progress import format_duration, plural
 from shards.provenance import provenance
 from shards.runtime import DistInfo, barrier, rank_info, resolve_device
@@ -36,6 +37,7 @@ from .batch import StaticBatch
 from .blocks import anchor_seed
 from .checkpoint import (
     check_resume_compatible,
+    checkpoint_folders,
     checkpoint_name,
     decode_rng,
     encode_rng,
@@ -118,9 +120,16 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
             lock.acquire()
             clean_stale_temporaries(cfg.out_dir)
         newest = latest_checkpoint(cfg.out_dir)
-        if not cfg.resume and newest is not None:
+        folders = checkpoint_folders(cfg.out_dir)
+        if not cfg.resume and folders:
             raise ValueError(
                 f"{cfg.out_dir} already holds checkpoints; pass --resume to continue that run or choose another --out"
+            )
+        if cfg.resume and newest is None and folders:
+            raise ValueError(
+                f"--resume: {cfg.out_dir} holds checkpoint folders but none is valid ({describe(folders)}: "
+                "damaged or partial, see the warnings above); nothing was changed. Restore a checkpoint, or "
+                "start afresh in another --out"
             )
         if cfg.resume and newest is not None and newest.step >= run.total_steps:
             check_resume_compatible(
@@ -286,6 +295,7 @@ class Trainer:
             device=device,
             write_event=self.metrics.write_event,
             active=dist_info.is_main,
+            resumed_step=self.step if self.last_checkpoint is not None else None,
         )
         self.checkpoints.allocate(self.model.state_dict(), self.state.optimizer.state_dict())
         self.skipped: list[tuple[int, str]] = []
