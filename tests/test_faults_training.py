@@ -2,7 +2,8 @@
 checks the cache it continues on, and metrics.jsonl keeps one record per step.
 
 Cases (tiny synthetic caches, the dflash-train CLI):
-  1. --out that is the cache, inside the cache, or a folder with a user file: refused, untouched.
+  1. --out that is the cache, inside the cache, a folder with a user file, or with user files named as
+     ours (eval.json, metrics.jsonl, run.json: no run.json of ours): refused, untouched.
   2. A second run on a locked run directory: refused naming host and pid.
   3. SIGTERM delivered in step k (a deterministic point): checkpoint of step k, exit code 143, a
      "stopped" event; --resume then reproduces the uninterrupted run's losses exactly.
@@ -45,22 +46,33 @@ def no_traceback(result):
 # ---- 1-2. the run directory -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("where", ["the cache", "inside the cache", "a folder with a user file"])
+@pytest.mark.parametrize(
+    "where", ["the cache", "inside the cache", "a folder with a user file", "user files of our names"]
+)
 def test_a_run_directory_that_is_not_ours_is_refused(tmp_path, where):
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
     out = {
         "the cache": cache,
         "inside the cache": cache / "shards" / "run",
         "a folder with a user file": tmp_path / "mine",
+        "user files of our names": tmp_path / "mine",
     }[where]
     if where == "a folder with a user file":
         out.mkdir()
         (out / "notes.md").write_text("mine")
+    if where == "user files of our names":  # names alone do not make them ours: no run.json of ours
+        out.mkdir()
+        (out / "eval.json").write_text('{"mine": 1}\n')
+        (out / "metrics.jsonl").write_text('{"a": 1}\n')
+        (out / "run.json").write_text("x\n")
     before = snapshot(tmp_path)
-    result = train(cache, out, "--max-steps", "1")
+    result = train(cache, out, "--max-steps", "1", "--eval-shards", "1")
     assert result.exit_code == 1 and no_traceback(result), result.output
-    expected = "notes.md" if where == "a folder with a user file" else "one lies inside the other"
-    assert expected in result.output, result.output
+    expected = {
+        "a folder with a user file": ["notes.md"],
+        "user files of our names": ["eval.json", "metrics.jsonl", "run.json", "no run.json of a dflash-train run"],
+    }.get(where, ["one lies inside the other"])
+    assert all(e in result.output for e in expected), result.output
     assert snapshot(tmp_path) == before, "nothing may be written or deleted"
 
 

@@ -56,7 +56,7 @@ from .model import DFlashDrafter, Linear, TargetHead, count_parameters
 from .pointwise import compile_pointwise_
 from .precision import WorkingWeights, autocast_dtype, torch_dtype
 from .preempt import StopOnSigterm, stop_together
-from .rundir import check_run_dir, clean_stale_temporaries, truncate_metrics
+from .rundir import RUN_RECORD_FILE, check_run_dir, clean_stale_temporaries, truncate_metrics
 from .step import StepRunner, StepState, WarmupCosine, load_optimizer_state_, make_optimizer
 from .train_config import ResolvedRun, TrainConfig, resolve_run
 
@@ -258,6 +258,7 @@ class Trainer:
         if cfg.resume:
             tokens_seen, skipped = self._resume()
         if dist_info.is_main:
+            self._write_run_record()  # first: what marks the directory as a run's (train/rundir.py)
             # Records after the resumed step belong to the run that died: dropped, so no step has two.
             dropped = truncate_metrics(self.out_dir, self.step)
             if dropped:
@@ -301,8 +302,6 @@ class Trainer:
         self.skipped: list[tuple[int, str]] = []
         self._last_record: dict[str, Any] | None = None
         self._logged_step = -1
-        if dist_info.is_main:
-            self._write_run_record()
         self.runner = StepRunner(self.state, cuda_graphs=self.use_graphs)
 
     # ---- setup ---------------------------------------------------------------------------------
@@ -400,7 +399,8 @@ class Trainer:
             "cache_target": self.run.cache_config.target.__dict__,
             "provenance": provenance(),
         }
-        name = "run.json" if not self.cfg.resume else f"run-resume-{self.step:08d}.json"
+        fresh = not self.cfg.resume or not (self.out_dir / RUN_RECORD_FILE).is_file()
+        name = RUN_RECORD_FILE if fresh else f"run-resume-{self.step:08d}.json"
         atomic_write_text(self.out_dir / name, json.dumps(record, indent=1, default=str) + "\n")
 
     def _resume(self) -> tuple[int, int]:

@@ -3,7 +3,10 @@
 A run directory holds step-NNNNNNNN/ checkpoints, metrics.jsonl, run.json and run-resume-*.json,
 eval.json, tb/ (TensorBoard), run*.png (dflash-train plot), the lock file and temporaries (.tmp-*).
 Training refuses an --out that is a cache, lies inside or around the cache, or holds anything else:
-a run writes and prunes files there, and must never touch what it did not make.
+a run writes and prunes files there, and must never touch what it did not make. Names alone prove
+nothing (a user's own eval.json or metrics.jsonl): a directory is a run directory when it holds a
+run.json that dflash-train wrote (RUN_RECORD_KEYS); without one it must be empty but for the lock
+and temporaries.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from . import checkpoint
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+RUN_RECORD_FILE = "run.json"
+# Keys every run.json that dflash-train writes has (train/loop.py Trainer._write_run_record).
+RUN_RECORD_KEYS = ("config", "config_hash", "drafter", "total_steps", "world_size", "provenance")
 _OURS = re.compile(r"^(step-\d{8}|metrics\.jsonl|run\.json|run-resume-\d{8}\.json|eval\.json|tb|run.*\.png)$")
 
 
@@ -42,16 +48,30 @@ def check_run_dir(out_dir: str | Path, cache_dir: str | Path) -> None:
         raise ValueError(
             f"--out {out} is a dflash-extract cache ({out / CACHE_CONFIG_FILE}); choose a new or empty run directory"
         )
-    foreign = [
-        p
-        for p in sorted(out.iterdir())
-        if not (_OURS.match(p.name) or p.name == LOCK_FILE or p.name.startswith(TMP_PREFIX))
-    ]
+    entries = [p for p in sorted(out.iterdir()) if not (p.name == LOCK_FILE or p.name.startswith(TMP_PREFIX))]
+    if not entries:
+        return
+    if not is_run_record(out / RUN_RECORD_FILE):
+        raise ValueError(
+            f"--out {out} holds files dflash-train did not write ({describe(entries)}): it has no run.json "
+            "of a dflash-train run, so none of them is ours; choose a new or empty run directory (a run "
+            "prunes and replaces files in it)"
+        )
+    foreign = [p for p in entries if not _OURS.match(p.name)]
     if foreign:
         raise ValueError(
             f"--out {out} holds files dflash-train did not write ({describe(foreign)}); choose a new "
             "or empty run directory (a run prunes and replaces files in it)"
         )
+
+
+def is_run_record(path: Path) -> bool:
+    """Whether `path` is a run.json that dflash-train wrote (a JSON object with every RUN_RECORD_KEYS key)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(record, dict) and all(k in record for k in RUN_RECORD_KEYS) and isinstance(record["config"], dict)
 
 
 def clean_stale_temporaries(out_dir: str | Path) -> int:
