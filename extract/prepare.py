@@ -25,10 +25,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shards.cli_options import cli_field, config_error
+from shards.durable import atomic_write_text, check_writable
 
 from .chat import ChatRenderer, load_tokenizer
 from .conversations import holds_conversations, iter_conversations
-from .data import Sample
+from .data import Sample, data_would_read
 from .rows import DataError
 from .target_config import TargetConfig
 
@@ -143,11 +144,16 @@ def _encoded(
         yield Sample(conv.sample_id, ids, mask)
 
 
-def prepare_dataset(cfg: PrepareConfig) -> PrepareSummary:
+# How to write the good rows when some are bad: dflash-data prepare's flag, or (from dflash-extract,
+# which has no such flag) a separate prepare run.
+SKIP_BAD_ROWS_HINT = "pass --skip-bad-rows to write the other rows (the skipped ones are listed in the summary)"
+EXTRACT_SKIP_HINT = "run `dflash-data prepare --skip-bad-rows` on them and pass its output as --data"
+
+
+def prepare_dataset(cfg: PrepareConfig, skip_hint: str = SKIP_BAD_ROWS_HINT) -> PrepareSummary:
     """Render, mask and write every conversation; DataError listing bad rows (see the module doc)."""
     out = Path(cfg.out)
-    if out.exists() and not cfg.overwrite:
-        raise FileExistsError(f"{out} exists; choose another --out or pass --overwrite")
+    _check_out(cfg, out)
     vocab_size = TargetConfig.from_dir(cfg.target).vocab_size
     renderer = ChatRenderer(cfg.target, thinking=cfg.thinking == "on", vocab_size=vocab_size)
     summary = PrepareSummary(out=str(out))
@@ -168,12 +174,12 @@ def prepare_dataset(cfg: PrepareConfig) -> PrepareSummary:
         if errors and not cfg.skip_bad_rows:
             shown = "\n  ".join(errors[:_NUM_ERRORS_SHOWN])
             more = f"\n  ... and {len(errors) - _NUM_ERRORS_SHOWN} more" if len(errors) > _NUM_ERRORS_SHOWN else ""
-            raise DataError(
-                f"{len(errors)} bad rows, nothing written:\n  {shown}{more}\n"
-                f"fix them, or pass --skip-bad-rows to write the other rows (the skipped ones are listed in the summary)"
-            )
+            raise DataError(f"{len(errors)} bad rows, nothing written:\n  {shown}{more}\nfix them, or {skip_hint}")
         if not summary.num_samples:
             raise DataError(f"{cfg.data}: no conversation could be prepared")
+        if not summary.num_supervised:  # a drafter learns nothing from it: refused, as dflash-extract would
+            cut = f" (--max-length {cfg.max_length} cut every reply away: raise it)" if cfg.max_length else ""
+            raise DataError(f"{cfg.data}: no token of the {summary.num_samples} samples is supervised{cut}")
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)  # ours: the partial output of a refused or failed run
@@ -183,10 +189,59 @@ def prepare_dataset(cfg: PrepareConfig) -> PrepareSummary:
         "supervised_fraction": summary.supervised_fraction,
         "config": dataclasses.asdict(cfg),
     }
-    with open(f"{out}.summary.json", "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=2)
+    atomic_write_text(_summary_path(out), json.dumps(record, indent=2))
     logger.info("prepared %s", summary.line())
     return summary
+
+
+def _summary_path(out: Path) -> Path:
+    return Path(f"{out}.summary.json")
+
+
+def _read_summary(out: Path) -> dict | None:
+    """The summary a prepare run wrote beside OUT, None when there is none of ours."""
+    try:
+        summary = json.loads(_summary_path(out).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return summary if isinstance(summary, dict) and "config" in summary and "num_samples" in summary else None
+
+
+def _written_by_prepare(out: Path) -> bool:
+    """OUT is a token dataset beside a summary that records a prepare run."""
+    try:
+        names = pq.read_schema(out).names
+    except Exception:  # not Parquet: pyarrow raises several types
+        return False
+    return _read_summary(out) is not None and names == _SCHEMA.names
+
+
+def check_output_file(out: Path, sidecar: Path, data: str) -> None:
+    """Before any work: --out and its sidecar are not what --data reads, and their directory is writable."""
+    for path in (out, sidecar):
+        if data_would_read(data, path):
+            raise FileExistsError(
+                f"--out {out}: {path} is --data {data} or would be read by it; choose an --out outside the data"
+            )
+    try:
+        check_writable(out.parent, f"--out {out}")
+    except ValueError as e:
+        raise FileExistsError(str(e)) from e
+
+
+def _check_out(cfg: PrepareConfig, out: Path) -> None:
+    """Replace only an output of ours, and only with --overwrite; never a summary we did not write."""
+    check_output_file(out, _summary_path(out), cfg.data)
+    if out.exists():
+        if not cfg.overwrite:
+            raise FileExistsError(f"{out} exists; choose another --out or pass --overwrite")
+        if not _written_by_prepare(out):
+            raise FileExistsError(
+                f"--overwrite: {out} was not written by dflash-data prepare (no {_summary_path(out).name} of "
+                "ours beside it); nothing was replaced: choose another --out"
+            )
+    elif _summary_path(out).exists() and _read_summary(out) is None:
+        raise FileExistsError(f"{_summary_path(out)} exists and is not a prepare summary; choose another --out")
 
 
 @contextmanager
@@ -213,7 +268,7 @@ def tokens_for_extraction(data: str, target: str, thinking: Thinking | None) -> 
             target,
             cfg.thinking,
         )
-        summary = prepare_dataset(cfg)
+        summary = prepare_dataset(cfg, EXTRACT_SKIP_HINT)
         template = load_tokenizer(target).chat_template
         record = {
             "from": "conversations",

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -31,15 +33,18 @@ from typing import Any, get_args
 from urllib.parse import urlsplit
 
 from shards.cli_options import cli_field, config_error
+from shards.durable import atomic_write_bytes, atomic_write_text
 from shards.progress import ProgressLog, format_duration
 
 from .conversations import FINISH_REASON, Conversation, iter_conversations
-from .prepare import Thinking
+from .prepare import Thinking, check_output_file
 from .rows import DataError
 
 logger = logging.getLogger(__name__)
 
 META_SUFFIX = ".regenerate.json"
+# In every line of OUT: the sha256 of the input conversation it answers, so a resume redoes edited ones.
+SOURCE_KEY = "regenerated_from_sha256"
 _META_KEYS = ("model", "temperature", "max_tokens", "thinking", "seed")  # settings a resume must share
 _MAX_BACKOFF_S = 60.0
 
@@ -84,6 +89,9 @@ class RegenerateConfig:
         for name in ("temperature", "max_retries", "retry_backoff_s"):
             if getattr(self, name) < 0:
                 raise config_error(self, name, "must be >= 0")
+        for name in ("temperature", "request_timeout_s", "retry_backoff_s"):
+            if not math.isfinite(getattr(self, name)):
+                raise config_error(self, name, "must be a finite number")
         if self.thinking not in get_args(Thinking):
             raise config_error(self, "thinking", f"must be one of {get_args(Thinking)}")
         if urlsplit(self.server).scheme not in ("http", "https"):
@@ -132,9 +140,12 @@ class _Retryable(Exception):
     pass
 
 
-def _read_done(out: Path) -> tuple[set[str], int]:
-    """Ids already in OUT; a partial last line (no newline: the run was killed mid-write) is cut off.
-    Returns (ids, bytes removed)."""
+def _read_done(out: Path) -> tuple[dict[str, str | None], int]:
+    """The conversations already in OUT, id -> the sha256 of the input they were made from (None for
+    lines of older versions); a partial last line (no newline: the run was killed mid-write) is cut
+    off. Returns (done, bytes removed)."""
+    if not out.exists():
+        return {}, 0
     raw = out.read_bytes()
     cut = 0
     if raw and not raw.endswith(b"\n"):
@@ -144,37 +155,66 @@ def _read_done(out: Path) -> tuple[set[str], int]:
             f.truncate(keep)
         raw = raw[:keep]
         logger.warning("%s: removed a partial last line (%d bytes) left by an interrupted run", out, cut)
-    done = set()
+    done = {}
     for number, line in enumerate(raw.splitlines(), 1):
         try:
-            done.add(str(json.loads(line)["id"]))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            row = json.loads(line)
+            done[str(row["id"])] = row.get(SOURCE_KEY)
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise DataError(f"{out}, line {number}: not a regenerated conversation ({e}); the file was edited") from e
     return done, cut
 
 
+def source_sha256(conv: Conversation) -> str:
+    """What a regenerated line was made from: the input conversation's messages, tools and other fields."""
+    extra = {k: v for k, v in conv.extra.items() if k != SOURCE_KEY}
+    blob = json.dumps([conv.messages, conv.tools, extra], sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def _drop_lines(out: Path, ids: set[str]) -> None:
+    """Rewrite OUT (ours) without the lines of `ids`, in one atomic step."""
+    kept = [line for line in out.read_bytes().splitlines(keepends=True) if str(json.loads(line)["id"]) not in ids]
+    atomic_write_bytes(out, b"".join(kept))
+
+
+def _meta_path(out: Path) -> Path:
+    return Path(str(out) + META_SUFFIX)
+
+
 def _check_meta(cfg: RegenerateConfig, out: Path) -> None:
-    """Refuse an OUT this program did not start, or one made with other settings; record ours."""
-    meta_path = Path(str(out) + META_SUFFIX)
-    ours = {key: getattr(cfg, key) for key in _META_KEYS}
+    """Refuse an OUT this program did not start, or one made with other settings."""
+    meta_path = _meta_path(out)
+    if not out.exists():
+        return
+    if not meta_path.exists():
+        raise FileExistsError(
+            f"{out} exists and was not written by dflash-data regenerate (no {meta_path.name}); choose another --out"
+        )
+    recorded = json.loads(meta_path.read_text())
+    ours = _meta(cfg)
+    diffs = [
+        f"{k}: {recorded.get(k)!r} in {meta_path.name}, {ours[k]!r} now"
+        for k in _META_KEYS
+        if recorded.get(k) != ours[k]
+    ]
+    if diffs:
+        raise ValueError(
+            f"{out} was made with other settings ({'; '.join(diffs)}); use the same settings to resume, or another --out"
+        )
+
+
+def _meta(cfg: RegenerateConfig) -> dict[str, Any]:
+    return {key: getattr(cfg, key) for key in _META_KEYS}
+
+
+def _start_out(cfg: RegenerateConfig, out: Path) -> None:
+    """A new OUT and its settings record, once the server has answered (a refused first run leaves
+    nothing behind that would block the corrected command)."""
     if out.exists():
-        if not meta_path.exists():
-            raise FileExistsError(
-                f"{out} exists and was not written by dflash-data regenerate (no {meta_path.name}); choose another --out"
-            )
-        recorded = json.loads(meta_path.read_text())
-        diffs = [
-            f"{k}: {recorded.get(k)!r} in {meta_path.name}, {ours[k]!r} now"
-            for k in _META_KEYS
-            if recorded.get(k) != ours[k]
-        ]
-        if diffs:
-            raise ValueError(
-                f"{out} was made with other settings ({'; '.join(diffs)}); use the same settings to resume, or another --out"
-            )
         return
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta_path.write_text(json.dumps(ours, indent=2) + "\n")
+    atomic_write_text(_meta_path(out), json.dumps(_meta(cfg), indent=2) + "\n")
     out.touch()
 
 
@@ -290,12 +330,14 @@ class _Client:
             new.append(await self.reply(new, conv.tools) if m["role"] == "assistant" else m)
         if new[-1]["role"] in ("user", "tool"):
             new.append(await self.reply(new, conv.tools))
-        return {**Conversation(conv.sample_id, new, conv.tools).to_row(), **conv.extra}
+        row = {**Conversation(conv.sample_id, new, conv.tools).to_row(), **conv.extra}
+        return {**row, SOURCE_KEY: source_sha256(conv)}
 
 
 async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: RegenerateSummary, out: Path) -> None:
     client = _Client(cfg, summary)
     await client.check_server()
+    _start_out(cfg, out)
     window = 4 * cfg.concurrency  # finished conversations wait at most this far ahead of the next to write
     state = {"next_index": 0, "written": 0, "done": 0}
     results: dict[int, dict | None] = {}
@@ -360,15 +402,29 @@ async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: Regener
 def regenerate_dataset(cfg: RegenerateConfig) -> RegenerateSummary:
     """Regenerate every conversation of cfg.data not yet in cfg.out; see the module docstring."""
     out = Path(cfg.out)
-    convs = list(iter_conversations(cfg.data))
-    summary = RegenerateSummary(out=str(out), num_input=len(convs))
+    check_output_file(out, _meta_path(out), cfg.data)
     _check_meta(cfg, out)
+    convs = list(iter_conversations(cfg.data))
+    if not convs:
+        raise DataError(f"--data {cfg.data} holds no conversations")
+    summary = RegenerateSummary(out=str(out), num_input=len(convs))
     done, summary.torn_bytes_removed = _read_done(out)
-    unknown = done - {c.sample_id for c in convs}
+    unknown = set(done) - {c.sample_id for c in convs}
     if unknown:
         raise DataError(
             f"{out} holds ids that are not in {cfg.data} (e.g. {sorted(unknown)[:3]}); is it the output of another dataset?"
         )
+    changed = {c.sample_id for c in convs if done.get(c.sample_id) not in (None, source_sha256(c))}
+    if changed:  # edited in --data since their replies were made: those replies answer another prompt
+        logger.warning(
+            "%d conversations changed in %s since %s was written (e.g. %s): regenerating them",
+            len(changed),
+            cfg.data,
+            out,
+            sorted(changed)[:3],
+        )
+        _drop_lines(out, changed)
+        done = {k: v for k, v in done.items() if k not in changed}
     todo = [c for c in convs if c.sample_id not in done]
     summary.num_kept = len(convs) - len(todo)
     logger.info(

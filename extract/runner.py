@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import glob
 import logging
+import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +49,7 @@ from shards.lock import LOCK_FILE, DirectoryLock
 from shards.ownership import describe, foreign_entries, is_our_shard, nested, our_entries, remove_cache_files
 from shards.progress import ProgressLog, format_bytes, format_duration, is_interactive, plural
 from shards.provenance import provenance
+from shards.reader import list_shards
 from shards.reader import load_target_head as read_cache_head
 from shards.runtime import DistInfo, barrier, resolve_device, shutdown
 from shards.sigterm import SigtermFlag
@@ -140,6 +143,7 @@ def run_extract(cfg: ExtractConfig) -> ExtractSummary:
 def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
     start = time.monotonic()
     _refuse_nesting(cfg)
+    _refuse_foreign_out(Path(cfg.out_dir))
     check_writable(cfg.out_dir, f"--out {cfg.out_dir}")
     target = TargetConfig.from_dir(cfg.target)
     checkpoint_quantization(cfg.target)  # an unimplemented quantization is refused before any work
@@ -170,7 +174,13 @@ def _extract_dataset(
         raise ValueError(f"{cfg.data}: no non-empty samples ({index.report.summary()})")
     _refuse_unsupervised(cfg, index)
     plan = plan_batches(index, cfg.packing)
+    if not plan.batches:
+        raise ValueError(
+            f"{cfg.data}: no sample fits a {cfg.token_budget}-token batch ({index.report.summary()}); "
+            "raise --token-budget, or pass --long-seqs truncate"
+        )
     cache_cfg = build_cache_config(cfg, target, taps, plan, index, prepared)
+    _refuse_what_cannot_fit(cfg, cache_cfg, plan)
     if dist_info.is_main:  # the packing plan itself was logged once by plan_batches
         shard_bytes = bytes_per_shard(cache_cfg)
         log.info(
@@ -184,6 +194,7 @@ def _extract_dataset(
         )
     # Rank 0 holds the cache's lock for the whole job (its ranks share it); a second job is refused.
     lock = DirectoryLock(cfg.out_dir, "dflash-extract")
+    fresh = dist_info.is_main and not (Path(cfg.out_dir) / CACHE_CONFIG_FILE).exists()
     try:
         run_on_main(dist_info, lambda: _prepare_cache(cfg, cache_cfg, lock))
         barrier()
@@ -208,8 +219,51 @@ def _extract_dataset(
             summary.complete = True
         summary.wall_s = time.monotonic() - start
         return summary
+    except BaseException:
+        if fresh and lock.held:
+            _remove_if_no_shard(Path(cfg.out_dir))
+        raise
     finally:
         lock.release()
+
+
+def _remove_if_no_shard(out: Path) -> None:
+    """A run that created the cache and failed before its first shard (a damaged checkpoint found while
+    loading it, out of memory) takes its empty cache away again: otherwise the corrected command would
+    be refused as a resume with other settings."""
+    if not (out / CACHE_CONFIG_FILE).exists() or list_shards(out):
+        return
+    try:
+        remove_cache_files(out)
+    except (ValueError, OSError) as e:  # a file of the user's appeared, or the disk went away: leave it all
+        log.warning("could not remove the empty cache this run created at %s: %s", out, e)
+        return
+    log.info("removed the empty cache this run had created at %s (no shard was written)", out)
+
+
+def _refuse_what_cannot_fit(cfg: ExtractConfig, cache_cfg: CacheConfig, plan) -> None:
+    """Before any work: the writer's host buffers must fit this machine's memory, and the shards still
+    to write must fit the free space under --out."""
+    shard_bytes = bytes_per_shard(cache_cfg)
+    host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if cfg.writer_buffers * shard_bytes > host_bytes:
+        raise ValueError(
+            f"--token-budget {cfg.token_budget}: one shard is {format_bytes(shard_bytes)} and the writer keeps "
+            f"{cfg.writer_buffers} in host memory ({format_bytes(cfg.writer_buffers * shard_bytes)}), more than this "
+            f"machine's {format_bytes(host_bytes)}; lower --token-budget (or --writer-buffers)"
+        )
+    out = Path(cfg.out_dir)
+    todo = len(plan.batches) - (len(list_shards(out)) if out.is_dir() and not cfg.overwrite else 0)
+    where = out
+    while not where.exists() and where.parent != where:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if todo * shard_bytes > free:
+        raise ValueError(
+            f"--out {out}: {plural(todo, 'shard')} of {format_bytes(shard_bytes)} still to write "
+            f"({format_bytes(todo * shard_bytes)}), but {where} has {format_bytes(free)} free; free space, choose "
+            "another --out, or lower the size (--storage fp8, fewer --num-taps)"
+        )
 
 
 def _refuse_nesting(cfg: ExtractConfig) -> None:
@@ -330,15 +384,7 @@ def _prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig, lock: DirectoryLo
     """Rank 0: take the cache's lock, then create the cache, check it for resume, or (--overwrite)
     delete our files in it and create it again. Nothing that is not ours is ever deleted."""
     out = Path(cfg.out_dir)
-    if out.exists() and not out.is_dir():
-        raise CacheMismatchError(f"--out {out} is a file, not a directory; choose another --out")
-    if out.is_dir() and not (out / CACHE_CONFIG_FILE).exists():
-        foreign = foreign_entries(out)
-        if foreign:  # checked before the lock file is created: a foreign directory stays untouched
-            raise CacheMismatchError(
-                f"{out} is not a dflash-extract cache and is not empty ({describe(foreign)}); "
-                "choose another (new or empty) --out"
-            )
+    _refuse_foreign_out(out)  # again under the lock's creation: a foreign directory stays untouched
     out.mkdir(parents=True, exist_ok=True)
     lock.acquire()
     raw = load_target_head(cfg.target)
@@ -378,6 +424,19 @@ def _prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig, lock: DirectoryLo
 def _is_unfinished_creation(ours: list[Path]) -> bool:
     """Only what create_cache writes before cache.json: the target head, temporaries, the lock."""
     return all(p.name in (TARGET_HEAD_FILE, LOCK_FILE) or p.name.startswith(TMP_PREFIX) for p in ours)
+
+
+def _refuse_foreign_out(out: Path) -> None:
+    """--out is a file, or a directory that is neither empty nor a cache of ours."""
+    if out.exists() and not out.is_dir():
+        raise CacheMismatchError(f"--out {out} is a file, not a directory; choose another --out")
+    if out.is_dir() and not (out / CACHE_CONFIG_FILE).exists():
+        foreign = foreign_entries(out)
+        if foreign:
+            raise CacheMismatchError(
+                f"{out} is not a dflash-extract cache and is not empty ({describe(foreign)}); "
+                "choose another (new or empty) --out"
+            )
 
 
 def _repair_target_head(out: Path, cache_cfg: CacheConfig, head: dict, foreign: list[Path]) -> None:

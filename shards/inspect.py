@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 import shutil
 from dataclasses import dataclass, field
@@ -89,19 +90,20 @@ class VerifyReport:
         shards = [b for b in self.bad if b["batch_id"] is not None]
         in_place = [b for b in shards if b["reason"] != "missing" and "moved_to" not in b]
         rerun = (
-            "re-run the dflash-extract command that made this cache: it extracts the missing shards and "
-            "rewrites the manifest"
+            "re-run the dflash-extract command that made this cache: it extracts the missing shards"
+            + (", writes the target head again" if head else "")
+            + " and rewrites the manifest"
         )
         if self.extract_command:
             rerun += f" (as cache.json records it, less --overwrite and --fast-resume: {resume_command(self.extract_command)})"
-        if head:
+        if shards and all("belongs to another cache" in b["reason"] for b in shards) and self.checked == len(shards):
             return (
-                "the target head is damaged and a resume keeps it: extract again into a new --out, or pass "
-                "--overwrite to the dflash-extract command that made this cache"
+                "every shard names another cache than cache.json does: cache.json was edited or replaced; "
+                "restore the original (the shards themselves are intact)"
             )
         if in_place:
             return f"move the bad shards aside with `dflash-shards verify {self.cache_dir} --quarantine`, then " + rerun
-        if shards:
+        if shards or head:  # a resume writes a missing or damaged target head again
             return rerun
         return f"rebuild the manifest from the shards with `dflash-shards index {self.cache_dir}`"
 
@@ -127,7 +129,9 @@ def verify_cache(cache_dir: str | Path, quarantine: bool = False) -> VerifyRepor
     """
     cache_dir = Path(cache_dir)
     reader = ShardReader(cache_dir)
-    report = VerifyReport(cache_dir=str(cache_dir), extract_command=_extract_command(reader.config.provenance))
+    report = VerifyReport(
+        cache_dir=str(cache_dir), extract_command=_extract_command(reader.config.provenance, cache_dir)
+    )
     try:
         load_target_head(cache_dir)
     except CacheFormatError as e:
@@ -174,13 +178,27 @@ def _manifest_batch_ids(cache_dir: Path) -> list[int] | None:
         return None
 
 
-def _extract_command(provenance: dict | None) -> str | None:
-    """The dflash-extract command line recorded in cache.json, as a user would type it."""
-    argv = (provenance or {}).get("argv")
+_PATH_FLAGS = ("--target", "--data")
+
+
+def _extract_command(provenance: dict | None, cache_dir: str | Path | None = None) -> str | None:
+    """The dflash-extract command line recorded in cache.json, as a user would type it. With cache_dir:
+    runnable from anywhere for the cache where it is now (a copied or moved one too): --out names
+    cache_dir, and relative --target / --data are made absolute against the recorded working directory."""
+    provenance = provenance or {}
+    argv = provenance.get("argv")
     # dflash-extract itself, or extract/cli.py under torchrun; anything else (a test, a script) is no command.
     if not argv or Path(argv[0]).name not in ("dflash-extract", "cli.py"):
         return None
-    return shlex.join(["dflash-extract", *argv[1:]])
+    words = list(argv[1:])
+    if cache_dir is not None:
+        cwd = provenance.get("cwd")
+        for i, word in enumerate(words[:-1]):
+            if word == "--out":
+                words[i + 1] = os.path.abspath(cache_dir)
+            elif word in _PATH_FLAGS and cwd and not os.path.isabs(words[i + 1]):
+                words[i + 1] = os.path.join(cwd, words[i + 1])
+    return shlex.join(["dflash-extract", *words])
 
 
 def _quarantine(cache_dir: Path, path: Path) -> Path:

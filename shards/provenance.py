@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ def provenance() -> dict:
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "argv": list(sys.argv),
+        "cwd": os.getcwd(),  # what relative paths in argv were relative to
         "git_sha": _git_sha(),
         "python": sys.version.split()[0],
         "versions": versions,

@@ -285,6 +285,26 @@ def test_prepare_formats_and_output_reads_in_extract(target, tmp_path):
     assert all(len(r["input_ids"]) == 20 for r in pq.read_table(out2).to_pylist())
 
 
+def test_prepare_never_replaces_its_input_or_a_file_it_did_not_write(target, tmp_path):
+    path = tmp_path / "convs.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": "p0", "messages": CHAIN}]), path)
+    before = path.read_bytes()
+    args = ["--target", str(target), "--thinking", "off", "--overwrite"]
+    same = _prepare([*args, "--data", str(path), "--out", str(path)])
+    assert same.exit_code == 1 and "would be read by it" in same.output and path.read_bytes() == before
+    inside = _prepare([*args, "--data", str(tmp_path), "--out", str(tmp_path / "tokens.parquet")])
+    assert inside.exit_code == 1 and "would be read by it" in inside.output
+    mine = tmp_path / "out" / "mine.parquet"
+    mine.parent.mkdir()
+    mine.write_text("my notes")
+    foreign = _prepare([*args, "--data", str(path), "--out", str(mine)])
+    assert foreign.exit_code == 1 and "was not written by dflash-data prepare" in foreign.output, foreign.output
+    assert mine.read_text() == "my notes"
+    ours = tmp_path / "out" / "tokens.parquet"
+    assert _prepare([*args, "--data", str(path), "--out", str(ours)]).exit_code == 0
+    assert _prepare([*args, "--data", str(path), "--out", str(ours)]).exit_code == 0, "its own output it replaces"
+
+
 def test_prepare_parquet_input(target, tmp_path):
     rows = [{"id": "p0", "messages": CHAIN}]
     path = tmp_path / "c.parquet"

@@ -199,6 +199,24 @@ def test_kill_in_the_middle_then_resume_loses_and_duplicates_nothing(chat_model,
     assert result.exit_code == 0 and "0 conversations regenerated" in result.output and "8 kept" in result.output
 
 
+def test_a_conversation_edited_in_the_data_is_regenerated_on_resume(chat_model, tmp_path):
+    data = _conversations(tmp_path / "chats.jsonl", 3, multi_turn=False)
+    out = tmp_path / "regen.jsonl"
+    with serving(chat_model) as url:
+        assert _regenerate(url, data, out).exit_code == 0
+        first = {r["id"]: r for r in _rows(out)}
+        rows = [json.loads(line) for line in data.read_text().splitlines()]
+        rows[1]["messages"][0]["content"] = "A new question about the sea?"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        result = _regenerate(url, data, out)
+    assert result.exit_code == 0 and "1 conversations regenerated" in result.output, result.output
+    assert "2 kept from an earlier run" in result.output
+    again = {r["id"]: r for r in _rows(out)}
+    assert again["c1"]["messages"][0]["content"] == "A new question about the sea?"
+    assert again["c0"] == first["c0"] and again["c2"] == first["c2"]
+    assert again["c1"]["regenerated_from_sha256"] != first["c1"]["regenerated_from_sha256"]
+
+
 def test_retries_after_5xx_and_timeouts(chat_model, tmp_path):
     data = _conversations(tmp_path / "chats.jsonl", 2, multi_turn=False)
     with serving(chat_model, Faults(fail_requests=frozenset({1, 2}))) as url:
@@ -236,6 +254,18 @@ def test_refusals_name_the_problem(chat_model, tmp_path):
         assert other.exit_code == 1 and "temperature: 0.0" in other.output and "0.5 now" in other.output
         wrong = _regenerate(url, data, tmp_path / "w.jsonl", model="nope")
         assert wrong.exit_code == 1 and "--model 'nope' is not served" in wrong.output and "tiny" in wrong.output
+        assert not list(tmp_path.glob("w.jsonl*")), "a refused first run leaves nothing that blocks the fix"
+        assert _regenerate(url, data, tmp_path / "w.jsonl").exit_code == 0
+        for value in ("nan", "inf"):
+            odd = _regenerate(url, data, tmp_path / "t.jsonl", "--temperature", value)
+            assert odd.exit_code != 0 and "--temperature" in odd.output and "finite" in odd.output, odd.output
+        inside = _regenerate(url, tmp_path, tmp_path / "inside.jsonl")
+        assert inside.exit_code == 1 and "would be read by it" in inside.output, inside.output
+        empty = tmp_path / "empty" / "chats.jsonl"
+        empty.parent.mkdir()
+        empty.write_text("")
+        none = _regenerate(url, empty, tmp_path / "e.jsonl")
+        assert none.exit_code == 1 and "holds no conversations" in none.output, none.output
         foreign = tmp_path / "foreign.jsonl"
         foreign.write_text("mine\n")
         refused = _regenerate(url, data, foreign)

@@ -247,6 +247,13 @@ IMPOSSIBLE = [
     ("more taps than layers", None, ["--num-taps", "20"], "--num-taps 20 asks for more taps than the target's 8"),
     ("all-zero masks", lambda t: _write(t, _samples(6, 20, 0)), [], "no supervised tokens in 6 samples"),
     ("1-token samples", lambda t: _write(t, _samples(5, 1, 1)), [], "no supervised tokens in 5 samples"),
+    (
+        "every sample skipped",
+        lambda t: _write(t, _samples(6, 40, 1)),
+        ["--token-budget", "16", "--long-seqs", "skip"],
+        "no sample fits a 16-token batch",
+    ),
+    ("shard above host memory", None, ["--token-budget", str(10**11)], "more than this machine's"),
 ]
 
 
@@ -265,6 +272,32 @@ def test_settings_that_can_never_work_are_refused_before_any_work(
     assert message in result.output, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), "no raw traceback"
     assert not (out / "cache.json").exists(), "refused before cache.json is written"
+
+
+def test_a_cache_too_large_for_the_free_space_is_refused_before_any_work(target, data, tmp_path, monkeypatch):
+    import shutil as real
+
+    free = real.disk_usage(tmp_path)._replace(free=1000)
+    monkeypatch.setattr("extract.runner.shutil.disk_usage", lambda path: free)
+    out = tmp_path / "cache"
+    result = CliRunner().invoke(extract_cli, cli_args(target, data, out))
+    assert result.exit_code == 1 and "still to write" in result.output and "1.00 KB free" in result.output, result.output
+    assert not out.exists()
+
+
+def test_a_failure_before_the_first_shard_takes_the_new_cache_away(target, data, reference, tmp_path, monkeypatch):
+    def damaged(*args, **kwargs):
+        raise ValueError("model-00001.safetensors: w holds NaN e4m3 codes: the checkpoint is damaged")
+
+    monkeypatch.setattr(TargetModel, "from_pretrained", damaged)
+    out = tmp_path / "cache"
+    result = CliRunner().invoke(extract_cli, cli_args(target, data, out))
+    assert result.exit_code == 1 and "NaN e4m3 codes" in result.output, result.output
+    assert not (out / "cache.json").exists(), "the empty cache it created went again"
+    monkeypatch.undo()
+    result = CliRunner().invoke(extract_cli, cli_args(target, data, out))  # the corrected command starts afresh
+    assert result.exit_code == 0, result.output
+    assert_equals_reference(out, reference)
 
 
 # ---- 5. SIGTERM --------------------------------------------------------------------------------------------

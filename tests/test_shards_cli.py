@@ -70,6 +70,23 @@ def test_the_recorded_extract_command_is_quoted_for_a_shell():
     assert _extract_command({}) is None
 
 
+def test_the_repair_command_runs_from_anywhere_for_the_cache_where_it_is_now(tmp_path):
+    recorded = {"argv": ["dflash-extract", "--target", "t", "--data", "/d/x.jsonl", "--out", "cache"], "cwd": "/work"}
+    moved = tmp_path / "copy of cache"
+    assert _extract_command(recorded, moved) == (f"dflash-extract --target /work/t --data /d/x.jsonl --out '{moved}'")
+
+
+def test_an_edited_cache_json_is_named_not_the_good_shards(cache):
+    path = cache / "cache.json"
+    record = json.loads(path.read_text())
+    record["mask_token_id"] = record["mask_token_id"] - 1  # not part of the shards' cache id: still matches
+    record["target_head_checksum"] = "crc32:00000000"  # part of it: every shard now names another cache
+    path.write_text(json.dumps(record))
+    report = json.loads(_invoke("verify", cache, "--json").output)
+    assert "cache.json was edited or replaced" in report["remedy"], report["remedy"]
+    assert "quarantine" not in report["remedy"]
+
+
 def test_info_does_not_count_quarantined_files(cache):
     before = json.loads(_invoke("info", cache, "--json").output)
     size = shard_path(cache, 1).stat().st_size

@@ -135,6 +135,21 @@ def test_verify_quarantine_moves_bad_shard(cache):
     assert ShardReader(cache_dir).batch_ids() == [0, 1]
 
 
+@pytest.mark.parametrize("command", [["verify", "--quarantine"], ["index"]])
+def test_a_read_only_cache_gives_one_line_not_a_traceback(cache, monkeypatch, command):
+    cache_dir, _ = cache
+    corrupt_shard(shard_path(cache_dir, 2), "flip")
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(30, "Read-only file system", str(path))
+
+    monkeypatch.setattr("shards.inspect.shutil.move", read_only)
+    monkeypatch.setattr("shards.manifest.atomic_write_bytes", read_only)
+    result = CliRunner().invoke(shards_cli, [command[0], str(cache_dir), *command[1:]])
+    assert result.exit_code == 1 and "Read-only file system" in result.output, result.output
+    assert isinstance(result.exception, SystemExit), "a one-line error, no traceback"
+
+
 def test_wrong_cache_format_version_is_refused(cache):
     cache_dir, _ = cache
     p = cache_dir / "cache.json"

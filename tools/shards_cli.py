@@ -212,6 +212,11 @@ def _guard(fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except CacheFormatError as e:
         raise click.ClickException(str(e)) from e
+    except OSError as e:  # e.g. --quarantine or index on a read-only cache
+        where = f"{e.filename}: " if e.filename else ""
+        raise click.ClickException(
+            f"{where}{e.strerror or e}; check the cache's permissions, its file system (read-only?) and free space"
+        ) from e
 
 
 if __name__ == "__main__":
