@@ -281,7 +281,9 @@ def test_a_cache_too_large_for_the_free_space_is_refused_before_any_work(target,
     monkeypatch.setattr("extract.runner.shutil.disk_usage", lambda path: free)
     out = tmp_path / "cache"
     result = CliRunner().invoke(extract_cli, cli_args(target, data, out))
-    assert result.exit_code == 1 and "still to write" in result.output and "1.00 KB free" in result.output, result.output
+    assert result.exit_code == 1 and "still to write" in result.output and "1.00 KB free" in result.output, (
+        result.output
+    )
     assert not out.exists()
 
 
