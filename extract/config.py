@@ -105,6 +105,8 @@ class ExtractConfig:
                 raise config_error(self, name, "must be >= 1")
         if self.target_topk < 0:
             raise config_error(self, "target_topk", "must be >= 0 (0 = off)")
+        if not self.progress_interval_s > 0:  # NaN too
+            raise config_error(self, "progress_interval_s", "must be a positive number of seconds")
         if self.tap_layer_ids is not None:
             if not self.tap_layer_ids:
                 raise config_error(self, "tap_layer_ids", "must name at least one layer, e.g. --taps 1,16,31")

@@ -28,6 +28,10 @@ from .data import find_data_files
 from .rows import DataError, open_parquet, read_row_group, row_location
 
 CONVERSATION_SUFFIXES = (".jsonl", ".json", ".parquet")
+# The records dflash-data writes beside its outputs (regenerate's settings, prepare's summary): never data.
+REGENERATE_META_SUFFIX = ".regenerate.json"
+PREPARE_SUMMARY_SUFFIX = ".summary.json"
+SIDECAR_SUFFIXES = (REGENERATE_META_SUFFIX, PREPARE_SUMMARY_SUFFIX)
 ROLES = ("system", "user", "assistant", "tool")
 # An assistant message's "finish_reason": "length" (written by dflash-data regenerate) says the reply
 # was cut at max_tokens: the model never generated its end-of-turn token, so it is not supervised.
@@ -226,13 +230,18 @@ def _file_rows(path: str) -> Iterator[tuple[int, Any]]:
                     yield row, DataError(f"{row_location(path, row)}: malformed JSON line ({e})")
 
 
+def conversation_files(path: str | os.PathLike) -> list[str]:
+    """The conversation files `path` names, less the sidecars dflash-data writes beside its outputs."""
+    return [f for f in find_data_files(path, CONVERSATION_SUFFIXES) if not f.endswith(SIDECAR_SUFFIXES)]
+
+
 def iter_conversations(path: str | os.PathLike, errors: list[str] | None = None) -> Iterator[Conversation]:
     """Every conversation under `path`, in file and row order; ids checked for uniqueness.
 
     errors=None: raise at the first bad row. A list: append each bad row's message to it and go
     on (the caller reports them all); a file that cannot be read at all still raises."""
     seen: dict[str, str] = {}
-    for path_ in find_data_files(path, CONVERSATION_SUFFIXES):
+    for path_ in conversation_files(path):
         for row_index, row in _file_rows(path_):
             try:
                 if isinstance(row, DataError):
@@ -274,7 +283,7 @@ def holds_conversations(path: str | os.PathLike) -> bool:
     """Whether the dataset at `path` holds conversations (OpenAI messages or ShareGPT) rather than token
     rows (input_ids), judged by each file's first row; DataError when it holds both."""
     kinds = {}
-    for file in find_data_files(path, CONVERSATION_SUFFIXES):
+    for file in conversation_files(path):
         kinds.setdefault(_file_kind(file), file)
     kinds.pop(None, None)
     if len(kinds) > 1:

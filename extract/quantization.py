@@ -71,12 +71,21 @@ def scale_name(weight_name: str) -> str:
     return weight_name + SCALE_SUFFIX
 
 
+def _method(q: Any) -> str:
+    return repr(q.get("quant_method")) if isinstance(q, dict) else repr(q)
+
+
 def read_quantization(config: dict[str, Any], source: str = "config.json") -> Fp8BlockFormat | None:
     """None for an unquantised checkpoint; the FP8 block format; or UnsupportedQuantizationError."""
     q = config.get("quantization_config")
     text = config.get("text_config")
-    if q is None and isinstance(text, dict):
-        q = text.get("quantization_config")
+    inner = text.get("quantization_config") if isinstance(text, dict) else None
+    if q is not None and inner is not None and q != inner:
+        raise UnsupportedQuantizationError(
+            f"{source}: quantization_config and text_config.quantization_config disagree "
+            f"({_method(q)} vs {_method(inner)}); a checkpoint has one format: restore its config.json from the release"
+        )
+    q = q if q is not None else inner
     if q is None:
         return None
     fix = (
@@ -101,10 +110,16 @@ def read_quantization(config: dict[str, Any], source: str = "config.json") -> Fp
             f"only 'dynamic' is): {fix}"
         )
     block = q.get("weight_block_size")
-    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+    if block is None:
         raise UnsupportedQuantizationError(
-            f"{source}: FP8 weight_block_size={block!r} is not implemented (per-tensor or per-channel FP8); "
+            f"{source}: FP8 without weight_block_size (per-tensor or per-channel FP8) is not implemented; "
             f"fine-grained FP8 needs two positive block sizes such as [128, 128]: {fix}"
+        )
+    sizes_ok = isinstance(block, (list, tuple)) and len(block) == 2
+    if not (sizes_ok and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise UnsupportedQuantizationError(
+            f"{source}: FP8 weight_block_size={json.dumps(block)} is not two positive integers such as "
+            f"[128, 128]: the config.json is damaged (restore it from the release)"
         )
     skip = q.get("modules_to_not_convert") or q.get("ignored_layers") or ()
     return Fp8BlockFormat(block_n=block[0], block_k=block[1], modules_to_not_convert=tuple(str(m) for m in skip))

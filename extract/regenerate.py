@@ -37,12 +37,12 @@ from shards.durable import atomic_write_bytes, atomic_write_text
 from shards.progress import ProgressLog, format_duration
 
 from .conversations import FINISH_REASON, Conversation, iter_conversations
+from .conversations import REGENERATE_META_SUFFIX as META_SUFFIX
 from .prepare import Thinking, check_output_file
 from .rows import DataError
 
 logger = logging.getLogger(__name__)
 
-META_SUFFIX = ".regenerate.json"
 # In every line of OUT: the sha256 of the input conversation it answers, so a resume redoes edited ones.
 SOURCE_KEY = "regenerated_from_sha256"
 _META_KEYS = ("model", "temperature", "max_tokens", "thinking", "seed")  # settings a resume must share
@@ -123,7 +123,7 @@ class RegenerateSummary:
     num_truncated_replies: int = 0  # replies that hit max_tokens (finish_reason "length")
     num_retries: int = 0
     generated_tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # from the server's first answer to the last reply (start-up not counted)
     torn_bytes_removed: int = 0  # partial last line of a killed run, removed at start
     failures: list[Failure] = dataclasses.field(default_factory=list)
 
@@ -131,7 +131,7 @@ class RegenerateSummary:
         rate = self.generated_tokens / self.seconds if self.seconds else 0.0
         return (
             f"{self.num_written} conversations regenerated ({self.num_replies} replies, {self.generated_tokens} tokens, "
-            f"{rate:,.0f} tok/s, {self.num_truncated_replies} cut at max_tokens, {self.num_retries} retries), "
+            f"{rate:,.0f} gen tok/s, {self.num_truncated_replies} cut at max_tokens, {self.num_retries} retries), "
             f"{self.num_kept} kept from an earlier run, {len(self.failures)} failed -> {self.out}"
         )
 
@@ -338,6 +338,7 @@ async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: Regener
     client = _Client(cfg, summary)
     await client.check_server()
     _start_out(cfg, out)
+    started = time.monotonic()  # the rates count generation, as the progress lines do, not the start-up
     window = 4 * cfg.concurrency  # finished conversations wait at most this far ahead of the next to write
     state = {"next_index": 0, "written": 0, "done": 0}
     results: dict[int, dict | None] = {}
@@ -392,6 +393,7 @@ async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: Regener
         try:
             await asyncio.gather(*(worker() for _ in range(min(cfg.concurrency, max(len(todo), 1)))))
         finally:
+            summary.seconds = time.monotonic() - started
             if progress is not None:
                 progress.close()
             f.flush()
@@ -430,8 +432,6 @@ def regenerate_dataset(cfg: RegenerateConfig) -> RegenerateSummary:
     logger.info(
         "regenerate: %d conversations, %d already in %s, %d to do", len(convs), summary.num_kept, out, len(todo)
     )
-    start = time.monotonic()
     if todo:
         asyncio.run(_run(cfg, todo, summary, out))
-    summary.seconds = time.monotonic() - start
     return summary

@@ -288,6 +288,10 @@ def _refuse_nesting(cfg: ExtractConfig) -> None:
         raise CacheMismatchError(f"{problem}; choose an --out outside both the target checkpoint and the dataset")
 
 
+def _shorten(values: list, shown: int = 8) -> str:
+    return str(values) if len(values) <= shown else f"[{', '.join(map(str, values[:shown]))}, ... {len(values)} in all]"
+
+
 def _refuse_impossible_settings(cfg: ExtractConfig, target: TargetConfig, taps: list[int]) -> None:
     """Settings that can never give a usable cache, refused before the dataset scan and cache.json."""
     vocab, layers = target.vocab_size, target.num_hidden_layers
@@ -305,7 +309,7 @@ def _refuse_impossible_settings(cfg: ExtractConfig, target: TargetConfig, taps: 
     if len(set(taps)) != len(taps):
         raise ValueError(
             f"--num-taps {cfg.num_taps} asks for more taps than the target's {layers} layers give "
-            f"distinct ones (the default spread would store layers {taps}); pass --num-taps "
+            f"distinct ones (the default spread would store layers {_shorten(taps)}); pass --num-taps "
             f"{len(set(taps))} or list distinct layers with --taps"
         )
     bad = [t for t in taps if not 0 <= t < layers]

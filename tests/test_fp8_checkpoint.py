@@ -154,6 +154,27 @@ def test_quantization_config_inside_text_config_is_read():
     assert read_quantization({"text_config": {}}) is None
 
 
+@pytest.mark.parametrize(
+    "config, words",
+    [
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [True, True]}}, "[true, true]"),
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [32.0, 32.0]}}, "positive integers"),
+        (
+            {
+                "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+                "text_config": {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+            },
+            "disagree ('fp8' vs 'gptq')",
+        ),
+    ],
+    ids=["bool sizes", "float sizes", "two configs"],
+)
+def test_damaged_or_contradictory_quantization_configs_are_named(config, words):
+    with pytest.raises(UnsupportedQuantizationError) as e:
+        read_quantization(config)
+    assert words in str(e.value)
+
+
 def test_broken_fp8_checkpoints_name_the_tensor(fp8_target, tmp_path):
     tensors = load_file(str(fp8_target / "model.safetensors"))
     name = "model.language_model.layers.1.mlp.down_proj.weight"
