@@ -53,6 +53,7 @@ from extract.target_config import TargetConfig
 from extract.writer import AsyncShardWriter
 from shards import create_cache
 from shards.codec import decode_hidden, encode_hidden
+from shards.ownership import foreign_entries
 from tools.tiny_target import qwen35_27b_config_dict, random_weights, tiny_config_dict
 
 log = logging.getLogger("bench_extract")
@@ -269,6 +270,18 @@ def kernel_profile(
     }
 
 
+def _refuse_foreign(cache_dir: Path, work: Path) -> None:
+    """The benchmark deletes --cache-dir between configurations and rewrites its data folder: both must
+    be new, or hold only what an earlier benchmark run wrote there."""
+    if cache_dir.exists() and (not cache_dir.is_dir() or foreign_entries(cache_dir)):
+        raise click.UsageError(f"--cache-dir {cache_dir} holds files that are not a cache's; name a new directory")
+    ours = {"mix.parquet", "target"}
+    if work.exists() and (not work.is_dir() or {p.name for p in work.iterdir()} - ours):
+        raise click.UsageError(
+            f"{work} (the benchmark's data beside --cache-dir) holds other files; name a new --cache-dir"
+        )
+
+
 @click.command()
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False))
 @click.option("--cache-dir", default="/tmp/bench_extract_cache", show_default=True)
@@ -318,6 +331,7 @@ def main(
     device = torch.device("cpu" if tiny else "cuda")
     cache_dir = Path(cache_dir)
     work = cache_dir.parent / (cache_dir.name + "-data")
+    _refuse_foreign(cache_dir, work)  # both are emptied and rewritten below
     work.mkdir(parents=True, exist_ok=True)
     cfg_dict = tiny_config_dict() if tiny else qwen35_27b_config_dict(num_hidden_layers=layers)
     target = TargetConfig.from_hf_dict(cfg_dict)
