@@ -59,9 +59,10 @@ def reference(target, data, tmp_path_factory):
 @pytest.fixture
 def no_work(monkeypatch):
     """Each stage's first work (dflash-extract's dataset scan, dflash-train's trainer, the checkpoint an
-    export loads) fails the test if it starts: for refusals that must come before any work."""
+    export loads, the drafter eval loads) fails the test if it starts: for refusals that must come before any work."""
     import extract.runner
     import train.cli
+    import train.evaluate
     import train.loop
 
     def started(*a, **kw):
@@ -70,3 +71,4 @@ def no_work(monkeypatch):
     monkeypatch.setattr(extract.runner, "scan_dataset", started)
     monkeypatch.setattr(train.loop, "Trainer", started)
     monkeypatch.setattr(train.cli, "_model_from_checkpoint", started)
+    monkeypatch.setattr(train.evaluate, "load_drafter", started)

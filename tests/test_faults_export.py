@@ -10,8 +10,12 @@ Cases (tiny synthetic caches, training through the library and the dflash-train 
      naming the file; exporting that checkpoint by name is refused naming the file.
   3. ENOSPC while writing a checkpoint: "no space left" and the file named, exit 1, nothing partial.
   4. A shard copied in from another cache of the same shapes: verify, the reader and training name it.
+  5. eval --out onto a user's file or into a missing directory: refused before any
+     work; its own file is replaced, as strict JSON. eval of a checkpoint with a flipped or truncated
+     model.safetensors, and --init-from of a truncated export: refused naming the file, no traceback.
 """
 
+import json
 import logging
 import os
 import shutil
@@ -43,6 +47,10 @@ def trained(tmp_path_factory):
 
 def export(*args):
     return CliRunner().invoke(train_cli, ["export", *map(str, args)])
+
+
+def no_traceback(result):
+    return result.exception is None or isinstance(result.exception, SystemExit)
 
 
 # ---- 1. export refusals and permissions -------------------------------------------------------------------
@@ -165,3 +173,65 @@ def test_a_shard_of_another_cache_is_refused_naming_it(tmp_path):
     result = CliRunner().invoke(train_cli, tiny_cli_args(cache, tmp_path / "run", "--max-steps", "3"))
     assert result.exit_code == 1 and str(foreign) in result.output, result.output
     assert "belongs to another cache" in result.output
+
+
+# ---- 5. eval --out and damaged drafters in eval and --init-from -------------------------------------------
+
+
+def evaluate(drafter, cache, *extra):
+    args = ["eval", "--drafter", drafter, "--cache", cache, "--eval-shards", "1", "--budgets", "", *extra]
+    return CliRunner().invoke(train_cli, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("case", ["a user file", "a missing directory"])
+def test_eval_out_is_refused_before_any_work(trained, tmp_path, no_work, case):
+    cache, run = trained
+    out = {"a user file": cache / "cache.json", "a missing directory": tmp_path / "nodir" / "x.json"}[case]
+    before = snapshot(tmp_path), snapshot(cache)
+    result = evaluate(run, cache, "--out", out)
+    assert result.exit_code == 1 and no_traceback(result), result.output
+    expected = {
+        "a user file": f"--out {out} exists and was not written by dflash-train eval",
+        "a missing directory": f"directory {tmp_path / 'nodir'} does not exist",
+    }[case]
+    assert expected in result.output, result.output
+    assert (snapshot(tmp_path), snapshot(cache)) == before and not (tmp_path / "nodir").exists()
+
+
+def test_eval_out_is_strict_json_and_replaces_only_its_own(trained, tmp_path):
+    cache, run = trained
+    out = tmp_path / "eval.json"
+    for _ in range(2):  # the second run replaces the first's file: it is ours
+        result = evaluate(run, cache, "--out", out)
+        assert result.exit_code == 0, result.output
+        record = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in {out}: not JSON"))
+        assert record["batch_ids"] == [3]
+    assert not list(tmp_path.glob(".*")), "no temporary left beside it"
+
+
+@pytest.mark.parametrize("case", ["flipped weight byte", "truncated weights"])
+def test_eval_of_a_damaged_checkpoint_is_refused_naming_the_file(trained, tmp_path, caplog, case):
+    cache, full = trained
+    run = tmp_path / "run"
+    shutil.copytree(full, run)
+    name, damage = DAMAGE[case]
+    bad = run / "step-00000004" / name
+    damage(bad)
+    result = evaluate(run / "step-00000004", cache)
+    assert result.exit_code == 1 and no_traceback(result), result.output
+    assert str(bad) in result.output and "acceptance length" not in result.output, result.output
+    caplog.set_level(logging.INFO)
+    result = evaluate(run, cache)  # a run directory: its newest valid checkpoint, as export takes it
+    assert result.exit_code == 0, result.output
+    assert f"eval: checkpoint {run / 'step-00000002'}" in caplog.text, caplog.text
+
+
+def test_init_from_a_truncated_export_is_refused_before_any_work(trained, tmp_path):
+    cache, run = trained
+    drafter = tmp_path / "drafter"
+    assert export(run, drafter).exit_code == 0
+    _truncate(drafter / "model.safetensors")
+    result = CliRunner().invoke(train_cli, tiny_cli_args(cache, tmp_path / "run", "--init-from", str(drafter)))
+    assert result.exit_code == 1 and no_traceback(result), result.output
+    assert f"--init-from {drafter}: {drafter / 'model.safetensors'}: unreadable" in result.output, result.output
+    assert not (tmp_path / "run").exists(), "refused before the run directory is made"

@@ -68,6 +68,16 @@ def test_plot_cli_writes_run_png_and_refuses_a_foreign_file(run, tmp_path):
     assert mine.read_bytes() == b"\x89PNG\r\n\x1a\n not a plot of ours"
 
 
+@pytest.mark.parametrize("case", ["a missing directory", "another image format"])
+def test_plot_cli_refuses_an_out_it_cannot_write_as_asked(run, tmp_path, case):
+    out = {"a missing directory": tmp_path / "nodir" / "x.png", "another image format": tmp_path / "x.jpg"}[case]
+    refused = CliRunner().invoke(main, ["plot", str(run), "--out", str(out)])
+    assert refused.exit_code == 1 and (refused.exception is None or isinstance(refused.exception, SystemExit))
+    expected = f"directory {out.parent} does not exist" if case == "a missing directory" else "name the file *.png"
+    assert expected in refused.output, refused.output
+    assert list(tmp_path.iterdir()) == [], "no directory made, no file written"
+
+
 def test_a_resumed_run_draws_the_later_records(tmp_path):
     def rec(step, loss):
         return json.dumps(

@@ -7,7 +7,6 @@ dflash-train eval --drafter DIR --cache C ...    held-out acceptance length, slo
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -172,15 +171,19 @@ def eval_cmd(out_json, **options) -> None:
     """
     _setup_logging()
     cfg = build_config(EvalConfig, options)
-    from .evaluate import run_eval  # heavy imports after argument checks
+    from .outputs import check_output_file, is_eval_record, write_eval_json
 
     try:
+        if out_json:  # before any work: never a user's file, never a missing directory
+            check_output_file(out_json, "--out", is_eval_record, "dflash-train eval")
+        from .evaluate import run_eval  # heavy imports after argument checks
+
         result = run_eval(cfg)
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
     click.echo(result.table())
     if out_json:
-        Path(out_json).write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+        write_eval_json(out_json, result.to_dict())
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)

@@ -366,9 +366,7 @@ class LoadedDrafter:
 def load_drafter(path: str | Path) -> LoadedDrafter:
     """An exported drafter (config.json + model.safetensors), a checkpoint step-NNNNNNNN/, or a run
     directory (its newest valid checkpoint), as `dflash-train export` takes them."""
-    from safetensors.torch import load_file
-
-    from .checkpoint import MODEL_FILE, STATE_FILE, latest_checkpoint, list_checkpoints
+    from .checkpoint import STATE_FILE, latest_checkpoint, list_checkpoints, load_model_state, verify_checkpoint
     from .export import CONFIG_FILE, load_exported_drafter
 
     path = Path(path)
@@ -378,8 +376,10 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
         dtype = hf.get("dtype", "bfloat16")  # our exports record the training default
         return LoadedDrafter(model, cfg, dtype if dtype in DTYPES else "bfloat16", f"export {path}")
     ckpt = next((c for c in list_checkpoints(path.parent) if c.path.resolve() == path.resolve()), None)
-    if ckpt is None:
-        ckpt = latest_checkpoint(path)
+    if ckpt is not None:
+        verify_checkpoint(ckpt)  # the one asked for, as export does: refused when damaged, never replaced
+    else:
+        ckpt = latest_checkpoint(path)  # a run dir: its newest valid checkpoint
     if ckpt is None:
         raise ValueError(
             f"--drafter {path}: neither an exported drafter (config.json + model.safetensors), a "
@@ -388,7 +388,7 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
         )
     cfg = DrafterConfig(**ckpt.state["drafter"])
     model = DFlashDrafter(cfg)
-    model.load_state_dict(load_file(str(ckpt.path / MODEL_FILE)), strict=True)
+    model.load_state_dict(load_model_state(ckpt), strict=True)
     identity = ckpt.state.get("config_identity") or {}
     return LoadedDrafter(model, cfg, identity.get("compute_dtype", "bfloat16"), f"checkpoint {ckpt.path}")
 

@@ -35,6 +35,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from shards.container import read_header, write_container
@@ -281,26 +282,48 @@ def read_drafter_config(path: str | Path, mask_token_id: int | None = None) -> D
         raise ValueError(f"{config_path}: not a DFlashDraftModel config ({type(e).__name__}: {e})") from e
 
 
-def read_drafter_weights(path: str | Path, cfg: DrafterConfig) -> dict[str, torch.Tensor]:
-    """The drafter tensors of a directory: model.safetensors, or the shards model.safetensors.index.json
-    lists; names must be exactly z-lab's for cfg (the error lists the extra and missing ones)."""
-    path = Path(path)
+def _weight_files(path: Path) -> tuple[list[Path], Path]:
+    """The safetensors files of a drafter directory and what lists them (model.safetensors or its index)."""
     index_path, single = path / WEIGHTS_INDEX_FILE, path / WEIGHTS_FILE
     if single.is_file():
-        files, where = [single], single
-    elif index_path.is_file():
+        return [single], single
+    if index_path.is_file():
         weight_map = json.loads(index_path.read_text()).get("weight_map") or {}
-        files, where = [path / f for f in sorted(set(weight_map.values()))], index_path
+        files = [path / f for f in sorted(set(weight_map.values()))]
         absent = [str(f) for f in files if not f.is_file()]
         if absent or not files:
             raise FileNotFoundError(f"{index_path}: lists shards that are not there: {absent or 'none at all'}")
-    else:
-        raise FileNotFoundError(
-            f"{path}: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}; expected an exported DFlash drafter directory"
-        )
+        return files, index_path
+    raise FileNotFoundError(
+        f"{path}: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}; expected an exported DFlash drafter directory"
+    )
+
+
+def _unreadable(path: Path, e: Exception) -> ValueError:
+    return ValueError(f"{path}: unreadable ({e}): damaged or partial; export (or download) the drafter again")
+
+
+def check_weight_files(path: str | Path) -> None:
+    """Refuse (ValueError naming the file) a drafter directory whose weight files are missing, cut short or
+    not safetensors; reads headers only, so it runs before any model is built."""
+    for f in _weight_files(Path(path))[0]:
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except (OSError, SafetensorError) as e:
+            raise _unreadable(f, e) from e
+
+
+def read_drafter_weights(path: str | Path, cfg: DrafterConfig) -> dict[str, torch.Tensor]:
+    """The drafter tensors of a directory: model.safetensors, or the shards model.safetensors.index.json
+    lists; names must be exactly z-lab's for cfg (the error lists the extra and missing ones)."""
+    files, where = _weight_files(Path(path))
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
+        try:
+            state.update(load_file(str(f)))
+        except SafetensorError as e:
+            raise _unreadable(f, e) from e
     expected = zlab_parameter_names(cfg)
     extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
     if extra or missing:

@@ -53,6 +53,7 @@ from .export import load_drafter_weights_
 from .flops import drafter_step_flops, peak_flops
 from .metrics import MetricsLogger, StepTotals
 from .model import DFlashDrafter, Linear, TargetHead, count_parameters
+from .outputs import write_eval_json
 from .pointwise import compile_pointwise_
 from .precision import WorkingWeights, autocast_dtype, torch_dtype
 from .preempt import StopOnSigterm, stop_together
@@ -596,7 +597,7 @@ class Trainer:
         )
         if self.dist.is_main:
             log.info("eval at step %d: %s", self.step, result.summary_line())
-            atomic_write_text(self.out_dir / "eval.json", json.dumps(result.to_dict(), indent=1) + "\n")
+            write_eval_json(self.out_dir / "eval.json", result.to_dict())
         # An evaluation is not training: its time stays out of the next step line's rates.
         self.metrics.exclude_time(time.monotonic() - started, from_eta=one_off)
         return result

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .outputs import check_output_file
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "run.png"
 _SOFTWARE = "dflash-train plot"  # PNG metadata: marks the files this command may overwrite
@@ -77,7 +79,9 @@ def plot_run(run_dir: str | Path, out_path: str | Path | None = None) -> dict[st
     except ImportError:
         raise RuntimeError("dflash-train plot needs matplotlib: pip install -e '.[plot]'") from None
     out_path = Path(out_path) if out_path is not None else Path(run_dir) / PLOT_FILE
-    _refuse_foreign_file(out_path)
+    if out_path.suffix.lower() != ".png":
+        raise ValueError(f"--out {out_path}: dflash-train plot writes PNG images; name the file *.png")
+    check_output_file(out_path, "--out", _is_our_png, _SOFTWARE)
     metrics = read_run_metrics(run_dir)
     if not metrics.records:
         raise ValueError(f"{Path(run_dir) / METRICS_FILE} holds no step records yet: nothing to plot")
@@ -122,7 +126,6 @@ def plot_run(run_dir: str | Path, out_path: str | Path | None = None) -> dict[st
             )
     fig.suptitle(str(run_dir))
     fig.tight_layout()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.tmp")
     fig.savefig(tmp, format="png", dpi=100, metadata={"Software": _SOFTWARE})
     plt.close(fig)
@@ -130,10 +133,7 @@ def plot_run(run_dir: str | Path, out_path: str | Path | None = None) -> dict[st
     return drawn
 
 
-def _refuse_foreign_file(path: Path) -> None:
-    """Overwrite only a PNG this command wrote (its metadata says so); never a file of the user's."""
-    if not path.exists():
-        return
+def _is_our_png(path: Path) -> bool:
+    """A PNG this command wrote (its metadata says so): the only file it overwrites."""
     head = path.read_bytes()[:4096] if path.is_file() else b""
-    if not (head.startswith(b"\x89PNG") and _SOFTWARE.encode() in head):
-        raise FileExistsError(f"{path} exists and was not written by dflash-train plot; choose another --out")
+    return head.startswith(b"\x89PNG") and _SOFTWARE.encode() in head

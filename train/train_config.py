@@ -473,10 +473,11 @@ _INIT_SHAPE_FIELDS = {
 
 def _drafter_from_init(cfg: TrainConfig, cache_cfg: CacheConfig, mask_token_id: int | None) -> DrafterConfig:
     """The --init-from drafter's shape, refused (every differing field named) when it does not fit."""
-    from .export import read_drafter_config  # export imports the model; keep resolve_run's imports light
+    from .export import check_weight_files, read_drafter_config  # export imports the model: imported here
 
     try:
         drafter = read_drafter_config(cfg.init_from, mask_token_id=mask_token_id)
+        check_weight_files(cfg.init_from)  # a cut-short file refused now, not after the model is built
     except (OSError, ValueError) as e:
         raise ValueError(f"--init-from {cfg.init_from}: {e}") from e
     target = cache_cfg.target

@@ -1,0 +1,60 @@
+"""Result files written where the user says (`eval --out`, `plot --out`, a run's OUT/eval.json).
+
+Checked before any work: the parent directory must exist (never created silently: a typo in it
+would scatter results) and an existing file is replaced only when its content shows that
+dflash-train wrote it (never a user's file of the same name). eval.json is strict JSON (a NaN
+figure is written as null) and replaced atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from shards.durable import atomic_write_text
+
+# Keys every eval.json of dflash-train holds (EvalResult.to_dict; EvalOutput.to_dict without a walk
+# holds batch_ids and speculative_decoding).
+_EVAL_KEYS = ("batch_ids",)
+_EVAL_ANY_OF = ("acceptance_length", "speculative_decoding")
+
+
+def check_output_file(path: str | Path, flag: str, is_ours: Callable[[Path], bool], what: str) -> None:
+    """Refuse (ValueError naming the flag) an output whose parent directory is missing or that exists
+    and is not ours (`is_ours(path)`: written by `what`)."""
+    path = Path(path)
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: directory {parent} does not exist; create it first or choose another {flag}")
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; name a file")
+    if path.exists() and not is_ours(path):
+        raise ValueError(f"{flag} {path} exists and was not written by {what}; choose another {flag}")
+
+
+def is_eval_record(path: Path) -> bool:
+    """Whether `path` is an eval.json that dflash-train wrote (eval --out or a run's OUT/eval.json)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(record, dict) and all(k in record for k in _EVAL_KEYS) and any(k in record for k in _EVAL_ANY_OF)
+
+
+def _strict(obj: Any) -> Any:
+    """obj with every non-finite float as None (JSON has no NaN or Infinity)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
+
+
+def write_eval_json(path: str | Path, record: dict[str, Any]) -> None:
+    """Write an eval.json atomically as strict JSON (NaN and infinities as null)."""
+    atomic_write_text(path, json.dumps(_strict(record), indent=1, allow_nan=False) + "\n")
