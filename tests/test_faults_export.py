@@ -117,14 +117,19 @@ DAMAGE = {
 }
 
 
-@pytest.mark.parametrize("case", list(DAMAGE))
-def test_damaged_newest_checkpoint_falls_back_to_the_previous(trained, tmp_path, caplog, case):
-    cache, full = trained
-    run = tmp_path / "run"
+def damaged_copy(full, run, case):
+    """A copy of the run `full` at `run` whose step-4 checkpoint has the damage `case`; (run, damaged file)."""
     shutil.copytree(full, run)
     name, damage = DAMAGE[case]
     bad = run / "step-00000004" / name
     damage(bad)
+    return run, bad
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(trained, tmp_path, caplog, case):
+    cache, full = trained
+    run, bad = damaged_copy(full, tmp_path / "run", case)
     caplog.set_level(logging.WARNING)
     assert latest_checkpoint(run).step == 2
     assert str(bad) in caplog.text and "falling back" in caplog.text, caplog.text
@@ -212,11 +217,7 @@ def test_eval_out_is_strict_json_and_replaces_only_its_own(trained, tmp_path):
 @pytest.mark.parametrize("case", ["flipped weight byte", "truncated weights"])
 def test_eval_of_a_damaged_checkpoint_is_refused_naming_the_file(trained, tmp_path, caplog, case):
     cache, full = trained
-    run = tmp_path / "run"
-    shutil.copytree(full, run)
-    name, damage = DAMAGE[case]
-    bad = run / "step-00000004" / name
-    damage(bad)
+    run, bad = damaged_copy(full, tmp_path / "run", case)
     result = evaluate(run / "step-00000004", cache)
     assert result.exit_code == 1 and no_traceback(result), result.output
     assert str(bad) in result.output and "acceptance length" not in result.output, result.output
