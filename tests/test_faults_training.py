@@ -9,13 +9,16 @@ Cases (tiny synthetic caches, the dflash-train CLI):
      "stopped" event; --resume then reproduces the uninterrupted run's losses exactly.
   4. --resume on a finished run says it is complete (and trains nothing).
   5. A resumed run marks the resume in metrics.jsonl and leaves exactly one record per step.
-  6. --resume onto a cache with another shard count (same target): refused naming the field.
+  6. --resume onto a cache with another shard count (same target): refused naming the field. Resume
+     compares settings as resolved: an unset --num-blocks and its value given explicitly are the same
+     run; a changed flag, or a cache.json whose MASK id changed under an unset flag, is named by flag.
   7. --device cuda without CUDA, for dflash-train and dflash-extract: one message, exit 1, no traceback.
   8. Retention after a resume past a damaged newest checkpoint: the one just written and the one
      resumed from are kept, the damaged later one is not counted; --resume where every checkpoint is
      damaged is refused naming them, and nothing is changed.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -28,6 +31,7 @@ from extract_helpers import snapshot
 from train_helpers import read_records, tiny_cache, tiny_cli_args, tiny_config
 
 from extract.cli import main as extract_cli
+from shards import read_cache_config, write_cache_config
 from shards.lock import DirectoryLock
 from train.checkpoint import latest_checkpoint, list_checkpoints
 from train.cli import main as train_cli
@@ -177,6 +181,31 @@ def test_resume_onto_a_cache_with_other_shards_is_refused(tmp_path):
     result = train(other, run, "--max-steps", "4", "--resume")
     assert result.exit_code == 1, result.output
     assert "cache num_shards: checkpoint 2, now 3" in result.output, result.output
+
+
+def test_resume_compares_the_settings_as_resolved_naming_the_flag(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    run = tmp_path / "run"
+    args = tiny_cli_args(cache, run, "--max-steps", "2", "--checkpoint-every", "1")
+    at = args.index("--num-blocks")
+    default_density = args[:at] + args[at + 2 :]  # --num-blocks unset: derived from the token budget
+    assert CliRunner().invoke(train_cli, default_density).exit_code == 0
+    num_blocks = json.loads((run / "run.json").read_text())["num_blocks"]
+
+    def resume(*extra):
+        shutil.rmtree(run / "step-00000002")  # the run stopped after step 1
+        return CliRunner().invoke(train_cli, [*default_density, "--resume", *extra])
+
+    result = resume("--num-blocks", str(num_blocks))  # the value it resolved to, now given explicitly
+    assert result.exit_code == 0, result.output
+    result = resume("--lr", "0.001")
+    assert result.exit_code == 1 and "--lr: checkpoint 0.0006, now 0.001" in result.output, result.output
+    config = read_cache_config(cache)
+    write_cache_config(cache, dataclasses.replace(config, mask_token_id=config.mask_token_id - 1))
+    result = CliRunner().invoke(train_cli, [*default_density, "--resume"])
+    assert result.exit_code == 1 and no_traceback(result), result.output
+    expected = f"--mask-token-id: checkpoint {config.mask_token_id}, now {config.mask_token_id - 1}"
+    assert expected in result.output, result.output
 
 
 # ---- 7. no raw tracebacks for a missing GPU ---------------------------------------------------------------

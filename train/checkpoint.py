@@ -17,6 +17,7 @@ target fingerprint, and per-rank RNG states (torch CPU, CUDA, the block-sampling
 from __future__ import annotations
 
 import base64
+import dataclasses
 import errno
 import json
 import logging
@@ -250,17 +251,42 @@ def check_resume_compatible(
     world_size: int,
     target_config_hash: str,
     cache_identity: dict[str, Any] | None = None,
+    *,
+    legacy_identity: dict[str, Any] | None = None,
+    drafter: dict[str, Any] | None = None,
 ) -> None:
-    """Refuse to resume under different settings or another cache, naming every field that differs.
+    """Refuse to resume under different settings or another cache, naming the flag of every setting that
+    differs.
 
-    cache_identity: target head checksum, dataset fingerprint, shard count and cache id of the cache
-    now (loop.cache_identity); checkpoints written before it was recorded are checked without it."""
-    recorded = ckpt.state.get("config_identity", {})
-    diffs = [
-        f"{k}: checkpoint {recorded.get(k)!r}, now {identity.get(k)!r}"
-        for k in sorted(set(recorded) | set(identity))
-        if recorded.get(k) != identity.get(k)
-    ]
+    identity: the run's settings as resolved against the cache (train_config.resolved_identity),
+    compared with the checkpoint's "resolved_identity"; a checkpoint written before that was recorded is
+    compared on its raw "config_identity" with legacy_identity (cfg.identity()). drafter: the resolved
+    DrafterConfig now (as a dict), compared field by field with the checkpoint's. cache_identity: target
+    head checksum, dataset fingerprint, shard count and cache id of the cache now (loop.cache_identity);
+    checkpoints written before it was recorded are checked without it."""
+    from shards.cli_options import flag_name, shown
+
+    from .train_config import TrainConfig
+
+    options = {f.name for f in dataclasses.fields(TrainConfig)}
+
+    def named(key: str) -> str:  # the flag that sets it, else the setting's own name
+        return flag_name(TrainConfig, key) if key in options else key
+
+    recorded, now = ckpt.state.get("resolved_identity"), identity
+    if not isinstance(recorded, dict):
+        recorded, now = ckpt.state.get("config_identity", {}), legacy_identity or identity
+    differ = [k for k in sorted(set(recorded) | set(now)) if recorded.get(k) != now.get(k)]
+    diffs = [f"{named(k)}: checkpoint {shown(recorded.get(k))}, now {shown(now.get(k))}" for k in differ]
+    recorded_drafter = ckpt.state.get("drafter")
+    if drafter is not None and isinstance(recorded_drafter, dict):
+        drafter = json.loads(json.dumps(drafter))
+        diffs += [
+            f"drafter {k}{f' ({named(k)})' if k in options else ''}: checkpoint {shown(recorded_drafter.get(k))}, "
+            f"now {shown(drafter.get(k))}"
+            for k in sorted(set(recorded_drafter) | set(drafter))
+            if k not in differ and recorded_drafter.get(k) != drafter.get(k)
+        ]
     if ckpt.state.get("world_size") != world_size:
         diffs.append(
             f"world_size: checkpoint {ckpt.state.get('world_size')}, now {world_size} (the data cursor is per rank)"

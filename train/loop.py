@@ -36,6 +36,7 @@ from .attention import BlockAttentionLayout, choose_backend
 from .batch import StaticBatch
 from .blocks import anchor_seed
 from .checkpoint import (
+    Checkpoint,
     check_resume_compatible,
     checkpoint_folders,
     checkpoint_name,
@@ -59,7 +60,7 @@ from .precision import WorkingWeights, autocast_dtype, torch_dtype
 from .preempt import StopOnSigterm, stop_together
 from .rundir import RUN_RECORD_FILE, check_run_dir, clean_stale_temporaries, truncate_metrics
 from .step import StepRunner, StepState, WarmupCosine, load_optimizer_state_, make_optimizer
-from .train_config import ResolvedRun, TrainConfig, resolve_run
+from .train_config import ResolvedRun, TrainConfig, resolve_run, resolved_identity
 
 log = logging.getLogger(__name__)
 
@@ -133,13 +134,7 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
                 "start afresh in another --out"
             )
         if cfg.resume and newest is not None and newest.step >= run.total_steps:
-            check_resume_compatible(
-                newest,
-                cfg.identity(),
-                int(os.environ.get("WORLD_SIZE", "1")),
-                run.cache_config.target.config_hash,
-                cache_identity(run),
-            )
+            check_resume(newest, cfg, run, int(os.environ.get("WORLD_SIZE", "1")))
             return TrainSummary(
                 newest.step, newest.state.get("tokens_seen", 0), None, newest.path, None, [], already_complete=True
             )
@@ -157,6 +152,19 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
         return summary
     finally:
         lock.release()
+
+
+def check_resume(ckpt: Checkpoint, cfg: TrainConfig, run: ResolvedRun, world_size: int) -> None:
+    """Refuse (ValueError naming each flag) to resume `ckpt` under other resolved settings or another cache."""
+    check_resume_compatible(
+        ckpt,
+        resolved_identity(cfg, run),
+        world_size,
+        run.cache_config.target.config_hash,
+        cache_identity(run),
+        legacy_identity=cfg.identity(),
+        drafter=_drafter_dict(run),
+    )
 
 
 def cache_identity(run: ResolvedRun) -> dict[str, Any]:
@@ -409,13 +417,7 @@ class Trainer:
         if ckpt is None:
             log.info("resume: no checkpoint in %s, starting from step 0", self.out_dir)
             return 0, 0
-        check_resume_compatible(
-            ckpt,
-            self.cfg.identity(),
-            self.dist.world_size,
-            self.run.cache_config.target.config_hash,
-            cache_identity(self.run),
-        )
+        check_resume(ckpt, self.cfg, self.run, self.dist.world_size)
         model_state = load_model_state(ckpt)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
@@ -556,6 +558,7 @@ class Trainer:
                 "world_size": self.dist.world_size,
                 "config_hash": self.cfg.config_hash(),
                 "config_identity": self.cfg.identity(),
+                "resolved_identity": resolved_identity(self.cfg, self.run),
                 "drafter": _drafter_dict(self.run),
                 "target_config_hash": self.run.cache_config.target.config_hash,
                 "rng": rngs,

@@ -5,8 +5,8 @@ eval.json, tb/ (TensorBoard), run*.png (dflash-train plot), the lock file and te
 Training refuses an --out that is a cache, lies inside or around the cache, or holds anything else:
 a run writes and prunes files there, and must never touch what it did not make. Names alone prove
 nothing (a user's own eval.json or metrics.jsonl): a directory is a run directory when it holds a
-run.json that dflash-train wrote (RUN_RECORD_KEYS); without one it must be empty but for the lock
-and temporaries.
+run.json that dflash-train wrote (RUN_RECORD_KEYS) or a checkpoint whose train_state.json it wrote;
+without either it must be empty but for the lock and temporaries.
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ def check_run_dir(out_dir: str | Path, cache_dir: str | Path) -> None:
     entries = [p for p in sorted(out.iterdir()) if not (p.name == LOCK_FILE or p.name.startswith(TMP_PREFIX))]
     if not entries:
         return
-    if not is_run_record(out / RUN_RECORD_FILE):
+    if not (is_run_record(out / RUN_RECORD_FILE) or _holds_our_checkpoint(out)):
         raise ValueError(
             f"--out {out} holds files dflash-train did not write ({describe(entries)}): it has no run.json "
-            "of a dflash-train run, so none of them is ours; choose a new or empty run directory (a run "
-            "prunes and replaces files in it)"
+            "of a dflash-train run (nor a checkpoint of one), so none of them is ours; choose a new or empty "
+            "run directory (a run prunes and replaces files in it)"
         )
     foreign = [p for p in entries if not _OURS.match(p.name)]
     if foreign:
@@ -63,6 +63,13 @@ def check_run_dir(out_dir: str | Path, cache_dir: str | Path) -> None:
             f"--out {out} holds files dflash-train did not write ({describe(foreign)}); choose a new "
             "or empty run directory (a run prunes and replaces files in it)"
         )
+
+
+def _holds_our_checkpoint(out: Path) -> bool:
+    """A step-NNNNNNNN folder whose train_state.json dflash-train wrote (a checkpoint copied in to resume from)."""
+    return any(
+        all(k in c.state for k in ("step", "config_identity", "drafter")) for c in checkpoint.list_checkpoints(out)
+    )
 
 
 def is_run_record(path: Path) -> bool:

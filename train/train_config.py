@@ -331,6 +331,18 @@ class TrainConfig:
         return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:16]
 
 
+def resolved_identity(cfg: TrainConfig, run: ResolvedRun) -> dict[str, Any]:
+    """cfg.identity() with every option the cache or --init-from resolves (unset = derived) replaced by
+    the value it resolved to: what a resume compares, so an unset flag and its resolved value given
+    explicitly are the same run, and a cache whose MASK id (or taps) changed under an unset flag is not."""
+    identity = cfg.identity()
+    drafter = dataclasses.asdict(run.drafter)
+    for name in identity.keys() & drafter.keys():
+        identity[name] = drafter[name]
+    identity["num_blocks"] = run.num_blocks
+    return json.loads(json.dumps(identity))  # as train_state.json holds it: tuples as lists
+
+
 def _positive_ints(cfg: TrainConfig, *names: str) -> None:
     for name in names:
         value = getattr(cfg, name)
