@@ -200,3 +200,21 @@ def test_bad_options_are_refused_before_any_model_loads(tmp_path):
     assert "Usage:" in res.output and "Traceback" not in res.output
     res = invoke(tiny_cli_args(cache, tmp_path / "run", "--eval-shards", "2"))
     assert res.exit_code != 0 and "--eval-shards 2 leaves no training shards" in res.output
+
+
+def test_what_can_never_train_is_refused_before_any_work(tmp_path, no_work):
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    run = tmp_path / "run"
+    for flags, expected in (
+        (["--attention", "flex"], "--attention flex on cpu: FlexAttention has no backward pass off CUDA"),
+        (["--mask-token-id", "200"], "--mask-token-id 200 outside the target's vocabulary [0, 128)"),
+    ):
+        res = invoke(tiny_cli_args(cache, run, *flags))  # the later flag wins over tiny_cli_args' own
+        assert res.exit_code == 1 and expected in res.output, res.output
+        assert "Traceback" not in res.output and not run.exists()
+
+
+def test_a_mistyped_command_is_named_with_suggestions(tmp_path):
+    res = invoke(["exprot", str(tmp_path / "run1"), str(tmp_path / "d")])
+    assert res.exit_code == 2 and "No such command 'exprot'. Did you mean 'export'" in res.output, res.output
+    assert "--cache" not in res.output, "not taken for `train exprot ...`"

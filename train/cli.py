@@ -7,6 +7,7 @@ dflash-train eval --drafter DIR --cache C ...    held-out acceptance length, slo
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import sys
@@ -33,12 +34,21 @@ def _setup_logging() -> None:
 
 
 class _DefaultToTrain(click.Group):
-    """`dflash-train --cache ...` means `dflash-train train --cache ...`."""
+    """`dflash-train --cache ...` means `dflash-train train --cache ...`; a first word that is neither an
+    option nor a command is a mistyped command (refused with suggestions), never train's argument."""
 
     def parse_args(self, ctx, args):
-        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+        if args and args[0].startswith("-") and args[0] not in ("-h", "--help"):
             args = ["train", *args]
         return super().parse_args(ctx, args)
+
+    def resolve_command(self, ctx, args):
+        name = args[0] if args else None
+        if name is not None and self.get_command(ctx, name) is None:
+            close = difflib.get_close_matches(name, list(self.commands), n=3)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            ctx.fail(f"No such command {name!r}.{hint} Commands: {', '.join(sorted(self.commands))}")
+        return super().resolve_command(ctx, args)
 
 
 @click.group(cls=_DefaultToTrain, context_settings=CONTEXT_SETTINGS)

@@ -114,6 +114,11 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
     check_run_dir(cfg.out_dir, cfg.cache)
     check_writable(cfg.out_dir, f"--out {cfg.out_dir}")
     device = resolve_device(cfg.device, 0)
+    if cfg.attention == "flex" and device.type != "cuda":
+        raise ValueError(
+            f"--attention flex on {device}: FlexAttention has no backward pass off CUDA, so it cannot train "
+            "here; use --attention sdpa (or auto, which picks sdpa on CPU)"
+        )
     # Rank 0 holds the run directory's lock for the whole run (its ranks share it); a second run is refused.
     lock = DirectoryLock(cfg.out_dir, "dflash-train")
     try:

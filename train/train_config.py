@@ -390,6 +390,16 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
         )
     mask_token_id = cfg.mask_token_id if cfg.mask_token_id is not None else cache_cfg.mask_token_id
     target = cache_cfg.target
+    if mask_token_id is not None and not 0 <= mask_token_id < target.vocab_size:
+        given = (
+            f"--mask-token-id {mask_token_id}"
+            if cfg.mask_token_id is not None
+            else (f"cache {cfg.cache} records mask_token_id {mask_token_id} (cache.json) and --mask-token-id is unset:")
+        )
+        raise ValueError(
+            f"{given} outside the target's vocabulary [0, {target.vocab_size}); pass --mask-token-id with the "
+            f"target's MASK token (248070 for Qwen3.5)"
+        )
     token_ids = {name: getattr(target, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
     if cfg.init_from is not None:
         drafter = _drafter_from_init(cfg, cache_cfg, mask_token_id)
