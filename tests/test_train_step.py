@@ -14,7 +14,7 @@ from train.step import WarmupCosine, make_optimizer
 def naive_lr(s: int, peak: float, warmup: int, total: int, floor: float) -> float:
     if s < warmup:
         return peak * (s + 1) / warmup
-    progress = min(max((s - warmup) / max(total - warmup, 1), 0.0), 1.0)
+    progress = min(max((s - warmup) / max(total - 1 - warmup, 1), 0.0), 1.0)  # the last step s = N-1 at 1
     return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -29,6 +29,8 @@ def test_schedule_matches_naive_formula_step_by_step(warmup, total, floor_ratio)
         worst = max(worst, abs(float(sched.lr_t) - want), abs(sched.host_lr(s) - want))
         sched.step()
     assert worst <= 1e-9, f"max abs lr diff {worst}"
+    if total - 1 > warmup:  # --min-lr-ratio's help: the floor is reached at the last step
+        assert sched.host_lr(total - 1) == pytest.approx(6e-4 * floor_ratio, abs=1e-12)
     sched.set_step(warmup)
     assert float(sched.lr_t) == pytest.approx(naive_lr(warmup, 6e-4, warmup, total, 6e-4 * floor_ratio), abs=1e-9)
 

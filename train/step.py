@@ -39,9 +39,10 @@ log = logging.getLogger(__name__)
 
 
 class WarmupCosine:
-    """lr(s) = lr * (s+1)/W for s < W, then min + (lr - min) * (1 + cos(pi * (s-W)/(N-W))) / 2.
+    """lr(s) = lr * (s+1)/W for s < W, then min + (lr - min) * (1 + cos(pi * (s-W)/(N-1-W))) / 2.
 
-    s is the 0-based index of the step about to run; `lr_t` always holds lr(step_t).
+    s is the 0-based index of the step about to run; `lr_t` always holds lr(step_t). The last step
+    (s = N-1) runs at the floor min = lr * --min-lr-ratio, as its help says.
     """
 
     def __init__(
@@ -55,7 +56,7 @@ class WarmupCosine:
 
     def lr_at(self, s: torch.Tensor) -> torch.Tensor:
         warm = self.peak_lr * (s + 1) / max(self.warmup_steps, 1)
-        progress = ((s - self.warmup_steps) / max(self.total_steps - self.warmup_steps, 1)).clamp(0, 1)
+        progress = ((s - self.warmup_steps) / max(self.total_steps - 1 - self.warmup_steps, 1)).clamp(0, 1)
         cosine = self.min_lr + (self.peak_lr - self.min_lr) * 0.5 * (1 + torch.cos(math.pi * progress))
         return torch.where(s < self.warmup_steps, warm, cosine)
 
