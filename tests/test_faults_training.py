@@ -130,6 +130,10 @@ def test_sigterm_checkpoints_the_step_and_resume_is_exact(uninterrupted, tmp_pat
     monkeypatch.undo()
     result = train(cache, run, *CLI_SETTINGS, "--resume")
     assert result.exit_code == 0, result.output
+    tokens = {r["step"]: r["data/tokens_seen"] for r in read_records(run)}
+    this_run, whole = f"{tokens[8] - tokens[k]:,} tokens", f"{tokens[8]:,} tokens"
+    expected = f"this invocation (resumed at step {k}): {8 - k} steps, {this_run} ("
+    assert expected in result.output and f"the whole run: 8 steps, {whole}" in result.output, result.output
     got = {r["step"]: r["loss/total"] for r in read_records(run)}
     assert sorted(got) == sorted(reference)
     worst = max(abs(got[s] - reference[s]) for s in reference)

@@ -80,16 +80,27 @@ class TrainSummary:
     out_dir: Path | None = None
     tensorboard_dir: Path | None = None  # OUT/tb when TensorBoard scalars were written
     tokens_this_run: int = 0  # tokens_seen minus what a resumed checkpoint had seen
+    start_step: int = 0  # the step this invocation resumed at (0: a fresh run)
 
     def report(self) -> str:
         """The final summary: what was done, how long it took, how fast, and where every output is."""
         rec = self.last_record or {}
         rate = self.tokens_this_run / self.wall_s if self.wall_s > 0 else 0.0
-        lines = [
-            f"done in {format_duration(self.wall_s)}: {plural(self.steps, 'step')}, {self.tokens_seen:,} tokens "
-            f"({rate:,.0f} tok/s over the whole run, set-up and evaluations included), final loss "
-            f"{rec.get('loss/total', float('nan')):.4f}, {plural(len(self.skipped_shards), 'shard')} skipped"
-        ]
+        loss = f"final loss {rec.get('loss/total', float('nan')):.4f}"
+        skipped = plural(len(self.skipped_shards), "shard")
+        if self.start_step == 0:
+            first = (
+                f"done in {format_duration(self.wall_s)}: {plural(self.steps, 'step')}, {self.tokens_seen:,} tokens "
+                f"({rate:,.0f} tok/s over the whole run, set-up and evaluations included), {loss}, {skipped} skipped"
+            )
+        else:  # a resume: each figure says which span it covers
+            first = (
+                f"done in {format_duration(self.wall_s)} this invocation (resumed at step {self.start_step}): "
+                f"{plural(self.steps - self.start_step, 'step')}, {self.tokens_this_run:,} tokens ({rate:,.0f} tok/s, "
+                f"set-up and evaluations included), {skipped} skipped; the whole run: {plural(self.steps, 'step')}, "
+                f"{self.tokens_seen:,} tokens, {loss}"
+            )
+        lines = [first]
         out = self.out_dir
         if out is not None:
             where = [
@@ -152,6 +163,7 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
             trainer.close()
         summary.wall_s, summary.out_dir = time.monotonic() - start, Path(cfg.out_dir)
         summary.tokens_this_run = summary.tokens_seen - trainer.tokens_at_start
+        summary.start_step = trainer.step_at_start
         if trainer.metrics.has_tensorboard:
             summary.tensorboard_dir = Path(cfg.out_dir) / "tb"
         return summary
@@ -303,6 +315,7 @@ class Trainer:
                 }
             )
         self.tokens_at_start = tokens_seen  # a resumed run's earlier tokens, left out of its tokens/s
+        self.step_at_start = self.step
         self.checkpoints = CheckpointWriter(
             self.out_dir,
             keep=cfg.keep_checkpoints,
