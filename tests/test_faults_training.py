@@ -5,8 +5,9 @@ Cases (tiny synthetic caches, the dflash-train CLI):
   1. --out that is the cache, inside the cache, a folder with a user file, or with user files named as
      ours (eval.json, metrics.jsonl, run.json: no run.json of ours): refused, untouched.
   2. A second run on a locked run directory: refused naming host and pid.
-  3. SIGTERM delivered in step k (a deterministic point): checkpoint of step k, exit code 143, a
-     "stopped" event; --resume then reproduces the uninterrupted run's losses exactly.
+  3. SIGTERM (or SIGINT, Ctrl-C) delivered in step k (a deterministic point): checkpoint of step k,
+     exit code 143 (130), a "stopped" event; --resume then reproduces the uninterrupted run's losses
+     exactly, and its summary tells this invocation's figures from the whole run's.
   4. --resume on a finished run says it is complete (and trains nothing).
   5. A resumed run marks the resume in metrics.jsonl and leaves exactly one record per step.
   6. --resume onto a cache with another shard count (same target): refused naming the field. Resume
@@ -105,27 +106,31 @@ def uninterrupted(tmp_path_factory):
     return cache, root / "run", {r["step"]: r["loss/total"] for r in read_records(root / "run")}
 
 
-@pytest.mark.parametrize("k", [2, 5])
-def test_sigterm_checkpoints_the_step_and_resume_is_exact(uninterrupted, tmp_path, monkeypatch, k):
+@pytest.mark.parametrize("k,signum,exit_code", [(2, signal.SIGTERM, 143), (5, signal.SIGINT, 130)])
+def test_sigterm_or_sigint_checkpoints_the_step_and_resume_is_exact(
+    uninterrupted, tmp_path, monkeypatch, k, signum, exit_code
+):
     cache, _, reference = uninterrupted
     run = tmp_path / "run"
     real = StepRunner.run
     calls = [0]
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
 
     def terminated(self, **kw):
         calls[0] += 1
-        if calls[0] == k:  # the scheduler's notice arrives while step k runs
-            os.kill(os.getpid(), signal.SIGTERM)
+        if calls[0] == k:  # the scheduler's notice (or the user's Ctrl-C) arrives while step k runs
+            os.kill(os.getpid(), signum)
         return real(self, **kw)
 
     monkeypatch.setattr(StepRunner, "run", terminated)
     result = train(cache, run, *CLI_SETTINGS)
-    assert result.exit_code == 143 and no_traceback(result), result.output
-    assert f"stopped by SIGTERM after step {k}" in result.output, result.output
+    name = signal.Signals(signum).name
+    assert result.exit_code == exit_code and no_traceback(result), result.output
+    assert f"stopped by {name} after step {k}" in result.output and "--resume" in result.output, result.output
     assert latest_checkpoint(run).step == k, "the step in flight is finished and checkpointed: nothing lost"
     events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e.get("event") == "stopped"] == [k]
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert [(e["step"], e["reason"]) for e in events if e.get("event") == "stopped"] == [(k, name)]
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers, "handlers restored"
 
     monkeypatch.undo()
     result = train(cache, run, *CLI_SETTINGS, "--resume")

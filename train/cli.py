@@ -97,13 +97,16 @@ def train(gpus: str | None, **options) -> None:
     if summary.stopped:
         if main_rank:
             click.echo(
-                f"stopped by SIGTERM after step {summary.steps}: checkpoint {summary.last_checkpoint}; "
+                f"stopped by {summary.stop_signal} after step {summary.steps}: checkpoint {summary.last_checkpoint}; "
                 "run the same command with --resume to continue",
                 err=True,
             )
         else:  # each rank says it stopped cleanly, at the step every rank agreed on
-            click.echo(f"rank {os.environ.get('RANK')}: stopped by SIGTERM after step {summary.steps}", err=True)
-        sys.exit(143)  # 128 + SIGTERM: the job did not finish, and nothing was lost
+            click.echo(
+                f"rank {os.environ.get('RANK')}: stopped by {summary.stop_signal} after step {summary.steps}", err=True
+            )
+        # 128 + the signal (SIGINT 2, SIGTERM 15): the job did not finish, and nothing was lost
+        sys.exit(130 if summary.stop_signal == "SIGINT" else 143)
     if main_rank:
         click.echo(summary.report())
         if summary.eval is not None:

@@ -75,7 +75,8 @@ class TrainSummary:
     skipped_shards: list[tuple[int, str]]
     eval_before: EvalResult | None = None  # the untrained drafter, when a fresh run has held-out shards
     already_complete: bool = False  # --resume found the run finished: nothing was trained
-    stopped: bool = False  # SIGTERM: checkpointed at `steps` and stopped early; --resume continues
+    stopped: bool = False  # SIGTERM or SIGINT: checkpointed at `steps` and stopped early; --resume continues
+    stop_signal: str = "SIGTERM"  # which of the two, when stopped
     wall_s: float = 0.0  # the whole run: checks, set-up, steps, checkpoints, evaluations
     out_dir: Path | None = None
     tensorboard_dir: Path | None = None  # OUT/tb when TensorBoard scalars were written
@@ -462,15 +463,20 @@ class Trainer:
         finally:
             batches.close()
             self.batch.close()
+        # A rank that stops because another rank was signalled: torchrun passes signals on as SIGTERM.
+        stop_signal = stop.signal_name or "SIGTERM"
         if self.step > 0 and (self.last_checkpoint is None or self.last_checkpoint.name != f"step-{self.step:08d}"):
             self._save()
         self.checkpoints.wait()  # the last checkpoint is durable (or its error raised) before it is reported
         if stopped:
             self.metrics.write_event(
-                {"event": "stopped", "step": self.step, "reason": "SIGTERM", "checkpoint": str(self.last_checkpoint)}
+                {"event": "stopped", "step": self.step, "reason": stop_signal, "checkpoint": str(self.last_checkpoint)}
             )
             log.warning(
-                "SIGTERM: stopped after step %d, checkpoint %s; --resume continues", self.step, self.last_checkpoint
+                "%s: stopped after step %d, checkpoint %s; --resume continues",
+                stop_signal,
+                self.step,
+                self.last_checkpoint,
             )
             stop_together(self.dist.world_size)
             return TrainSummary(
@@ -482,6 +488,7 @@ class Trainer:
                 self.skipped,
                 eval_before,
                 stopped=True,
+                stop_signal=stop_signal,
             )
         eval_result = self._evaluate() if run.eval_ids else None
         return TrainSummary(
@@ -495,7 +502,7 @@ class Trainer:
         )
 
     def _steps(self, batches: Iterator[Batch], stop: StopOnSigterm) -> bool:
-        """Run steps until the budget or the data is used up (False) or SIGTERM asks to stop (True)."""
+        """Run steps until the budget or the data is used up (False) or SIGTERM / SIGINT asks to stop (True)."""
         cfg, run = self.cfg, self.run
         while self.step < run.total_steps:
             wait_start = time.monotonic()

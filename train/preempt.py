@@ -1,4 +1,5 @@
-"""Pre-emption: SIGTERM (what schedulers send before they kill a job) becomes a clean stop.
+"""Pre-emption: SIGTERM (what schedulers send before they kill a job) and SIGINT (Ctrl-C) become a
+clean stop. A second Ctrl-C raises KeyboardInterrupt at once (no checkpoint of the step in flight).
 
 The handler only sets a flag. The loop polls it at every step boundary; the run then checkpoints
 that step and exits, so at most the step in flight is lost. Under several ranks every rank must stop
@@ -15,6 +16,7 @@ makes the ranks meet once more: none exits before every rank is done, and each e
 from __future__ import annotations
 
 import signal
+import threading
 
 import torch
 import torch.distributed as dist
@@ -24,10 +26,13 @@ from shards.sigterm import SigtermFlag
 
 
 class StopOnSigterm(SigtermFlag):
-    """`with StopOnSigterm(device, world_size) as stop:` ... `if stop.poll(): break` at step boundaries."""
+    """`with StopOnSigterm(device, world_size) as stop:` ... `if stop.poll(): break` at step boundaries.
+    SIGINT is handled as SIGTERM is; `signal_name` says which one this rank received first."""
 
     def __init__(self, device: torch.device, world_size: int):
-        super().__init__()  # self.signalled: this rank received SIGTERM
+        super().__init__()  # self.signalled: this rank received SIGTERM or SIGINT
+        self.signal_name: str | None = None
+        self._previous_sigint = None
         self._collective = world_size > 1 and dist.is_initialized()
         if self._collective:
             cuda = device.type == "cuda"
@@ -35,6 +40,24 @@ class StopOnSigterm(SigtermFlag):
             self._host = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)
             self._event = torch.cuda.Event() if cuda else None
             self._pending = False
+
+    def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.signal_name == "SIGINT":
+            raise KeyboardInterrupt  # Ctrl-C twice: stop now, without the checkpoint
+        super()._handle(signum, frame)
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+
+    def __enter__(self):
+        super().__enter__()
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigint = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous_sigint is not None:
+            signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
+        super().__exit__(*exc)
 
     def poll(self) -> bool:
         """True when every rank should stop after the step that just finished."""
