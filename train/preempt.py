@@ -16,7 +16,6 @@ makes the ranks meet once more: none exits before every rank is done, and each e
 from __future__ import annotations
 
 import signal
-import threading
 
 import torch
 import torch.distributed as dist
@@ -30,9 +29,8 @@ class StopOnSigterm(SigtermFlag):
     SIGINT is handled as SIGTERM is; `signal_name` says which one this rank received first."""
 
     def __init__(self, device: torch.device, world_size: int):
-        super().__init__()  # self.signalled: this rank received SIGTERM or SIGINT
+        super().__init__((signal.SIGTERM, signal.SIGINT))  # self.signalled: this rank received one
         self.signal_name: str | None = None
-        self._previous_sigint = None
         self._collective = world_size > 1 and dist.is_initialized()
         if self._collective:
             cuda = device.type == "cuda"
@@ -46,18 +44,6 @@ class StopOnSigterm(SigtermFlag):
             raise KeyboardInterrupt  # Ctrl-C twice: stop now, without the checkpoint
         super()._handle(signum, frame)
         self.signal_name = self.signal_name or signal.Signals(signum).name
-
-    def __enter__(self):
-        super().__enter__()
-        if threading.current_thread() is threading.main_thread():
-            self._previous_sigint = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._previous_sigint is not None:
-            signal.signal(signal.SIGINT, self._previous_sigint)
-            self._previous_sigint = None
-        super().__exit__(*exc)
 
     def poll(self) -> bool:
         """True when every rank should stop after the step that just finished."""
