@@ -80,7 +80,7 @@ class ExtractConfig:
     topk_chunk_tokens: int = 4096
     """Tokens per LM-head chunk when --target-topk > 0 (memory: N x vocab x 4 bytes)."""
     progress_interval_s: float = cli_field(10.0, flag="--progress-interval")
-    """Seconds between progress lines."""
+    """Seconds between progress lines (0 = after every batch)."""
     writer_buffers: int = 2
     """Pinned host buffers cycling between the forward and the writer thread."""
 
@@ -105,8 +105,8 @@ class ExtractConfig:
                 raise config_error(self, name, "must be >= 1")
         if self.target_topk < 0:
             raise config_error(self, "target_topk", "must be >= 0 (0 = off)")
-        if not self.progress_interval_s > 0:  # NaN too
-            raise config_error(self, "progress_interval_s", "must be a positive number of seconds")
+        if not self.progress_interval_s >= 0:  # NaN too; 0 = a line after every batch
+            raise config_error(self, "progress_interval_s", "must be >= 0 seconds (0 = after every batch)")
         if self.tap_layer_ids is not None:
             if not self.tap_layer_ids:
                 raise config_error(self, "tap_layer_ids", "must name at least one layer, e.g. --taps 1,16,31")

@@ -231,8 +231,14 @@ def _file_rows(path: str) -> Iterator[tuple[int, Any]]:
 
 
 def conversation_files(path: str | os.PathLike) -> list[str]:
-    """The conversation files `path` names, less the sidecars dflash-data writes beside its outputs."""
-    return [f for f in find_data_files(path, CONVERSATION_SUFFIXES) if not f.endswith(SIDECAR_SUFFIXES)]
+    """The conversation files `path` names, less the sidecars dflash-data writes beside its outputs
+    (X.regenerate.json or X.summary.json with X beside it)."""
+    files = find_data_files(path, CONVERSATION_SUFFIXES)
+    return [f for f in files if not (f.endswith(SIDECAR_SUFFIXES) and os.path.exists(_sidecar_owner(f)))]
+
+
+def _sidecar_owner(path: str) -> str:
+    return next(path[: -len(s)] for s in SIDECAR_SUFFIXES if path.endswith(s))
 
 
 def iter_conversations(path: str | os.PathLike, errors: list[str] | None = None) -> Iterator[Conversation]:

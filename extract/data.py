@@ -139,13 +139,23 @@ def is_glob(path: str | os.PathLike) -> bool:
 
 def data_would_read(data: str | os.PathLike, path: str | os.PathLike) -> bool:
     """--data `data` (a file, directory or glob) names `path`: it is the input file, lies inside the
-    input directory, or matches the pattern (checked with fnmatch, whose `*` also crosses `/`: a
-    pattern that might read it counts), so a file written there would be read back as data."""
+    input directory, or matches the pattern, so a file written there would be read back as data."""
     if not is_glob(data):
         root, p = Path(os.path.realpath(data)), Path(os.path.realpath(path))
         return p == root or root in p.parents
-    pattern = os.path.abspath(str(data))
-    return any(fnmatch.fnmatchcase(q, pattern) for q in (os.path.abspath(path), os.path.realpath(path)))
+    pattern = Path(os.path.abspath(str(data))).parts
+    return any(_glob_match(pattern, Path(q).parts) for q in (os.path.abspath(path), os.path.realpath(path)))
+
+
+def _glob_match(pattern: Sequence[str], parts: Sequence[str]) -> bool:
+    """glob.glob(recursive=True)'s match, one path segment at a time: `**` spans any number of
+    directories, every other segment matches exactly one (its `*` never crosses a `/`)."""
+    if not pattern:
+        return not parts
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(_glob_match(rest, parts[i:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], head) and _glob_match(rest, parts[1:])
 
 
 def find_data_files(path: str | os.PathLike, suffixes: tuple[str, ...] = DATA_SUFFIXES) -> list[str]:

@@ -75,12 +75,17 @@ def _method(q: Any) -> str:
     return repr(q.get("quant_method")) if isinstance(q, dict) else repr(q)
 
 
+def _format_of(q: Any) -> Any:
+    """What decides how weights are stored (a repeated config may differ in other keys, e.g. ignore lists)."""
+    return (q.get("quant_method"), q.get("fmt"), q.get("weight_block_size")) if isinstance(q, dict) else q
+
+
 def read_quantization(config: dict[str, Any], source: str = "config.json") -> Fp8BlockFormat | None:
     """None for an unquantised checkpoint; the FP8 block format; or UnsupportedQuantizationError."""
     q = config.get("quantization_config")
     text = config.get("text_config")
     inner = text.get("quantization_config") if isinstance(text, dict) else None
-    if q is not None and inner is not None and q != inner:
+    if q is not None and inner is not None and _format_of(q) != _format_of(inner):
         raise UnsupportedQuantizationError(
             f"{source}: quantization_config and text_config.quantization_config disagree "
             f"({_method(q)} vs {_method(inner)}); a checkpoint has one format: restore its config.json from the release"

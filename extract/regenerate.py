@@ -166,9 +166,10 @@ def _read_done(out: Path) -> tuple[dict[str, str | None], int]:
 
 
 def source_sha256(conv: Conversation) -> str:
-    """What a regenerated line was made from: the input conversation's messages, tools and other fields."""
-    extra = {k: v for k, v in conv.extra.items() if k != SOURCE_KEY}
-    blob = json.dumps([conv.messages, conv.tools, extra], sort_keys=True, ensure_ascii=False, default=str)
+    """What the replies of a regenerated line depend on: every turn but the assistant's (those are
+    replaced; only where they stand counts) and the tools. Other fields of the row do not count."""
+    turns = [m if m["role"] != "assistant" else "assistant" for m in conv.messages]
+    blob = json.dumps([turns, conv.tools], sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 

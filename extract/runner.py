@@ -28,13 +28,12 @@ from shards import (
     ShardError,
     ShardReader,
     TargetInfo,
-    clean_partial_shards,
     create_cache,
     read_cache_config,
     write_manifest,
     write_target_head,
 )
-from shards.durable import TMP_PREFIX, check_writable, remove_stale_temporaries
+from shards.durable import TMP_PREFIX, check_writable
 from shards.format import (
     CACHE_CONFIG_FILE,
     MANIFEST_FILE,
@@ -46,7 +45,16 @@ from shards.format import (
     shard_path,
 )
 from shards.lock import LOCK_FILE, DirectoryLock
-from shards.ownership import describe, foreign_entries, is_our_shard, nested, our_entries, remove_cache_files
+from shards.ownership import (
+    describe,
+    foreign_entries,
+    is_our_file,
+    is_our_shard,
+    nested,
+    our_entries,
+    remove_cache_files,
+    remove_stale_cache_temporaries,
+)
 from shards.progress import ProgressLog, format_bytes, format_duration, is_interactive, plural
 from shards.provenance import provenance
 from shards.reader import list_shards
@@ -194,7 +202,8 @@ def _extract_dataset(
         )
     # Rank 0 holds the cache's lock for the whole job (its ranks share it); a second job is refused.
     lock = DirectoryLock(cfg.out_dir, "dflash-extract")
-    fresh = dist_info.is_main and not (Path(cfg.out_dir) / CACHE_CONFIG_FILE).exists()
+    # One rank alone: with several, another may be writing its first shard while rank 0 fails.
+    fresh = dist_info.world_size == 1 and not (Path(cfg.out_dir) / CACHE_CONFIG_FILE).exists()
     try:
         run_on_main(dist_info, lambda: _prepare_cache(cfg, cache_cfg, lock))
         barrier()
@@ -231,9 +240,9 @@ def _remove_if_no_shard(out: Path) -> None:
     """A run that created the cache and failed before its first shard (a damaged checkpoint found while
     loading it, out of memory) takes its empty cache away again: otherwise the corrected command would
     be refused as a resume with other settings."""
-    if not (out / CACHE_CONFIG_FILE).exists() or list_shards(out):
-        return
     try:
+        if not (out / CACHE_CONFIG_FILE).exists() or list_shards(out):
+            return
         remove_cache_files(out)
     except (ValueError, OSError) as e:  # a file of the user's appeared, or the disk went away: leave it all
         log.warning("could not remove the empty cache this run created at %s: %s", out, e)
@@ -246,11 +255,14 @@ def _refuse_what_cannot_fit(cfg: ExtractConfig, cache_cfg: CacheConfig, plan) ->
     to write must fit the free space under --out."""
     shard_bytes = bytes_per_shard(cache_cfg)
     host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if cfg.writer_buffers * shard_bytes > host_bytes:
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's ranks on this machine
+    buffers = ranks_here * cfg.writer_buffers
+    if buffers * shard_bytes > host_bytes:
         raise ValueError(
-            f"--token-budget {cfg.token_budget}: one shard is {format_bytes(shard_bytes)} and the writer keeps "
-            f"{cfg.writer_buffers} in host memory ({format_bytes(cfg.writer_buffers * shard_bytes)}), more than this "
-            f"machine's {format_bytes(host_bytes)}; lower --token-budget (or --writer-buffers)"
+            f"--token-budget {cfg.token_budget}: one shard is {format_bytes(shard_bytes)} and the writers keep "
+            f"{plural(buffers, 'shard')} in host memory ({cfg.writer_buffers} per rank, {ranks_here} ranks here: "
+            f"{format_bytes(buffers * shard_bytes)}), more than this machine's {format_bytes(host_bytes)}; "
+            "lower --token-budget (or --writer-buffers)"
         )
     out = Path(cfg.out_dir)
     todo = len(plan.batches) - (len(list_shards(out)) if out.is_dir() and not cfg.overwrite else 0)
@@ -258,6 +270,8 @@ def _refuse_what_cannot_fit(cfg: ExtractConfig, cache_cfg: CacheConfig, plan) ->
     while not where.exists() and where.parent != where:
         where = where.parent
     free = shutil.disk_usage(where).free
+    if cfg.overwrite and out.is_dir():  # the old cache's files go first: their space is free for the new one
+        free += sum(p.stat().st_size for p in our_entries(out)[0])
     if todo * shard_bytes > free:
         raise ValueError(
             f"--out {out}: {plural(todo, 'shard')} of {format_bytes(shard_bytes)} still to write "
@@ -280,10 +294,11 @@ def _refuse_nesting(cfg: ExtractConfig) -> None:
     else:
         inside = [f for f in glob.glob(cfg.data, recursive=True) if nested(out, f)]
         written = [out / name for name in (MANIFEST_FILE, CACHE_CONFIG_FILE, shard_path(".", 0), "logs/x.jsonl")]
+        read_back = [p for p in written if data_would_read(cfg.data, p)]
         if inside:
             problem = f"--data {cfg.data!r} matches {inside[0]}, inside --out {out}"
-        elif any(data_would_read(cfg.data, p) for p in written):
-            problem = f"--data {cfg.data!r} would match the files of --out {out} (e.g. its manifest.parquet)"
+        elif read_back:
+            problem = f"--data {cfg.data!r} would match the files --out {out} gets (e.g. {read_back[0]})"
     if problem:
         raise CacheMismatchError(f"{problem}; choose an --out outside both the target checkpoint and the dataset")
 
@@ -395,23 +410,22 @@ def _prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig, lock: DirectoryLo
     head = {"embed_tokens": raw["embed_tokens"], "lm_head": raw["lm_head"], "final_norm": raw["norm"]}
     # Part of the cache's identity: the same architecture with other weights must not resume into it.
     cache_cfg.target_head_checksum = checksum({k: v.contiguous() for k, v in head.items()})
+    if (out / CACHE_CONFIG_FILE).exists() and not cfg.overwrite:  # a resume: no file is deleted
+        _check_resumable(out, cache_cfg)
+        _repair_target_head(out, cache_cfg, head)
+        removed = remove_stale_cache_temporaries(out)
+        if removed:
+            log.info("removed %d partial file(s) left by a killed run", removed)
+        return
     ours, foreign = our_entries(out)
     if (out / CACHE_CONFIG_FILE).exists():
-        if cfg.overwrite:
-            if foreign:
-                raise CacheMismatchError(
-                    f"--overwrite: {out} also holds files dflash-extract did not write "
-                    f"({describe(foreign)}); nothing was deleted: move them away first"
-                )
-            log.warning("--overwrite: deleting the existing cache at %s (%d files of ours)", out, len(ours))
-            remove_cache_files(out)
-        else:
-            _check_resumable(out, cache_cfg)
-            _repair_target_head(out, cache_cfg, head, foreign)
-            removed = clean_partial_shards(out) + len(remove_stale_temporaries(out))
-            if removed:
-                log.info("removed %d partial file(s) left by a killed run", removed)
-            return
+        if foreign:
+            raise CacheMismatchError(
+                f"--overwrite: {out} also holds files dflash-extract did not write "
+                f"({describe(foreign)}); nothing was deleted: move them away first"
+            )
+        log.warning("--overwrite: deleting the existing cache at %s (%d files of ours)", out, len(ours))
+        remove_cache_files(out)
     elif not _is_unfinished_creation(ours):
         if not cfg.overwrite:
             raise CacheMismatchError(
@@ -443,14 +457,15 @@ def _refuse_foreign_out(out: Path) -> None:
             )
 
 
-def _repair_target_head(out: Path, cache_cfg: CacheConfig, head: dict, foreign: list[Path]) -> None:
+def _repair_target_head(out: Path, cache_cfg: CacheConfig, head: dict) -> None:
     """Resume: a missing or damaged target head of ours is written again from the target (the cache's
     settings, target weights included, matched already); a file of that name we did not write stays."""
+    path = out / TARGET_HEAD_FILE
     try:
         read_cache_head(out)
         return
     except CacheFormatError as e:
-        if out / TARGET_HEAD_FILE in foreign:
+        if path.exists() and not is_our_file(out, path):
             raise CacheMismatchError(
                 f"{e}; dflash-extract did not write this file, so it is not replaced: move it away and re-run"
             ) from e
@@ -505,8 +520,8 @@ def _pending(cfg: ExtractConfig, mine: list[PackedBatch]) -> tuple[list[PackedBa
                     raise CacheMismatchError(str(e)) from e
                 if not is_our_shard(e.path):
                     raise CacheMismatchError(
-                        f"{e}; dflash-extract did not write this file, so it is not replaced: move it away "
-                        "and re-run the same command"
+                        f"{e}; it is not recognisably a shard dflash-extract wrote, so it is not replaced: "
+                        "move it away and re-run the same command"
                     ) from e
                 log.warning("extracting batch %d again: %s", batch.batch_id, e)
         todo.append(batch)

@@ -20,6 +20,7 @@ from .crc import crc32
 TMP_PREFIX = ".tmp-"
 # What tempfile.mkstemp names our temporaries: the prefix, the final name and a dot, then 8 random
 # characters. A user's `.tmp-backup/` folder or `.tmp-notes.txt` has another shape and stays theirs.
+PROBE = "probe"  # check_writable's temporaries: .tmp-probe.xxxxxxxx
 _TEMPORARY = re.compile(re.escape(TMP_PREFIX) + r"(?P<final>.+)\.[a-z0-9_]{8}")
 
 
@@ -69,11 +70,11 @@ def check_writable(path: str | Path, what: str) -> None:
         raise ValueError(f"{what}: {where} is a file, not a directory{made}; choose another path")
     try:
         if where == target:
-            fd, probe = tempfile.mkstemp(prefix=TMP_PREFIX + "probe.", dir=where)
+            fd, probe = tempfile.mkstemp(prefix=TMP_PREFIX + PROBE + ".", dir=where)
             os.close(fd)
             os.unlink(probe)
         else:
-            os.rmdir(tempfile.mkdtemp(prefix=TMP_PREFIX + "probe.", dir=where))
+            os.rmdir(tempfile.mkdtemp(prefix=TMP_PREFIX + PROBE + ".", dir=where))
     except OSError as e:
         raise ValueError(
             f"{what}: cannot write in {where} ({e.strerror}); choose a directory on a writable file system, "
@@ -107,11 +108,13 @@ def temporary_final_name(path: str | Path) -> str | None:
     return match["final"]
 
 
-def remove_stale_temporaries(directory: str | Path) -> list[Path]:
-    """Delete the temporary files killed writers of ours left in `directory`; returns what was removed."""
+def remove_stale_temporaries(directory: str | Path, finals: Callable[[str], bool] | None = None) -> list[Path]:
+    """Delete the temporary files killed writers of ours left in `directory` (with `finals`: only those
+    whose final name it accepts, the names written there); returns what was removed."""
     removed = []
     for p in Path(directory).glob(TMP_PREFIX + "*"):
-        if temporary_final_name(p) is None:
+        final = temporary_final_name(p)
+        if final is None or (finals is not None and not finals(final)):
             continue
         try:
             p.unlink()

@@ -192,13 +192,29 @@ def _extract_command(provenance: dict | None, cache_dir: str | Path | None = Non
         return None
     words = list(argv[1:])
     if cache_dir is not None:
-        cwd = provenance.get("cwd")
-        for i, word in enumerate(words[:-1]):
-            if word == "--out":
-                words[i + 1] = os.path.abspath(cache_dir)
-            elif word in _PATH_FLAGS and cwd and not os.path.isabs(words[i + 1]):
-                words[i + 1] = os.path.join(cwd, words[i + 1])
+        words = _portable(words, os.path.abspath(cache_dir), provenance.get("cwd"))
     return shlex.join(["dflash-extract", *words])
+
+
+def _portable(words: list[str], cache_dir: str, cwd: str | None) -> list[str]:
+    """`words` with --out naming cache_dir and relative --target / --data made absolute against cwd,
+    in both spellings (`--out DIR` and `--out=DIR`)."""
+
+    def fixed(flag: str, value: str) -> str:
+        if flag == "--out":
+            return cache_dir
+        return os.path.join(cwd, value) if cwd and not os.path.isabs(value) else value
+
+    out = list(words)
+    for i, word in enumerate(words):
+        flag, eq, value = word.partition("=")
+        if flag not in ("--out", *_PATH_FLAGS):
+            continue
+        if eq:
+            out[i] = f"{flag}={fixed(flag, value)}"
+        elif i + 1 < len(words):
+            out[i + 1] = fixed(flag, words[i + 1])
+    return out
 
 
 def _quarantine(cache_dir: Path, path: Path) -> Path:

@@ -4,10 +4,13 @@ A file is ours when its name and its content both say dflash-extract wrote it:
   cache.json                  a JSON object with a format_version
   target_head.safetensors     a container whose header carries our format_version and checksum
   manifest.parquet            a Parquet file with the manifest's columns
-  shards/ and quarantine/     b{8 digits}.safetensors whose header names that batch (or an empty file:
-                              nothing in it to lose; resume writes it again)
+  shards/ and quarantine/     b{8 digits}.safetensors whose header names that batch
   logs/extract-rank{r}.jsonl  the per-rank extraction logs
-  the lock file, and atomic_write temporaries (.tmp-NAME.xxxxxxxx) of those names at each level.
+  the lock file, and atomic_write temporaries (.tmp-NAME.xxxxxxxx) of those names (and of
+  check_writable's probe) at each level.
+Damage does not make a file foreign: a container of ours cut short still starts with our header, an
+empty shard holds nothing to lose, and in a directory that is recognisably our cache (a shard, head
+or cache.json of ours in it) a damaged cache.json, head or manifest under its own name is ours too.
 Anything else (another name, a folder, a link, a file of our name holding something else) is the
 user's: its presence makes --overwrite refuse, and nothing here ever deletes it.
 """
@@ -22,7 +25,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from .container import read_header
-from .durable import temporary_final_name
+from .durable import PROBE, remove_stale_temporaries, temporary_final_name
 from .format import CACHE_CONFIG_FILE, MANIFEST_FILE, SHARDS_DIR, TARGET_HEAD_FILE, CacheFormatError, batch_id_of
 from .lock import LOCK_FILE
 from .manifest import SCHEMA as MANIFEST_SCHEMA
@@ -30,14 +33,21 @@ from .manifest import SCHEMA as MANIFEST_SCHEMA
 QUARANTINE_DIR = "quarantine"
 LOGS_DIR = "logs"
 _LOG = re.compile(r"extract-rank\d+\.jsonl")
+# How every header write_container writes begins, after its 8-byte length: the first metadata key.
+_OUR_HEADER_START = b'{"__metadata__":{"format_version":"'
 
 
 def _our_container(path: Path, batch_id: int | None = None) -> bool:
-    """A safetensors file whose header we wrote (for a shard: naming `batch_id`); its data may be damaged."""
+    """A safetensors file whose header we wrote (for a shard: naming `batch_id`); its data may be
+    damaged, or the file cut short inside the header (then its first bytes decide)."""
     try:
         meta = read_header(path, check_size=False).metadata
     except CacheFormatError:
-        return False
+        try:
+            with open(path, "rb") as f:
+                return f.read(8 + len(_OUR_HEADER_START))[8:] == _OUR_HEADER_START
+        except OSError:
+            return False
     return (
         "format_version" in meta and "checksum" in meta and (batch_id is None or meta.get("batch_id") == str(batch_id))
     )
@@ -66,41 +76,76 @@ _TOP_FILES = {
 }
 
 
+def _plain_file(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
+
+
 def is_our_shard(path: str | Path) -> bool:
     """A file under shards/ or quarantine/ that dflash-extract wrote (or an empty one)."""
     path = Path(path)
     batch_id = batch_id_of(path)
-    if batch_id is None or path.is_symlink() or not path.is_file():
+    if batch_id is None or not _plain_file(path):
         return False
     return path.stat().st_size == 0 or _our_container(path, batch_id)
+
+
+def _top_final(name: str) -> bool:
+    return name in _TOP_FILES or name == PROBE
 
 
 def _ours_in(sub: str, path: Path) -> bool:
     final = temporary_final_name(path)
     if sub in (SHARDS_DIR, QUARANTINE_DIR):
         return batch_id_of(final) is not None if final is not None else is_our_shard(path)
-    return final is None and _LOG.fullmatch(path.name) is not None and path.is_file() and not path.is_symlink()
+    return final is None and _LOG.fullmatch(path.name) is not None and _plain_file(path)
 
 
-def _ours_at_top(path: Path) -> bool:
+def _ours_at_top(path: Path, our_cache: bool) -> bool:
     final = temporary_final_name(path)
     if final is not None:
-        return final in _TOP_FILES
+        return _top_final(final)
     check = _TOP_FILES.get(path.name)
-    return check is not None and path.is_file() and not path.is_symlink() and check(path)
+    return check is not None and _plain_file(path) and (our_cache or check(path))
+
+
+def _is_our_cache(cache_dir: Path) -> bool:
+    """Recognisably a cache of ours: cache.json, the target head or one shard under shards/ says so."""
+    if _our_cache_config(cache_dir / CACHE_CONFIG_FILE) or _our_container(cache_dir / TARGET_HEAD_FILE):
+        return True
+    shard_dir = cache_dir / SHARDS_DIR
+    if not shard_dir.is_dir() or shard_dir.is_symlink():
+        return False
+    return any(batch_id_of(p) is not None and is_our_shard(p) and p.stat().st_size for p in shard_dir.iterdir())
 
 
 def our_entries(cache_dir: str | Path) -> tuple[list[Path], list[Path]]:
     """(files of ours, entries that are not ours) under cache_dir; folders of ours are not listed."""
     cache_dir = Path(cache_dir)
+    our_cache = _is_our_cache(cache_dir)
     ours, foreign = [], []
     for p in sorted(cache_dir.iterdir()):
         if p.name in (SHARDS_DIR, QUARANTINE_DIR, LOGS_DIR) and p.is_dir() and not p.is_symlink():
             for q in sorted(p.iterdir()):
                 (ours if _ours_in(p.name, q) else foreign).append(q)
         else:
-            (ours if _ours_at_top(p) else foreign).append(p)
+            (ours if _ours_at_top(p, our_cache) else foreign).append(p)
     return ours, foreign
+
+
+def is_our_file(cache_dir: str | Path, path: str | Path) -> bool:
+    """One top-level file of cache_dir (cache.json, the head, the manifest), judged as our_entries would."""
+    return _ours_at_top(Path(path), _is_our_cache(Path(cache_dir)))
+
+
+def remove_stale_cache_temporaries(cache_dir: str | Path) -> int:
+    """Delete what killed writers of ours left half written: temporaries of our names at the top and
+    under shards/ (never a user's `.tmp-notes.markdown`); returns how many."""
+    cache_dir = Path(cache_dir)
+    removed = len(remove_stale_temporaries(cache_dir, _top_final))
+    shard_dir = cache_dir / SHARDS_DIR
+    if shard_dir.is_dir():
+        removed += len(remove_stale_temporaries(shard_dir, lambda final: batch_id_of(final) is not None))
+    return removed
 
 
 def foreign_entries(cache_dir: str | Path) -> list[Path]:

@@ -18,6 +18,7 @@ from .format import (
     TARGET_HEAD_FILE,
     TARGET_HEAD_TENSORS,
     CacheConfig,
+    batch_id_of,
     checksum,
     shard_path,
     target_head_shapes,
@@ -112,4 +113,6 @@ def write_shard(
 def clean_partial_shards(cache_dir: str | Path) -> int:
     """Remove temporaries that killed writers left in the shard directory; returns how many."""
     shard_dir = Path(cache_dir) / SHARDS_DIR
-    return len(remove_stale_temporaries(shard_dir)) if shard_dir.is_dir() else 0
+    if not shard_dir.is_dir():
+        return 0
+    return len(remove_stale_temporaries(shard_dir, lambda final: batch_id_of(final) is not None))

@@ -10,8 +10,10 @@ from extract.data import (
     DataError,
     Sample,
     SampleLoader,
+    data_would_read,
     dataset_fingerprint,
     find_data_files,
+    is_glob,
     load_samples,
     scan_dataset,
     write_jsonl,
@@ -118,6 +120,41 @@ def test_directory_and_glob_are_sorted(tmp_path):
     assert index.sample_ids == ["a0", "a1", "b0", "b1", "b2"]
     by_glob = scan_dataset(str(tmp_path / "**" / "*.jsonl"), vocab_size=VOCAB)
     assert by_glob.sample_ids == ["b0", "b1", "b2"]
+
+
+PATTERNS = ["*.jsonl", "data/*.parquet", "**/*.parquet", "chats/*.jsonl", "**/*", "d/**/x*.json", "data/c?che/*"]
+FILES = [
+    "a.jsonl",
+    "data/p.parquet",
+    "data/cache/manifest.parquet",
+    "data/cache/logs/extract-rank0.jsonl",
+    "chats/c.jsonl",
+    "chats/regen/out.jsonl",
+    "d/x1.json",
+    "d/a/b/x2.json",
+]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_data_would_read_matches_what_glob_reads(tmp_path, pattern):
+    """The reference is glob.glob itself, on a tree holding every path."""
+    import glob
+
+    for name in FILES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        read = {os.path.normpath(f) for f in glob.glob(pattern, recursive=True)}
+        for name in FILES:
+            assert data_would_read(pattern, name) == (os.path.normpath(name) in read), name
+    finally:
+        os.chdir(cwd)
+    assert data_would_read(str(tmp_path / "data"), tmp_path / "data" / "cache" / "x")  # a folder: all inside
+    assert not data_would_read(str(tmp_path / "data" / "p.parquet"), tmp_path / "data" / "q.parquet")
+    (tmp_path / "run[1]").mkdir()  # a folder whose name looks like a pattern is a folder
+    assert not is_glob(tmp_path / "run[1]") and data_would_read(tmp_path / "run[1]", tmp_path / "run[1]" / "f")
 
 
 def test_missing_paths_and_unsupported_files(tmp_path):

@@ -123,7 +123,7 @@ def test_resume_never_replaces_a_file_it_did_not_write(target, data, reference, 
     junk = cache / "shards" / "b00000001.safetensors"
     junk.write_bytes(b"my own bytes, not a shard")
     result = CliRunner().invoke(extract_cli, cli_args(target, data, cache))
-    assert result.exit_code == 1 and "did not write this file" in result.output, result.output
+    assert result.exit_code == 1 and "not recognisably a shard" in result.output, result.output
     assert str(junk) in result.output and junk.read_bytes() == b"my own bytes, not a shard"
     junk.write_bytes(b"")  # empty: nothing to lose, so the resume writes the batch again
     result = CliRunner().invoke(extract_cli, cli_args(target, data, cache))
@@ -162,6 +162,55 @@ def test_out_nested_with_target_or_data_is_refused(target, data, tmp_path, case)
     assert {p: snapshot(p) for p in (target, data.parent)} == before, "the target and the dataset stay untouched"
 
 
+def test_resume_keeps_user_files_of_a_temporary_like_name(target, data, reference, tmp_path):
+    cache = copy_cache(reference, tmp_path)
+    notes = [cache / ".tmp-notes.markdown", cache / "shards" / ".tmp-backup.20261201"]
+    for p in notes:
+        p.write_text("mine")
+    ours = cache / "shards" / ".tmp-b00000001.safetensors.abcd1234"  # what a killed writer of ours leaves
+    ours.write_bytes(b"partial")
+    result = CliRunner().invoke(extract_cli, cli_args(target, data, cache))
+    assert result.exit_code == 0, result.output
+    assert [p.read_text() for p in notes] == ["mine", "mine"] and not ours.exists()
+
+
+def test_a_probe_of_another_rank_does_not_make_out_foreign(target, data, reference, tmp_path):
+    out = tmp_path / "cache"
+    out.mkdir()
+    (out / ".tmp-probe.abcd1234").write_bytes(b"")  # check_writable's, of a rank that is a moment ahead
+    result = CliRunner().invoke(extract_cli, cli_args(target, data, out))
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("damage", ["cache.json not JSON", "manifest cut", "shard header cut"])
+def test_damaged_files_of_ours_stay_ours(target, data, reference, tmp_path, damage):
+    cache = copy_cache(reference, tmp_path)
+    if damage == "cache.json not JSON":
+        (cache / "cache.json").write_text("{ not json")
+        args = ("--overwrite",)  # the resume refuses it and says to pass --overwrite: which must then work
+    elif damage == "manifest cut":
+        (cache / "manifest.parquet").write_bytes((cache / "manifest.parquet").read_bytes()[:20])
+        args = ("--overwrite",)
+    else:
+        shard = cache / "shards" / "b00000001.safetensors"
+        shard.write_bytes(shard.read_bytes()[:100])  # inside the header: only our header's start is left
+        args = ()  # a resume redoes it
+    result = CliRunner().invoke(extract_cli, cli_args(target, data, cache, *args))
+    assert result.exit_code == 0, result.output
+    assert_equals_reference(cache, reference)
+
+
+def test_overwrite_counts_the_old_cache_as_free_space(target, data, reference, tmp_path, monkeypatch):
+    import shutil as real
+
+    cache = copy_cache(reference, tmp_path)
+    shards = sum(p.stat().st_size for p in (cache / "shards").iterdir())
+    free = real.disk_usage(tmp_path)._replace(free=shards // 2)
+    monkeypatch.setattr("extract.runner.shutil.disk_usage", lambda path: free)
+    result = CliRunner().invoke(extract_cli, cli_args(target, data, cache, "--overwrite"))
+    assert result.exit_code == 0, result.output
+
+
 def test_a_glob_beside_out_is_no_nesting_but_one_that_would_read_the_cache_is(target, data, reference, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
@@ -172,7 +221,7 @@ def test_a_glob_beside_out_is_no_nesting_but_one_that_would_read_the_cache_is(ta
         result = CliRunner().invoke(extract_cli, cli_args(target, f"part-*{data.suffix}", "cache"))
         assert result.exit_code == 0, result.output
         result = CliRunner().invoke(extract_cli, cli_args(target, "**/*", "cache2"))
-        assert result.exit_code == 1 and "would match the files of --out" in result.output, result.output
+        assert result.exit_code == 1 and "would match the files --out" in result.output, result.output
         assert not (work / "cache2").exists()
     finally:
         os.chdir(cwd)
