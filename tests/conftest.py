@@ -62,7 +62,7 @@ def no_work(monkeypatch):
     export loads, the drafter eval loads) fails the test if it starts: for refusals that must come before any work."""
     import extract.runner
     import train.cli
-    import train.evaluate
+    import train.eval_run
     import train.loop
 
     def started(*a, **kw):
@@ -71,4 +71,4 @@ def no_work(monkeypatch):
     monkeypatch.setattr(extract.runner, "scan_dataset", started)
     monkeypatch.setattr(train.loop, "Trainer", started)
     monkeypatch.setattr(train.cli, "_model_from_checkpoint", started)
-    monkeypatch.setattr(train.evaluate, "load_drafter", started)
+    monkeypatch.setattr(train.eval_run, "load_drafter", started)

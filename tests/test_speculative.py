@@ -20,7 +20,8 @@ from tools.dflash_train import _target_verifier
 from tools.tiny_target import write_random_checkpoint
 from tools.verifier import TargetVerifier
 from train.cli import main as train_cli
-from train.evaluate import evaluate_drafter, load_drafter
+from train.eval_run import load_drafter
+from train.evaluate import evaluate_drafter
 from train.loop import run_training
 from train.model import TargetHead
 from train.speculative import (

@@ -218,3 +218,27 @@ def test_a_mistyped_command_is_named_with_suggestions(tmp_path):
     res = invoke(["exprot", str(tmp_path / "run1"), str(tmp_path / "d")])
     assert res.exit_code == 2 and "No such command 'exprot'. Did you mean 'export'" in res.output, res.output
     assert "--cache" not in res.output, "not taken for `train exprot ...`"
+
+
+def test_eval_splits_held_out_shards_as_training_does_and_warns_on_trained_ones(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=3, plan=True)  # planned ids 0..2, as extraction plans
+    run = tmp_path / "run"
+    assert invoke(tiny_cli_args(cache, run, "--max-steps", "1", "--eval-shards", "1")).exit_code == 0
+    report = tmp_path / "eval.json"
+
+    def evaluate(*choice):
+        args = ["eval", "--drafter", str(run), "--cache", str(cache), "--budgets", "", "--out", str(report)]
+        return CliRunner().invoke(main, [*args, *choice])
+
+    res = evaluate("--eval-shards", "1")  # its held-out shard: no warning
+    assert res.exit_code == 0 and "WARNING" not in res.output, res.output
+    assert json.loads(report.read_text())["batch_ids"] == [2]
+    res = evaluate("--shards", "0")  # a shard it was trained on: said loudly, in the table and the JSON
+    assert res.exit_code == 0, res.output
+    assert "WARNING: the drafter was trained on shards [0] of this cache: the figures below are NOT held-out" in (
+        res.output
+    )
+    assert json.loads(report.read_text())["trained_on_batch_ids"] == [0]
+    shard_path(cache, 2).unlink()  # the held-out shard's file is gone: refused, never shard 1 instead
+    res = evaluate("--eval-shards", "1")
+    assert res.exit_code == 1 and "held-out shards [2] of cache" in res.output and "missing" in res.output, res.output

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from shards import CacheConfig, SampleEntry, TargetInfo, create_cache, encode_hidden, write_manifest, write_shard
+from shards.format import PackingRecord
 from shards.reader import ShardReader
 
 
@@ -29,7 +30,10 @@ def write_synthetic_cache(
     target_topk: int = 0,
     mask_token_id: int | None = None,
     seed: int = 0,
+    plan: bool = False,
 ) -> CacheConfig:
+    """plan: record a packing plan of num_batches shards in cache.json, as dflash-extract does (batch ids
+    are then the planned 0..num_batches-1, present or not); default: none, the ids are the files."""
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     cfg = CacheConfig(
@@ -47,7 +51,8 @@ def write_synthetic_cache(
         storage_dtype=storage_dtype,
         target_topk=target_topk,
         mask_token_id=vocab_size - 1 if mask_token_id is None else mask_token_id,
-        # No packing or dataset record: the batches are generated (the seed is in config_hash).
+        # No dataset record: the batches are generated (the seed is in config_hash).
+        packing=_plan(num_batches) if plan else None,
     )
     head = {
         "embed_tokens": torch.randn(vocab_size, hidden_size, generator=gen).to(torch.bfloat16),
@@ -61,6 +66,14 @@ def write_synthetic_cache(
     reader = ShardReader(cache_dir)
     write_manifest(cache_dir, [reader.info(b) for b in reader.batch_ids()])
     return cfg
+
+
+def _plan(num_batches: int) -> PackingRecord:
+    """A packing record that plans batch ids 0..num_batches-1 (nothing truncated, skipped or empty)."""
+    counts = dict.fromkeys(("num_truncated", "num_skipped", "num_empty"), 0)
+    return PackingRecord(
+        algorithm="synthetic", long_seqs="truncate", num_batches=num_batches, padding_efficiency=0.0, **counts
+    )
 
 
 def _random_batch(cfg: CacheConfig, batch_id: int, rng: np.random.Generator, gen: torch.Generator):

@@ -189,7 +189,7 @@ def eval_cmd(out_json, **options) -> None:
     try:
         if out_json:  # before any work: never a user's file, never a missing directory
             check_output_file(out_json, "--out", is_eval_record, "dflash-train eval")
-        from .evaluate import run_eval  # heavy imports after argument checks
+        from .eval_run import run_eval  # heavy imports after argument checks
 
         result = run_eval(cfg)
     except (ValueError, FileNotFoundError) as e:

@@ -588,6 +588,7 @@ class Trainer:
                 "target_config_hash": self.run.cache_config.target.config_hash,
                 "rng": rngs,
                 "cache_identity": cache_identity(self.run),
+                "train_ids": self.run.train_ids,  # what `eval` warns about as not held out
                 "provenance": provenance(),
             }
             self.checkpoints.save(

@@ -371,6 +371,14 @@ class ResolvedRun:
     warmup_steps: int
 
 
+def planned_batch_ids(cache_cfg: CacheConfig, cache_dir: str | Path) -> list[int]:
+    """Every planned shard's batch id, not just the files present (the shards the cache files, when
+    cache.json records no plan): the train / held-out split of training and `eval --eval-shards`, so a
+    missing file is refused by name (or skipped under --skip-bad-shards) instead of shifting the split."""
+    planned = cache_cfg.planned_batches
+    return list(range(planned)) if isinstance(planned, int) else ShardReader(cache_dir).batch_ids()
+
+
 def default_intermediate_size(hidden_size: int) -> int:
     """For caches that do not record the target's MLP width: the 27B's, else ~3.4 x hidden."""
     if hidden_size == 5120:
@@ -446,10 +454,7 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
             f"--num-blocks {num_blocks} exceeds the cache's --token-budget {cache_cfg.token_budget} "
             f"(one anchor per token at most); pass a smaller --num-blocks or omit it"
         )
-    # Every planned shard, not just the files present: a missing one is then refused by name (or
-    # skipped and counted under --skip-bad-shards) instead of silently shrinking the data.
-    planned = cache_cfg.planned_batches
-    all_ids = list(range(planned)) if isinstance(planned, int) else ShardReader(cfg.cache).batch_ids()
+    all_ids = planned_batch_ids(cache_cfg, cfg.cache)
     if cfg.eval_shards >= len(all_ids):
         raise ValueError(
             f"--eval-shards {cfg.eval_shards} leaves no training shards: cache "
