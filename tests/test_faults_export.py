@@ -67,14 +67,15 @@ def test_export_into_a_target_checkpoint_is_refused(trained, tmp_path):
         assert snapshot(target) == before, "the target checkpoint must be left byte for byte"
 
 
-def test_export_into_a_folder_with_user_files_is_refused(trained, tmp_path):
+@pytest.mark.parametrize("name", ["README.md", ".tmp-notes.markdown"])  # a temporary's prefix is no mark
+def test_export_into_a_folder_with_user_files_is_refused(trained, tmp_path, name):
     _, run = trained
     out = tmp_path / "out"
     out.mkdir()
-    (out / "README.md").write_text("mine")
+    (out / name).write_text("mine")
     result = export(run, out)
-    assert result.exit_code == 1 and "README.md" in result.output, result.output
-    assert sorted(p.name for p in out.iterdir()) == ["README.md"]
+    assert result.exit_code == 1 and name in result.output, result.output
+    assert sorted(p.name for p in out.iterdir()) == [name]
 
 
 def test_replacing_an_export_needs_overwrite_and_files_are_readable_by_all(trained, tmp_path):

@@ -2,8 +2,8 @@
 checks the cache it continues on, and metrics.jsonl keeps one record per step.
 
 Cases (tiny synthetic caches, the dflash-train CLI):
-  1. --out that is the cache, inside the cache, a folder with a user file, or with user files named as
-     ours (eval.json, metrics.jsonl, run.json: no run.json of ours): refused, untouched.
+  1. --out that is the cache, inside the cache, a folder with a user file (.tmp-notes too), or with
+     user files named as ours (eval.json, metrics.jsonl, run.json: no run.json of ours): refused, untouched.
   2. A second run on a locked run directory: refused naming host and pid.
   3. SIGTERM (or SIGINT, Ctrl-C) delivered in step k (a deterministic point): checkpoint of step k,
      exit code 143 (130), a "stopped" event; --resume then reproduces the uninterrupted run's losses
@@ -52,7 +52,14 @@ def no_traceback(result):
 
 
 @pytest.mark.parametrize(
-    "where", ["the cache", "inside the cache", "a folder with a user file", "user files of our names"]
+    "where",
+    [
+        "the cache",
+        "inside the cache",
+        "a folder with a user file",
+        "a user file named as a temporary",
+        "user files of our names",
+    ],
 )
 def test_a_run_directory_that_is_not_ours_is_refused(tmp_path, where):
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
@@ -60,11 +67,15 @@ def test_a_run_directory_that_is_not_ours_is_refused(tmp_path, where):
         "the cache": cache,
         "inside the cache": cache / "shards" / "run",
         "a folder with a user file": tmp_path / "mine",
+        "a user file named as a temporary": tmp_path / "mine",
         "user files of our names": tmp_path / "mine",
     }[where]
     if where == "a folder with a user file":
         out.mkdir()
         (out / "notes.md").write_text("mine")
+    if where == "a user file named as a temporary":
+        out.mkdir()
+        (out / ".tmp-notes.markdown").write_text("mine")
     if where == "user files of our names":  # names alone do not make them ours: no run.json of ours
         out.mkdir()
         (out / "eval.json").write_text('{"mine": 1}\n')
@@ -75,6 +86,7 @@ def test_a_run_directory_that_is_not_ours_is_refused(tmp_path, where):
     assert result.exit_code == 1 and no_traceback(result), result.output
     expected = {
         "a folder with a user file": ["notes.md"],
+        "a user file named as a temporary": [".tmp-notes.markdown"],
         "user files of our names": ["eval.json", "metrics.jsonl", "run.json", "no run.json of a dflash-train run"],
     }.get(where, ["one lies inside the other"])
     assert all(e in result.output for e in expected), result.output

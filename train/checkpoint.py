@@ -42,6 +42,7 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "train_state.json"
 _NAME = re.compile(r"^step-(\d{8})$")
+_TMP_NAME = re.compile(rf"^{re.escape(TMP_PREFIX)}step-\d{{8}}-\w+$")  # tempfile.mkdtemp's suffix: [a-z0-9_]
 
 
 def checkpoint_name(step: int) -> str:
@@ -221,9 +222,14 @@ class Retention:
             log.warning("checkpoint %s %s", path, why)
 
 
+def is_checkpoint_temporary(path: Path) -> bool:
+    """Whether `path` is the folder save_checkpoint builds a checkpoint in (.tmp-step-NNNNNNNN-XXXX, a directory)."""
+    return bool(_TMP_NAME.match(path.name)) and path.is_dir() and not path.is_symlink()
+
+
 def remove_stale_temporaries(out_dir: str | Path) -> int:
     """Delete the .tmp-step-* folders of saves that were killed; returns how many (call with the run's lock)."""
-    stale = list(Path(out_dir).glob(f"{TMP_PREFIX}step-*"))
+    stale = [p for p in Path(out_dir).glob(f"{TMP_PREFIX}step-*") if is_checkpoint_temporary(p)]
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
     return len(stale)

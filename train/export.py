@@ -41,11 +41,11 @@ from safetensors.torch import load_file
 from shards.container import read_header, write_container
 from shards.durable import (
     DIR_MODE,
-    TMP_PREFIX,
     atomic_write,
     atomic_write_text,
     check_writable,
     remove_stale_temporaries,
+    temporary_final_name,
 )
 from shards.format import CacheFormatError
 
@@ -203,7 +203,7 @@ PRODUCER = "dflash-pipeline"
 def export_status(out: Path) -> tuple[bool, list[Path]]:
     """(is an earlier export of ours, entries that are neither ours nor temporaries) for an existing out."""
     ours = {CONFIG_FILE, WEIGHTS_FILE}
-    foreign = [p for p in sorted(out.iterdir()) if p.name not in ours and not p.name.startswith(TMP_PREFIX)]
+    foreign = [p for p in sorted(out.iterdir()) if p.name not in ours and temporary_final_name(p) not in ours]
     weights = out / WEIGHTS_FILE
     produced = False
     if weights.is_file():
@@ -245,7 +245,7 @@ def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path
     if not out.is_dir():
         out.mkdir(parents=True)
         os.chmod(out, DIR_MODE)  # mkdir applies the umask
-    remove_stale_temporaries(out)
+    remove_stale_temporaries(out, {CONFIG_FILE, WEIGHTS_FILE}.__contains__)  # ours only: never a user's .tmp-x
     state = {name: t.detach().to("cpu", torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
     expected = zlab_parameter_names(cfg)
     if sorted(state) != sorted(expected):

@@ -16,7 +16,7 @@ import logging
 import re
 from pathlib import Path
 
-from shards.durable import TMP_PREFIX, atomic_write_text, remove_stale_temporaries
+from shards.durable import atomic_write_text, remove_stale_temporaries, temporary_final_name
 from shards.format import CACHE_CONFIG_FILE
 from shards.lock import LOCK_FILE
 from shards.ownership import describe, nested
@@ -48,7 +48,7 @@ def check_run_dir(out_dir: str | Path, cache_dir: str | Path) -> None:
         raise ValueError(
             f"--out {out} is a dflash-extract cache ({out / CACHE_CONFIG_FILE}); choose a new or empty run directory"
         )
-    entries = [p for p in sorted(out.iterdir()) if not (p.name == LOCK_FILE or p.name.startswith(TMP_PREFIX))]
+    entries = [p for p in sorted(out.iterdir()) if not (p.name == LOCK_FILE or _is_our_temporary(p))]
     if not entries:
         return
     if not (is_run_record(out / RUN_RECORD_FILE) or _holds_our_checkpoint(out)):
@@ -63,6 +63,17 @@ def check_run_dir(out_dir: str | Path, cache_dir: str | Path) -> None:
             f"--out {out} holds files dflash-train did not write ({describe(foreign)}); choose a new "
             "or empty run directory (a run prunes and replaces files in it)"
         )
+
+
+def _is_our_name(name: str) -> bool:
+    return bool(_OURS.match(name))
+
+
+def _is_our_temporary(path: Path) -> bool:
+    """A temporary a killed run of ours left: a checkpoint folder being built, or an atomic write of one
+    of our files (a user's .tmp-notes stays theirs)."""
+    final = temporary_final_name(path)
+    return checkpoint.is_checkpoint_temporary(path) or (final is not None and _is_our_name(final))
 
 
 def _holds_our_checkpoint(out: Path) -> bool:
@@ -83,7 +94,7 @@ def is_run_record(path: Path) -> bool:
 
 def clean_stale_temporaries(out_dir: str | Path) -> int:
     """Remove what killed runs left half written (checkpoint folders, run.json temporaries)."""
-    n = checkpoint.remove_stale_temporaries(out_dir) + len(remove_stale_temporaries(out_dir))
+    n = checkpoint.remove_stale_temporaries(out_dir) + len(remove_stale_temporaries(out_dir, _is_our_name))
     if n:
         log.info("removed %d temporary file(s) left in %s by a killed run", n, out_dir)
     return n
