@@ -182,14 +182,16 @@ def latest_checkpoint(out_dir: str | Path, verify: bool = True) -> Checkpoint | 
 @dataclass
 class Retention:
     """Which checkpoints a run keeps after each save: the newest `keep` *valid* ones up to the step just
-    written. Never pruned: the checkpoint just written and the one this run resumed from. Not counted
-    and left in place (warned about once): a folder whose checksums do not match, and a folder of a
-    later step than the one just written (a resumed run's leftovers: replaced when the run gets there).
-    Used from one thread at a time (the writer's saves never overlap)."""
+    written (each verified once per process), and what is older than them is deleted. Never pruned:
+    the checkpoint just written and the one this run resumed from. Not counted, left in place and
+    warned about once: a folder among the newest whose checksums do not match (it goes once `keep`
+    valid newer ones exist), and a folder of a later step than the one just written (a resumed run's
+    leftover: replaced when the run gets there). Used from one thread at a time (saves never overlap)."""
 
     keep: int  # valid checkpoints to keep (--keep-checkpoints)
     protected: set[int] = field(default_factory=set)  # steps never pruned (the one resumed from)
     verified: set[int] = field(default_factory=set)  # steps whose checksums this process checked or wrote
+    damaged: set[int] = field(default_factory=set)  # steps found damaged (not read again)
     _reported: set[Path] = field(default_factory=set)  # folders already warned about
 
     def prune(self, out_dir: str | Path, written_step: int) -> None:
@@ -207,9 +209,12 @@ class Retention:
                 log.info("checkpoint: removed %s (keeping the newest %d)", ckpt.path, self.keep)
                 continue
             if ckpt.step not in self.verified:
+                if ckpt.step in self.damaged:
+                    continue
                 try:
                     verify_checkpoint(ckpt)
                 except CheckpointError as e:
+                    self.damaged.add(ckpt.step)
                     self._report(ckpt.path, f"damaged ({e}): not counted against --keep-checkpoints, left in place")
                     continue
                 self.verified.add(ckpt.step)

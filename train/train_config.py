@@ -87,7 +87,7 @@ class TrainConfig:
     """Save step-NNNNNNNN/ every N steps (and at the end); 0 = only at the end."""
     keep_checkpoints: int = 3
     """Keep the newest N valid checkpoints (and the one a --resume started from), delete older ones; a
-    damaged folder is never counted nor deleted."""
+    damaged folder is not counted (and left while it is among the newest)."""
     checkpoint_write: Literal["async", "sync"] = "async"
     """async: at a save the loop copies weights and optimizer state into host buffers kept for the run
     (rank 0 only; 12 bytes per parameter: 20.8 GB of page-locked RAM for the 1.73B-parameter 27B drafter)
