@@ -93,6 +93,23 @@ def test_a_run_directory_that_is_not_ours_is_refused(tmp_path, where):
     assert snapshot(tmp_path) == before, "nothing may be written or deleted"
 
 
+def test_a_probe_of_another_rank_and_a_resume_only_record_are_ours(tmp_path):
+    """check_writable's probe (another rank's, a moment ahead) is no user file; a run first started with
+    --resume wrote run-resume-00000000.json and no run.json, and stays its run directory."""
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".tmp-probe.abcd1234").write_bytes(b"")
+    assert train(cache, run, "--max-steps", "1", "--eval-shards", "1").exit_code == 0
+    record = (run / "run.json").read_text()
+    (run / "run.json").unlink()
+    (run / "run-resume-00000000.json").write_text(record)
+    for step in run.glob("step-*"):  # died before its first checkpoint
+        shutil.rmtree(step)
+    result = train(cache, run, "--max-steps", "1", "--eval-shards", "1", "--resume")
+    assert result.exit_code == 0, result.output
+
+
 def test_a_second_run_on_a_locked_run_directory_is_refused(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
     run = tmp_path / "run"

@@ -14,11 +14,14 @@ from train.step import WarmupCosine, make_optimizer
 def naive_lr(s: int, peak: float, warmup: int, total: int, floor: float) -> float:
     if s < warmup:
         return peak * (s + 1) / warmup
-    progress = min(max((s - warmup) / max(total - 1 - warmup, 1), 0.0), 1.0)  # the last step s = N-1 at 1
+    span = total - 1 - warmup
+    progress = min(max((s - warmup) / span, 0.0), 1.0) if span > 0 else 1.0  # the last step s = N-1 at 1
     return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-@pytest.mark.parametrize("warmup,total,floor_ratio", [(4, 100, 0.0), (0, 10, 0.1), (3, 3, 0.0), (40, 1000, 0.05)])
+@pytest.mark.parametrize(
+    "warmup,total,floor_ratio", [(4, 100, 0.0), (0, 10, 0.1), (3, 3, 0.0), (40, 1000, 0.05), (9, 10, 0.1), (2, 3, 0.1)]
+)
 def test_schedule_matches_naive_formula_step_by_step(warmup, total, floor_ratio):
     sched = WarmupCosine(
         peak_lr=6e-4, warmup_steps=warmup, total_steps=total, min_lr_ratio=floor_ratio, device=torch.device("cpu")
@@ -29,7 +32,7 @@ def test_schedule_matches_naive_formula_step_by_step(warmup, total, floor_ratio)
         worst = max(worst, abs(float(sched.lr_t) - want), abs(sched.host_lr(s) - want))
         sched.step()
     assert worst <= 1e-9, f"max abs lr diff {worst}"
-    if total - 1 > warmup:  # --min-lr-ratio's help: the floor is reached at the last step
+    if warmup <= total - 1:  # --min-lr-ratio's help: the floor is reached at the last step
         assert sched.host_lr(total - 1) == pytest.approx(6e-4 * floor_ratio, abs=1e-12)
     sched.set_step(warmup)
     assert float(sched.lr_t) == pytest.approx(naive_lr(warmup, 6e-4, warmup, total, 6e-4 * floor_ratio), abs=1e-9)

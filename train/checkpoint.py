@@ -117,13 +117,13 @@ def save_checkpoint(
     return final
 
 
-def verify_checkpoint(ckpt: Checkpoint) -> None:
-    """Raise CheckpointError naming the first file whose bytes differ from the recorded checksum."""
+def verify_checkpoint(ckpt: Checkpoint, files: tuple[str, ...] = (MODEL_FILE, OPTIMIZER_FILE)) -> None:
+    """Raise CheckpointError naming the first of `files` whose bytes differ from the recorded checksum."""
     recorded = ckpt.state.get("checksums")
     if not isinstance(recorded, dict):
         log.warning("checkpoint %s records no checksums (written by an older dflash-train): not verified", ckpt.path)
         return
-    for name in (MODEL_FILE, OPTIMIZER_FILE):
+    for name in files:
         path = ckpt.path / name
         try:
             found = file_checksum(path)
@@ -195,8 +195,14 @@ class Retention:
     _reported: set[Path] = field(default_factory=set)  # folders already warned about
 
     def prune(self, out_dir: str | Path, written_step: int) -> None:
+        checkpoints = list_checkpoints(out_dir)
+        if sum(c.step <= written_step for c in checkpoints) <= self.keep:
+            # Nothing older than the newest `keep` to delete: no folder needs reading (a 27B drafter's
+            # checkpoint is ~20 GB) to decide what counts.
+            remove_stale_temporaries(out_dir)
+            return
         kept = 0
-        for ckpt in reversed(list_checkpoints(out_dir)):
+        for ckpt in reversed(checkpoints):
             if ckpt.step > written_step:
                 self._report(
                     ckpt.path,

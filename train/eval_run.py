@@ -94,7 +94,14 @@ def _trained_on(state: dict[str, Any]) -> tuple[str, list[int]] | None:
 def load_drafter(path: str | Path) -> LoadedDrafter:
     """An exported drafter (config.json + model.safetensors), a checkpoint step-NNNNNNNN/, or a run
     directory (its newest valid checkpoint), as `dflash-train export` takes them."""
-    from .checkpoint import STATE_FILE, latest_checkpoint, list_checkpoints, load_model_state, verify_checkpoint
+    from .checkpoint import (
+        MODEL_FILE,
+        STATE_FILE,
+        latest_checkpoint,
+        list_checkpoints,
+        load_model_state,
+        verify_checkpoint,
+    )
     from .export import CONFIG_FILE, load_exported_drafter
 
     path = Path(path)
@@ -105,7 +112,7 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
         return LoadedDrafter(model, cfg, dtype if dtype in DTYPES else "bfloat16", f"export {path}")
     ckpt = next((c for c in list_checkpoints(path.parent) if c.path.resolve() == path.resolve()), None)
     if ckpt is not None:
-        verify_checkpoint(ckpt)  # the one asked for, as export does: refused when damaged, never replaced
+        verify_checkpoint(ckpt, files=(MODEL_FILE,))  # as export does, the weights only: eval never reads the optimizer
     else:
         ckpt = latest_checkpoint(path)  # a run dir: its newest valid checkpoint
     if ckpt is None:

@@ -41,6 +41,7 @@ from safetensors.torch import load_file
 from shards.container import read_header, write_container
 from shards.durable import (
     DIR_MODE,
+    PROBE,
     atomic_write,
     atomic_write_text,
     check_writable,
@@ -203,7 +204,8 @@ PRODUCER = "dflash-pipeline"
 def export_status(out: Path) -> tuple[bool, list[Path]]:
     """(is an earlier export of ours, entries that are neither ours nor temporaries) for an existing out."""
     ours = {CONFIG_FILE, WEIGHTS_FILE}
-    foreign = [p for p in sorted(out.iterdir()) if p.name not in ours and temporary_final_name(p) not in ours]
+    temporaries = ours | {PROBE}  # check_writable's probe too: another rank's, a moment ahead
+    foreign = [p for p in sorted(out.iterdir()) if p.name not in ours and temporary_final_name(p) not in temporaries]
     weights = out / WEIGHTS_FILE
     produced = False
     if weights.is_file():

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shards.durable import atomic_write
+
 from .outputs import check_output_file
 
 METRICS_FILE = "metrics.jsonl"
@@ -126,10 +128,10 @@ def plot_run(run_dir: str | Path, out_path: str | Path | None = None) -> dict[st
             )
     fig.suptitle(str(run_dir))
     fig.tight_layout()
-    tmp = out_path.with_name(f".{out_path.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=100, metadata={"Software": _SOFTWARE})
+    # An atomic write of ours (.tmp-run.png.xxxxxxxx): a killed plot leaves a temporary the run
+    # directory's check recognises and the next run removes.
+    atomic_write(out_path, lambda f: fig.savefig(f, format="png", dpi=100, metadata={"Software": _SOFTWARE}))
     plt.close(fig)
-    tmp.replace(out_path)
     return drawn
 
 

@@ -16,7 +16,7 @@ import logging
 import re
 from pathlib import Path
 
-from shards.durable import atomic_write_text, remove_stale_temporaries, temporary_final_name
+from shards.durable import PROBE, atomic_write_text, remove_stale_temporaries, temporary_final_name
 from shards.format import CACHE_CONFIG_FILE
 from shards.lock import LOCK_FILE
 from shards.ownership import describe, nested
@@ -51,7 +51,10 @@ def check_run_dir(out_dir: str | Path, cache_dir: str | Path) -> None:
     entries = [p for p in sorted(out.iterdir()) if not (p.name == LOCK_FILE or _is_our_temporary(p))]
     if not entries:
         return
-    if not (is_run_record(out / RUN_RECORD_FILE) or _holds_our_checkpoint(out)):
+    resumed_records = sorted(out.glob("run-resume-*.json"))  # a run started with --resume writes only these
+    if not (
+        is_run_record(out / RUN_RECORD_FILE) or any(map(is_run_record, resumed_records)) or _holds_our_checkpoint(out)
+    ):
         raise ValueError(
             f"--out {out} holds files dflash-train did not write ({describe(entries)}): it has no run.json "
             "of a dflash-train run (nor a checkpoint of one), so none of them is ours; choose a new or empty "
@@ -73,7 +76,12 @@ def _is_our_temporary(path: Path) -> bool:
     """A temporary a killed run of ours left: a checkpoint folder being built, or an atomic write of one
     of our files (a user's .tmp-notes stays theirs)."""
     final = temporary_final_name(path)
-    return checkpoint.is_checkpoint_temporary(path) or (final is not None and _is_our_name(final))
+    return checkpoint.is_checkpoint_temporary(path) or (final is not None and _is_our_temp_final(final))
+
+
+def _is_our_temp_final(final: str) -> bool:
+    """A final name our atomic writes use here, or check_writable's probe (another rank's, a moment ahead)."""
+    return _is_our_name(final) or final == PROBE
 
 
 def _holds_our_checkpoint(out: Path) -> bool:
@@ -94,7 +102,7 @@ def is_run_record(path: Path) -> bool:
 
 def clean_stale_temporaries(out_dir: str | Path) -> int:
     """Remove what killed runs left half written (checkpoint folders, run.json temporaries)."""
-    n = checkpoint.remove_stale_temporaries(out_dir) + len(remove_stale_temporaries(out_dir, _is_our_name))
+    n = checkpoint.remove_stale_temporaries(out_dir) + len(remove_stale_temporaries(out_dir, _is_our_temp_final))
     if n:
         log.info("removed %d temporary file(s) left in %s by a killed run", n, out_dir)
     return n

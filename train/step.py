@@ -42,7 +42,8 @@ class WarmupCosine:
     """lr(s) = lr * (s+1)/W for s < W, then min + (lr - min) * (1 + cos(pi * (s-W)/(N-1-W))) / 2.
 
     s is the 0-based index of the step about to run; `lr_t` always holds lr(step_t). The last step
-    (s = N-1) runs at the floor min = lr * --min-lr-ratio, as its help says.
+    (s = N-1) runs at the floor min = lr * --min-lr-ratio, as its help says, whenever the warmup ends
+    before it (W <= N-1; a warmup that lasts to the end leaves no cosine step).
     """
 
     def __init__(
@@ -56,7 +57,8 @@ class WarmupCosine:
 
     def lr_at(self, s: torch.Tensor) -> torch.Tensor:
         warm = self.peak_lr * (s + 1) / max(self.warmup_steps, 1)
-        progress = ((s - self.warmup_steps) / max(self.total_steps - 1 - self.warmup_steps, 1)).clamp(0, 1)
+        span = self.total_steps - 1 - self.warmup_steps  # 0: the warmup ends at N-2, the last step is the floor
+        progress = ((s - self.warmup_steps) / span).clamp(0, 1) if span > 0 else torch.ones_like(s)
         cosine = self.min_lr + (self.peak_lr - self.min_lr) * 0.5 * (1 + torch.cos(math.pi * progress))
         return torch.where(s < self.warmup_steps, warm, cosine)
 

@@ -51,7 +51,7 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     """Fraction of the steps in linear warmup from 0 to --lr (recipe: 0.04)."""
     min_lr_ratio: float = 0.0
-    """Cosine floor as a fraction of --lr, reached at the last step."""
+    """Cosine floor as a fraction of --lr, reached at the last step (unless the warmup lasts to the end)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay (recipe: 0)."""
     betas: tuple[float, float] = (0.9, 0.999)
