@@ -187,12 +187,18 @@ def _check_meta(cfg: RegenerateConfig, out: Path) -> None:
     """Refuse an OUT this program did not start, or one made with other settings."""
     meta_path = _meta_path(out)
     if not out.exists():
+        if meta_path.exists() and _read_meta(meta_path) is None:
+            raise FileExistsError(
+                f"{meta_path} exists and is not a record of dflash-data regenerate; choose another --out"
+            )
         return
     if not meta_path.exists():
         raise FileExistsError(
             f"{out} exists and was not written by dflash-data regenerate (no {meta_path.name}); choose another --out"
         )
-    recorded = json.loads(meta_path.read_text())
+    recorded = _read_meta(meta_path)
+    if recorded is None:
+        raise FileExistsError(f"{meta_path} is not a record of dflash-data regenerate; choose another --out")
     ours = _meta(cfg)
     diffs = [
         f"{k}: {recorded.get(k)!r} in {meta_path.name}, {ours[k]!r} now"
@@ -203,6 +209,15 @@ def _check_meta(cfg: RegenerateConfig, out: Path) -> None:
         raise ValueError(
             f"{out} was made with other settings ({'; '.join(diffs)}); use the same settings to resume, or another --out"
         )
+
+
+def _read_meta(meta_path: Path) -> dict | None:
+    """The settings a regenerate run recorded, None when the file is not such a record."""
+    try:
+        record = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) and all(k in record for k in _META_KEYS) else None
 
 
 def _meta(cfg: RegenerateConfig) -> dict[str, Any]:

@@ -24,7 +24,6 @@ from .reader import (
 )
 from .writer import (
     SampleEntry,
-    clean_partial_shards,
     create_cache,
     write_cache_config,
     write_shard,
@@ -55,7 +54,6 @@ __all__ = [
     "load_target_head",
     "read_cache_config",
     "SampleEntry",
-    "clean_partial_shards",
     "create_cache",
     "write_cache_config",
     "write_shard",

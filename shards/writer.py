@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .container import write_container
-from .durable import atomic_write, atomic_write_text, remove_stale_temporaries
+from .durable import atomic_write, atomic_write_text
 from .format import (
     CACHE_CONFIG_FILE,
     FORMAT_VERSION,
@@ -18,7 +18,6 @@ from .format import (
     TARGET_HEAD_FILE,
     TARGET_HEAD_TENSORS,
     CacheConfig,
-    batch_id_of,
     checksum,
     shard_path,
     target_head_shapes,
@@ -108,11 +107,3 @@ def write_shard(
     path = shard_path(cache_dir, batch_id)
     atomic_write(path, lambda f: write_container(f, host, metadata))
     return path
-
-
-def clean_partial_shards(cache_dir: str | Path) -> int:
-    """Remove temporaries that killed writers left in the shard directory; returns how many."""
-    shard_dir = Path(cache_dir) / SHARDS_DIR
-    if not shard_dir.is_dir():
-        return 0
-    return len(remove_stale_temporaries(shard_dir, lambda final: batch_id_of(final) is not None))

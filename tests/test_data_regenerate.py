@@ -287,6 +287,11 @@ def test_refusals_name_the_problem(chat_model, tmp_path):
         refused = _regenerate(url, data, foreign)
         assert refused.exit_code == 1 and "was not written by dflash-data regenerate" in refused.output
         assert foreign.read_text() == "mine\n"
+        sidecar = tmp_path / "new.jsonl.regenerate.json"  # a user's file under the sidecar's name, no OUT yet
+        sidecar.write_text("my notes")
+        refused = _regenerate(url, data, tmp_path / "new.jsonl")
+        assert refused.exit_code == 1 and "is not a record of dflash-data regenerate" in refused.output
+        assert sidecar.read_text() == "my notes" and not (tmp_path / "new.jsonl").exists()
         bad = tmp_path / "bad.jsonl"
         bad.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
         refused = _regenerate(url, bad, tmp_path / "o.jsonl")
