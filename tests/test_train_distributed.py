@@ -11,6 +11,7 @@ from process_helpers import child_env, torchrun_command
 from safetensors.torch import load_file
 from train_helpers import hand_step_loss, tiny_cache, tiny_cli_args, tiny_config
 
+from shards import ShardReader, epoch_shard_order
 from train.model import DFlashDrafter
 from train.train_config import resolve_run
 
@@ -46,6 +47,11 @@ def test_two_gloo_ranks_equal_one_process_averaging_both_batches(tmp_path):
     opt.step()
 
     assert record["loss/total"] == pytest.approx(sum(losses) / 2, abs=1e-6)
+    # Token counts are the job's: both ranks' shards of the step, in metrics.jsonl and the summary.
+    reader = ShardReader(cache)
+    tokens = sum(reader.info(epoch_shard_order(run.train_ids, 0, cfg.seed, r, 2)[0]).num_tokens for r in (0, 1))
+    assert record["data/tokens_seen"] == tokens
+    assert f"1 step, {tokens:,} tokens" in proc.stdout + proc.stderr
     assert record["opt/grad_norm"] == pytest.approx(float(norm), rel=1e-5)
     worst = max((p.detach() - trained[name]).abs().max().item() for name, p in model.named_parameters())
     assert worst <= 1e-6, f"max abs parameter diff after one step: {worst}"

@@ -3,7 +3,9 @@ differing field named) when it does not fit the cache; sliding-layer drafters tr
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -65,7 +67,7 @@ def test_init_from_takes_the_drafter_shape_and_refuses_other_shape_options(tmp_p
     assert (dcfg.tap_layer_ids, dcfg.num_target_layers) == (list(cc.tap_layer_ids), cc.target.num_layers)
     torch.manual_seed(0)
     export_drafter(DFlashDrafter(dcfg), dcfg, tmp_path / "published")
-    run = resolve_run(tiny_config(cache, tmp_path / "run", init_from=str(tmp_path / "published"), num_layers=5))
+    run = resolve_run(tiny_config(cache, tmp_path / "run", init_from=str(tmp_path / "published"), num_layers=None))
     got = run.drafter
     assert (
         got.num_layers,
@@ -75,6 +77,11 @@ def test_init_from_takes_the_drafter_shape_and_refuses_other_shape_options(tmp_p
         got.layer_types,
         got.sliding_window,
     ) == (3, 40, 1, 5e5, dcfg.layer_types, 5)
+    # A flag given at its default value is still given: refused, not silently replaced by the drafter's.
+    with pytest.raises(ValueError, match=r"--num-layers 5: the drafter has 3.*--rope-theta 10000000.0: the drafter has 500000.0"):
+        resolve_run(
+            tiny_config(cache, tmp_path / "run", init_from=str(tmp_path / "published"), num_layers=5, rope_theta=1e7)
+        )
     with pytest.raises(
         ValueError,
         match=r"--num-layers 2: the drafter has 3 \(drop --num-layers\).*"
@@ -160,3 +167,78 @@ def test_sliding_layer_flags_through_the_cli(tmp_path):
         assert result.exit_code != 0 and "Traceback" not in result.output
         assert re.search(message, result.output), result.output
         assert "sliding_attention," not in result.output and "['" not in result.output, result.output
+
+
+def _exported(tmp_path, cache):
+    """A drafter of SLIDING's shape for `cache`, exported by dflash-train export."""
+    run_training(tiny_config(cache, tmp_path / "source", max_steps=1, **SLIDING))
+    result = CliRunner().invoke(train_cli, ["export", str(tmp_path / "source"), str(tmp_path / "exported")])
+    assert result.exit_code == 0, result.output
+    return tmp_path / "exported"
+
+
+def test_a_resumed_init_from_run_compares_the_drafter_by_content_not_path(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=4)
+    exported = _exported(tmp_path, cache)
+    copy = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(exported, copy)
+    run = tmp_path / "run"
+    shape = ["--layer-types", "sliding,full", "--sliding-window", "6"]
+    args = tiny_cli_args(cache, run, "--max-steps", "2", "--checkpoint-every", "1")
+    at = args.index("--num-layers")
+    args = args[:at] + args[at + 2 :]  # the drafter's own layer count
+
+    def train(init, *extra):
+        return CliRunner().invoke(train_cli, [*args, *shape, "--init-from", str(init), *extra])
+
+    assert train(exported).exit_code == 0
+    shutil.rmtree(run / "step-00000002")  # the run stopped after step 1
+    result = train(copy, "--resume")  # the same drafter under another path
+    assert result.exit_code == 0, result.output
+    assert (run / "step-00000002").is_dir()
+
+    model, _ = load_exported_drafter(copy, dtype=torch.float32)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    shutil.rmtree(copy)
+    export_drafter(model, load_exported_drafter(exported)[1], copy)  # another drafter under the same path
+    shutil.rmtree(run / "step-00000002")
+    result = train(copy, "--resume")
+    assert result.exit_code == 1, result.output
+    assert re.search(r"--init-from: checkpoint content crc32 \w+, now content crc32 \w+", result.output), result.output
+
+
+def test_a_config_without_layer_types_gets_the_layers_hf_derives(tmp_path):
+    """Qwen3Config (what engines read) derives layer_types from use_sliding_window, sliding_window and
+    max_window_layers when config.json has none: the drafter must be read the same way."""
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    exported = _exported(tmp_path, cache)
+    config_path = exported / "config.json"
+    hf = json.loads(config_path.read_text())
+    hf.pop("layer_types")
+    hf.update(use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    config_path.write_text(json.dumps(hf))
+    transformers = pytest.importorskip("transformers")
+    want = transformers.Qwen3Config(**{k: v for k, v in hf.items() if k not in ("architectures", "dflash_config")})
+    got = resolve_run(tiny_config(cache, tmp_path / "run", init_from=str(exported), num_layers=None)).drafter
+    assert (got.layer_types, got.sliding_window) == (want.layer_types, want.sliding_window)
+    assert got.layer_types == ["full_attention", "sliding_attention"]
+
+
+def test_init_from_a_drafter_with_nan_weights_is_refused_before_training(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=4)
+    exported = _exported(tmp_path, cache)
+    model, dcfg = load_exported_drafter(exported, dtype=torch.float32)
+    with torch.no_grad():
+        model.norm.weight[0] = float("nan")
+    shutil.rmtree(exported)
+    export_drafter(model, dcfg, exported)
+    args = tiny_cli_args(cache, tmp_path / "run", "--max-steps", "2", "--eval-shards", "1")
+    at = args.index("--num-layers")
+    result = CliRunner().invoke(
+        train_cli, [*args[:at], *args[at + 2 :], "--layer-types", "sliding,full", "--sliding-window", "6",
+                    "--init-from", str(exported)]
+    )
+    assert result.exit_code == 1, result.output
+    assert "1 tensor(s) hold NaN or inf values (norm.weight)" in result.output, result.output
+    assert "acceptance length" not in result.output  # refused before the step-0 evaluation

@@ -39,6 +39,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from shards.container import read_header, write_container
+from shards.crc import crc32
 from shards.durable import (
     DIR_MODE,
     PROBE,
@@ -162,9 +163,9 @@ def drafter_config_from_hf(hf: dict, source: str = "config.json", mask_token_id:
             f"{source}: target_hidden_size {hf['target_hidden_size']} differs from hidden_size "
             f"{hf['hidden_size']}; the drafter must be as wide as its target"
         )
-    layer_types = hf.get("layer_types")
+    layer_types = hf.get("layer_types") or _derived_layer_types(hf)
     sliding = bool(layer_types) and "sliding_attention" in layer_types
-    window = hf.get("sliding_window") if sliding else None
+    window = hf.get("sliding_window", 4096) if sliding else None
     if sliding and not hf.get("use_sliding_window", False):
         raise ValueError(
             f"{source}: layer_types has sliding_attention layers but use_sliding_window is "
@@ -195,6 +196,16 @@ def drafter_config_from_hf(hf: dict, source: str = "config.json", mask_token_id:
         eos_token_id=hf.get("eos_token_id"),
         pad_token_id=hf.get("pad_token_id"),
     )
+
+
+def _derived_layer_types(hf: dict) -> list[str] | None:
+    """The layer types HF's Qwen3Config (what engines read) derives when config.json has no layer_types:
+    sliding from layer max_window_layers on, iff use_sliding_window; None when every layer is full."""
+    if not hf.get("use_sliding_window", False) or hf.get("sliding_window", 4096) is None:
+        return None
+    first_sliding = hf.get("max_window_layers", 28)  # Qwen3Config's defaults, also for sliding_window
+    types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(hf["num_hidden_layers"])]
+    return types if "sliding_attention" in types else None
 
 
 # Written into model.safetensors' metadata: how a later export recognises a directory it may replace.
@@ -305,6 +316,18 @@ def _unreadable(path: Path, e: Exception) -> ValueError:
     return ValueError(f"{path}: unreadable ({e}): damaged or partial; export (or download) the drafter again")
 
 
+def drafter_fingerprint(path: str | Path) -> str:
+    """crc32 over a drafter directory's config.json and weight files, in order: what a resumed
+    --init-from run compares, so the same drafter under another path (or a copy) is the same run."""
+    files = [Path(path) / CONFIG_FILE, *_weight_files(Path(path))[0]]
+    value = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 26):
+                value = crc32(chunk, value)
+    return f"content crc32 {value:08x}"
+
+
 def check_weight_files(path: str | Path) -> None:
     """Refuse (ValueError naming the file) a drafter directory whose weight files are missing, cut short or
     not safetensors; reads headers only, so it runs before any model is built."""
@@ -335,7 +358,20 @@ def read_drafter_weights(path: str | Path, cfg: DrafterConfig) -> dict[str, torc
     bad = {n: (tuple(t.shape), shapes[n]) for n, t in state.items() if tuple(t.shape) != shapes[n]}
     if bad:
         raise ValueError(f"{where}: tensor shapes differ from config.json's (found, expected): {bad}")
+    _check_values(state, where)
     return state
+
+
+def _check_values(state: dict[str, torch.Tensor], where: Path) -> None:
+    """Refuse integer tensors and non-finite values: either would load, then train or draft garbage."""
+    not_float = sorted(f"{n} ({t.dtype})" for n, t in state.items() if not t.is_floating_point())
+    if not_float:
+        raise ValueError(f"{where}: tensors {not_float[:5]} are not floating point; expected bf16, fp16 or fp32")
+    bad = sorted(n for n, t in state.items() if not torch.isfinite(t).all())
+    if bad:
+        raise ValueError(
+            f"{where}: {len(bad)} tensor(s) hold NaN or inf values ({', '.join(bad[:5])}); the drafter is damaged"
+        )
 
 
 def load_exported_drafter(

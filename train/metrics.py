@@ -23,6 +23,7 @@ import torch
 
 from shards.progress import format_duration
 
+from .distributed import all_reduce_sum_
 from .metrics_math import metric_sizes
 from .sums import COUNT, HostSums, Sums
 
@@ -132,7 +133,7 @@ class MetricsLogger:
         flops_per_step / peak_flops: for perf/mfu (train/flops.py); no MFU when either is None."""
         self.total_steps, self.log_every, self.metrics_every = total_steps, log_every, metrics_every
         self.topk, self.is_main, self.device = metrics_topk, is_main, device
-        self.tokens_seen = 0  # real tokens of all steps so far (host count from shard headers)
+        self.tokens_seen = 0  # real tokens of all steps so far, every rank's (summed at each log)
         self.skipped_shards = 0
         self._interval_tokens = 0
         self._interval_wait_s = 0.0
@@ -173,7 +174,7 @@ class MetricsLogger:
         self._interval_wait_s += seconds
 
     def add_tokens(self, num_tokens: int) -> None:
-        self.tokens_seen += num_tokens
+        """This rank's real tokens of a step (host count from the shard header)."""
         self._interval_tokens += num_tokens
 
     # ---- the log -------------------------------------------------------------------------------
@@ -181,6 +182,8 @@ class MetricsLogger:
         """Reduce, check, divide and emit. Raises NonFiniteError when a step since the last log was bad."""
         host = totals.reduce_to_host()
         _raise_if_bad(host, step)
+        # Every rank logs at the same steps, so this small all-reduce pairs up like the one above.
+        self.tokens_seen += int(all_reduce_sum_(torch.tensor([self._interval_tokens], device=self.device)).item())
         record = self._record(step, epoch, host, lr)
         self._emit(record)
         return record

@@ -142,8 +142,9 @@ class TrainConfig:
     tap_layer_ids: list[int] | None = cli_field(None, flag="--taps")
     """Expected tapped target layers, e.g. 1,16,31,46,61; refused if the cache differs. Default: whatever
     the cache holds."""
-    num_layers: int = 5
-    """Drafter decoder layers."""
+    num_layers: int | None = None
+    """Drafter decoder layers. Default: 5, or as many as --layer-types names (or the --init-from
+    drafter's)."""
     intermediate_size: int | None = None
     """Drafter MLP width. Default: the target's, from cache.json (17408 for Qwen3.5-27B), as DFlash
     drafters copy it."""
@@ -155,8 +156,8 @@ class TrainConfig:
     heads)."""
     head_dim: int | None = None
     """Drafter head dim. Default: derived from the width (128 from width 1024 up, width / 8 below)."""
-    rope_theta: float = 1e7
-    """RoPE base of the drafter (Qwen3.5 targets: 1e7)."""
+    rope_theta: float | None = None
+    """RoPE base of the drafter. Default: 1e7, as Qwen3.5 targets (or the --init-from drafter's)."""
     layer_types: list[str] | None = None
     """Per drafter layer full or sliding (e.g. sliding,sliding,sliding,sliding,full: the published
     Qwen3.6-27B layout). Sliding layers are causal with a window (train/attention.py). Default: all full
@@ -183,9 +184,12 @@ class TrainConfig:
             "log_every",
             "keep_checkpoints",
             "num_buffers",
-            "num_layers",
             "eval_max_shards",
         )
+        if self.num_layers is not None:
+            _positive_ints(self, "num_layers")
+        if self.rope_theta is not None and not self.rope_theta > 1:
+            raise config_error(self, "rope_theta", "must be > 1; omit it for 1e7")
         _nonnegative_ints(self, "checkpoint_every", "eval_shards", "eval_every", "seed")
         self.eval_tree_budgets = [int(b) for b in self.eval_tree_budgets or ()]  # the CLI passes None for []
         if any(b < 1 for b in self.eval_tree_budgets):
@@ -248,7 +252,7 @@ class TrainConfig:
                     f"{layer_types_given}: {what}; give full or sliding (or {' / '.join(LAYER_TYPES)}) per "
                     "layer, e.g. --layer-types sliding,sliding,sliding,sliding,full"
                 )
-            if self.init_from is None and len(self.layer_types) != self.num_layers:
+            if self.num_layers is not None and len(self.layer_types) != self.num_layers:
                 raise ValueError(
                     f"{layer_types_given}: {len(self.layer_types)} entries for --num-layers {self.num_layers}; "
                     f"give one per layer (or --num-layers {len(self.layer_types)})"
@@ -340,6 +344,8 @@ def resolved_identity(cfg: TrainConfig, run: ResolvedRun) -> dict[str, Any]:
     for name in identity.keys() & drafter.keys():
         identity[name] = drafter[name]
     identity["num_blocks"] = run.num_blocks
+    if run.init_fingerprint is not None:  # the drafter's content, not the path it was read from
+        identity["init_from"] = run.init_fingerprint
     return json.loads(json.dumps(identity))  # as train_state.json holds it: tuples as lists
 
 
@@ -369,6 +375,7 @@ class ResolvedRun:
     steps_per_epoch: int  # per rank: each step reads one shard on every rank
     total_steps: int  # optimizer steps of the whole run (the schedule's length)
     warmup_steps: int
+    init_fingerprint: str | None = None  # export.drafter_fingerprint of --init-from
 
 
 def planned_batch_ids(cache_cfg: CacheConfig, cache_dir: str | Path) -> list[int]:
@@ -429,7 +436,7 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
                 num_target_layers=target.num_layers,
                 tap_layer_ids=list(cache_cfg.tap_layer_ids),
                 mask_token_id=mask_token_id,
-                **{name: getattr(cfg, name) for name in _FOR_TARGET_OPTIONS},
+                **_shape_options(cfg),
             )
             if cfg.num_attention_heads is not None:
                 try:
@@ -480,11 +487,21 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
         warmup_steps=int(math.ceil(cfg.warmup_ratio * total_steps)),
+        init_fingerprint=_init_fingerprint(cfg),
     )
 
 
 # TrainConfig shape options that DrafterConfig.for_target takes under the same names.
 _FOR_TARGET_OPTIONS = ("num_layers", "block_size", "rope_theta", "layer_types", "sliding_window")
+def _shape_options(cfg: TrainConfig) -> dict[str, Any]:
+    """The shape options given, for DrafterConfig.for_target (its defaults for the rest); --layer-types
+    alone sets the layer count."""
+    given = {name: getattr(cfg, name) for name in _FOR_TARGET_OPTIONS if getattr(cfg, name) is not None}
+    if cfg.layer_types is not None:
+        given.setdefault("num_layers", len(cfg.layer_types))
+    return given
+
+
 # TrainConfig shape fields that --init-from takes from the drafter's config.json (and DrafterConfig names).
 _INIT_SHAPE_FIELDS = {
     "num_layers": "num_layers",
@@ -498,6 +515,12 @@ _INIT_SHAPE_FIELDS = {
 }
 
 
+def _init_fingerprint(cfg: TrainConfig) -> str | None:
+    from .export import drafter_fingerprint
+
+    return None if cfg.init_from is None else drafter_fingerprint(cfg.init_from)
+
+
 def _drafter_from_init(cfg: TrainConfig, cache_cfg: CacheConfig, mask_token_id: int | None) -> DrafterConfig:
     """The --init-from drafter's shape, refused (every differing field named) when it does not fit."""
     from .export import check_weight_files, read_drafter_config  # export imports the model: imported here
@@ -508,11 +531,10 @@ def _drafter_from_init(cfg: TrainConfig, cache_cfg: CacheConfig, mask_token_id: 
     except (OSError, ValueError) as e:
         raise ValueError(f"--init-from {cfg.init_from}: {e}") from e
     target = cache_cfg.target
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     problems = []
     for option, field_name in _INIT_SHAPE_FIELDS.items():
         ours, theirs = getattr(cfg, option), getattr(drafter, field_name)
-        if ours is not None and ours != defaults[option] and ours != theirs:
+        if ours is not None and ours != theirs:
             flag = flag_name(TrainConfig, option)
             typed = cfg._layer_types_typed if option == "layer_types" else shown(ours)
             problems.append(f"{flag} {typed}: the drafter has {shown(theirs)} (drop {flag})")
