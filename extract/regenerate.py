@@ -14,7 +14,10 @@ settings. Resumable: a re-run of the same command keeps the conversations alread
 removes a partial last line left by a killed run, and does the rest, so nothing is lost or
 duplicated; other settings are refused, naming each. Requests that time out or fail with 5xx / 429
 / connection errors are retried with exponential backoff; a conversation that still fails is
-listed in the summary (id, row, reason) and left out of OUT, so the next run retries it.
+listed in the summary (id, row, reason) and left out of OUT, so the next run retries it. So is one
+whose answer is no chat completion (an HTML page, no choices, cut JSON) or holds tool-call arguments
+that are not a JSON object (never rewritten: the drafter would learn parameters the model never
+wrote). Token figures count only replies whose usage the server reported; the rest are unknown.
 """
 
 from __future__ import annotations
@@ -122,22 +125,39 @@ class RegenerateSummary:
     num_replies: int = 0  # replies generated in this run
     num_truncated_replies: int = 0  # replies that hit max_tokens (finish_reason "length")
     num_retries: int = 0
-    generated_tokens: int = 0
+    generated_tokens: int = 0  # summed over the replies whose usage the server reported
+    num_replies_without_usage: int = 0  # no usage, or a completion_tokens that is not a count: unknown
     seconds: float = 0.0  # from the server's first answer to the last reply (start-up not counted)
     torn_bytes_removed: int = 0  # partial last line of a killed run, removed at start
     failures: list[Failure] = dataclasses.field(default_factory=list)
 
+    def gen_rate(self, seconds: float) -> str:
+        """Generated tokens/s over `seconds`; unknown when no reply came with usage (a 0 would be a claim)."""
+        if self.num_replies and self.num_replies_without_usage == self.num_replies:
+            return "gen tok/s unknown"
+        return f"{self.generated_tokens / seconds if seconds else 0.0:,.0f} gen tok/s"
+
+    def tokens(self) -> str:
+        """The generated-token figures, saying how many replies they leave out for want of usage."""
+        unknown = self.num_replies_without_usage
+        if self.num_replies and unknown == self.num_replies:
+            return "tokens unknown: the server reported no valid usage"
+        text = f"{self.generated_tokens} tokens, {self.gen_rate(self.seconds)}"
+        if unknown:
+            text += f" (counted over {self.num_replies - unknown} replies; {unknown} came without valid usage)"
+        return text
+
     def line(self) -> str:
-        rate = self.generated_tokens / self.seconds if self.seconds else 0.0
         return (
-            f"{self.num_written} conversations regenerated ({self.num_replies} replies, {self.generated_tokens} tokens, "
-            f"{rate:,.0f} gen tok/s, {self.num_truncated_replies} cut at max_tokens, {self.num_retries} retries), "
+            f"{self.num_written} conversations regenerated ({self.num_replies} replies, {self.tokens()}, "
+            f"{self.num_truncated_replies} cut at max_tokens, {self.num_retries} retries), "
             f"{self.num_kept} kept from an earlier run, {len(self.failures)} failed -> {self.out}"
         )
 
 
 class _Retryable(Exception):
-    pass
+    """This conversation failed (out of retries, or an answer that is no chat completion): it is
+    listed and left out of OUT, so the next run retries it."""
 
 
 def _read_done(out: Path) -> tuple[dict[str, str | None], int]:
@@ -171,6 +191,16 @@ def source_sha256(conv: Conversation) -> str:
     turns = [m if m["role"] != "assistant" else "assistant" for m in conv.messages]
     blob = json.dumps([turns, conv.tools], sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def _check_text(conv: Conversation) -> None:
+    """Refuse a row holding a lone UTF-16 surrogate: it can be neither sent, hashed nor written as UTF-8."""
+    bad = _lone_surrogate([conv.messages, conv.tools, conv.extra])
+    if bad is not None:
+        raise DataError(
+            f"{conv.where}: holds a lone UTF-16 surrogate (a cut emoji escape such as \\ud83d), which is not "
+            f"text, at {bad}; fix or remove that row of --data"
+        )
 
 
 def _drop_lines(out: Path, ids: set[str]) -> None:
@@ -247,31 +277,110 @@ def _wire_message(m: dict[str, Any]) -> dict[str, Any]:
     return {**m, "tool_calls": [{"id": f"call_{i}", **c} for i, c in enumerate(calls)]}
 
 
-def _reply_message(message: Any) -> dict[str, Any]:
-    """The server's reply as a normalised assistant message."""
-    extra = message.model_extra or {}
-    reasoning = getattr(message, "reasoning_content", None) or extra.get("reasoning_content") or extra.get("reasoning")
-    out: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
+def _excerpt(body: bytes) -> str:
+    """The start of an answer's body, for messages."""
+    if not body:
+        return "an empty body"
+    return repr(body[:120].decode("utf-8", errors="replace")) + ("..." if len(body) > 120 else "")
+
+
+def _malformed(what: str, body: bytes) -> _Retryable:
+    """An HTTP 200 answer that is no chat completion: a failure of its conversation, never a crash."""
+    return _Retryable(f"the server answered HTTP 200 with no chat completion: {what} (body: {_excerpt(body)})")
+
+
+def _json_body(body: bytes) -> Any:
+    """The JSON of an answer's body; None when it is not JSON (an HTML page, empty, cut off)."""
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The text around the first lone UTF-16 surrogate in `value` (valid JSON as "\\ud83d", but no
+    Unicode text: it cannot be written as UTF-8), None when there is none."""
+    try:
+        json.dumps(value, ensure_ascii=False, default=str).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return repr(e.object[max(e.start - 20, 0) : e.end + 20])
+    return None
+
+
+def _completion(body: bytes) -> tuple[dict[str, Any], Any]:
+    """(choices[0], usage) of a chat completion's body; anything else fails the conversation."""
+    data = _json_body(body)
+    if not isinstance(data, dict):
+        raise _malformed("not JSON" if data is None else f"a JSON {type(data).__name__}, not an object", body)
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise _malformed(f"choices is {json.dumps(choices)[:40]}", body)
+    if not isinstance(choices[0], dict) or not isinstance(choices[0].get("message"), dict):
+        raise _malformed("choices[0] has no message object", body)
+    return choices[0], data.get("usage")
+
+
+def _completion_tokens(usage: Any) -> int | None:
+    """usage.completion_tokens when it is a count of tokens; None (unknown) when missing, negative or
+    not an integer: summed, such a figure would misstate the throughput."""
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0 else None
+
+
+def _optional_text(message: dict[str, Any], key: str, body: bytes) -> str:
+    value = message.get(key)
+    if value is not None and not isinstance(value, str):
+        raise _malformed(f"message.{key} is a {type(value).__name__}, not a string", body)
+    return value or ""
+
+
+def _reply_tool_call(call: Any, index: int, body: bytes) -> dict[str, Any]:
+    """One tool call of the server's reply, its arguments parsed: they must be a JSON object, as the
+    chat template renders them parameter by parameter."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if (
+        not isinstance(fn, dict)
+        or not isinstance(fn.get("name"), str)
+        or not isinstance(fn.get("arguments") or "", str)
+    ):
+        raise _malformed(f"tool_calls[{index}] is not a function call with a name and string arguments", body)
+    raw = fn.get("arguments") or "{}"  # no arguments: a call without parameters
+    try:
+        args = json.loads(raw)
+    except json.JSONDecodeError:
+        args = None
+    if not isinstance(args, dict):  # rewritten, the drafter would learn parameters the model never wrote
+        raise _Retryable(
+            f"the server returned tool-call arguments that are not a JSON object "
+            f"(tool_calls[{index}] {fn['name']!r}: {raw[:80]!r})"
+        )
+    return {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def _reply_message(message: dict[str, Any], body: bytes) -> dict[str, Any]:
+    """The server's reply (choices[0].message of `body`) as a normalised assistant message."""
+    reasoning = _optional_text(message, "reasoning_content", body) or _optional_text(message, "reasoning", body)
+    out: dict[str, Any] = {"role": "assistant", "content": _optional_text(message, "content", body)}
     if reasoning:
         out["reasoning_content"] = reasoning
-    calls = []
-    for call in message.tool_calls or []:
-        try:
-            args = json.loads(call.function.arguments or "{}")
-        except json.JSONDecodeError:
-            args = {"arguments": call.function.arguments}  # keep what the model wrote, never drop it
-        calls.append(
-            {
-                "type": "function",
-                "function": {
-                    "name": call.function.name,
-                    "arguments": args if isinstance(args, dict) else {"value": args},
-                },
-            }
-        )
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise _malformed(f"message.tool_calls is a {type(calls).__name__}, not a list", body)
     if calls:
-        out["tool_calls"] = calls
+        out["tool_calls"] = [_reply_tool_call(call, i, body) for i, call in enumerate(calls)]
+    bad = _lone_surrogate(out)
+    if bad is not None:  # it could not be written to OUT
+        raise _malformed(f"the reply holds a lone UTF-16 surrogate, which is not text, at {bad}", body)
     return out
+
+
+def _model_ids(body: bytes) -> list[str] | None:
+    """The model ids of a /models answer; None when it is no model list."""
+    data = _json_body(body)
+    models = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(models, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in models):
+        return None
+    return [m["id"] for m in models]
 
 
 class _Client:
@@ -280,6 +389,7 @@ class _Client:
 
         self.cfg = cfg
         self.summary = summary
+        self._warned_usage = False
         # Retries are ours (max_retries=0 here): counted, reported, and with the configured backoff.
         self.api = AsyncOpenAI(base_url=cfg.base_url, api_key=cfg.api_key, max_retries=0, timeout=cfg.request_timeout_s)
 
@@ -287,7 +397,7 @@ class _Client:
         import openai
 
         try:
-            models = [m.id async for m in self.api.models.list()]
+            raw = await self.api.models.with_raw_response.list()
         except (openai.APIConnectionError, openai.APITimeoutError) as e:
             raise ConnectionError(
                 f"no OpenAI-compatible server answers at {self.cfg.base_url} ({e}); start it, or fix --server"
@@ -296,6 +406,12 @@ class _Client:
             raise ConnectionError(
                 f"{self.cfg.base_url}/models answered HTTP {e.status_code}: {e.message}; is --server an OpenAI-compatible API?"
             ) from e
+        models = _model_ids(raw.content)
+        if models is None:
+            raise ConnectionError(
+                f"{self.cfg.base_url}/models answered HTTP 200 with no model list ({_excerpt(raw.content)}); "
+                "is --server an OpenAI-compatible API?"
+            )
         if models and self.cfg.model not in models:
             raise ValueError(f"--model {self.cfg.model!r} is not served at {self.cfg.base_url}; it serves {models}")
 
@@ -316,7 +432,9 @@ class _Client:
             request["seed"] = cfg.seed
         for attempt in range(cfg.max_retries + 1):
             try:
-                response = await self.api.chat.completions.create(**request)
+                # Raw: the body is checked here, so an answer that is no chat completion fails its
+                # conversation with a reason instead of crashing the run.
+                raw = await self.api.chat.completions.with_raw_response.create(**request)
                 break
             except (
                 openai.APITimeoutError,
@@ -330,15 +448,30 @@ class _Client:
                 await asyncio.sleep(min(cfg.retry_backoff_s * 2**attempt, _MAX_BACKOFF_S))
             except openai.APIStatusError as e:  # other 4xx: the request itself is wrong, retrying cannot help
                 raise _Retryable(f"HTTP {e.status_code}: {e.message}") from e
-        choice = response.choices[0]
-        self.summary.num_replies += 1
-        self.summary.num_truncated_replies += choice.finish_reason == "length"
-        if response.usage is not None:
-            self.summary.generated_tokens += response.usage.completion_tokens
-        message = _reply_message(choice.message)
-        if choice.finish_reason == "length":  # cut at max_tokens: its end-of-turn token was never generated
+        choice, usage = _completion(raw.content)
+        message = _reply_message(choice["message"], raw.content)
+        self._count(choice.get("finish_reason"), usage)
+        if choice.get("finish_reason") == "length":  # cut at max_tokens: its end-of-turn token was never generated
             message[FINISH_REASON] = "length"
         return message
+
+    def _count(self, finish_reason: Any, usage: Any) -> None:
+        """One reply in the summary; a usage that is no count of tokens is unknown, said once in the log."""
+        summary = self.summary
+        summary.num_replies += 1
+        summary.num_truncated_replies += finish_reason == "length"
+        tokens = _completion_tokens(usage)
+        if tokens is None:
+            summary.num_replies_without_usage += 1
+            if usage is not None and not self._warned_usage:
+                self._warned_usage = True
+                logger.warning(
+                    "%s reported usage %s: completion_tokens is not a count; such replies count as unknown",
+                    self.cfg.base_url,
+                    json.dumps(usage)[:200],
+                )
+        else:
+            summary.generated_tokens += tokens
 
     async def regenerate(self, conv: Conversation) -> dict[str, Any]:
         new: list[dict[str, Any]] = []
@@ -393,10 +526,7 @@ async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: Regener
                 state["done"] += 1
                 if progress is not None:
                     done, elapsed = state["done"], max(progress.elapsed(), 1e-9)
-                    tokens_s, failed = (
-                        f"{summary.generated_tokens / elapsed:,.0f} gen tok/s",
-                        f"{len(summary.failures)} failed",
-                    )
+                    tokens_s, failed = summary.gen_rate(elapsed), f"{len(summary.failures)} failed"
                     progress.report(
                         {},
                         f"regenerate: {done}/{len(todo)} conversations | {done / elapsed:.2f} conv/s | {tokens_s} | "
@@ -425,6 +555,8 @@ def regenerate_dataset(cfg: RegenerateConfig) -> RegenerateSummary:
     convs = list(iter_conversations(cfg.data))
     if not convs:
         raise DataError(f"--data {cfg.data} holds no conversations")
+    for conv in convs:
+        _check_text(conv)
     summary = RegenerateSummary(out=str(out), num_input=len(convs))
     done, summary.torn_bytes_removed = _read_done(out)
     unknown = set(done) - {c.sample_id for c in convs}
