@@ -30,6 +30,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from shards.format import FP8_E4M3_MAX
+
 from .quantization import FP8_DTYPE, Fp8BlockFormat, checkpoint_quantization, dequantize_fp8_blocks, scale_name
 
 logger = logging.getLogger(__name__)
@@ -346,7 +348,41 @@ def read_fp8_pair(
         )
     if ((w8.view(torch.uint8) & 0x7F) == 0x7F).any():  # e4m3fn's NaN codes (it has no infinity)
         raise ValueError(f"{path}: {source} holds NaN e4m3 codes: the checkpoint is damaged (re-download it)")
+    _check_scale_values(w8, scale_inv, quant, f"{locations[scale]}: {scale}")
     return w8, scale_inv
+
+
+# Largest |weight| a block scale may give (448 x scale): trained LLM linear weights stay below ~100, so
+# a block reaching this was not written by a quantiser (a flipped exponent, a scale stored as its inverse).
+MAX_DEQUANTISED_WEIGHT = 1e4
+
+
+def _check_scale_values(w8: torch.Tensor, scale_inv: torch.Tensor, quant, what: str) -> None:
+    """Refuse block scales a quantiser never writes: 0 over non-zero codes (the block's weights would
+    read as 0), or so large that the weights dequantise above MAX_DEQUANTISED_WEIGHT."""
+    s = scale_inv.float()
+    if not (s == 0).any() and not FP8_E4M3_MAX * float(s.max()) > MAX_DEQUANTISED_WEIGHT:
+        return  # the usual case, decided from the scales alone
+    amax = _block_code_amax(w8, quant)  # [n, k] largest |code| per block
+    dead = (s == 0) & (amax > 0)
+    if dead.any():
+        raise ValueError(
+            f"{what} holds {int(dead.sum())} zero block scale(s) over non-zero e4m3 codes (a quantiser writes "
+            "amax / 448 > 0 there): the checkpoint is damaged (re-download it)"
+        )
+    peak = float((amax * s).max())
+    if peak > MAX_DEQUANTISED_WEIGHT:
+        raise ValueError(
+            f"{what} dequantises weights to |w| = {peak:.3g}, above {MAX_DEQUANTISED_WEIGHT:.0e} (trained weights stay "
+            "below ~100): the block scales are damaged (re-download the checkpoint)"
+        )
+
+
+def _block_code_amax(w8: torch.Tensor, quant) -> torch.Tensor:
+    n, k = w8.shape
+    bn, bk = quant.block_n, quant.block_k
+    codes = torch.nn.functional.pad(w8.float().abs(), (0, -k % bk, 0, -n % bn))
+    return codes.view(codes.shape[0] // bn, bn, codes.shape[1] // bk, bk).amax(dim=(1, 3))
 
 
 def load_target_head(ckpt_dir: str | Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

@@ -36,6 +36,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from shards.crc import crc32
+
 from .rows import (
     DataError,
     Problems,
@@ -95,6 +97,9 @@ class ScanReport:
     # Supervised tokens whose next token in the same sample is supervised too: the positions a drafter
     # can anchor a block at (train/blocks.py). 0 means nothing to learn from, whatever the mask count.
     num_anchor_positions: int = 0
+    # Of those, the ones packing keeps (--long-seqs truncate cuts a sample at token_budget, skip drops
+    # it); equal to num_anchor_positions without token_budget.
+    num_packed_anchor_positions: int = 0
 
     def summary(self) -> str:
         long = "" if self.token_budget is None else f", {self.num_longer_than_budget} longer than {self.token_budget}"
@@ -119,6 +124,7 @@ class DatasetIndex:
     file_index: np.ndarray  # [N] int32, into files
     rows: np.ndarray  # [N] int64, row within its file
     byte_offsets: np.ndarray  # [N] int64, start of the JSONL line; -1 for Parquet
+    sample_crc32: np.ndarray  # [N] uint32, sample_crc32() of each sample as scanned
     content_sha256: str  # sha256 of all tokens (int32 LE) and masks (uint8), in index order
     report: ScanReport
 
@@ -206,9 +212,9 @@ def scan_dataset(
     files = find_data_files(path)
     seen: dict[str, tuple[int, int]] = {}  # sample id -> (file index, row), for duplicate reports
     ids: list[str] = []
-    parts: dict[str, list[np.ndarray]] = {"lengths": [], "loss": [], "file": [], "rows": [], "offsets": []}
+    parts: dict[str, list[np.ndarray]] = {"lengths": [], "loss": [], "file": [], "rows": [], "offsets": [], "crc": []}
     token_hash, mask_hash = hashlib.sha256(), hashlib.sha256()
-    num_rows, empty, anchors = 0, [], 0
+    num_rows, empty, anchors, packed_anchors = 0, [], 0, 0
     problems = Problems()  # every bad row of every file, reported together at the end
     for fi, file in enumerate(files):
         stem = Path(file).stem
@@ -227,6 +233,7 @@ def scan_dataset(
                     token_budget if long_seqs == "error" else None,
                 )
                 anchors += anchor_positions(chunk.lengths, chunk.mask)
+                packed_anchors += anchor_positions(chunk.lengths, chunk.mask, token_budget, long_seqs)
                 token_hash.update(chunk.tokens.astype("<i4").tobytes())
                 mask_hash.update(chunk.mask.tobytes())
         except DataError as e:  # the file itself (unreadable, wrong columns): its other rows are unknown
@@ -246,6 +253,7 @@ def scan_dataset(
         num_longer_than_budget=int((lengths > token_budget).sum()) if token_budget is not None else 0,
         empty_examples=tuple(empty[:_NUM_EMPTY_EXAMPLES]),
         num_anchor_positions=anchors,
+        num_packed_anchor_positions=packed_anchors,
     )
     logger.info("scanned %s: %s", path, report.summary())
     return DatasetIndex(
@@ -258,21 +266,30 @@ def scan_dataset(
         file_index=cat["file"].astype(np.int32),
         rows=cat["rows"].astype(np.int64),
         byte_offsets=cat["offsets"].astype(np.int64),
+        sample_crc32=cat["crc"].astype(np.uint32),
         content_sha256=hashlib.sha256(token_hash.digest() + mask_hash.digest()).hexdigest(),
         report=report,
     )
 
 
-def anchor_positions(lengths: np.ndarray, mask: np.ndarray) -> int:
+def anchor_positions(
+    lengths: np.ndarray, mask: np.ndarray, token_budget: int | None = None, long_seqs: str = "truncate"
+) -> int:
     """Positions t with mask[t] and mask[t+1] in the same sample (rows back to back in `mask`): where a
-    drafter can anchor a training block (train/blocks.py). A pair across a row boundary does not count."""
+    drafter can anchor a training block (train/blocks.py). A pair across a row boundary does not count.
+    With token_budget, only what packing keeps of samples longer than it: their first token_budget
+    tokens (long_seqs "truncate"), nothing (any other policy: skipped, or refused by the scan)."""
     m = mask.astype(bool)
     if m.size == 0:
         return 0
     pairs = np.concatenate([[0], np.cumsum(m[:-1] & m[1:], dtype=np.int64)])  # pairs starting before t
     ends = np.cumsum(lengths)
     starts = ends - lengths
-    return int((pairs[np.maximum(ends - 1, starts)] - pairs[starts]).sum())
+    kept = lengths if token_budget is None else np.minimum(lengths, token_budget)
+    per_sample = pairs[np.maximum(starts + kept - 1, starts)] - pairs[starts]
+    if token_budget is not None and long_seqs != "truncate":
+        per_sample = np.where(lengths > token_budget, 0, per_sample)
+    return int(per_sample.sum())
 
 
 def _index_chunk(
@@ -316,7 +333,16 @@ def _index_chunk(
     parts["rows"].append(rows[keep])
     offsets = chunk.byte_offsets
     parts["offsets"].append(offsets[keep] if offsets is not None else np.full(int(keep.sum()), -1, np.int64))
+    starts = ends - lengths
+    crcs = [sample_crc32(chunk.tokens[a:b], mask[a:b]) for a, b, k in zip(starts, ends, keep.tolist()) if k]
+    parts["crc"].append(np.array(crcs, dtype=np.uint32))
     return len(rows)
+
+
+def sample_crc32(tokens: np.ndarray, mask: np.ndarray) -> int:
+    """crc32 of one sample's tokens (int32 LE) and mask: a row edited in place after the scan, same
+    length and id, still differs from its index entry."""
+    return crc32(mask.astype(np.uint8).tobytes(), crc32(tokens.astype("<i4").tobytes()))
 
 
 def dataset_fingerprint(index: DatasetIndex) -> str:
@@ -383,6 +409,11 @@ class SampleLoader:
             raise DataError(
                 f"{row_location(path, row)}: sample {sample_id!r} has {tokens.shape[0]} tokens, the scan found "
                 f"{index.lengths[i]}; the file changed, scan it again"
+            )
+        if sample_crc32(tokens, mask) != int(index.sample_crc32[i]):
+            raise DataError(
+                f"{row_location(path, row)}: sample {sample_id!r} holds other tokens or loss mask than the scan "
+                "found; the file changed after the scan: restore it and run again"
             )
         return Sample(sample_id, tokens, mask)
 

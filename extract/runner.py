@@ -187,6 +187,7 @@ def _extract_dataset(
             f"{cfg.data}: no sample fits a {cfg.token_budget}-token batch ({index.report.summary()}); "
             "raise --token-budget, or pass --long-seqs truncate"
         )
+    _refuse_unsupervised_after_packing(cfg, index)
     cache_cfg = build_cache_config(cfg, target, taps, plan, index, prepared)
     _refuse_what_cannot_fit(cfg, cache_cfg, plan)
     if dist_info.is_main:  # the packing plan itself was logged once by plan_batches
@@ -340,6 +341,21 @@ def _refuse_unsupervised(cfg: ExtractConfig, index) -> None:
             f"{cfg.data}: no supervised tokens in {len(index)} samples that a drafter can learn from "
             f"({report.num_loss_tokens} tokens have loss_mask 1, none followed by another supervised token of "
             "the same sample); check the loss_mask column (1 = train on this token)"
+        )
+
+
+def _refuse_unsupervised_after_packing(cfg: ExtractConfig, index) -> None:
+    """--long-seqs may cut away every anchor position (a long prompt before each reply)."""
+    report = index.report
+    if report.num_packed_anchor_positions == 0:
+        where = (
+            f"past the first {cfg.token_budget} tokens of samples longer than that"
+            if cfg.long_seqs == "truncate"
+            else f"in samples longer than that, which --long-seqs {cfg.long_seqs} drops"
+        )
+        raise ValueError(
+            f"{cfg.data}: at --token-budget {cfg.token_budget} packing keeps no supervised tokens a drafter can "
+            f"learn from (all {report.num_anchor_positions} anchor positions lie {where}); raise --token-budget"
         )
 
 

@@ -206,6 +206,31 @@ def test_file_changed_after_scan_is_refused(tmp_path, fmt):
         load_samples(index, [0])
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+@pytest.mark.parametrize("edit", ["token", "mask"])
+def test_an_edit_keeping_size_id_and_length_is_refused(tmp_path, fmt, edit):
+    samples = make_samples(3)
+    path = tmp_path / f"d.{fmt}"
+    write = write_jsonl if fmt == "jsonl" else write_parquet
+    write(path, samples)
+    index = scan_dataset(path, vocab_size=VOCAB)
+    size = path.stat().st_size
+    ids, mask = samples[1].input_ids.copy(), samples[1].loss_mask.copy()
+    for k in range(len(ids) * (VOCAB - 1)):  # one token (or mask bit) changed, the file's byte size kept
+        samples[1].input_ids[:], samples[1].loss_mask[:] = ids, mask
+        if edit == "token":
+            samples[1].input_ids[k % len(ids)] = (ids[k % len(ids)] + 1 + k // len(ids)) % VOCAB
+        else:
+            samples[1].loss_mask[k % len(ids)] ^= 1
+        write(path, samples)
+        if path.stat().st_size == size:
+            break
+    assert path.stat().st_size == size
+    assert [s.sample_id for s in load_samples(index, [0])] == [samples[0].sample_id]  # untouched rows load
+    with pytest.raises(DataError, match=r"row 1\b.*: sample .* holds other tokens or loss mask than the scan found"):
+        load_samples(index, [1])
+
+
 def test_same_size_edit_after_scan_is_refused(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"id":"a","input_ids":[1,2]}\n{"id":"b","input_ids":[3]}\n')

@@ -302,6 +302,14 @@ IMPOSSIBLE = [
         ["--token-budget", "16", "--long-seqs", "skip"],
         "no sample fits a 16-token batch",
     ),
+    (
+        "truncation keeps no reply",
+        lambda t: _write(
+            t, [Sample(f"s{i}", np.arange(40) % VOCAB, np.r_[np.zeros(20), np.ones(20)]) for i in range(4)]
+        ),
+        ["--token-budget", "16", "--long-seqs", "truncate"],
+        "at --token-budget 16 packing keeps no supervised tokens a drafter can learn from (all 76 anchor positions",
+    ),
     ("shard above host memory", None, ["--token-budget", str(10**11)], "more than this machine's"),
 ]
 

@@ -179,7 +179,7 @@ def test_broken_fp8_checkpoints_name_the_tensor(fp8_target, tmp_path):
     tensors = load_file(str(fp8_target / "model.safetensors"))
     name = "model.language_model.layers.1.mlp.down_proj.weight"
     cases = ("no scale", "scale shape", "no config", "e5m2 weight", "int scale", "negative scale", "nan scale")
-    cases += ("nan weight", "fp8 config, bf16 weights")
+    cases += ("nan weight", "fp8 config, bf16 weights", "zero scale", "huge scale")
     matches = {
         "no config": "no quantization_config",
         "e5m2 weight": "down_proj.weight is stored as F8_E5M2",
@@ -188,6 +188,8 @@ def test_broken_fp8_checkpoints_name_the_tensor(fp8_target, tmp_path):
         "nan scale": "negative or non-finite block scale",
         "nan weight": "down_proj.weight holds NaN e4m3 codes",
         "fp8 config, bf16 weights": "no weight is stored as float8_e4m3fn",
+        "zero scale": r"down_proj.weight_scale_inv holds 1 zero block scale\(s\) over non-zero e4m3 codes",
+        "huge scale": r"down_proj.weight_scale_inv dequantises weights to \|w\| = .* above 1e\+04",
     }
     for case in cases:
         bad = tmp_path / case.replace(" ", "_")
@@ -209,6 +211,9 @@ def test_broken_fp8_checkpoints_name_the_tensor(fp8_target, tmp_path):
         elif case == "nan scale":
             broken[name + "_scale_inv"] = broken[name + "_scale_inv"].clone()
             broken[name + "_scale_inv"][0, 0] = float("nan")
+        elif case in ("zero scale", "huge scale"):  # finite and >= 0, and still no quantiser's
+            broken[name + "_scale_inv"] = broken[name + "_scale_inv"].clone()
+            broken[name + "_scale_inv"][0, 0] = 0.0 if case == "zero scale" else 1e30
         elif case == "nan weight":
             codes = broken[name].view(torch.uint8).clone()
             codes[0, 0] = 0x7F

@@ -78,7 +78,9 @@ def test_init_from_takes_the_drafter_shape_and_refuses_other_shape_options(tmp_p
         got.sliding_window,
     ) == (3, 40, 1, 5e5, dcfg.layer_types, 5)
     # A flag given at its default value is still given: refused, not silently replaced by the drafter's.
-    with pytest.raises(ValueError, match=r"--num-layers 5: the drafter has 3.*--rope-theta 10000000.0: the drafter has 500000.0"):
+    with pytest.raises(
+        ValueError, match=r"--num-layers 5: the drafter has 3.*--rope-theta 10000000.0: the drafter has 500000.0"
+    ):
         resolve_run(
             tiny_config(cache, tmp_path / "run", init_from=str(tmp_path / "published"), num_layers=5, rope_theta=1e7)
         )
@@ -236,8 +238,17 @@ def test_init_from_a_drafter_with_nan_weights_is_refused_before_training(tmp_pat
     args = tiny_cli_args(cache, tmp_path / "run", "--max-steps", "2", "--eval-shards", "1")
     at = args.index("--num-layers")
     result = CliRunner().invoke(
-        train_cli, [*args[:at], *args[at + 2 :], "--layer-types", "sliding,full", "--sliding-window", "6",
-                    "--init-from", str(exported)]
+        train_cli,
+        [
+            *args[:at],
+            *args[at + 2 :],
+            "--layer-types",
+            "sliding,full",
+            "--sliding-window",
+            "6",
+            "--init-from",
+            str(exported),
+        ],
     )
     assert result.exit_code == 1, result.output
     assert "1 tensor(s) hold NaN or inf values (norm.weight)" in result.output, result.output

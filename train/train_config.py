@@ -493,6 +493,8 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
 
 # TrainConfig shape options that DrafterConfig.for_target takes under the same names.
 _FOR_TARGET_OPTIONS = ("num_layers", "block_size", "rope_theta", "layer_types", "sliding_window")
+
+
 def _shape_options(cfg: TrainConfig) -> dict[str, Any]:
     """The shape options given, for DrafterConfig.for_target (its defaults for the rest); --layer-types
     alone sets the layer count."""
