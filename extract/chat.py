@@ -15,9 +15,11 @@ In the final text, each assistant turn is header + body + end. Supervised: the b
 leading prefill) and the end token: reasoning, content and tool calls, exactly the tokens the model
 emits after a generation prompt. Everything else (system, user, tool results, headers, the
 newline after the end token) is 0, and so is the end token of a reply cut at max_tokens (marked
-`finish_reason: "length"` by regenerate: the model never wrote it). A token is supervised when its
-first character is. The number
-of assistant turns found must equal the number in the conversation, or the row is refused.
+`finish_reason: "length"` by regenerate: the model never wrote it). A reply cut inside its reasoning
+(no content, no tool call) supervises its reasoning only: the template's closing of the think block
+is not the model's either. A token is supervised when its first character is. The number of
+assistant turns found must equal the number in the conversation, or the row is refused; so is an
+assistant message holding the end-of-turn text, which would end its turn early in the rendering.
 
 With thinking off, reasoning is removed from assistant turns before rendering (a model served
 without thinking never writes it); with thinking on it is kept where the template keeps it.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,12 +100,25 @@ class ChatRenderer:
         self.target_dir = Path(target_dir)
         self.thinking = thinking
         self.tokenizer = load_tokenizer(target_dir)
-        if vocab_size is not None and len(self.tokenizer) > vocab_size:
+        self.vocab_size = vocab_size
+        if vocab_size is not None:
+            self._check_fits(vocab_size)
+        self.markers = self._probe()
+
+    def _check_fits(self, vocab_size: int) -> None:
+        """Every id the tokenizer can produce is below the model's vocab_size: its token count alone
+        does not say so, as a tokenizer.json may leave gaps between its ids."""
+        if len(self.tokenizer) > vocab_size:
             raise ChatTemplateError(
-                f"{target_dir}: the tokenizer has {len(self.tokenizer)} tokens, more than the model's "
+                f"{self.target_dir}: the tokenizer has {len(self.tokenizer)} tokens, more than the model's "
                 f"vocab_size {vocab_size}: tokenizer and config.json belong to different models"
             )
-        self.markers = self._probe()
+        token, top = max(self.tokenizer.get_vocab().items(), key=lambda item: item[1])
+        if top >= vocab_size:
+            raise ChatTemplateError(
+                f"{self.target_dir / 'tokenizer.json'}: token {token!r} has id {top}, outside the model's "
+                f"vocab_size {vocab_size} (config.json): tokenizer and config.json belong to different models"
+            )
 
     def render(
         self, messages: list[dict[str, Any]], tools: list[dict] | None = None, add_generation_prompt: bool = False
@@ -183,11 +199,37 @@ class ChatRenderer:
             pos = close + len(mk.end)
         return spans
 
+    def _refuse_end_text(self, messages: list[dict[str, Any]], where: str) -> None:
+        """An assistant message holding the end-of-turn text: the rendering would close its turn there
+        and the rest of the reply would be neither supervised nor the model's turn."""
+        end = self.markers.end
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant" and any(end in text for text in _strings(m)):
+                raise DataError(
+                    f"{where}: messages[{i}] (assistant) contains the end-of-turn text {end!r}, which would end "
+                    "its turn early in the rendering; remove it from the reply or drop the row"
+                )
+
+    def _written(self, span: tuple[int, int], message: dict[str, Any], text: str) -> tuple[int, int]:
+        """The part of an assistant turn's span the model wrote. A reply cut at max_tokens did not
+        write the end token; one cut inside its reasoning (no content, no tool call) wrote only the
+        reasoning, not the think block's closing the template adds after it."""
+        start, stop = span
+        if message.get(FINISH_REASON) != "length":
+            return span
+        stop -= len(self.markers.end)
+        if (message.get("content") or "").strip() or message.get("tool_calls"):
+            return start, stop
+        reasoning = (message.get("reasoning_content") or "").strip()  # templates render it trimmed
+        at = text.find(reasoning, start, stop) if reasoning else -1
+        return (start, at + len(reasoning)) if at >= 0 else (start, start)  # not rendered: nothing written
+
     def encode(self, conv: Conversation) -> tuple[np.ndarray, np.ndarray, int]:
         """(input_ids int32, loss_mask uint8, reasoning turns dropped) of one conversation."""
         if conv.num_assistant_turns == 0:
             raise DataError(f"{conv.where}: the conversation has no assistant turn; nothing to train on")
         messages, dropped = self.prepare_messages(conv.messages)
+        self._refuse_end_text(messages, conv.where)
         try:
             text = self.render(messages, conv.tools)
             spans = self.supervised_spans(text)
@@ -198,10 +240,8 @@ class ChatRenderer:
                 f"{conv.where}: the rendering holds {len(spans)} assistant turns, the conversation "
                 f"{conv.num_assistant_turns}; does a message contain the template's markup ({self.markers.header!r})?"
             )
-        # A reply cut at max_tokens: the template closes it, the model did not; its end token is not supervised.
         replies = [m for m in messages if m["role"] == "assistant"]
-        end = len(self.markers.end)
-        spans = [(a, b - end if m.get(FINISH_REASON) == "length" else b) for (a, b), m in zip(spans, replies)]
+        spans = [self._written(span, m, text) for span, m in zip(spans, replies)]
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int64)
         starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64).reshape(-1)
@@ -209,3 +249,16 @@ class ChatRenderer:
         for a, b in spans:
             mask[(starts >= a) & (starts < b)] = 1
         return ids.astype(np.int32), mask, dropped
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a message, object keys included (tool-call argument names are rendered too)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)

@@ -5,7 +5,9 @@ row); a file, a directory (searched recursively) or a glob; files in sorted orde
 from 0 within their file. A row is one of
     {"id": ..., "messages": [{"role", "content", "reasoning_content"?, "tool_calls"?}, ...], "tools"?}
     {"id": ..., "conversations": [{"from": "human"|"gpt"|"system"|..., "value": "..."}, ...], "tools"?}
-`id` is optional ("<file stem>:<row>" when absent) and must be unique.
+`id` is optional and must be unique. When absent it is derived, "<file>:<row>": <file> is the file's
+stem ("chats:17"), or, where two of the dataset's files share a stem (a/chats.jsonl, b/chats.jsonl),
+the file's path relative to the folder common to all of them ("a/chats.jsonl:17").
 
 Every conversation becomes a `Conversation` of OpenAI-style messages: role in system / user /
 assistant / tool, content a string, reasoning in `reasoning_content`, `finish_reason: "length"` on
@@ -13,12 +15,20 @@ an assistant reply cut at max_tokens (regenerate writes it), tool calls as
 {"type": "function", "function": {"name", "arguments": {...}}} (JSON-string arguments are parsed:
 chat templates render the mapping). Anything else is a DataError naming file, row and reason;
 nothing is dropped silently.
+
+Parquet: pyarrow stores a list of objects as one struct type holding every key of every row, so a
+row reads back with the other rows' keys set to null (r1's arguments {"tz"} become {"tz", "a": None,
+"b": None} when r2 calls add(a, b)). Null struct fields are therefore dropped from Parquet rows: a
+genuine null (an argument passed as null, a schema's "default": null) cannot be told apart from a
+filled-in one there. Tool-call arguments and tool schemas that must keep nulls, or differ between
+rows, are best stored as JSON strings, which are read as written.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +96,36 @@ def _text(value: Any, what: str, where: str) -> str:
             parts.append(part["text"])
         return "".join(parts)
     raise DataError(f"{where}: {what} must be a string or a list of text parts, found {type(value).__name__}")
+
+
+def _first_unencodable(value: Any, what: str) -> str | None:
+    """Where in `value` a string (or object key) holds a lone UTF-16 surrogate, or None: "\\ud83d" is
+    valid JSON but not text, and the tokenizer and every UTF-8 writer refuse it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return what
+        return None
+    if isinstance(value, list):
+        return next(filter(None, (_first_unencodable(v, f"{what}[{i}]") for i, v in enumerate(value))), None)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{what}.{key}" if what else str(key)
+            found = _first_unencodable(key, f"a key of {what or 'the row'}") or _first_unencodable(item, inner)
+            if found:
+                return found
+    return None
+
+
+def _without_struct_nulls(value: Any) -> Any:
+    """`value` with every null object field dropped, at any depth (see the module docstring: in a
+    Parquet struct, a key another row has reads back as null in this one). List items are kept."""
+    if isinstance(value, dict):
+        return {k: _without_struct_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_struct_nulls(v) for v in value]
+    return value
 
 
 def _tool_call(call: Any, what: str, where: str) -> dict[str, Any]:
@@ -161,11 +201,18 @@ def _sharegpt_message(msg: Any, i: int, where: str) -> dict[str, Any]:
     return {"role": SHAREGPT_ROLES[speaker], "content": value}
 
 
-def conversation_from_row(row: Any, path: str, row_index: int) -> Conversation:
-    """Validate and normalise one dataset row; DataError naming file, row and reason."""
+def conversation_from_row(row: Any, path: str, row_index: int, id_prefix: str | None = None) -> Conversation:
+    """Validate and normalise one dataset row; DataError naming file, row and reason. A row without
+    an id gets "<id_prefix>:<row_index>" (default prefix: the file's stem)."""
     where = row_location(path, row_index)
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected an object with 'messages' or 'conversations', found {type(row).__name__}")
+    bad_text = _first_unencodable(row, "")
+    if bad_text:
+        raise DataError(
+            f"{where}: {bad_text} holds a lone UTF-16 surrogate (an escape such as \\ud83d without its pair), "
+            "which is not text; fix the string or drop the row"
+        )
     if row.get("messages") is not None:
         raw, parse = row["messages"], _openai_message
         key = "messages"
@@ -194,7 +241,8 @@ def conversation_from_row(row: Any, path: str, row_index: int) -> Conversation:
     raw_id = row.get("id")
     if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, (str, int))):
         raise DataError(f"{where}: id must be a string or an integer, found {type(raw_id).__name__}")
-    sample_id = f"{Path(path).stem}:{row_index}" if raw_id is None else str(raw_id)
+    prefix = Path(path).stem if id_prefix is None else id_prefix
+    sample_id = f"{prefix}:{row_index}" if raw_id is None else str(raw_id)
     extra = {k: v for k, v in row.items() if k not in ("id", "messages", "conversations", "tools", "system")}
     return Conversation(sample_id, messages, tools or None, where, extra)
 
@@ -207,7 +255,8 @@ def _file_rows(path: str) -> Iterator[tuple[int, Any]]:
         row = 0
         for g in range(pf.num_row_groups):
             for item in read_row_group(pf, g, path, row).to_pylist():
-                yield row, item
+                # Columns stay as they are (every row has every column); nested null fields are struct merging's.
+                yield row, {k: _without_struct_nulls(v) for k, v in item.items()}
                 row += 1
     elif path.endswith(".json"):
         try:
@@ -241,20 +290,42 @@ def _sidecar_owner(path: str) -> str:
     return next(path[: -len(s)] for s in SIDECAR_SUFFIXES if path.endswith(s))
 
 
+def derived_id_prefixes(files: list[str]) -> dict[str, str]:
+    """The <file> part of each file's derived ids "<file>:<row>": its stem, unless another of `files`
+    has the same stem; then its path relative to the folder common to all of them, suffix kept
+    (chats.jsonl and chats.parquet of one folder share a stem), so derived ids never collide."""
+    stems = Counter(Path(f).stem for f in files)
+    if all(n == 1 for n in stems.values()):
+        return {f: Path(f).stem for f in files}
+    root = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
+    return {
+        f: Path(f).stem if stems[Path(f).stem] == 1 else Path(os.path.relpath(os.path.abspath(f), root)).as_posix()
+        for f in files
+    }
+
+
 def iter_conversations(path: str | os.PathLike, errors: list[str] | None = None) -> Iterator[Conversation]:
     """Every conversation under `path`, in file and row order; ids checked for uniqueness.
 
     errors=None: raise at the first bad row. A list: append each bad row's message to it and go
     on (the caller reports them all); a file that cannot be read at all still raises."""
     seen: dict[str, str] = {}
-    for path_ in conversation_files(path):
+    files = conversation_files(path)
+    prefixes = derived_id_prefixes(files)
+    for path_ in files:
         for row_index, row in _file_rows(path_):
             try:
                 if isinstance(row, DataError):
                     raise row
-                conv = conversation_from_row(row, path_, row_index)
+                conv = conversation_from_row(row, path_, row_index, prefixes[path_])
                 if conv.sample_id in seen:
-                    raise DataError(f"{conv.where}: duplicate id {conv.sample_id!r}, first at {seen[conv.sample_id]}")
+                    derived = (
+                        " (derived from the file name and row: the row has no id)" if row.get("id") is None else ""
+                    )
+                    raise DataError(
+                        f"{conv.where}: duplicate id {conv.sample_id!r}{derived}, first at {seen[conv.sample_id]}; "
+                        "give every row a unique 'id'"
+                    )
             except DataError as e:
                 if errors is None:
                     raise

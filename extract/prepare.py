@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -132,6 +134,7 @@ def _encoded(
         except DataError as e:
             errors.append(str(e))
             continue
+        _check_ids(ids, renderer, conv.where)
         if cfg.max_length is not None and len(ids) > cfg.max_length:
             reason = f"{len(ids)} tokens, more than max_length {cfg.max_length}"
             if cfg.long_seqs == "error":
@@ -148,6 +151,22 @@ def _encoded(
         summary.num_tokens += len(ids)
         summary.num_supervised += int(mask.sum())
         yield Sample(conv.sample_id, ids, mask)
+
+
+def _check_ids(ids: np.ndarray, renderer: ChatRenderer, where: str) -> None:
+    """The ids written fit the model's vocabulary (ChatRenderer checked the tokenizer up front; this
+    is what dflash-extract would refuse later, naming the prepared file rather than the chat)."""
+    vocab_size = renderer.vocab_size
+    if vocab_size is None or not len(ids):
+        return
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if len(bad):
+        i = int(bad[0])
+        token = renderer.tokenizer.convert_ids_to_tokens(int(ids[i]))
+        raise DataError(
+            f"{where}: token {i} of the rendering has id {int(ids[i])} ({token!r}), outside the model's vocab_size "
+            f"{vocab_size}: the tokenizer of {renderer.target_dir} does not fit its config.json"
+        )
 
 
 # How to write the good rows when some are bad: dflash-data prepare's flag, or (from dflash-extract,
@@ -304,7 +323,29 @@ def tokens_for_extraction(data: str, target: str, thinking: Thinking | None) -> 
             "num_supervised": summary.num_supervised,
             "num_reasoning_removed": summary.num_reasoning_dropped,
         }
-        yield cfg.out, record
+        try:
+            yield cfg.out, record
+        except ValueError as e:  # DataError included
+            if type(e) not in (ValueError, DataError) or cfg.out not in str(e):
+                raise
+            # The prepared file is a temporary the user never saw and that is gone once this returns.
+            raise type(e)(_name_chat_rows(str(e), cfg.out, data)) from e
+
+
+def _name_chat_rows(message: str, prepared: str, data: str) -> str:
+    """`message` with each "PREPARED, row N" replaced by the file and row of the chat prepared into row
+    N (found by its id), and any other mention of PREPARED by what it was prepared from."""
+    located = re.compile(re.escape(prepared) + r", row (\d+)")
+    rows = {int(n) for n in located.findall(message)}
+    origin: dict[int, str] = {}
+    if rows:
+        ids = pq.read_table(prepared, columns=["id"]).column("id").to_pylist()
+        wanted = {ids[r]: r for r in rows if r < len(ids)}
+        for conv in iter_conversations(data, errors=[]):
+            if conv.sample_id in wanted:
+                origin[wanted[conv.sample_id]] = f"{conv.where} (id {conv.sample_id!r})"
+    message = located.sub(lambda m: origin.get(int(m[1]), m[0]), message)
+    return message.replace(prepared, f"the token rows prepared from {data}")
 
 
 def _file_sha256(path: Path) -> str | None:

@@ -344,6 +344,25 @@ BAD_ROWS = {
         "content part of type 'image_url'",
     ),
     "template refuses": ({"messages": [{"role": "assistant", "content": "a"}]}, "No user query found"),
+    # Valid JSON ("\\ud83d" unpaired), not text: the tokenizer raised a TypeError, even with --skip-bad-rows.
+    "lone surrogate": (
+        {"messages": [{"role": "user", "content": "bad \ud83d here"}, {"role": "assistant", "content": "ok"}]},
+        "messages[0].content holds a lone UTF-16 surrogate",
+    ),
+    # The end-of-turn text inside a reply closed its turn there: the rest was silently unsupervised.
+    "end-of-turn text": (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok <|im_end|> more"}]},
+        "messages[1] (assistant) contains the end-of-turn text '<|im_end|>'",
+    ),
+    "end-of-turn text in a tool call": (
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"x": "a<|im_end|>"}}}]},
+            ]
+        },
+        "contains the end-of-turn text",
+    ),
 }
 
 
