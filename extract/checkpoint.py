@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import defaultdict
 from collections.abc import Collection
 from pathlib import Path
@@ -135,6 +136,45 @@ MAX_REPORTED_TENSORS = 20  # bad tensors listed in one error; the rest are count
 SCALE_DTYPES = ("F32", "BF16", "F16")  # weight_scale_inv as the releases store it (float32) or narrower
 
 
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def _undescribed_tensors(
+    ckpt_dir: Path, locations: dict[str, Path], naming: str, expected: dict[str, tuple[int, ...]], tied: bool
+) -> list[str]:
+    """Tensors config.json does not describe: layers past its num_hidden_layers, and, in the layers the
+    model runs, names it has no parameter for (a bias it would silently leave out). Layers not built
+    (past the last tap) are not read, so not judged; nor are top-level names (a head not built)."""
+    num_layers = json.loads((ckpt_dir / "config.json").read_text()).get("text_config", {}).get("num_hidden_layers")
+    if num_layers is None:
+        num_layers = json.loads((ckpt_dir / "config.json").read_text()).get("num_hidden_layers")
+    built = {int(m.group(1)) for n in expected if (m := _LAYER.match(n))}
+    sources = {hf_name(n, naming) for n in expected}
+    known = sources | {scale_name(n) for n in sources} | ({"lm_head.weight"} if tied else set())
+    prefix = NAMING_PREFIXES[naming]
+    beyond, unknown = [], []
+    for name in sorted(locations):
+        if name in known or name.startswith(IGNORED_PREFIXES):
+            continue
+        m = _LAYER.match(name[len(prefix) :]) if name.startswith(prefix) else None
+        if m and num_layers is not None and int(m.group(1)) >= num_layers:
+            beyond.append(name)
+        elif m and int(m.group(1)) in built:
+            unknown.append(name)
+    problems = []
+    if beyond:
+        problems.append(
+            f"{ckpt_dir}: {len(beyond)} tensor(s) of layers past config.json's num_hidden_layers {num_layers} "
+            f"(e.g. {beyond[0]}): config.json is not this checkpoint's"
+        )
+    if unknown:
+        problems.append(
+            f"{ckpt_dir}: {len(unknown)} tensor(s) the Qwen3.5 model has no parameter for ({', '.join(unknown[:3])}): "
+            "they would be left out of the forward"
+        )
+    return problems
+
+
 def check_tensors(ckpt_dir: str | Path, expected: dict[str, tuple[int, ...]], tied: bool) -> None:
     """Every tensor of `expected` (our name -> the shape config.json implies) is in the checkpoint with
     that shape (and, when stored as FP8, its block scales with theirs). Reads the index and the
@@ -188,6 +228,11 @@ def check_tensors(ckpt_dir: str | Path, expected: dict[str, tuple[int, ...]], ti
             )
             continue
         found = check(source, want, "from config.json")
+        if found is not None and not found[1].startswith(("F8_", "BF16", "F16", "F32", "F64")):
+            problems.append(
+                f"{locations[source]}: {source} is stored as {found[1]}; weights are floats (BF16, F16, F32) "
+                "or F8_E4M3 with block scales"
+            )
         if found is not None and found[1].startswith("F8_") and found[1] != "F8_E4M3":
             problems.append(
                 f"{locations[source]}: {source} is stored as {found[1]}; the FP8 loader reads e4m3 (F8_E4M3) "
@@ -207,6 +252,7 @@ def check_tensors(ckpt_dir: str | Path, expected: dict[str, tuple[int, ...]], ti
                         f"{locations[scale]}: {scale} is stored as {held[1]}; block scales are floats "
                         f"({', '.join(SCALE_DTYPES)})"
                     )
+    problems += _undescribed_tensors(ckpt_dir, locations, naming, expected, tied)
     if quant is not None and not num_fp8 and not problems:
         problems.append(
             f"{ckpt_dir / 'config.json'}: quantization_config says {quant.describe()}, but no weight is stored "

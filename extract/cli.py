@@ -44,7 +44,8 @@ def main(gpus: str | None, **options) -> None:
     except ExtractionStopped as e:  # pre-empted: a clean stop, reported as 128 + SIGTERM like a killed job
         click.echo(f"stopped: {e}", err=True)
         sys.exit(143)
-    click.echo(summary.report())
+    if summary.rank == 0:  # the job's summary (every rank's counts); the other ranks' are in their logs
+        click.echo(summary.report())
 
 
 if __name__ == "__main__":

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .data import find_data_files
+from .data import derived_id_prefixes, find_data_files
 from .rows import DataError, open_parquet, read_row_group, row_location
 
 CONVERSATION_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -288,20 +287,6 @@ def conversation_files(path: str | os.PathLike) -> list[str]:
 
 def _sidecar_owner(path: str) -> str:
     return next(path[: -len(s)] for s in SIDECAR_SUFFIXES if path.endswith(s))
-
-
-def derived_id_prefixes(files: list[str]) -> dict[str, str]:
-    """The <file> part of each file's derived ids "<file>:<row>": its stem, unless another of `files`
-    has the same stem; then its path relative to the folder common to all of them, suffix kept
-    (chats.jsonl and chats.parquet of one folder share a stem), so derived ids never collide."""
-    stems = Counter(Path(f).stem for f in files)
-    if all(n == 1 for n in stems.values()):
-        return {f: Path(f).stem for f in files}
-    root = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
-    return {
-        f: Path(f).stem if stems[Path(f).stem] == 1 else Path(os.path.relpath(os.path.abspath(f), root)).as_posix()
-        for f in files
-    }
 
 
 def iter_conversations(path: str | os.PathLike, errors: list[str] | None = None) -> Iterator[Conversation]:

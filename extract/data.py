@@ -26,7 +26,7 @@ import hashlib
 import json
 import logging
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,8 +216,9 @@ def scan_dataset(
     token_hash, mask_hash = hashlib.sha256(), hashlib.sha256()
     num_rows, empty, anchors, packed_anchors = 0, [], 0, 0
     problems = Problems()  # every bad row of every file, reported together at the end
+    prefixes = derived_id_prefixes(files)
     for fi, file in enumerate(files):
-        stem = Path(file).stem
+        stem = prefixes[file]
         try:
             for chunk in iter_file(file, vocab_size, problems):
                 num_rows += _index_chunk(
@@ -345,6 +346,20 @@ def sample_crc32(tokens: np.ndarray, mask: np.ndarray) -> int:
     return crc32(mask.astype(np.uint8).tobytes(), crc32(tokens.astype("<i4").tobytes()))
 
 
+def derived_id_prefixes(files: list[str]) -> dict[str, str]:
+    """The <file> part of each file's derived ids "<file>:<row>": its stem, unless another of `files`
+    has the same stem; then its path relative to the folder common to all of them, suffix kept
+    (chats.jsonl and chats.parquet of one folder share a stem), so derived ids never collide."""
+    stems = Counter(Path(f).stem for f in files)
+    if all(n == 1 for n in stems.values()):
+        return {f: Path(f).stem for f in files}
+    root = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
+    return {
+        f: Path(f).stem if stems[Path(f).stem] == 1 else Path(os.path.relpath(os.path.abspath(f), root)).as_posix()
+        for f in files
+    }
+
+
 def dataset_fingerprint(index: DatasetIndex) -> str:
     """sha256 over sample ids, lengths and content: a reordered or edited dataset changes it.
 
@@ -378,6 +393,7 @@ class SampleLoader:
             int, tuple[pq.ParquetFile, list[str], np.ndarray]
         ] = {}  # file -> (file, columns, row-group starts)
         self._cache: OrderedDict[tuple[int, int], tuple[list, np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+        self._id_prefixes = derived_id_prefixes(index.files)
         for file, size in zip(index.files, index.file_sizes):
             now = os.path.getsize(file) if os.path.exists(file) else None
             if now != size:
@@ -399,7 +415,7 @@ class SampleLoader:
             with open(path, "rb") as f:
                 f.seek(int(index.byte_offsets[i]))
                 raw_id, tokens, mask = parse_json_row(f.readline(), path, row, index.vocab_size)
-        sample_id = f"{Path(path).stem}:{row}" if raw_id is None else str(raw_id)
+        sample_id = f"{self._id_prefixes[path]}:{row}" if raw_id is None else str(raw_id)
         if sample_id != index.sample_ids[i]:
             raise DataError(
                 f"{row_location(path, row)}: id is {sample_id!r}, the scan found {index.sample_ids[i]!r}; "

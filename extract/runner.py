@@ -10,6 +10,7 @@ Order of work, so that mistakes cost seconds and not GPU hours:
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
@@ -59,7 +60,7 @@ from shards.progress import ProgressLog, format_bytes, format_duration, is_inter
 from shards.provenance import provenance
 from shards.reader import list_shards
 from shards.reader import load_target_head as read_cache_head
-from shards.runtime import DistInfo, barrier, resolve_device, shutdown
+from shards.runtime import DistInfo, all_gather_objects, barrier, resolve_device, shutdown
 from shards.sigterm import SigtermFlag
 
 from .checkpoint import load_target_head
@@ -115,6 +116,8 @@ class ExtractSummary:
     wall_s: float = 0.0  # the whole run on this rank: checks, model load, extraction, manifest
     complete: bool = False  # rank 0 only: every planned shard exists and the manifest is written
     progress_log: str | None = None  # this rank's JSONL progress records, when it extracted anything
+    rank: int = 0  # the rank this summary belongs to; rank 0's covers `ranks` ranks
+    ranks: int = 1
 
     @property
     def tokens_per_s(self) -> float:
@@ -124,13 +127,13 @@ class ExtractSummary:
         """The final summary: what was done, how fast, and where every output is."""
         if self.written == 0 and self.resumed > 0:
             done = (
-                f"nothing to extract: all {plural(self.resumed, 'shard')} of this run were already complete "
+                f"nothing to extract{self._whose()}: all {plural(self.resumed, 'shard')} were already complete "
                 f"(kept from an earlier run; {format_duration(self.wall_s)} to check them)"
             )
         else:
             kept = f", {self.resumed} kept from an earlier run" if self.resumed else ""
             done = (
-                f"done in {format_duration(self.wall_s)}: {plural(self.written, 'shard')} written "
+                f"done in {format_duration(self.wall_s)}{self._whose()}: {plural(self.written, 'shard')} written "
                 f"({format_bytes(self.bytes_written)}){kept}; {self.tokens:,} tokens in {self.seconds:.1f}s "
                 f"({self.tokens_per_s:,.0f} tok/s), padding efficiency {100 * self.padding_efficiency:.1f}%"
             )
@@ -138,6 +141,30 @@ class ExtractSummary:
         if self.progress_log:
             where += f"; progress records in {self.progress_log}"
         return f"{done}\n{where}"
+
+    def _whose(self) -> str:
+        return f" (all {self.ranks} ranks)" if self.ranks > 1 else ""
+
+
+def job_summary(summaries: list[ExtractSummary]) -> ExtractSummary:
+    """Every rank's summary as one, the job's: counts summed; time the slowest rank's, as the job ran
+    the ranks side by side; padding efficiency over all shards written."""
+    first = summaries[0]
+    written = sum(s.written for s in summaries)
+    seconds = max(s.seconds for s in summaries)
+    logs = [s.progress_log for s in summaries if s.progress_log]
+    return dataclasses.replace(
+        first,
+        written=written,
+        resumed=sum(s.resumed for s in summaries),
+        tokens=sum(s.tokens for s in summaries),
+        seconds=seconds,
+        padding_efficiency=sum(s.padding_efficiency * s.written for s in summaries) / written if written else 0.0,
+        bytes_written=sum(s.bytes_written for s in summaries),
+        wall_s=max(s.wall_s for s in summaries),
+        progress_log=str(Path(logs[0]).parent / "extract-rank*.jsonl") if len(logs) > 1 else first.progress_log,
+        ranks=len(summaries),
+    )
 
 
 def run_extract(cfg: ExtractConfig) -> ExtractSummary:
@@ -205,6 +232,7 @@ def _extract_dataset(
     lock = DirectoryLock(cfg.out_dir, "dflash-extract")
     # One rank alone: with several, another may be writing its first shard while rank 0 fails.
     fresh = dist_info.world_size == 1 and not (Path(cfg.out_dir) / CACHE_CONFIG_FILE).exists()
+    created = not Path(cfg.out_dir).exists()  # this run makes --out: an emptied one goes again
     try:
         run_on_main(dist_info, lambda: _prepare_cache(cfg, cache_cfg, lock))
         barrier()
@@ -222,22 +250,30 @@ def _extract_dataset(
             )
         with SigtermFlag() as stop:
             summary = _extract(cfg, cache_cfg, index, todo, device, dist_info, stop)
-        summary.resumed = resumed
+        summary.resumed, summary.rank = resumed, dist_info.rank
         barrier()
         if dist_info.is_main:
             _finish(cfg.out_dir, cache_cfg, plan)
             summary.complete = True
         summary.wall_s = time.monotonic() - start
-        return summary
+        return _gathered(summary, dist_info)
     except BaseException:
         if fresh and lock.held:
-            _remove_if_no_shard(Path(cfg.out_dir))
+            _remove_if_no_shard(Path(cfg.out_dir), remove_dir=created)
         raise
     finally:
         lock.release()
 
 
-def _remove_if_no_shard(out: Path) -> None:
+def _gathered(summary: ExtractSummary, dist_info: DistInfo) -> ExtractSummary:
+    """Rank 0's summary becomes the job's (every rank's counts); the other ranks keep their own."""
+    if dist_info.world_size == 1:
+        return summary
+    summaries = all_gather_objects(summary)
+    return job_summary(summaries) if dist_info.is_main else summary
+
+
+def _remove_if_no_shard(out: Path, remove_dir: bool) -> None:
     """A run that created the cache and failed before its first shard (a damaged checkpoint found while
     loading it, out of memory) takes its empty cache away again: otherwise the corrected command would
     be refused as a resume with other settings."""
@@ -245,6 +281,10 @@ def _remove_if_no_shard(out: Path) -> None:
         if not (out / CACHE_CONFIG_FILE).exists() or list_shards(out):
             return
         remove_cache_files(out)
+        if remove_dir:  # the lock too (held by this run, released right after): --out is as before the run
+            (out / LOCK_FILE).unlink(missing_ok=True)
+            if not any(out.iterdir()):
+                out.rmdir()
     except (ValueError, OSError) as e:  # a file of the user's appeared, or the disk went away: leave it all
         log.warning("could not remove the empty cache this run created at %s: %s", out, e)
         return

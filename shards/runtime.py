@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,15 @@ def resolve_device(spec: str, local_rank: int) -> torch.device:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order ([obj] without a process group); a collective: all ranks call it."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def shutdown() -> None:

@@ -247,3 +247,12 @@ def test_long_samples_counted_and_refused_at_scan(tmp_path):
     assert index.report.num_longer_than_budget == 1 and index.report.max_length == 9
     with pytest.raises(DataError, match=r"d.jsonl, row 1 .*'long' has 9 tokens, more than token_budget 8"):
         scan_dataset(tmp_path / "d.jsonl", vocab_size=VOCAB, token_budget=8, long_seqs="error")
+
+
+def test_files_of_one_name_in_two_folders_get_distinct_derived_ids(tmp_path):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        write_jsonl(tmp_path / folder / "x.jsonl", make_samples(2), with_ids=False)
+    index = scan_dataset(tmp_path, vocab_size=VOCAB)
+    assert index.sample_ids == ["a/x.jsonl:0", "a/x.jsonl:1", "b/x.jsonl:0", "b/x.jsonl:1"]
+    assert [s.sample_id for s in load_samples(index, [3])] == ["b/x.jsonl:1"]

@@ -117,6 +117,14 @@ def test_two_ranks_cover_the_plan_disjointly(target, data, tmp_path):
     logs = {p.name: [json.loads(line) for line in p.read_text().splitlines()] for p in (out / "logs").glob("*.jsonl")}
     assert set(logs) == {"extract-rank0.jsonl", "extract-rank1.jsonl"}
     assert verify_cache(out).ok
+    # One summary, the job's: every rank's shards and tokens (the cache's totals), not one line per rank.
+    stdout = proc.stdout.decode()
+    shards, tokens = (
+        len(ShardReader(out).batch_ids()),
+        sum(ShardReader(out).info(b).num_tokens for b in ShardReader(out).batch_ids()),
+    )
+    assert stdout.count("done in") == 1, stdout
+    assert f"(all 2 ranks): {shards} shards written" in stdout and f"; {tokens:,} tokens in" in stdout, stdout
     single = tmp_path / "single"
     run_extract(extract_cfg(target, data, single))
     assert read_manifest(out).equals(read_manifest(single))

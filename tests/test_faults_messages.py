@@ -15,6 +15,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from click.testing import CliRunner
 from extract_helpers import cli_args, copy_cache, extract_cfg, make_samples
 from safetensors.torch import load_file, save_file
@@ -112,6 +113,27 @@ def test_every_bad_target_tensor_is_named_with_file_and_shapes(target, data, tmp
     assert f"{ckpt}: {missing[0]} is not in the checkpoint (expected shape (" in shown, shown
     found = (want[0], want[1] - 2)
     assert f"{path}: {reshaped} has shape {found}, expected {want} from config.json" in shown, shown
+
+
+def test_tensors_config_json_does_not_describe_are_refused(target, data, tmp_path, no_work):
+    ckpt = tmp_path / "target"
+    shutil.copytree(target, ckpt)
+    path = _weights(ckpt)
+    tensors = load_file(str(path))
+    prefix = next(n for n in tensors if n.endswith("layers.2.mlp.down_proj.weight")).split("layers.")[0]
+    layers = json.loads((ckpt / "config.json").read_text()).get("text_config", {}).get("num_hidden_layers")
+    tensors[f"{prefix}layers.{layers}.mlp.down_proj.weight"] = tensors[f"{prefix}layers.2.mlp.down_proj.weight"].clone()
+    tensors[f"{prefix}layers.2.mlp.down_proj.bias"] = torch.zeros(
+        tensors[f"{prefix}layers.2.mlp.down_proj.weight"].shape[0]
+    )
+    gate = f"{prefix}layers.1.mlp.gate_proj.weight"
+    tensors[gate] = tensors[gate].to(torch.int32)
+    save_file(tensors, str(path))
+    shown = refused(ckpt, data, tmp_path / "cache")
+    assert f"1 tensor(s) of layers past config.json's num_hidden_layers {layers}" in shown, shown
+    assert f"1 tensor(s) the Qwen3.5 model has no parameter for ({prefix}layers.2.mlp.down_proj.bias)" in shown, shown
+    assert f"{gate} is stored as I32; weights are floats" in shown, shown
+    assert "3 bad or missing tensor(s)" in shown, shown
 
 
 def test_a_sharded_target_with_a_bad_header_or_tensor_is_refused_naming_them(target, data, tmp_path, no_work):

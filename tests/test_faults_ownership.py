@@ -352,7 +352,11 @@ def test_a_failure_before_the_first_shard_takes_the_new_cache_away(target, data,
     out = tmp_path / "cache"
     result = CliRunner().invoke(extract_cli, cli_args(target, data, out))
     assert result.exit_code == 1 and "NaN e4m3 codes" in result.output, result.output
-    assert not (out / "cache.json").exists(), "the empty cache it created went again"
+    assert not out.exists(), "the empty cache it created went again, lock and directory included"
+    existing = tmp_path / "made-by-the-user"
+    existing.mkdir()
+    result = CliRunner().invoke(extract_cli, cli_args(target, data, existing))
+    assert result.exit_code == 1 and existing.is_dir() and not (existing / "cache.json").exists(), result.output
     monkeypatch.undo()
     result = CliRunner().invoke(extract_cli, cli_args(target, data, out))  # the corrected command starts afresh
     assert result.exit_code == 0, result.output

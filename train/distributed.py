@@ -47,14 +47,6 @@ def broadcast_parameters(model: nn.Module) -> None:
             dist.broadcast(p.data, src=0)
 
 
-def all_gather_objects(obj: Any) -> list[Any]:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 class FlatGrads:
     """One contiguous gradient buffer; each parameter's .grad is a view of its slice."""
 

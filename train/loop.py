@@ -30,7 +30,7 @@ from shards.lock import DirectoryLock
 from shards.ownership import describe
 from shards.progress import format_duration, plural
 from shards.provenance import provenance
-from shards.runtime import DistInfo, barrier, rank_info, resolve_device
+from shards.runtime import DistInfo, all_gather_objects, barrier, rank_info, resolve_device
 
 from .attention import BlockAttentionLayout, choose_backend
 from .batch import StaticBatch
@@ -48,7 +48,7 @@ from .checkpoint import (
 )
 from .checkpoint_async import CheckpointWriter
 from .data import Batch, rank_batches
-from .distributed import FlatGrads, all_gather_objects, broadcast_parameters, init_distributed
+from .distributed import FlatGrads, broadcast_parameters, init_distributed
 from .evaluate import EvalResult, eval_copy, evaluate_drafter
 from .export import load_drafter_weights_
 from .flops import drafter_step_flops, peak_flops
