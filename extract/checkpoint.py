@@ -145,9 +145,8 @@ def _undescribed_tensors(
     """Tensors config.json does not describe: layers past its num_hidden_layers, and, in the layers the
     model runs, names it has no parameter for (a bias it would silently leave out). Layers not built
     (past the last tap) are not read, so not judged; nor are top-level names (a head not built)."""
-    num_layers = json.loads((ckpt_dir / "config.json").read_text()).get("text_config", {}).get("num_hidden_layers")
-    if num_layers is None:
-        num_layers = json.loads((ckpt_dir / "config.json").read_text()).get("num_hidden_layers")
+    config = json.loads((ckpt_dir / "config.json").read_text())
+    num_layers = (config.get("text_config") or config).get("num_hidden_layers")
     built = {int(m.group(1)) for n in expected if (m := _LAYER.match(n))}
     sources = {hf_name(n, naming) for n in expected}
     known = sources | {scale_name(n) for n in sources} | ({"lm_head.weight"} if tied else set())

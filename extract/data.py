@@ -284,6 +284,7 @@ def anchor_positions(
     if m.size == 0:
         return 0
     pairs = np.concatenate([[0], np.cumsum(m[:-1] & m[1:], dtype=np.int64)])  # pairs starting before t
+    pairs = np.append(pairs, pairs[-1])  # an empty last sample starts at len(mask)
     ends = np.cumsum(lengths)
     starts = ends - lengths
     kept = lengths if token_budget is None else np.minimum(lengths, token_budget)

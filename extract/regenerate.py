@@ -193,16 +193,6 @@ def source_sha256(conv: Conversation) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-def _check_text(conv: Conversation) -> None:
-    """Refuse a row holding a lone UTF-16 surrogate: it can be neither sent, hashed nor written as UTF-8."""
-    bad = _lone_surrogate([conv.messages, conv.tools, conv.extra])
-    if bad is not None:
-        raise DataError(
-            f"{conv.where}: holds a lone UTF-16 surrogate (a cut emoji escape such as \\ud83d), which is not "
-            f"text, at {bad}; fix or remove that row of --data"
-        )
-
-
 def _drop_lines(out: Path, ids: set[str]) -> None:
     """Rewrite OUT (ours) without the lines of `ids`, in one atomic step."""
     kept = [line for line in out.read_bytes().splitlines(keepends=True) if str(json.loads(line)["id"]) not in ids]
@@ -555,8 +545,6 @@ def regenerate_dataset(cfg: RegenerateConfig) -> RegenerateSummary:
     convs = list(iter_conversations(cfg.data))
     if not convs:
         raise DataError(f"--data {cfg.data} holds no conversations")
-    for conv in convs:
-        _check_text(conv)
     summary = RegenerateSummary(out=str(out), num_input=len(convs))
     done, summary.torn_bytes_removed = _read_done(out)
     unknown = set(done) - {c.sample_id for c in convs}

@@ -162,7 +162,7 @@ def job_summary(summaries: list[ExtractSummary]) -> ExtractSummary:
         padding_efficiency=sum(s.padding_efficiency * s.written for s in summaries) / written if written else 0.0,
         bytes_written=sum(s.bytes_written for s in summaries),
         wall_s=max(s.wall_s for s in summaries),
-        progress_log=str(Path(logs[0]).parent / "extract-rank*.jsonl") if len(logs) > 1 else first.progress_log,
+        progress_log=str(Path(logs[0]).parent / "extract-rank*.jsonl") if len(logs) > 1 else next(iter(logs), None),
         ranks=len(summaries),
     )
 
@@ -252,9 +252,9 @@ def _extract_dataset(
             summary = _extract(cfg, cache_cfg, index, todo, device, dist_info, stop)
         summary.resumed, summary.rank = resumed, dist_info.rank
         barrier()
-        if dist_info.is_main:
-            _finish(cfg.out_dir, cache_cfg, plan)
-            summary.complete = True
+        # Through run_on_main: a failure there fails every rank with its message, before the gather below.
+        run_on_main(dist_info, lambda: _finish(cfg.out_dir, cache_cfg, plan))
+        summary.complete = dist_info.is_main
         summary.wall_s = time.monotonic() - start
         return _gathered(summary, dist_info)
     except BaseException:

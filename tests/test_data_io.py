@@ -99,12 +99,13 @@ def test_empty_samples_are_skipped_and_counted(tmp_path, fmt):
     samples = make_samples(6)
     samples[1] = Sample("e1", [], [])
     samples[4] = Sample("e4", [], [])
+    samples.append(Sample("e6", [], []))  # last in the file too
     path = tmp_path / f"d.{fmt}"
     (write_jsonl if fmt == "jsonl" else write_parquet)(path, samples)
     index = scan_dataset(path, vocab_size=VOCAB)
-    assert index.report.num_empty == 2
-    assert index.report.empty_examples == ("e1", "e4")
-    assert index.report.num_rows == 6 and index.report.num_samples == 4
+    assert index.report.num_empty == 3
+    assert index.report.empty_examples == ("e1", "e4", "e6")
+    assert index.report.num_rows == 7 and index.report.num_samples == 4
     assert index.sample_ids == ["s0", "s2", "s3", "s5"]
     assert_same(load_samples(index, range(4)), [samples[i] for i in (0, 2, 3, 5)])
 

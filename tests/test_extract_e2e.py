@@ -251,3 +251,17 @@ def test_a_refusal_on_rank_0_stops_every_rank(target, data, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, timeout=240, cwd=REPO)
     assert proc.returncode != 0
     assert "storage_dtype" in proc.stderr.decode()
+
+
+def test_the_job_summary_sums_the_ranks_and_keeps_every_progress_log():
+    from extract.runner import ExtractSummary, job_summary
+
+    idle = ExtractSummary("c", 4, written=0, resumed=2, tokens=0, seconds=0.0, padding_efficiency=0.0, bytes_written=0)
+    busy = ExtractSummary(
+        "c", 4, written=2, resumed=0, tokens=90, seconds=3.0, padding_efficiency=0.9, bytes_written=10, rank=1
+    )
+    busy.progress_log = "c/logs/extract-rank1.jsonl"
+    job = job_summary([idle, busy])
+    assert (job.written, job.resumed, job.tokens, job.seconds, job.ranks) == (2, 2, 90, 3.0, 2)
+    assert job.padding_efficiency == pytest.approx(0.9) and job.progress_log == "c/logs/extract-rank1.jsonl"
+    assert "(all 2 ranks): 2 shards written" in job.report()

@@ -199,12 +199,26 @@ def test_a_resumed_init_from_run_compares_the_drafter_by_content_not_path(tmp_pa
     assert result.exit_code == 0, result.output
     assert (run / "step-00000002").is_dir()
 
+    # A checkpoint written before the content was recorded holds the path: that same directory resumes.
+    state_path = run / "step-00000001" / "train_state.json"
+    original = state_path.read_text()
+    state = json.loads(original)
+    state["resolved_identity"]["init_from"] = str(exported)
+    state_path.write_text(json.dumps(state))
+    shutil.rmtree(run / "step-00000002")
+    result = train(exported, "--resume")
+    assert result.exit_code == 0, result.output
+    shutil.rmtree(run / "step-00000002")
+    state_path.write_text(json.dumps(state))  # and any other path cannot be told to be the same drafter
+    result = train(copy, "--resume")
+    assert result.exit_code == 1 and "--init-from: checkpoint " in result.output, result.output
+    state_path.write_text(original)
+
     model, _ = load_exported_drafter(copy, dtype=torch.float32)
     with torch.no_grad():
         next(model.parameters()).add_(1.0)
     shutil.rmtree(copy)
     export_drafter(model, load_exported_drafter(exported)[1], copy)  # another drafter under the same path
-    shutil.rmtree(run / "step-00000002")
     result = train(copy, "--resume")
     assert result.exit_code == 1, result.output
     assert re.search(r"--init-from: checkpoint content crc32 \w+, now content crc32 \w+", result.output), result.output

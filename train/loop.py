@@ -174,15 +174,29 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
 
 def check_resume(ckpt: Checkpoint, cfg: TrainConfig, run: ResolvedRun, world_size: int) -> None:
     """Refuse (ValueError naming each flag) to resume `ckpt` under other resolved settings or another cache."""
+    identity = resolved_identity(cfg, run)
+    recorded = (ckpt.state.get("resolved_identity") or {}).get("init_from")
+    if _same_directory(recorded, cfg.init_from):  # written before --init-from was compared by content
+        identity["init_from"] = recorded
     check_resume_compatible(
         ckpt,
-        resolved_identity(cfg, run),
+        identity,
         world_size,
         run.cache_config.target.config_hash,
         cache_identity(run),
         legacy_identity=cfg.identity(),
         drafter=_drafter_dict(run),
     )
+
+
+def _same_directory(recorded: Any, now: str | None) -> bool:
+    """A checkpoint's --init-from recorded as a path (before its content was recorded) names `now`."""
+    if not isinstance(recorded, str) or now is None or recorded.startswith("content crc32"):
+        return False
+    try:
+        return recorded == now or os.path.samefile(recorded, now)
+    except OSError:
+        return False
 
 
 def cache_identity(run: ResolvedRun) -> dict[str, Any]:
