@@ -14,6 +14,7 @@ import torch
 from .codec import decode_hidden
 from .format import MANIFEST_FILE, TARGET_HEAD_FILE, CacheFormatError, bytes_per_shard, shard_path
 from .manifest import manifest_table, read_manifest
+from .ownership import is_our_shard
 from .reader import ShardError, ShardInfo, ShardReader, load_target_head
 
 QUARANTINE_DIR = "quarantine"
@@ -145,8 +146,15 @@ def verify_cache(cache_dir: str | Path, quarantine: bool = False) -> VerifyRepor
         except ShardError as e:
             report.bad.append({"file": str(e.path), "batch_id": b, "reason": e.reason})
             if quarantine:
-                report.bad[-1]["moved_to"] = str(_quarantine(cache_dir, e.path))
-                report.quarantined.append(report.bad[-1]["moved_to"])
+                moved = _quarantine(cache_dir, e.path)
+                if moved is None:
+                    report.bad[-1]["reason"] += (
+                        f"; not quarantined: {cache_dir / QUARANTINE_DIR / e.path.name} is a file dflash-extract "
+                        "did not write (move it away and run again)"
+                    )
+                else:
+                    report.bad[-1]["moved_to"] = str(moved)
+                    report.quarantined.append(str(moved))
     expected = expected_batch_ids(reader)
     if expected is None:  # no recorded plan (a cache not made by dflash-extract): what the manifest lists
         expected = _manifest_batch_ids(cache_dir)
@@ -217,10 +225,14 @@ def _portable(words: list[str], cache_dir: str, cwd: str | None) -> list[str]:
     return out
 
 
-def _quarantine(cache_dir: Path, path: Path) -> Path:
+def _quarantine(cache_dir: Path, path: Path) -> Path | None:
+    """Move a bad shard to quarantine/ (replacing only an earlier quarantined copy of ours); None, and
+    nothing moved, when a file there under its name is not ours."""
     dest_dir = cache_dir / QUARANTINE_DIR
     dest_dir.mkdir(exist_ok=True)
     dest = dest_dir / path.name
+    if (dest.exists() or dest.is_symlink()) and not is_our_shard(dest):
+        return None
     shutil.move(str(path), dest)
     return dest
 

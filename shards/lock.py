@@ -45,10 +45,10 @@ class DirectoryLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _describe(os.pread(fd, 4096, 0))
+            program, holder = _describe(os.pread(fd, 4096, 0))
             os.close(fd)
             raise DirectoryLockedError(
-                f"{self.directory} is in use by another {self.program} ({holder}; lock file {self.path}); "
+                f"{self.directory} is in use by another {program or self.program} ({holder}; lock file {self.path}); "
                 "wait for it to finish or stop it, or choose another directory"
             ) from None
         except BaseException:
@@ -82,9 +82,29 @@ class DirectoryLock:
         self.release()
 
 
-def _describe(raw: bytes) -> str:
+def lock_holder(directory: str | Path) -> str | None:
+    """Who holds `directory`'s lock right now ("dflash-extract, host H, pid P, ..."), None when nobody
+    does; reads only (no lock file is made), so it works on a read-only cache."""
+    path = Path(directory) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except BlockingIOError:
+        program, holder = _describe(os.pread(fd, 4096, 0))
+        return f"{program or 'another process'}, {holder}"
+    finally:
+        os.close(fd)
+
+
+def _describe(raw: bytes) -> tuple[str | None, str]:
+    """(the holder's program, where and since when it runs) from the lock file's record."""
     try:
         rec = json.loads(raw.decode())
-        return f"host {rec['host']}, pid {rec['pid']}, running since {rec['since']}"
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        return "holder unknown: it is starting up"
+        return rec.get("program"), f"host {rec['host']}, pid {rec['pid']}, running since {rec['since']}"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError):
+        return None, "holder unknown: it is starting up"

@@ -27,16 +27,30 @@ def test_a_work_dir_the_script_did_not_make_is_refused_and_kept(tmp_path, script
     assert proc.returncode == 1 and a_file.read_text() == "x"
 
 
-def test_an_earlier_run_is_remade_and_an_empty_dir_used(tmp_path):
-    def fresh(path):
-        cmd = f". tools/work_dir.sh && fresh_work_dir {path}"
-        return subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=60)
+def test_an_earlier_run_is_remade_keeping_what_it_did_not_write(tmp_path):
+    def bash(cmd):
+        return subprocess.run(["bash", "-c", f". tools/work_dir.sh && {cmd}"], cwd=REPO, capture_output=True, text=True)
 
     run = tmp_path / "run"
-    assert fresh(run).returncode == 0 and (run / ".dflash-work-dir").is_file()
+    assert bash(f"fresh_work_dir {run}").returncode == 0 and (run / ".dflash-work-dir").is_file()
     (run / "old-output").write_text("from the earlier run")
-    assert fresh(run).returncode == 0
-    assert sorted(p.name for p in run.iterdir()) == [".dflash-work-dir"]
+    (run / "old-dir").mkdir()
+    assert bash(f"record_work_dir {run}").returncode == 0  # the run's EXIT trap
+    (run / "notes.txt").write_text("the user's, added after the run")
+    proc = bash(f"fresh_work_dir {run}")
+    assert proc.returncode == 0 and "kept what the earlier run did not write" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in run.iterdir()) == [".dflash-work-dir", "notes.txt"]
+    (run / "new-output").write_text("x")
+    assert bash(f"record_work_dir {run}").returncode == 0 and bash(f"fresh_work_dir {run}").returncode == 0
+    assert sorted(p.name for p in run.iterdir()) == [".dflash-work-dir", "notes.txt"], "the user's file kept again"
+
+    killed = tmp_path / "killed"  # made, then killed before its EXIT trap recorded anything
+    assert bash(f"fresh_work_dir {killed}").returncode == 0
+    (killed / "partial").write_text("x")
+    proc = bash(f"fresh_work_dir {killed}")
+    assert proc.returncode == 1 and "killed before it recorded what it wrote" in proc.stderr, proc.stderr
+    assert (killed / "partial").exists()
+
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert fresh(empty).returncode == 0 and (empty / ".dflash-work-dir").is_file()
+    assert bash(f"fresh_work_dir {empty}").returncode == 0 and (empty / ".dflash-work-dir").is_file()

@@ -144,6 +144,9 @@ def test_training_refuses_a_bad_shard_naming_it(reference, tmp_path, how):
     assert result.exit_code != 0, f"training on a cache with a {how} shard must stop:\n{result.output}"
     assert str(path) in result.output and reason in result.output, result.output
     assert latest_checkpoint(tmp_path / "run") is None
+    if how == "missing":  # seen from the file listing before any set-up: no run directory is made
+        assert "1 of its" in result.output and "planned shards are missing" in result.output, result.output
+        assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("how", ["truncate", "version", "missing"])

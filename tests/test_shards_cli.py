@@ -94,7 +94,8 @@ def test_info_does_not_count_quarantined_files(cache):
     _invoke("verify", cache, "--quarantine")
     after = json.loads(_invoke("info", cache, "--json").output)
     assert after["num_shards"] == 2 and after["num_quarantined"] == 1 and after["bytes_quarantined"] == size
-    assert after["bytes_on_disk"] == before["bytes_on_disk"] - size
+    lock = (cache / ".dflash.lock").stat().st_size  # --quarantine holds the cache's lock while it moves files
+    assert after["bytes_on_disk"] == before["bytes_on_disk"] - size + lock
     text = _invoke("info", cache).output
     assert "not counting 1 quarantined file" in text
 
@@ -169,3 +170,31 @@ def test_every_option_says_its_default_or_the_rule_that_derives_it():
                 continue
             missing.append(f"{name} {p.opts[0]}")
     assert not missing, f"options whose --help says no default: {missing}"
+
+
+def test_quarantine_never_replaces_a_file_it_did_not_write(cache):
+    _flip_a_byte(shard_path(cache, 1))
+    theirs = cache / QUARANTINE_DIR / shard_path(cache, 1).name
+    theirs.parent.mkdir()
+    theirs.write_text("my notes")
+    res = _invoke("verify", cache, "--quarantine")
+    assert res.exit_code == 1 and theirs.read_text() == "my notes", res.output
+    assert shard_path(cache, 1).exists(), "the bad shard stays where it was"
+    assert f"not quarantined: {theirs} is a file dflash-extract did not write" in res.output, res.output
+
+
+def test_a_cache_a_job_is_writing_is_named_by_verify_and_not_changed_by_index(cache):
+    from shards.format import MANIFEST_FILE
+    from shards.lock import DirectoryLock
+
+    shard_path(cache, 2).unlink()  # not written yet by the running job
+    before = (cache / MANIFEST_FILE).read_bytes()
+    with DirectoryLock(cache, "dflash-extract"):  # the running job
+        res = _invoke("verify", cache)
+        assert res.exit_code == 1 and "the cache is being written (dflash-extract, host" in res.output, res.output
+        for args in (("index", cache), ("verify", cache, "--quarantine")):
+            res = _invoke(*args)
+            assert res.exit_code == 1 and "is in use by another dflash-extract" in res.output, res.output
+        assert (cache / MANIFEST_FILE).read_bytes() == before
+    res = _invoke("index", cache)  # the job ended
+    assert res.exit_code == 0 and (cache / MANIFEST_FILE).read_bytes() != before, res.output

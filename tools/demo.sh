@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 work="${1:-demo}"
 . tools/work_dir.sh
 fresh_work_dir "$work"  # before the install: a WORK_DIR in the way is refused at once
+trap 'record_work_dir "$work"' EXIT
 
 # Commands in bold on a terminal; no escape codes when the output goes to a file.
 if [ -t 1 ]; then bold=$'\033[1m' plain=$'\033[0m'; else bold='' plain=''; fi
@@ -33,7 +34,7 @@ step python -m tools.demo_data --conversations --out "$work/chats.jsonl" --num-s
 printf '\n%s$ python -m tools.tiny_server --target %s --port-file %s --max-batch 64 &%s\n' "$bold" "$work/target" "$work/port" "$plain"
 python -m tools.tiny_server --target "$work/target" --port-file "$work/port" --max-batch 64 &
 server_pid=$!
-trap 'kill "$server_pid" 2>/dev/null || true' EXIT
+trap 'kill "$server_pid" 2>/dev/null || true; record_work_dir "$work"' EXIT
 for _ in $(seq 120); do [ -s "$work/port" ] && break; sleep 0.5; done
 [ -s "$work/port" ] || { echo "the tiny server did not start" >&2; exit 1; }
 step dflash-data regenerate --server "http://127.0.0.1:$(cat "$work/port")/v1" --model tiny \

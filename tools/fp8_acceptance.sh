@@ -15,6 +15,7 @@ work="${1:-fp8-acceptance}"
 device="${DEVICE:-auto}"
 . tools/work_dir.sh
 fresh_work_dir "$work"
+trap 'record_work_dir "$work"' EXIT
 step() { printf '\n$ %s\n' "$*"; "$@"; }
 
 step python -m tools.tiny_target "$work/target" --seed 0 --mixer-scale 0.1

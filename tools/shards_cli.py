@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -11,6 +12,7 @@ import click
 from shards import CacheFormatError, ShardError, ShardReader, rebuild_manifest
 from shards.cli_options import CONTEXT_SETTINGS
 from shards.inspect import QUARANTINE_DIR, find_sample, summarize_cache, verify_cache
+from shards.lock import DirectoryLock, DirectoryLockedError, lock_holder
 from shards.progress import format_bytes, plural
 
 
@@ -108,8 +110,15 @@ def verify(cache: str, quarantine: bool, as_json: bool) -> None:
 
     Exit code 0 when everything verifies, 1 when anything is bad (each bad file is listed).
     """
-    report = _guard(verify_cache, cache, quarantine=quarantine)
+    writer = lock_holder(cache)
+    if quarantine:  # moves files: never under a running job
+        with _locked(cache):
+            report = _guard(verify_cache, cache, quarantine=quarantine)
+    else:
+        report = _guard(verify_cache, cache, quarantine=quarantine)
     remedy = report.remedy()
+    if writer is not None and not report.ok:  # its shards in flight are "missing" only for now
+        remedy = f"the cache is being written ({writer}): verify again when that job has finished"
     obj = {
         "ok": report.ok,
         "checked": report.checked,
@@ -203,8 +212,26 @@ def _topk_lines(t: dict) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def index(cache: str, as_json: bool) -> None:
     """Rebuild manifest.parquet from the shard headers."""
-    path = _guard(rebuild_manifest, cache)
+    with _locked(cache):  # the manifest is the running job's to write
+        path = _guard(rebuild_manifest, cache)
     _emit({"manifest": str(path)}, as_json, f"wrote {path}")
+
+
+@contextlib.contextmanager
+def _locked(cache: str):
+    """Hold the cache's lock (as dflash-extract does) for a command that changes it; refused, naming the
+    holder, while a job writes the cache."""
+    lock = DirectoryLock(cache, "dflash-shards")
+    try:
+        lock.acquire()
+    except DirectoryLockedError as e:
+        raise click.ClickException(str(e)) from e
+    except OSError as e:
+        raise click.ClickException(f"{e.filename}: {e.strerror or e}; is the cache read-only?") from e
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _guard(fn, *args, **kwargs):

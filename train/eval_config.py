@@ -34,7 +34,9 @@ class EvalConfig:
     device: str = "auto"
     """auto = cuda when available, else cpu."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """Weights and activations: bfloat16 | float32 | auto = the compute dtype the drafter was trained in."""
+    """Weights and activations of the drafter, and with --target of the target too (one dtype for both:
+    the speculative-decoding check and its greedy reference run the target in it): bfloat16 | float32 |
+    auto = the compute dtype the drafter was trained in."""
     lanes: int | None = None
     """Responses walked at once (blocks per drafter forward); None = the cache's max_seqs, whole flex tiles."""
     target: str | None = cli_field(None, path="existing_dir")

@@ -102,7 +102,7 @@ def plot_run(run_dir: str | Path, out_path: str | Path | None = None) -> dict[st
     lr_ax.set(title="learning rate", ylabel="lr")
     speed_ax.plot(*metrics.series("perf/tokens_per_s"), label="tokens/s")
     speed_ax.set(title="context tokens per second (rank 0)", ylabel="tokens/s", xlabel="step")
-    for key in sorted(k for e in metrics.evals for k in e if k.startswith(_ACCEPTANCE)) or [_ACCEPTANCE]:
+    for key in sorted({k for e in metrics.evals for k in e if k.startswith(_ACCEPTANCE)}) or [_ACCEPTANCE]:
         steps, values = metrics.series(key, evals=True)
         if steps:
             accept_ax.plot(steps, values, "o-", label=key.split("/")[1])
@@ -122,6 +122,7 @@ def plot_run(run_dir: str | Path, out_path: str | Path | None = None) -> dict[st
         if ax.lines:
             ax.legend(loc="best", fontsize="small")
         for line in ax.lines:
+            assert f"{name}/{line.get_label()}" not in drawn, f"{line.get_label()} drawn twice"
             drawn[f"{name}/{line.get_label()}"] = (
                 [float(x) for x in line.get_xdata()],
                 [float(y) for y in line.get_ydata()],

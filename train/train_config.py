@@ -20,7 +20,7 @@ from typing import Any, Literal
 from shards import CacheConfig, ShardReader, read_cache_config
 from shards.cli_options import cli_field, config_error, flag_name, shown
 from shards.container import read_header
-from shards.format import TARGET_HEAD_FILE, canonical_precision, target_head_shapes
+from shards.format import TARGET_HEAD_FILE, canonical_precision, shard_path, target_head_shapes
 
 from .blocks import default_num_blocks
 from .drafter_config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, DrafterConfig
@@ -462,6 +462,7 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
             f"(one anchor per token at most); pass a smaller --num-blocks or omit it"
         )
     all_ids = planned_batch_ids(cache_cfg, cfg.cache)
+    _check_shards_present(cfg, all_ids)
     if cfg.eval_shards >= len(all_ids):
         raise ValueError(
             f"--eval-shards {cfg.eval_shards} leaves no training shards: cache "
@@ -558,6 +559,18 @@ def _drafter_from_init(cfg: TrainConfig, cache_cfg: CacheConfig, mask_token_id: 
     if problems:
         raise ValueError(f"--init-from {cfg.init_from} does not fit cache {cfg.cache}: " + "; ".join(problems))
     return drafter
+
+
+def _check_shards_present(cfg: TrainConfig, batch_ids: list[int]) -> None:
+    """Every planned shard's file is there (a stat each, before any model or buffer): an unfinished or
+    damaged cache is refused now, not at the first step that reads a missing shard."""
+    missing = [b for b in batch_ids if not shard_path(cfg.cache, b).is_file()]
+    if missing and not cfg.skip_bad_shards:
+        raise ValueError(
+            f"cache {cfg.cache}: {len(missing)} of its {len(batch_ids)} planned shards are missing (e.g. "
+            f"{shard_path(cfg.cache, missing[0])}); finish the cache (re-run its dflash-extract command: "
+            "`dflash-shards verify` prints it), or pass --skip-bad-shards to train on the rest"
+        )
 
 
 def _check_taps(cfg: TrainConfig, cache_cfg: CacheConfig) -> None:
