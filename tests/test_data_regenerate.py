@@ -50,8 +50,8 @@ def chat_model(target) -> TinyChatModel:
 
 
 @contextmanager
-def serving(chat_model: TinyChatModel, faults: Faults | None = None):
-    server = make_server(chat_model, 0, faults)
+def running(server):
+    """An HTTP server on a background thread while the block runs: its /v1 base URL."""
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -59,6 +59,12 @@ def serving(chat_model: TinyChatModel, faults: Faults | None = None):
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextmanager
+def serving(chat_model: TinyChatModel, faults: Faults | None = None):
+    with running(make_server(chat_model, 0, faults)) as url:
+        yield url
 
 
 def _conversations(path: Path, n: int, multi_turn: bool = True) -> Path:
@@ -473,14 +479,8 @@ def canned(answers: dict[int, bytes], default: bytes = _completion(), models: by
                 n = count["n"]
             self._send(answers.get(n, default))
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with running(ThreadingHTTPServer(("127.0.0.1", 0), Handler)) as url:
+        yield url
 
 
 @pytest.mark.parametrize(
