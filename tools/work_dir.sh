@@ -28,7 +28,7 @@ fresh_work_dir() {
     fi
     mkdir -p "$dir"
     # What is already there (kept above) is not this run's: only entries new at exit get recorded.
-    { echo "made by $0: what it wrote is deleted by its next run"; ls -A "$dir" | sed 's/^/kept /'; } > "$marker"
+    { echo "made by $0: what it wrote is deleted by its next run"; ls -A "$dir" | sed -e "/^${work_dir_marker}\$/d" -e 's/^/kept /'; } > "$marker"
 }
 
 record_work_dir() {
