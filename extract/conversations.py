@@ -97,7 +97,7 @@ def _text(value: Any, what: str, where: str) -> str:
     raise DataError(f"{where}: {what} must be a string or a list of text parts, found {type(value).__name__}")
 
 
-def _first_unencodable(value: Any, what: str) -> str | None:
+def first_unencodable(value: Any, what: str) -> str | None:
     """Where in `value` a string (or object key) holds a lone UTF-16 surrogate, or None: "\\ud83d" is
     valid JSON but not text, and the tokenizer and every UTF-8 writer refuse it."""
     if isinstance(value, str):
@@ -107,11 +107,11 @@ def _first_unencodable(value: Any, what: str) -> str | None:
             return what
         return None
     if isinstance(value, list):
-        return next(filter(None, (_first_unencodable(v, f"{what}[{i}]") for i, v in enumerate(value))), None)
+        return next(filter(None, (first_unencodable(v, f"{what}[{i}]") for i, v in enumerate(value))), None)
     if isinstance(value, dict):
         for key, item in value.items():
             inner = f"{what}.{key}" if what else str(key)
-            found = _first_unencodable(key, f"a key of {what or 'the row'}") or _first_unencodable(item, inner)
+            found = first_unencodable(key, f"a key of {what or 'the row'}") or first_unencodable(item, inner)
             if found:
                 return found
     return None
@@ -206,7 +206,7 @@ def conversation_from_row(row: Any, path: str, row_index: int, id_prefix: str | 
     where = row_location(path, row_index)
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected an object with 'messages' or 'conversations', found {type(row).__name__}")
-    bad_text = _first_unencodable(row, "")
+    bad_text = first_unencodable(row, "")
     if bad_text:
         raise DataError(
             f"{where}: {bad_text} holds a lone UTF-16 surrogate (an escape such as \\ud83d without its pair), "

@@ -39,7 +39,7 @@ from shards.cli_options import cli_field, config_error
 from shards.durable import atomic_write_bytes, atomic_write_text
 from shards.progress import ProgressLog, format_duration
 
-from .conversations import FINISH_REASON, Conversation, iter_conversations
+from .conversations import FINISH_REASON, Conversation, first_unencodable, iter_conversations
 from .conversations import REGENERATE_META_SUFFIX as META_SUFFIX
 from .prepare import Thinking, check_output_file
 from .rows import DataError
@@ -287,16 +287,6 @@ def _json_body(body: bytes) -> Any:
         return None
 
 
-def _lone_surrogate(value: Any) -> str | None:
-    """The text around the first lone UTF-16 surrogate in `value` (valid JSON as "\\ud83d", but no
-    Unicode text: it cannot be written as UTF-8), None when there is none."""
-    try:
-        json.dumps(value, ensure_ascii=False, default=str).encode("utf-8")
-    except UnicodeEncodeError as e:
-        return repr(e.object[max(e.start - 20, 0) : e.end + 20])
-    return None
-
-
 def _completion(body: bytes) -> tuple[dict[str, Any], Any]:
     """(choices[0], usage) of a chat completion's body; anything else fails the conversation."""
     data = _json_body(body)
@@ -358,7 +348,7 @@ def _reply_message(message: dict[str, Any], body: bytes) -> dict[str, Any]:
         raise _malformed(f"message.tool_calls is a {type(calls).__name__}, not a list", body)
     if calls:
         out["tool_calls"] = [_reply_tool_call(call, i, body) for i, call in enumerate(calls)]
-    bad = _lone_surrogate(out)
+    bad = first_unencodable(out, "reply")
     if bad is not None:  # it could not be written to OUT
         raise _malformed(f"the reply holds a lone UTF-16 surrogate, which is not text, at {bad}", body)
     return out

@@ -54,3 +54,16 @@ def test_an_earlier_run_is_remade_keeping_what_it_did_not_write(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert bash(f"fresh_work_dir {empty}").returncode == 0 and (empty / ".dflash-work-dir").is_file()
+
+
+def test_a_hand_edited_marker_never_deletes_outside_its_entries(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "keep.txt").write_text("x")
+    (tmp_path / "sibling.txt").write_text("x")
+    (run / ".dflash-work-dir").write_text("made\nentry \nentry ..\nentry .\nentry ../sibling.txt\nentries recorded\n")
+    proc = subprocess.run(
+        ["bash", "-c", f". tools/work_dir.sh && fresh_work_dir {run}"], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (run / "keep.txt").exists() and (tmp_path / "sibling.txt").exists()

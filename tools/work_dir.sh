@@ -15,7 +15,8 @@ fresh_work_dir() {
             return 1
         fi
         while IFS= read -r name; do
-            case "$name" in "entry "*) rm -rf -- "$dir/${name#entry }" ;; esac
+            case "$name" in "entry "*) name="${name#entry }" ;; *) continue ;; esac  # a recorded entry
+            case "$name" in "" | . | .. | */* | "$work_dir_marker") ;; *) rm -rf -- "${dir:?}/$name" ;; esac
         done < "$marker"
         rm -f -- "$marker"
         if [ -n "$(ls -A "$dir")" ]; then
