@@ -7,9 +7,8 @@ import sys
 
 import click
 
-from shards.cli_options import CONTEXT_SETTINGS, build_config, config_options, gpus_option, relaunch_if_asked
-
-from .config import ExtractConfig
+from extract.config import ExtractConfig
+from shards.common.cli_options import CONTEXT_SETTINGS, build_config, config_options, gpus_option, relaunch_if_asked
 
 log = logging.getLogger("extract")
 
@@ -34,8 +33,8 @@ def main(gpus: str | None, **options) -> None:
     if relaunch_if_asked("extract.cli", gpus):
         return
     cfg = build_config(ExtractConfig, options)
-    from .runner import CacheMismatchError, ExtractionStopped, run_extract  # heavy imports after argument checks
-    from .writer import NonFiniteHiddenError
+    from extract.runner import CacheMismatchError, ExtractionStopped, run_extract  # heavy imports after argument checks
+    from extract.writer import NonFiniteHiddenError
 
     try:
         summary = run_extract(cfg)

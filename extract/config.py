@@ -1,6 +1,6 @@
 """dflash-extract's settings, checked before any model loads or GPU is touched.
 
-Each field is a dflash-extract option (shards.cli_options: dashes for underscores, the docstring is
+Each field is a dflash-extract option (shards.common.cli_options: dashes for underscores, the docstring is
 its --help); a bad value is refused naming the flag and the value given.
 """
 
@@ -10,12 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
-from shards.cli_options import cli_field, config_error
+from extract.chats.prepare import Thinking
+from extract.dataset.index import LONG_SEQ_POLICIES, LongSeqPolicy
+from extract.dataset.packing import PackingConfig
+from shards.common.cli_options import cli_field, config_error
 from shards.format import STORAGE_DTYPES, StorageDtype, canonical_precision
-
-from .data import LONG_SEQ_POLICIES, LongSeqPolicy
-from .packing import PackingConfig
-from .prepare import Thinking
 
 # torch's names for what the target runs in; --storage names the cache encoding (shards/format.py says why two).
 TargetDtype = Literal["bfloat16", "float16", "float32"]

@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from shards.runtime import DistInfo, rank_info
+from shards.common.runtime import DistInfo, rank_info
 
 
 def init_distributed() -> DistInfo:

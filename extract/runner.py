@@ -22,6 +22,24 @@ from typing import Protocol
 
 import torch
 
+from extract.chats.prepare import tokens_for_extraction
+from extract.config import ExtractConfig
+from extract.dataset.index import SampleLoader, data_would_read, dataset_fingerprint, is_glob, scan_dataset
+from extract.dataset.packing import (
+    PACKING_ALGORITHM,
+    PackedBatch,
+    PackingPlan,
+    load_batch,
+    plan_batches,
+    shard_batches_for_rank,
+)
+from extract.distributed import init_distributed, run_on_main
+from extract.target.checkpoint import load_target_head
+from extract.target.config import TargetConfig, special_token_ids
+from extract.target.fp8.quantization import checkpoint_quantization
+from extract.target.kernels import select_kernels
+from extract.target.model import TargetModel
+from extract.writer import AsyncShardWriter
 from shards import (
     CacheConfig,
     CacheFormatError,
@@ -34,7 +52,12 @@ from shards import (
     write_manifest,
     write_target_head,
 )
-from shards.durable import TMP_PREFIX, check_writable
+from shards.common.durable import TMP_PREFIX, check_writable
+from shards.common.lock import LOCK_FILE, DirectoryLock
+from shards.common.progress import ProgressLog, format_bytes, format_duration, is_interactive, plural
+from shards.common.provenance import provenance
+from shards.common.runtime import DistInfo, all_gather_objects, barrier, resolve_device, shutdown
+from shards.common.sigterm import SigtermFlag
 from shards.format import (
     CACHE_CONFIG_FILE,
     MANIFEST_FILE,
@@ -45,7 +68,6 @@ from shards.format import (
     checksum,
     shard_path,
 )
-from shards.lock import LOCK_FILE, DirectoryLock
 from shards.ownership import (
     describe,
     foreign_entries,
@@ -56,24 +78,8 @@ from shards.ownership import (
     remove_cache_files,
     remove_stale_cache_temporaries,
 )
-from shards.progress import ProgressLog, format_bytes, format_duration, is_interactive, plural
-from shards.provenance import provenance
 from shards.reader import list_shards
 from shards.reader import load_target_head as read_cache_head
-from shards.runtime import DistInfo, all_gather_objects, barrier, resolve_device, shutdown
-from shards.sigterm import SigtermFlag
-
-from .checkpoint import load_target_head
-from .config import ExtractConfig
-from .data import SampleLoader, data_would_read, dataset_fingerprint, is_glob, scan_dataset
-from .distributed import init_distributed, run_on_main
-from .kernels import select_kernels
-from .model import TargetModel
-from .packing import PACKING_ALGORITHM, PackedBatch, PackingPlan, load_batch, plan_batches, shard_batches_for_rank
-from .prepare import tokens_for_extraction
-from .quantization import checkpoint_quantization
-from .target_config import TargetConfig, special_token_ids
-from .writer import AsyncShardWriter
 
 log = logging.getLogger(__name__)
 
@@ -444,7 +450,7 @@ def build_cache_config(
 
 def _quantization_record(ckpt_dir: str, compute: str) -> str | None:
     """How the run treats the checkpoint's quantization: part of the cache's identity, since --compute
-    fp8 keeps an FP8 checkpoint's weights and block scales (block-scaled matmuls, extract/fp8_linear.py)."""
+    fp8 keeps an FP8 checkpoint's weights and block scales (block-scaled matmuls, extract/target/fp8/linear.py)."""
     quant = checkpoint_quantization(ckpt_dir)
     if quant is None:
         return None

@@ -49,7 +49,7 @@ class AsyncShardWriter:
         copy_stream: bool = True,
     ):
         """copy_stream: on CUDA, check, encode and copy to the host on a side stream (False: on the
-        forward's stream, which then waits for them; kept so tools/bench_extract.py can time both)."""
+        forward's stream, which then waits for them; kept so tools/bench/extract.py can time both)."""
         self.cache_dir = Path(cache_dir)
         self.cfg = cfg
         self.device = device

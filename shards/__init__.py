@@ -1,7 +1,7 @@
 """The hidden-state cache: the contract between dflash-extract and dflash-train (format version 1)."""
 
-from .codec import decode_hidden, encode_hidden
-from .format import (
+from shards.codec import decode_hidden, encode_hidden
+from shards.format import (
     FORMAT_VERSION,
     CacheConfig,
     CacheFormatError,
@@ -10,10 +10,10 @@ from .format import (
     shard_path,
     tensor_specs,
 )
-from .loader import LoadedShard, ShardLoader
-from .manifest import read_manifest, rebuild_manifest, write_manifest
-from .order import epoch_shard_order
-from .reader import (
+from shards.loader import LoadedShard, ShardLoader
+from shards.manifest import read_manifest, rebuild_manifest, write_manifest
+from shards.order import epoch_shard_order
+from shards.reader import (
     ShardError,
     ShardInfo,
     ShardReader,
@@ -22,7 +22,7 @@ from .reader import (
     load_target_head,
     read_cache_config,
 )
-from .writer import (
+from shards.writer import (
     SampleEntry,
     create_cache,
     write_cache_config,

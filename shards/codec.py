@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .format import FP8_E4M3_MAX
+from shards.format import FP8_E4M3_MAX
 
 
 def encode_hidden(hidden_TKH: torch.Tensor, storage_dtype: str) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from typing import BinaryIO
 
 import torch
 
-from .format import CacheFormatError, raw_bytes
+from shards.format import CacheFormatError, raw_bytes
 
 DTYPE_TO_ST = {
     torch.bfloat16: "BF16",

@@ -38,7 +38,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from .crc import crc32
+from shards.common.crc import crc32
 
 FORMAT_VERSION = 2
 CACHE_CONFIG_FILE = "cache.json"
@@ -319,7 +319,7 @@ def batch_id_of(path: str | Path) -> int | None:
 def checksum(tensors: Mapping[str, Any]) -> str:
     """crc32 over every tensor's name and raw bytes, in name order.
 
-    zlib's CRC-32 (shards/crc.py: ISA-L's when installed, ~9 GB/s), so a 2.5 GB shard costs about
+    zlib's CRC-32 (shards/common/crc.py: ISA-L's when installed, ~9 GB/s), so a 2.5 GB shard costs about
     0.3 s in the writer thread, and it catches any flipped byte or truncation of the data section.
     """
     crc = 0

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from .codec import decode_hidden
-from .format import MANIFEST_FILE, TARGET_HEAD_FILE, CacheFormatError, bytes_per_shard, shard_path
-from .manifest import manifest_table, read_manifest
-from .ownership import is_our_shard
-from .reader import ShardError, ShardInfo, ShardReader, load_target_head
+from shards.codec import decode_hidden
+from shards.format import MANIFEST_FILE, TARGET_HEAD_FILE, CacheFormatError, bytes_per_shard, shard_path
+from shards.manifest import manifest_table, read_manifest
+from shards.ownership import is_our_shard
+from shards.reader import ShardError, ShardInfo, ShardReader, load_target_head
 
 QUARANTINE_DIR = "quarantine"
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .reader import ShardError, ShardInfo, ShardReader, allocate_shard_buffers
+from shards.reader import ShardError, ShardInfo, ShardReader, allocate_shard_buffers
 
 log = logging.getLogger(__name__)
 

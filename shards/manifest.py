@@ -12,9 +12,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .durable import atomic_write_bytes
-from .format import MANIFEST_FILE, CacheFormatError
-from .reader import ShardInfo, ShardReader
+from shards.common.durable import atomic_write_bytes
+from shards.format import MANIFEST_FILE, CacheFormatError
+from shards.reader import ShardInfo, ShardReader
 
 SCHEMA = pa.schema(
     [

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from .container import read_header
-from .durable import PROBE, remove_stale_temporaries, temporary_final_name
-from .format import CACHE_CONFIG_FILE, MANIFEST_FILE, SHARDS_DIR, TARGET_HEAD_FILE, CacheFormatError, batch_id_of
-from .lock import LOCK_FILE
-from .manifest import SCHEMA as MANIFEST_SCHEMA
+from shards.common.durable import PROBE, remove_stale_temporaries, temporary_final_name
+from shards.common.lock import LOCK_FILE
+from shards.container import read_header
+from shards.format import CACHE_CONFIG_FILE, MANIFEST_FILE, SHARDS_DIR, TARGET_HEAD_FILE, CacheFormatError, batch_id_of
+from shards.manifest import SCHEMA as MANIFEST_SCHEMA
 
 QUARANTINE_DIR = "quarantine"
 LOGS_DIR = "logs"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from .container import MappedContainer, read_header
-from .format import (
+from shards.container import MappedContainer, read_header
+from shards.format import (
     CACHE_CONFIG_FILE,
     FORMAT_VERSION,
     SHARDS_DIR,
@@ -26,7 +26,7 @@ from .format import (
     shard_path,
     tensor_specs,
 )
-from .writer import SampleEntry
+from shards.writer import SampleEntry
 
 
 class ShardError(CacheFormatError):

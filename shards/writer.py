@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from .container import write_container
-from .durable import atomic_write, atomic_write_text
-from .format import (
+from shards.common.durable import atomic_write, atomic_write_text
+from shards.container import write_container
+from shards.format import (
     CACHE_CONFIG_FILE,
     FORMAT_VERSION,
     SHARDS_DIR,

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # The Triton kernels (extract/fp8_kernels.py) run on CPU tensors under Triton's interpreter; it
+    # The Triton kernels (extract/target/fp8/kernels.py) run on CPU tensors under Triton's interpreter; it
     # must be chosen before the kernels are defined, i.e. before anything imports extract.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from extract_helpers import dataset_file, extract_reference, tiny_target_dir  # noqa: E402
+from tests.helpers.extract import dataset_file, extract_reference, tiny_target_dir  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -62,7 +62,7 @@ def no_work(monkeypatch):
     export loads, the drafter eval loads) fails the test if it starts: for refusals that must come before any work."""
     import extract.runner
     import train.cli
-    import train.eval_run
+    import train.eval.run
     import train.loop
 
     def started(*a, **kw):
@@ -71,4 +71,4 @@ def no_work(monkeypatch):
     monkeypatch.setattr(extract.runner, "scan_dataset", started)
     monkeypatch.setattr(train.loop, "Trainer", started)
     monkeypatch.setattr(train.cli, "_model_from_checkpoint", started)
-    monkeypatch.setattr(train.eval_run, "load_drafter", started)
+    monkeypatch.setattr(train.eval.run, "load_drafter", started)

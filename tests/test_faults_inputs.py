@@ -36,16 +36,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
-from extract_helpers import REPO, VOCAB, cli_args, copy_cache, corrupt_shard, extract_cfg, make_samples, snapshot
-from train_helpers import read_records, tiny_cache, tiny_cli_args, tiny_config
 
 from extract.cli import main as extract_cli
-from extract.data import Sample, write_jsonl, write_parquet
+from extract.dataset.index import Sample, write_jsonl, write_parquet
 from extract.runner import CacheMismatchError, run_extract
 from shards import ShardReader, shard_path, write_manifest
-from tools.shards_cli import main as shards_cli
-from tools.tiny_target import write_random_checkpoint
-from train.checkpoint import latest_checkpoint
+from tests.helpers.extract import REPO, VOCAB, cli_args, copy_cache, corrupt_shard, extract_cfg, make_samples, snapshot
+from tests.helpers.train import read_records, tiny_cache, tiny_cli_args, tiny_config
+from tools.cli.dflash_shards import main as shards_cli
+from tools.fixtures.tiny_target import write_random_checkpoint
+from train.checkpoint.store import latest_checkpoint
 from train.cli import main as train_cli
 from train.loop import run_training
 

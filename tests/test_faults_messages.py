@@ -17,15 +17,15 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
-from extract_helpers import cli_args, copy_cache, extract_cfg, make_samples
 from safetensors.torch import load_file, save_file
 
-from extract.checkpoint import MAX_REPORTED_TENSORS
 from extract.cli import main as extract_cli
-from extract.data import write_jsonl
+from extract.dataset.index import write_jsonl
 from extract.runner import CacheMismatchError, run_extract
+from extract.target.checkpoint import MAX_REPORTED_TENSORS
 from shards import shard_path
 from shards.inspect import verify_cache
+from tests.helpers.extract import cli_args, copy_cache, extract_cfg, make_samples
 
 
 def _weights(ckpt):

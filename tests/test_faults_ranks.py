@@ -21,11 +21,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from process_helpers import REPO, child_env, rank_stderr, torchrun_command
-from train_helpers import read_records, tiny_cache, tiny_cli_args
 
 from shards import ShardReader, epoch_shard_order
-from train.checkpoint import latest_checkpoint, list_checkpoints
+from tests.helpers.process import REPO, child_env, rank_stderr, torchrun_command
+from tests.helpers.train import read_records, tiny_cache, tiny_cli_args
+from train.checkpoint.store import latest_checkpoint, list_checkpoints
 
 NUM_SHARDS, EPOCHS, WORLD = 5, 2, 2
 STEPS = EPOCHS * (NUM_SHARDS // WORLD)
@@ -37,7 +37,7 @@ SETTINGS = ["--epochs", str(EPOCHS), "--metrics-every", "2", "--keep-checkpoints
 # code that let rank 1 exit first had rank 0 killed there by torchrun every time.
 SIGTERM_ONE_RANK = textwrap.dedent("""
     import os, signal, sys, time
-    from train.metrics import MetricsLogger
+    from train.metrics.logger import MetricsLogger
     from train.step import StepRunner
     k, rank = int(sys.argv[1]), int(sys.argv[2])
     real, calls = StepRunner.run, [0]

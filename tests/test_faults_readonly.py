@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from extract_helpers import cli_args, snapshot
-from train_helpers import tiny_cache, tiny_cli_args, tiny_config
 
 from extract.cli import main as extract_cli
+from tests.helpers.extract import cli_args, snapshot
+from tests.helpers.train import tiny_cache, tiny_cli_args, tiny_config
 from train.cli import main as train_cli
 from train.loop import run_training
 

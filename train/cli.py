@@ -15,10 +15,9 @@ from pathlib import Path
 
 import click
 
-from shards.cli_options import CONTEXT_SETTINGS, build_config, config_options, gpus_option, relaunch_if_asked
-
-from .eval_config import EvalConfig
-from .train_config import TrainConfig
+from shards.common.cli_options import CONTEXT_SETTINGS, build_config, config_options, gpus_option, relaunch_if_asked
+from train.config import TrainConfig
+from train.eval.config import EvalConfig
 
 log = logging.getLogger("train")
 
@@ -73,14 +72,14 @@ def train(gpus: str | None, **options) -> None:
     if relaunch_if_asked("train.cli", gpus):
         return
     cfg = build_config(TrainConfig, options)
-    from .loop import run_training  # heavy imports after argument checks
+    from train.loop import run_training  # heavy imports after argument checks
 
     try:
         summary = run_training(cfg)
     except ValueError as e:  # config/cache mismatches, bad shards (ShardError), resume refusals
         raise click.ClickException(str(e)) from e
     except RuntimeError as e:
-        from .metrics import NonFiniteError
+        from train.metrics.logger import NonFiniteError
 
         if isinstance(e, NonFiniteError):
             raise click.ClickException(str(e)) from e
@@ -129,8 +128,8 @@ def train(gpus: str | None, **options) -> None:
 def export(checkpoint: str, out: str, overwrite: bool) -> None:
     """Export CHECKPOINT (a step-NNNNNNNN dir, or a run dir: its newest) to OUT as a DFlashDraftModel."""
     _setup_logging()
-    from .checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
-    from .export import check_export_target, export_drafter
+    from train.checkpoint.export import check_export_target, export_drafter
+    from train.checkpoint.store import latest_checkpoint, list_checkpoints, verify_checkpoint
 
     path = Path(checkpoint)
     try:
@@ -153,9 +152,9 @@ def export(checkpoint: str, out: str, overwrite: bool) -> None:
 
 
 def _model_from_checkpoint(ckpt):
-    from .checkpoint import load_model_state
-    from .drafter_config import DrafterConfig
-    from .model import DFlashDrafter
+    from train.checkpoint.store import load_model_state
+    from train.drafter.config import DrafterConfig
+    from train.drafter.model import DFlashDrafter
 
     cfg = DrafterConfig(**ckpt.state["drafter"])
     model = DFlashDrafter(cfg)
@@ -184,12 +183,12 @@ def eval_cmd(out_json, **options) -> None:
     """
     _setup_logging()
     cfg = build_config(EvalConfig, options)
-    from .outputs import check_output_file, is_eval_record, write_eval_json
+    from train.outputs import check_output_file, is_eval_record, write_eval_json
 
     try:
         if out_json:  # before any work: never a user's file, never a missing directory
             check_output_file(out_json, "--out", is_eval_record, "dflash-train eval")
-        from .eval_run import run_eval  # heavy imports after argument checks
+        from train.eval.run import run_eval  # heavy imports after argument checks
 
         result = run_eval(cfg)
     except (ValueError, FileNotFoundError) as e:
@@ -211,7 +210,7 @@ def plot(run: str, out_png: str | None) -> None:
     Reads RUN/metrics.jsonl (a resumed run's repeated steps: the later run wins). Needs matplotlib
     (pip install -e '.[plot]'). Open the PNG with any image viewer, e.g. `xdg-open RUN/run.png`.
     """
-    from .plot import PLOT_FILE, plot_run, read_run_metrics
+    from train.metrics.plot import PLOT_FILE, plot_run, read_run_metrics
 
     out = Path(out_png) if out_png else Path(run) / PLOT_FILE
     try:

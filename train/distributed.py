@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shards.runtime import DistInfo, rank_info
+from shards.common.runtime import DistInfo, rank_info
 
 
 def init_distributed(device_type: str) -> DistInfo:

@@ -25,17 +25,17 @@ from typing import Any
 import torch
 
 from shards import ShardReader, load_target_head
-from shards.durable import atomic_write_text, check_writable
-from shards.lock import DirectoryLock
+from shards.common.durable import atomic_write_text, check_writable
+from shards.common.lock import DirectoryLock
+from shards.common.progress import format_duration, plural
+from shards.common.provenance import provenance
+from shards.common.runtime import DistInfo, all_gather_objects, barrier, rank_info, resolve_device
 from shards.ownership import describe
-from shards.progress import format_duration, plural
-from shards.provenance import provenance
-from shards.runtime import DistInfo, all_gather_objects, barrier, rank_info, resolve_device
-
-from .attention import BlockAttentionLayout, choose_backend
-from .batch import StaticBatch
-from .blocks import anchor_seed
-from .checkpoint import (
+from train.batch import StaticBatch
+from train.blocks import anchor_seed
+from train.checkpoint.async_save import CheckpointWriter
+from train.checkpoint.export import load_drafter_weights_
+from train.checkpoint.store import (
     Checkpoint,
     check_resume_compatible,
     checkpoint_folders,
@@ -46,21 +46,20 @@ from .checkpoint import (
     load_model_state,
     load_optimizer_state,
 )
-from .checkpoint_async import CheckpointWriter
-from .data import Batch, rank_batches
-from .distributed import FlatGrads, broadcast_parameters, init_distributed
-from .evaluate import EvalResult, eval_copy, evaluate_drafter
-from .export import load_drafter_weights_
-from .flops import drafter_step_flops, peak_flops
-from .metrics import MetricsLogger, StepTotals
-from .model import DFlashDrafter, Linear, TargetHead, count_parameters
-from .outputs import write_eval_json
-from .pointwise import compile_pointwise_
-from .precision import WorkingWeights, autocast_dtype, torch_dtype
-from .preempt import StopOnSigterm, stop_together
-from .rundir import RUN_RECORD_FILE, check_run_dir, clean_stale_temporaries, truncate_metrics
-from .step import StepRunner, StepState, WarmupCosine, load_optimizer_state_, make_optimizer
-from .train_config import ResolvedRun, TrainConfig, resolve_run, resolved_identity
+from train.config import ResolvedRun, TrainConfig, resolve_run, resolved_identity
+from train.data import Batch, rank_batches
+from train.distributed import FlatGrads, broadcast_parameters, init_distributed
+from train.drafter.attention import BlockAttentionLayout, choose_backend
+from train.drafter.model import DFlashDrafter, Linear, TargetHead, count_parameters
+from train.drafter.pointwise import compile_pointwise_
+from train.eval.evaluate import EvalResult, eval_copy, evaluate_drafter
+from train.metrics.flops import drafter_step_flops, peak_flops
+from train.metrics.logger import MetricsLogger, StepTotals
+from train.outputs import write_eval_json
+from train.precision import WorkingWeights, autocast_dtype, torch_dtype
+from train.preempt import StopOnSigterm, stop_together
+from train.rundir import RUN_RECORD_FILE, check_run_dir, clean_stale_temporaries, truncate_metrics
+from train.step import StepRunner, StepState, WarmupCosine, load_optimizer_state_, make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -389,7 +388,7 @@ class Trainer:
         )
         log.info(
             "FLOPs per step: %.4g (drafter and LM-head matmuls, forward and backward, per rank; attention "
-            "not counted, see train/flops.py); %s",
+            "not counted, see train/metrics/flops.py); %s",
             self.flops_per_step,
             mfu,
         )

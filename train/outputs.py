@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shards.durable import atomic_write_text
+from shards.common.durable import atomic_write_text
 
 # Keys every eval.json of dflash-train holds (EvalResult.to_dict; EvalOutput.to_dict without a walk
 # holds batch_ids and speculative_decoding).

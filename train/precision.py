@@ -9,7 +9,7 @@ compute-dtype copy of each, refreshed in place once per step inside the captured
 forward and recompute through `use_working_copy`, whose backward casts the gradient to the master's
 dtype exactly as the backward of autocast's cast does. One autograd node per use, so a weight used
 twice (each layer's k/v projections: context and block) still sums its two gradients in fp32: the
-step is bitwise the autocast step (tests/test_fused_paths.py).
+step is bitwise the autocast step (tests/train/test_fused_paths.py).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ import signal
 import torch
 import torch.distributed as dist
 
-from shards.runtime import barrier
-from shards.sigterm import SigtermFlag
+from shards.common.runtime import barrier
+from shards.common.sigterm import SigtermFlag
 
 
 class StopOnSigterm(SigtermFlag):

@@ -16,12 +16,11 @@ import logging
 import re
 from pathlib import Path
 
-from shards.durable import PROBE, atomic_write_text, remove_stale_temporaries, temporary_final_name
+from shards.common.durable import PROBE, atomic_write_text, remove_stale_temporaries, temporary_final_name
+from shards.common.lock import LOCK_FILE
 from shards.format import CACHE_CONFIG_FILE
-from shards.lock import LOCK_FILE
 from shards.ownership import describe, nested
-
-from . import checkpoint
+from train.checkpoint import store as checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -25,15 +25,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .attention import BlockAttentionLayout
-from .batch import StaticBatch
-from .blocks import sample_blocks
-from .distributed import FlatGrads
-from .losses import LossConfig, block_loss
-from .metrics import StepTotals
-from .metrics_math import block_metrics
-from .model import DFlashDrafter, TargetHead
-from .precision import WorkingWeights, compute_autocast
+from train.batch import StaticBatch
+from train.blocks import sample_blocks
+from train.distributed import FlatGrads
+from train.drafter.attention import BlockAttentionLayout
+from train.drafter.model import DFlashDrafter, TargetHead
+from train.loss.chunked import LossConfig, block_loss
+from train.metrics.block_metrics import block_metrics
+from train.metrics.logger import StepTotals
+from train.precision import WorkingWeights, compute_autocast
 
 log = logging.getLogger(__name__)
 

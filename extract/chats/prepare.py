@@ -1,0 +1,354 @@
+"""dflash-data prepare: conversations -> the token dataset dflash-extract reads (id, input_ids, loss_mask).
+
+Every conversation is rendered with the target's own chat template (chat.py); the output is one
+Parquet file with small row groups, plus OUT.summary.json: samples, tokens, supervised fraction,
+truncated and skipped samples with their reasons. Bad rows (no messages, unknown roles, no assistant
+turn, a template that refuses the conversation) are all listed and nothing is written, unless
+`skip_bad_rows`, which writes the rest and lists every skipped row in the summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, get_args
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from extract.chats.conversations import (
+    PREPARE_SUMMARY_SUFFIX,
+    REGENERATE_META_SUFFIX,
+    conversation_files,
+    holds_conversations,
+    iter_conversations,
+)
+from extract.chats.template import ChatRenderer, load_tokenizer
+from extract.dataset.index import Sample, data_would_read
+from extract.dataset.rows import DataError
+from extract.target.config import TargetConfig
+from shards.common.cli_options import cli_field, config_error
+from shards.common.durable import atomic_write_text, check_writable
+
+logger = logging.getLogger(__name__)
+
+LongPolicy = Literal["truncate", "skip", "error"]
+Thinking = Literal["on", "off"]  # enable_thinking in the chat template
+_NUM_ERRORS_SHOWN = 20
+
+
+@dataclass(kw_only=True)
+class PrepareConfig:
+    """One dflash-data prepare run: conversations -> token dataset."""
+
+    target: str = cli_field(path="existing_dir")
+    """Target checkpoint directory: config.json, tokenizer.json, tokenizer_config.json,
+    chat_template.jinja."""
+    data: str
+    """Conversations: .jsonl / .json / .parquet file, directory or glob."""
+    out: str = cli_field(path="file")
+    """Parquet file to write (id, input_ids, loss_mask), plus OUT.summary.json."""
+    thinking: Thinking = "on"
+    """Render as served with thinking on (reasoning kept where the template keeps it) or off
+    (reasoning removed). Must match how the target will be served."""
+    max_length: int | None = None
+    """Tokens per sample at most. Default: no limit."""
+    long_seqs: LongPolicy = "truncate"
+    """Samples past --max-length: cut (truncate), drop and list in the summary (skip) or refuse (error)."""
+    skip_bad_rows: bool = False
+    """Write the good rows and list the bad ones in the summary, instead of refusing."""
+    overwrite: bool = False
+    """Replace an existing --out file."""
+
+    def __post_init__(self) -> None:
+        if self.max_length is not None and self.max_length <= 0:
+            raise config_error(self, "max_length", "must be positive")
+        if self.long_seqs not in get_args(LongPolicy):
+            raise config_error(self, "long_seqs", f"must be one of {get_args(LongPolicy)}")
+        if self.thinking not in get_args(Thinking):
+            raise config_error(self, "thinking", f"must be one of {get_args(Thinking)}")
+        if not self.out.endswith(".parquet"):
+            raise config_error(self, "out", "must be a .parquet file")
+
+
+@dataclass
+class PrepareSummary:
+    out: str
+    num_samples: int = 0  # written
+    num_tokens: int = 0
+    num_supervised: int = 0
+    num_truncated: int = 0  # cut to max_length (still written)
+    num_reasoning_dropped: int = 0  # assistant turns whose reasoning was removed (thinking off)
+    skipped: list[dict] = dataclasses.field(default_factory=list)  # {"row": where, "reason": ...}
+
+    @property
+    def supervised_fraction(self) -> float:
+        return self.num_supervised / self.num_tokens if self.num_tokens else 0.0
+
+    def line(self) -> str:
+        return (
+            f"{self.num_samples} samples, {self.num_tokens} tokens, {100 * self.supervised_fraction:.1f}% supervised, "
+            f"{self.num_truncated} truncated, {len(self.skipped)} skipped"
+            + (
+                f", reasoning removed from {self.num_reasoning_dropped} turns (thinking off)"
+                if self.num_reasoning_dropped
+                else ""
+            )
+            + f" -> {self.out}"
+        )
+
+
+_ROW_GROUP = 256  # rows per Parquet row group: dflash-extract decodes one whole group per sample it loads
+_SCHEMA = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8()))])
+
+
+def _table(samples: list[Sample]) -> pa.Table:
+    return pa.table(
+        {
+            "id": pa.array([s.sample_id for s in samples], type=pa.string()),
+            "input_ids": pa.array([s.input_ids for s in samples], type=pa.list_(pa.int32())),
+            "loss_mask": pa.array([s.loss_mask for s in samples], type=pa.list_(pa.uint8())),
+        },
+        schema=_SCHEMA,
+    )
+
+
+def _encoded(
+    cfg: PrepareConfig, renderer: ChatRenderer, summary: PrepareSummary, errors: list[str]
+) -> Iterator[Sample]:
+    """Every good conversation as a Sample; bad rows go to `errors`, counts to `summary`."""
+    for conv in iter_conversations(cfg.data, errors):
+        try:
+            ids, mask, dropped = renderer.encode(conv)
+        except DataError as e:
+            errors.append(str(e))
+            continue
+        _check_ids(ids, renderer, conv.where)
+        if cfg.max_length is not None and len(ids) > cfg.max_length:
+            reason = f"{len(ids)} tokens, more than max_length {cfg.max_length}"
+            if cfg.long_seqs == "error":
+                raise DataError(
+                    f"{conv.where}: sample {conv.sample_id!r} has {reason}; use --long-seqs truncate or skip"
+                )
+            if cfg.long_seqs == "skip":
+                summary.skipped.append({"row": conv.where, "id": conv.sample_id, "reason": reason})
+                continue
+            ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
+            summary.num_truncated += 1
+        summary.num_reasoning_dropped += dropped
+        summary.num_samples += 1
+        summary.num_tokens += len(ids)
+        summary.num_supervised += int(mask.sum())
+        yield Sample(conv.sample_id, ids, mask)
+
+
+def _check_ids(ids: np.ndarray, renderer: ChatRenderer, where: str) -> None:
+    """The ids written fit the model's vocabulary (ChatRenderer checked the tokenizer up front; this
+    is what dflash-extract would refuse later, naming the prepared file rather than the chat)."""
+    vocab_size = renderer.vocab_size
+    if vocab_size is None or not len(ids):
+        return
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if len(bad):
+        i = int(bad[0])
+        token = renderer.tokenizer.convert_ids_to_tokens(int(ids[i]))
+        raise DataError(
+            f"{where}: token {i} of the rendering has id {int(ids[i])} ({token!r}), outside the model's vocab_size "
+            f"{vocab_size}: the tokenizer of {renderer.target_dir} does not fit its config.json"
+        )
+
+
+# How to write the good rows when some are bad: dflash-data prepare's flag, or (from dflash-extract,
+# which has no such flag) a separate prepare run.
+SKIP_BAD_ROWS_HINT = "pass --skip-bad-rows to write the other rows (the skipped ones are listed in the summary)"
+EXTRACT_SKIP_HINT = "run `dflash-data prepare --skip-bad-rows` on them and pass its output as --data"
+
+
+def prepare_dataset(cfg: PrepareConfig, skip_hint: str = SKIP_BAD_ROWS_HINT) -> PrepareSummary:
+    """Render, mask and write every conversation; DataError listing bad rows (see the module doc)."""
+    out = Path(cfg.out)
+    _check_out(cfg, out)
+    _warn_thinking_mismatch(cfg)
+    vocab_size = TargetConfig.from_dir(cfg.target).vocab_size
+    renderer = ChatRenderer(cfg.target, thinking=cfg.thinking == "on", vocab_size=vocab_size)
+    summary = PrepareSummary(out=str(out))
+    errors: list[str] = []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        # Streamed, ROW_GROUP rows at a time: memory stays flat however large the dataset.
+        with pq.ParquetWriter(tmp, _SCHEMA) as writer:
+            pending: list[Sample] = []
+            for sample in _encoded(cfg, renderer, summary, errors):
+                pending.append(sample)
+                if len(pending) == _ROW_GROUP:
+                    writer.write_table(_table(pending))
+                    pending = []
+            if pending:
+                writer.write_table(_table(pending))
+        if errors and not cfg.skip_bad_rows:
+            shown = "\n  ".join(errors[:_NUM_ERRORS_SHOWN])
+            more = f"\n  ... and {len(errors) - _NUM_ERRORS_SHOWN} more" if len(errors) > _NUM_ERRORS_SHOWN else ""
+            raise DataError(f"{len(errors)} bad rows, nothing written:\n  {shown}{more}\nfix them, or {skip_hint}")
+        if not summary.num_samples:
+            raise DataError(f"{cfg.data}: no conversation could be prepared")
+        if not summary.num_supervised:  # a drafter learns nothing from it: refused, as dflash-extract would
+            cut = f" (--max-length {cfg.max_length} cut every reply away: raise it)" if cfg.max_length else ""
+            raise DataError(f"{cfg.data}: no token of the {summary.num_samples} samples is supervised{cut}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)  # ours: the partial output of a refused or failed run
+    summary.skipped.extend({"row": e.split(": ", 1)[0], "reason": e.split(": ", 1)[-1]} for e in errors)
+    record = {
+        **dataclasses.asdict(summary),
+        "supervised_fraction": summary.supervised_fraction,
+        "config": dataclasses.asdict(cfg),
+    }
+    atomic_write_text(_summary_path(out), json.dumps(record, indent=2))
+    logger.info("prepared %s", summary.line())
+    return summary
+
+
+def _warn_thinking_mismatch(cfg: PrepareConfig) -> None:
+    """Conversations that dflash-data regenerate wrote with the other thinking mode than this render."""
+    for file in conversation_files(cfg.data):
+        try:
+            made = json.loads(Path(file + REGENERATE_META_SUFFIX).read_text()).get("thinking")
+        except (OSError, ValueError, AttributeError):
+            continue  # not regenerated by us, or no readable record
+        if made in get_args(Thinking) and made != cfg.thinking:
+            logger.warning(
+                "%s was regenerated with thinking %s but is rendered with --thinking %s: the masks and the "
+                "replies disagree on reasoning; pass --thinking %s unless that is what you want",
+                file,
+                made,
+                cfg.thinking,
+                made,
+            )
+
+
+def _summary_path(out: Path) -> Path:
+    return Path(f"{out}{PREPARE_SUMMARY_SUFFIX}")
+
+
+def _read_summary(out: Path) -> dict | None:
+    """The summary a prepare run wrote beside OUT, None when there is none of ours."""
+    try:
+        summary = json.loads(_summary_path(out).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return summary if isinstance(summary, dict) and "config" in summary and "num_samples" in summary else None
+
+
+def _written_by_prepare(out: Path) -> bool:
+    """OUT is a token dataset beside a summary that records a prepare run."""
+    try:
+        names = pq.read_schema(out).names
+    except Exception:  # not Parquet: pyarrow raises several types
+        return False
+    return _read_summary(out) is not None and names == _SCHEMA.names
+
+
+def check_output_file(out: Path, sidecar: Path, data: str) -> None:
+    """Before any work: --out and its sidecar are not what --data reads, and their directory is writable."""
+    for path in (out, sidecar):
+        if data_would_read(data, path):
+            raise FileExistsError(
+                f"--out {out}: {path} is --data {data} or would be read by it; choose an --out outside the data"
+            )
+    try:
+        check_writable(out.parent, f"--out {out}")
+    except ValueError as e:
+        raise FileExistsError(str(e)) from e
+
+
+def _check_out(cfg: PrepareConfig, out: Path) -> None:
+    """Replace only an output of ours, and only with --overwrite; never a summary we did not write."""
+    check_output_file(out, _summary_path(out), cfg.data)
+    if out.exists():
+        if not cfg.overwrite:
+            raise FileExistsError(f"{out} exists; choose another --out or pass --overwrite")
+        if not _written_by_prepare(out):
+            raise FileExistsError(
+                f"--overwrite: {out} was not written by dflash-data prepare (no {_summary_path(out).name} of "
+                "ours beside it); nothing was replaced: choose another --out"
+            )
+    elif _summary_path(out).exists() and _read_summary(out) is None:
+        raise FileExistsError(f"{_summary_path(out)} exists and is not a prepare summary; choose another --out")
+
+
+@contextmanager
+def tokens_for_extraction(data: str, target: str, thinking: Thinking | None) -> Iterator[tuple[str, dict | None]]:
+    """(token dataset path, how it was prepared) for dflash-extract's --data.
+
+    Token rows: `data` itself and None. Conversations: prepared on the fly by `prepare_dataset` (the
+    code of `dflash-data prepare`, with `thinking`, default on) into a temporary Parquet file that
+    lives as long as the context, and a record of the preparation for cache.json (thinking mode,
+    sha256 of the chat template and of tokenizer.json, the summary's counts)."""
+    if not holds_conversations(data):
+        if thinking is not None:
+            raise ValueError(
+                f"--thinking {thinking}: --data {data} holds token rows (input_ids), not conversations; "
+                "drop --thinking (it applies to conversations only)"
+            )
+        yield data, None
+        return
+    with tempfile.TemporaryDirectory(prefix="dflash-extract-prepared-") as tmp:
+        cfg = PrepareConfig(target=target, data=data, out=str(Path(tmp) / "data.parquet"), thinking=thinking or "on")
+        logger.info(
+            "--data %s holds conversations: rendering them with %s's chat template, thinking %s",
+            data,
+            target,
+            cfg.thinking,
+        )
+        summary = prepare_dataset(cfg, EXTRACT_SKIP_HINT)
+        template = load_tokenizer(target).chat_template
+        record = {
+            "from": "conversations",
+            "thinking": cfg.thinking,
+            "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
+            "tokenizer_sha256": _file_sha256(Path(target) / "tokenizer.json"),
+            "num_samples": summary.num_samples,
+            "num_supervised": summary.num_supervised,
+            "num_reasoning_removed": summary.num_reasoning_dropped,
+        }
+        try:
+            yield cfg.out, record
+        except ValueError as e:  # DataError included
+            if type(e) not in (ValueError, DataError) or cfg.out not in str(e):
+                raise
+            # The prepared file is a temporary the user never saw and that is gone once this returns.
+            raise type(e)(_name_chat_rows(str(e), cfg.out, data)) from e
+
+
+def _name_chat_rows(message: str, prepared: str, data: str) -> str:
+    """`message` with each "PREPARED, row N" replaced by the file and row of the chat prepared into row
+    N (found by its id), and any other mention of PREPARED by what it was prepared from."""
+    located = re.compile(re.escape(prepared) + r", row (\d+)")
+    rows = {int(n) for n in located.findall(message)}
+    origin: dict[int, str] = {}
+    if rows:
+        ids = pq.read_table(prepared, columns=["id"]).column("id").to_pylist()
+        wanted = {ids[r]: r for r in rows if r < len(ids)}
+        for conv in iter_conversations(data, errors=[]):
+            if conv.sample_id in wanted:
+                origin[wanted[conv.sample_id]] = f"{conv.where} (id {conv.sample_id!r})"
+    message = located.sub(lambda m: origin.get(int(m[1]), m[0]), message)
+    return message.replace(prepared, f"the token rows prepared from {data}")
+
+
+def _file_sha256(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

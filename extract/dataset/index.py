@@ -1,0 +1,486 @@
+"""Dataset input for dflash-extract: find, validate, index and load tokenised samples.
+
+Input is a Parquet or JSON Lines file, a directory holding such files (searched recursively), or a
+glob. Files are taken in sorted order, so the dataset order, and with it the packing plan and every
+batch id, is the same on every run and every rank.
+
+Each row carries
+    input_ids   list of ints in [0, vocab_size)           required
+    loss_mask   list of 0/1, as long as input_ids         optional; all ones when absent
+    id          string or int                             optional; "<file stem>:<row>" when absent
+Rows are counted from 0 within their file (a JSONL row is a line, so row r is line r + 1).
+
+scan_dataset() reads every row once, before any model loads, and raises one DataError naming file,
+row and reason of every bad row (the first MAX_REPORTED_PROBLEMS listed, all counted). It returns a DatasetIndex: per non-empty sample its id, length,
+loss tokens, file and row; small enough to plan the packing of millions of samples. Empty samples
+are skipped and counted in the index's ScanReport. load_samples() / SampleLoader fetch the token data
+of chosen samples later, one packed batch at a time, reading only the Parquet row groups or JSONL
+lines they need. Parsing and validating the rows of each file format is rows.py's.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import hashlib
+import json
+import logging
+import os
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, get_args
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from extract.dataset.rows import (
+    DataError,
+    Problems,
+    iter_file,
+    open_parquet,
+    parquet_chunk,
+    parquet_columns,
+    parse_json_row,
+    read_row_group,
+    row_location,
+)
+from shards.common.crc import crc32
+
+logger = logging.getLogger(__name__)
+
+DATA_SUFFIXES = (".parquet", ".jsonl")
+# What happens to a sample longer than the token budget (see PackingConfig.long_seqs).
+LongSeqPolicy = Literal["truncate", "skip", "error"]
+LONG_SEQ_POLICIES = get_args(LongSeqPolicy)
+_NUM_EMPTY_EXAMPLES = 5  # empty sample ids kept for the report line
+
+
+@dataclass
+class Sample:
+    """One tokenised sample: token ids and the mask of supervised tokens."""
+
+    sample_id: str
+    input_ids: np.ndarray  # [length] int32
+    loss_mask: np.ndarray  # [length] uint8, 1 = token is supervised
+
+    def __post_init__(self) -> None:
+        self.input_ids = np.asarray(self.input_ids, dtype=np.int32)
+        self.loss_mask = np.asarray(self.loss_mask, dtype=np.uint8)
+        if self.input_ids.ndim != 1 or self.input_ids.shape != self.loss_mask.shape:
+            raise ValueError(
+                f"sample {self.sample_id!r}: input_ids shape {self.input_ids.shape} and loss_mask shape "
+                f"{self.loss_mask.shape} must be equal and 1-D"
+            )
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class ScanReport:
+    """What one pass over the dataset found; logged and recorded with the cache."""
+
+    num_files: int
+    num_rows: int  # rows read, empty ones included
+    num_samples: int  # non-empty samples indexed
+    num_empty: int  # rows with zero tokens: skipped, never packed
+    num_tokens: int  # tokens of the indexed samples (before any truncation)
+    num_loss_tokens: int  # of which loss_mask == 1
+    max_length: int  # longest sample, tokens
+    token_budget: int | None  # budget the long-sample count refers to; None = not counted
+    num_longer_than_budget: int  # samples longer than token_budget (0 when token_budget is None)
+    empty_examples: tuple[str, ...]  # ids of the first few empty samples, for the log
+    # Supervised tokens whose next token in the same sample is supervised too: the positions a drafter
+    # can anchor a block at (train/blocks.py). 0 means nothing to learn from, whatever the mask count.
+    num_anchor_positions: int = 0
+    # Of those, the ones packing keeps (--long-seqs truncate cuts a sample at token_budget, skip drops
+    # it); equal to num_anchor_positions without token_budget.
+    num_packed_anchor_positions: int = 0
+
+    def summary(self) -> str:
+        long = "" if self.token_budget is None else f", {self.num_longer_than_budget} longer than {self.token_budget}"
+        empty = f" (e.g. {', '.join(self.empty_examples)})" if self.empty_examples else ""
+        return (
+            f"{self.num_files} files, {self.num_rows} rows: {self.num_samples} samples, {self.num_tokens} tokens "
+            f"({self.num_loss_tokens} supervised), longest {self.max_length}{long}; "
+            f"{self.num_empty} empty samples skipped{empty}"
+        )
+
+
+@dataclass
+class DatasetIndex:
+    """Per non-empty sample, in dataset order: id, length and where it lives (file, row)."""
+
+    files: list[str]  # data files, sorted
+    file_sizes: list[int]  # bytes at scan time, to catch files changed before loading
+    vocab_size: int  # token ids were checked against [0, vocab_size)
+    sample_ids: list[str]  # [N]
+    lengths: np.ndarray  # [N] int64, tokens
+    loss_tokens: np.ndarray  # [N] int64, tokens with loss_mask == 1
+    file_index: np.ndarray  # [N] int32, into files
+    rows: np.ndarray  # [N] int64, row within its file
+    byte_offsets: np.ndarray  # [N] int64, start of the JSONL line; -1 for Parquet
+    sample_crc32: np.ndarray  # [N] uint32, sample_crc32() of each sample as scanned
+    content_sha256: str  # sha256 of all tokens (int32 LE) and masks (uint8), in index order
+    report: ScanReport
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def location(self, i: int) -> str:
+        """Human-readable place of sample i, for error messages."""
+        return row_location(self.files[int(self.file_index[i])], int(self.rows[i]))
+
+
+def is_glob(path: str | os.PathLike) -> bool:
+    """`path` is a pattern: it has a wildcard and names no existing file or directory (a folder
+    called `run[1]` is a folder)."""
+    text = str(path)
+    return any(c in text for c in "*?[") and not os.path.lexists(text)
+
+
+def data_would_read(data: str | os.PathLike, path: str | os.PathLike) -> bool:
+    """--data `data` (a file, directory or glob) names `path`: it is the input file, lies inside the
+    input directory, or matches the pattern, so a file written there would be read back as data."""
+    if not is_glob(data):
+        root, p = Path(os.path.realpath(data)), Path(os.path.realpath(path))
+        return p == root or root in p.parents
+    pattern = Path(os.path.abspath(str(data))).parts
+    return any(_glob_match(pattern, Path(q).parts) for q in (os.path.abspath(path), os.path.realpath(path)))
+
+
+def _glob_match(pattern: Sequence[str], parts: Sequence[str]) -> bool:
+    """glob.glob(recursive=True)'s match, one path segment at a time: `**` spans any number of
+    directories, every other segment matches exactly one (its `*` never crosses a `/`)."""
+    if not pattern:
+        return not parts
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(_glob_match(rest, parts[i:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], head) and _glob_match(rest, parts[1:])
+
+
+def find_data_files(path: str | os.PathLike, suffixes: tuple[str, ...] = DATA_SUFFIXES) -> list[str]:
+    """The data files named by `path` (file, directory or glob) whose names end in `suffixes`, sorted."""
+    text = str(path)
+    if is_glob(text):
+        files = sorted(glob.glob(text, recursive=True))
+        if not files:
+            raise DataError(f"no files match {text!r}")
+        bad = [f for f in files if not f.endswith(suffixes)]
+        if bad:
+            raise DataError(f"{text!r} matches files that are not {' or '.join(suffixes)}: {bad[:5]}")
+        return files
+    p = Path(text)
+    if p.is_dir():
+        found = sorted(str(f) for f in p.rglob("*") if f.is_file())
+        files = [f for f in found if f.endswith(suffixes)]
+        if len(files) < len(found):
+            logger.info("%s: ignoring %d files that are not %s", p, len(found) - len(files), suffixes)
+        if not files:
+            raise DataError(f"directory {p} holds no {' or '.join(suffixes)} files")
+        return files
+    if not p.is_file():
+        raise DataError(f"dataset path {p} does not exist")
+    if not text.endswith(suffixes):
+        raise DataError(f"{p}: unsupported file type; expected one of {suffixes}")
+    return [text]
+
+
+def scan_dataset(
+    path: str | os.PathLike,
+    *,
+    vocab_size: int,
+    token_budget: int | None = None,
+    long_seqs: str = "truncate",
+) -> DatasetIndex:
+    """Read and validate every row of the dataset at `path`; return its index.
+
+    Raises one DataError after the whole scan, naming every bad row (file, row and reason) and
+    duplicate id (both places), the first MAX_REPORTED_PROBLEMS of them listed and all counted. With
+    `token_budget`, samples longer than it are counted, and with long_seqs="error" they are refused
+    here, before any model loads.
+    """
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    if long_seqs not in LONG_SEQ_POLICIES:
+        raise ValueError(f"long_seqs must be one of {LONG_SEQ_POLICIES}, got {long_seqs!r}")
+    files = find_data_files(path)
+    seen: dict[str, tuple[int, int]] = {}  # sample id -> (file index, row), for duplicate reports
+    ids: list[str] = []
+    parts: dict[str, list[np.ndarray]] = {"lengths": [], "loss": [], "file": [], "rows": [], "offsets": [], "crc": []}
+    token_hash, mask_hash = hashlib.sha256(), hashlib.sha256()
+    num_rows, empty, anchors, packed_anchors = 0, [], 0, 0
+    problems = Problems()  # every bad row of every file, reported together at the end
+    prefixes = derived_id_prefixes(files)
+    for fi, file in enumerate(files):
+        stem = prefixes[file]
+        try:
+            for chunk in iter_file(file, vocab_size, problems):
+                num_rows += _index_chunk(
+                    chunk,
+                    fi,
+                    files,
+                    stem,
+                    seen,
+                    ids,
+                    parts,
+                    empty,
+                    problems,
+                    token_budget if long_seqs == "error" else None,
+                )
+                anchors += anchor_positions(chunk.lengths, chunk.mask)
+                packed_anchors += anchor_positions(chunk.lengths, chunk.mask, token_budget, long_seqs)
+                token_hash.update(chunk.tokens.astype("<i4").tobytes())
+                mask_hash.update(chunk.mask.tobytes())
+        except DataError as e:  # the file itself (unreadable, wrong columns): its other rows are unknown
+            problems.add(str(e))
+    problems.raise_if_any(str(path))
+    cat = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in parts.items()}
+    lengths = cat["lengths"].astype(np.int64)
+    report = ScanReport(
+        num_files=len(files),
+        num_rows=num_rows,
+        num_samples=len(ids),
+        num_empty=len(empty),
+        num_tokens=int(lengths.sum()),
+        num_loss_tokens=int(cat["loss"].sum()),
+        max_length=int(lengths.max()) if lengths.size else 0,
+        token_budget=token_budget,
+        num_longer_than_budget=int((lengths > token_budget).sum()) if token_budget is not None else 0,
+        empty_examples=tuple(empty[:_NUM_EMPTY_EXAMPLES]),
+        num_anchor_positions=anchors,
+        num_packed_anchor_positions=packed_anchors,
+    )
+    logger.info("scanned %s: %s", path, report.summary())
+    return DatasetIndex(
+        files=files,
+        file_sizes=[os.path.getsize(f) for f in files],
+        vocab_size=vocab_size,
+        sample_ids=ids,
+        lengths=lengths,
+        loss_tokens=cat["loss"].astype(np.int64),
+        file_index=cat["file"].astype(np.int32),
+        rows=cat["rows"].astype(np.int64),
+        byte_offsets=cat["offsets"].astype(np.int64),
+        sample_crc32=cat["crc"].astype(np.uint32),
+        content_sha256=hashlib.sha256(token_hash.digest() + mask_hash.digest()).hexdigest(),
+        report=report,
+    )
+
+
+def anchor_positions(
+    lengths: np.ndarray, mask: np.ndarray, token_budget: int | None = None, long_seqs: str = "truncate"
+) -> int:
+    """Positions t with mask[t] and mask[t+1] in the same sample (rows back to back in `mask`): where a
+    drafter can anchor a training block (train/blocks.py). A pair across a row boundary does not count.
+    With token_budget, only what packing keeps of samples longer than it: their first token_budget
+    tokens (long_seqs "truncate"), nothing (any other policy: skipped, or refused by the scan)."""
+    m = mask.astype(bool)
+    if m.size == 0:
+        return 0
+    pairs = np.concatenate([[0], np.cumsum(m[:-1] & m[1:], dtype=np.int64)])  # pairs starting before t
+    pairs = np.append(pairs, pairs[-1])  # an empty last sample starts at len(mask)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    kept = lengths if token_budget is None else np.minimum(lengths, token_budget)
+    per_sample = pairs[np.maximum(starts + kept - 1, starts)] - pairs[starts]
+    if token_budget is not None and long_seqs != "truncate":
+        per_sample = np.where(lengths > token_budget, 0, per_sample)
+    return int(per_sample.sum())
+
+
+def _index_chunk(
+    chunk,
+    fi: int,
+    files: list[str],
+    stem: str,
+    seen: dict[str, tuple[int, int]],
+    ids: list[str],
+    parts: dict[str, list[np.ndarray]],
+    empty: list[str],
+    problems: Problems,
+    refuse_longer_than: int | None,
+) -> int:
+    """Add one chunk's good rows to the index being built; returns the rows it held."""
+    rows, row_ids, lengths, mask = chunk.rows, chunk.ids, chunk.lengths, chunk.mask
+    file = files[fi]
+    names = [f"{stem}:{r}" if i is None else str(i) for i, r in zip(row_ids, rows.tolist())]
+    for name, row in zip(names, rows.tolist()):
+        if name in seen:
+            pf, prow = seen[name]
+            problems.add(f"duplicate sample id {name!r}: {row_location(files[pf], prow)} and {row_location(file, row)}")
+        else:
+            seen[name] = (fi, row)
+    if refuse_longer_than is not None:
+        for k in np.flatnonzero(lengths > refuse_longer_than).tolist():
+            problems.add(
+                f"{row_location(file, int(rows[k]))}: sample {names[k]!r} has {lengths[k]} tokens, more than "
+                f"token_budget {refuse_longer_than}; use --long-seqs truncate or skip, or a larger --token-budget"
+            )
+    # Per-sample loss tokens: sum of the mask over each sample's slice of the flat array.
+    csum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+    ends = np.cumsum(lengths)
+    loss = csum[ends] - csum[ends - lengths]
+    keep = lengths > 0
+    empty.extend(n for n, k in zip(names, keep.tolist()) if not k)
+    ids.extend(n for n, k in zip(names, keep.tolist()) if k)
+    parts["lengths"].append(lengths[keep])
+    parts["loss"].append(loss[keep])
+    parts["file"].append(np.full(int(keep.sum()), fi, dtype=np.int32))
+    parts["rows"].append(rows[keep])
+    offsets = chunk.byte_offsets
+    parts["offsets"].append(offsets[keep] if offsets is not None else np.full(int(keep.sum()), -1, np.int64))
+    starts = ends - lengths
+    crcs = [sample_crc32(chunk.tokens[a:b], mask[a:b]) for a, b, k in zip(starts, ends, keep.tolist()) if k]
+    parts["crc"].append(np.array(crcs, dtype=np.uint32))
+    return len(rows)
+
+
+def sample_crc32(tokens: np.ndarray, mask: np.ndarray) -> int:
+    """crc32 of one sample's tokens (int32 LE) and mask: a row edited in place after the scan, same
+    length and id, still differs from its index entry."""
+    return crc32(mask.astype(np.uint8).tobytes(), crc32(tokens.astype("<i4").tobytes()))
+
+
+def derived_id_prefixes(files: list[str]) -> dict[str, str]:
+    """The <file> part of each file's derived ids "<file>:<row>": its stem, unless another of `files`
+    has the same stem; then its path relative to the folder common to all of them, suffix kept
+    (chats.jsonl and chats.parquet of one folder share a stem), so derived ids never collide."""
+    stems = Counter(Path(f).stem for f in files)
+    if all(n == 1 for n in stems.values()):
+        return {f: Path(f).stem for f in files}
+    root = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
+    return {
+        f: Path(f).stem if stems[Path(f).stem] == 1 else Path(os.path.relpath(os.path.abspath(f), root)).as_posix()
+        for f in files
+    }
+
+
+def dataset_fingerprint(index: DatasetIndex) -> str:
+    """sha256 over sample ids, lengths and content: a reordered or edited dataset changes it.
+
+    Independent of file format and location: the same samples with the same ids as JSONL or as
+    Parquet, anywhere on disk, give the same fingerprint.
+    """
+    h = hashlib.sha256(b"dflash-dataset-v1\0")
+    h.update(len(index).to_bytes(8, "little"))
+    for sample_id in index.sample_ids:
+        raw = sample_id.encode("utf-8")
+        h.update(len(raw).to_bytes(4, "little") + raw)  # length-prefixed: ids may contain any byte
+    h.update(index.lengths.astype("<i8").tobytes())
+    h.update(bytes.fromhex(index.content_sha256))
+    return h.hexdigest()
+
+
+class SampleLoader:
+    """Fetches the samples of an index by position, keeping files open and recent row groups parsed.
+
+    Every row read is validated again (same checks as the scan) and its id and length compared with
+    the index, so a file edited after the scan is an error, never a silently different batch.
+    """
+
+    def __init__(self, index: DatasetIndex, cache_tokens: int = 64 * 2**20):
+        self.index = index
+        # Parsed Parquet row groups are kept between calls up to this many tokens (5 bytes each);
+        # the row group in use is always kept.
+        self._cache_tokens = cache_tokens
+        self._cached = 0  # tokens in self._cache
+        self._parquet: dict[
+            int, tuple[pq.ParquetFile, list[str], np.ndarray]
+        ] = {}  # file -> (file, columns, row-group starts)
+        self._cache: OrderedDict[tuple[int, int], tuple[list, np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+        self._id_prefixes = derived_id_prefixes(index.files)
+        for file, size in zip(index.files, index.file_sizes):
+            now = os.path.getsize(file) if os.path.exists(file) else None
+            if now != size:
+                raise DataError(f"{file} changed since the dataset was scanned ({size} -> {now} bytes); scan it again")
+
+    def load(self, positions: Sequence[int]) -> list[Sample]:
+        """Samples at `positions` of the index, in the order given."""
+        return [self._load_one(int(i)) for i in positions]
+
+    def _load_one(self, i: int) -> Sample:
+        index = self.index
+        if not 0 <= i < len(index):
+            raise IndexError(f"sample position {i} outside the index of {len(index)} samples")
+        fi, row = int(index.file_index[i]), int(index.rows[i])
+        path = index.files[fi]
+        if path.endswith(".parquet"):
+            raw_id, tokens, mask = self._parquet_row(fi, row)
+        else:
+            with open(path, "rb") as f:
+                f.seek(int(index.byte_offsets[i]))
+                raw_id, tokens, mask = parse_json_row(f.readline(), path, row, index.vocab_size)
+        sample_id = f"{self._id_prefixes[path]}:{row}" if raw_id is None else str(raw_id)
+        if sample_id != index.sample_ids[i]:
+            raise DataError(
+                f"{row_location(path, row)}: id is {sample_id!r}, the scan found {index.sample_ids[i]!r}; "
+                f"the file changed, scan it again"
+            )
+        if tokens.shape[0] != index.lengths[i]:
+            raise DataError(
+                f"{row_location(path, row)}: sample {sample_id!r} has {tokens.shape[0]} tokens, the scan found "
+                f"{index.lengths[i]}; the file changed, scan it again"
+            )
+        if sample_crc32(tokens, mask) != int(index.sample_crc32[i]):
+            raise DataError(
+                f"{row_location(path, row)}: sample {sample_id!r} holds other tokens or loss mask than the scan "
+                "found; the file changed after the scan: restore it and run again"
+            )
+        return Sample(sample_id, tokens, mask)
+
+    def _parquet_row(self, fi: int, row: int) -> tuple[object, np.ndarray, np.ndarray]:
+        """(raw id, tokens, mask) of one Parquet row, via a small LRU of parsed row groups."""
+        path = self.index.files[fi]
+        if fi not in self._parquet:
+            pf = open_parquet(path)
+            sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
+            self._parquet[fi] = (pf, parquet_columns(pf.schema_arrow, path), np.cumsum([0] + sizes))
+        pf, columns, starts = self._parquet[fi]
+        g = int(np.searchsorted(starts, row, side="right")) - 1
+        key = (fi, g)
+        if key not in self._cache:
+            table = read_row_group(pf, g, path, int(starts[g]), columns)
+            chunk = parquet_chunk(table, path, int(starts[g]), self.index.vocab_size)
+            self._cache[key] = (chunk.ids, np.concatenate([[0], np.cumsum(chunk.lengths)]), chunk.tokens, chunk.mask)
+            self._cached += chunk.tokens.shape[0]
+            while self._cached > self._cache_tokens and len(self._cache) > 1:
+                self._cached -= self._cache.popitem(last=False)[1][2].shape[0]
+        self._cache.move_to_end(key)
+        ids, bounds, tokens, mask = self._cache[key]
+        k = row - int(starts[g])
+        lo, hi = int(bounds[k]), int(bounds[k + 1])
+        return ids[k], tokens[lo:hi].copy(), mask[lo:hi].copy()
+
+
+def load_samples(index: DatasetIndex, positions: Sequence[int]) -> list[Sample]:
+    """Samples at `positions` of the index (as in PackedBatch.rows), in the order given."""
+    return SampleLoader(index).load(positions)
+
+
+def write_jsonl(path: str | os.PathLike, samples: Iterable[Sample], with_ids: bool = True) -> None:
+    """Write samples as JSON Lines (id, input_ids, loss_mask); for tests and demo data."""
+    with open(path, "w", encoding="ascii") as f:
+        for s in samples:
+            row = {"id": s.sample_id} if with_ids else {}
+            row.update(input_ids=s.input_ids.tolist(), loss_mask=s.loss_mask.tolist())
+            f.write(json.dumps(row, separators=(",", ":")) + "\n")
+
+
+def write_parquet(
+    path: str | os.PathLike, samples: Iterable[Sample], with_ids: bool = True, row_group_size: int = 256
+) -> None:
+    """Write samples as Parquet; small row groups keep load_samples' reads per batch small."""
+    samples = list(samples)
+    columns = {
+        "input_ids": pa.array([s.input_ids for s in samples], type=pa.list_(pa.int32())),
+        "loss_mask": pa.array([s.loss_mask for s in samples], type=pa.list_(pa.uint8())),
+    }
+    if with_ids:
+        columns = {"id": pa.array([s.sample_id for s in samples], type=pa.string()), **columns}
+    # Page checksums: a damaged page is then refused by name (rows.read_row_group), never read as other tokens.
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size, write_page_checksum=True)

@@ -1,0 +1,230 @@
+"""Click options generated from the typed config dataclasses: every setting is written once.
+
+Both CLIs (dflash-extract, dflash-train) build their options from their config class, as torchtitan
+derives its flags from its config classes. For each dataclass field:
+
+    flag     the field name with dashes (`token_budget` -> `--token-budget`), or the one named by
+             `cli_field(flag=...)` where the short name is the established one (`--out`, `--taps`)
+    default  the field's default (None: the option is optional and the help says what unset means)
+    help     the docstring under the field (the convention of every config class here)
+    type     from the annotation: int, float, str; bool -> `--x` (default False) or `--x/--no-x`
+             (default True or None); Literal[...] -> Choice; list[int] / tuple[float, ...] -> one
+             comma-separated value (parse_number_list); `cli_field(path=...)` -> click.Path
+A field without a default is a required option. `build_config` turns the parsed options into the
+config and a ValueError from its __post_init__ into a usage error (exit 2, no traceback). The
+configs' own messages speak in flags (`config_error`), so what the user reads names what they typed.
+
+It lives in shards/ because that is the one package both stages import.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import os
+import sys
+import textwrap
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar
+
+import click
+
+from shards.format import canonical_precision
+
+C = TypeVar("C")
+F = TypeVar("F", bound=Callable[..., Any])
+
+# click.Path settings by name, for cli_field(path=...).
+PATH_KINDS = {
+    "existing_dir": dict(exists=True, file_okay=False),  # must exist, a directory
+    "dir": dict(file_okay=False),  # a directory that may not exist yet
+    "file": dict(dir_okay=False),  # a file that may not exist yet
+    "existing_file": dict(exists=True, dir_okay=False),  # must exist, a file
+}
+# Context settings every command of both CLIs uses: `-h` as well as `--help`, help text 110 wide.
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+
+
+def cli_field(
+    default: Any = dataclasses.MISSING,
+    *,
+    flag: str | None = None,
+    path: str | None = None,
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
+    """A dataclass field with CLI metadata: `flag` replaces the derived name, `path` is a PATH_KINDS key."""
+    if path is not None and path not in PATH_KINDS:
+        raise ValueError(f"cli_field path must be one of {sorted(PATH_KINDS)}, got {path!r}")
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={"flag": flag, "path": path})
+
+
+def flag_name(cls: type, name: str) -> str:
+    """The command-line flag of field `name` of config class `cls` (`--token-budget`)."""
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    return f.metadata.get("flag") or "--" + name.replace("_", "-")
+
+
+def shown(value: Any) -> str:
+    """A value as the user would have typed it: lists comma-separated, strings unquoted."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(shown(v) for v in value)
+    return str(value)
+
+
+def config_error(cfg: Any, name: str, rule: str) -> ValueError:
+    """`--warmup-ratio 1.5: must be in [0, 1)`: the flag, the value given, then the rule and fix."""
+    return ValueError(f"{flag_name(type(cfg), name)} {shown(getattr(cfg, name))}: {rule}")
+
+
+def parse_number_list(text: str, kind: type = int) -> list:
+    """'1,16,31' or '1 16 31' -> [1, 16, 31]: the one parser of every list-valued flag."""
+    try:
+        return [kind(v) for v in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated {'integers' if kind is int else 'numbers'}, got {text!r}") from None
+
+
+class NumberList(click.ParamType):
+    """A comma-separated list of ints (or floats) as one option value."""
+
+    def __init__(self, kind: type = int) -> None:
+        self.kind = kind
+        self.name = {int: "ints", float: "numbers"}.get(kind, "list")  # the metavar in --help
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list:
+        if isinstance(value, (list, tuple)):
+            return [self.kind(v) for v in value]
+        try:
+            return parse_number_list(value, self.kind)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+INT_LIST = NumberList(int)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the docstring under it, one paragraph (read from the class's source)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):  # no source (frozen app): options without help rather than a crash
+            continue
+        body = tree.body[0].body
+        for stmt, after in zip(body, body[1:]):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[stmt.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def config_options(cls: type, *, exclude: Sequence[str] = ()) -> Callable[[F], F]:
+    """Decorator adding one click option per field of `cls` (minus `exclude`), named as the field."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    fields = [f for f in dataclasses.fields(cls) if f.name not in exclude]
+
+    def decorate(fn: F) -> F:
+        for f in reversed(fields):  # click lists options in decoration order, innermost first
+            fn = _option(cls, f, hints[f.name], docs.get(f.name, ""))(fn)
+        return fn
+
+    return decorate
+
+
+def _option(cls: type, f: dataclasses.Field, hint: Any, help_text: str) -> Callable[[F], F]:
+    flag = flag_name(cls, f.name)
+    has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+    default = (
+        f.default
+        if f.default is not dataclasses.MISSING
+        else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+    )
+    base, optional = _strip_optional(hint)
+    kwargs: dict[str, Any] = dict(help=help_text, required=not has_default)
+    if base is bool:
+        if default is False:
+            return click.option(flag, f.name, is_flag=True, default=False, **kwargs)
+        return click.option(
+            f"{flag}/--no-{flag[2:]}", f.name, default=default, show_default=default is not None, **kwargs
+        )
+    if typing.get_origin(base) is Literal:
+        kwargs["type"] = PrecisionChoice([str(c) for c in typing.get_args(base)])
+    elif typing.get_origin(base) in (list, tuple):
+        kind = typing.get_args(base)[0]
+        kwargs["type"] = NumberList(kind)
+        default = shown(default) if default else None  # shown in --help as the user would type it
+    elif f.metadata.get("path"):
+        kwargs["type"] = click.Path(**PATH_KINDS[f.metadata["path"]])
+    elif base in (int, float, str):
+        kwargs["type"] = base
+    else:
+        raise TypeError(f"{cls.__name__}.{f.name}: no CLI type for annotation {hint!r}")
+    if has_default:
+        kwargs["default"] = default
+        kwargs["show_default"] = default is not None
+    return click.option(flag, f.name, **kwargs)
+
+
+class PrecisionChoice(click.Choice):
+    """click.Choice that also takes the other spelling of a precision name (format.canonical_precision:
+    `--storage bfloat16` is bf16, `--compute-dtype bf16` is bfloat16) and passes on the listed one."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return super().convert(canonical_precision(value, self.choices), param, ctx)
+
+
+def _strip_optional(hint: Any) -> tuple[Any, bool]:
+    """`int | None` -> (int, True); anything else -> (hint, False)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return hint, False
+
+
+def build_config(cls: type[C], options: dict[str, Any]) -> C:
+    """The config from parsed options; its ValueError becomes click's usage error (exit 2, no traceback)."""
+    try:
+        return cls(**options)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+
+
+def gpus_option(fn: F) -> F:
+    """`--gpus N|all`: start one process per GPU under torchrun (both CLIs)."""
+    return click.option(
+        "--gpus",
+        default=None,
+        metavar="N|all",
+        help="Start one process per GPU under torchrun: a number or 'all'. "
+        "Default: one process, or whatever torchrun you launched yourself.",
+    )(fn)
+
+
+def relaunch_if_asked(module: str, gpus: str | None) -> bool:
+    """With --gpus and not yet under torchrun, replace this process by torchrun over `module`.
+
+    Returns False when nothing was relaunched (no --gpus, or already a torchrun rank); on a
+    relaunch it does not return (os.execv).
+    """
+    if gpus is None or "LOCAL_RANK" in os.environ:
+        return False
+    from shards.common.runtime import relaunch_under_torchrun  # imports torch: only when relaunching
+
+    try:
+        relaunch_under_torchrun(module, gpus, sys.argv[1:])
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    return True

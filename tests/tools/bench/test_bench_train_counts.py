@@ -1,0 +1,34 @@
+"""tools/bench/train's analytic counts (keys per query per layer, kv tiles visited) against the masks."""
+
+from types import SimpleNamespace
+
+import torch
+
+from tests.helpers.drafter import ranges_at_sequence_starts
+from tools.bench.train import SIZES, drafter_config, mean_keys_per_layer, parse_layer_types, visited_kv_tiles
+from train.drafter.attention import BlockAttentionLayout, block_mask_dense
+
+
+def test_mean_keys_per_layer_counts_the_dense_masks():
+    num_ctx, nb, bs, window = 300, 16, 16, 40
+    seq_start, anchor = ranges_at_sequence_starts(num_ctx, nb, 2)
+    valid = anchor > seq_start  # blocks at a sequence start count as padding here, as the trainer makes them
+    # The count reads only the blocks' ranges and validity (the rest of a TrainingBlocks is not needed).
+    blocks = SimpleNamespace(anchor_N=anchor, seq_start_N=seq_start, block_valid_N=valid)
+    cfg = drafter_config(SIZES["launch"], parse_layer_types("sliding,full,sliding,full,full"), window)
+    got = mean_keys_per_layer(blocks, cfg)
+    for i, sliding in enumerate(cfg.sliding_layers):
+        mask = block_mask_dense(
+            seq_start, anchor, num_ctx=num_ctx, block_size=bs, sliding_window=window if sliding else None
+        )
+        want = mask.view(nb, bs, -1)[valid].sum(-1).float().mean().item()
+        assert abs(got[i] - want) < 1e-4, (i, got[i], want)
+
+
+def test_visited_kv_tiles_reads_both_masks():
+    num_ctx, nb, bs = 2048, 16, 16
+    anchor = torch.linspace(1000, 2040, nb).int()
+    layout = BlockAttentionLayout(num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", sliding_window=128)
+    layout.update(torch.zeros(nb, dtype=torch.int32), anchor)
+    tiles = visited_kv_tiles(layout)
+    assert tiles["sliding"] < tiles["full"] <= tiles["of"]

@@ -1,0 +1,160 @@
+"""Real speculative decoding with the tiny target in the loop: lossless (output == plain greedy token
+for token), and on the target's own greedy data the decoding walk over the cache gives exactly the
+same figures (fp32). Also the whose-tokens check (data == target top-1 on such a cache) and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from extract.dataset.index import write_jsonl
+from extract.runner import run_extract
+from shards import ShardReader
+from tests.helpers.extract import extract_cfg
+from tests.helpers.train import tiny_config
+from tools.cli.dflash_train import _target_verifier
+from tools.cli.verifier import TargetVerifier
+from tools.fixtures.demo_data import greedy_continuations
+from tools.fixtures.tiny_target import write_random_checkpoint
+from train.cli import main as train_cli
+from train.config import TrainConfig
+from train.drafter.model import TargetHead
+from train.eval.evaluate import evaluate_drafter
+from train.eval.run import load_drafter
+from train.eval.speculative import (
+    decode_prompts,
+    greedy_generate,
+    read_prompts,
+    register_verifier_factory,
+    speculative_generate,
+)
+from train.loop import run_training
+
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Tiny target, its greedy continuations as data, a cache with target top-1, a briefly trained drafter."""
+    root = tmp_path_factory.mktemp("spec")
+    target = write_random_checkpoint(root / "target", seed=0, dtype=torch.float32, mixer_scale=0.1)
+    samples = greedy_continuations(target, num_samples=24, prompt_len=(4, 12), new_tokens=NEW_TOKENS)
+    write_jsonl(root / "data.jsonl", samples)
+    run_extract(extract_cfg(target, root / "data.jsonl", root / "cache", target_topk=1))
+    # The default warmup share, and no logging or metrics to speak of: only the trained drafter matters.
+    quiet = dict(warmup_ratio=TrainConfig.warmup_ratio, log_every=1000, metrics_every=1000)
+    run_training(tiny_config(root / "cache", root / "run", epochs=30, num_blocks=32, lr=3e-3, **quiet))
+    return root, target, samples
+
+
+def _drafter(root):
+    loaded = load_drafter(root / "run")
+    return loaded.model.eval(), loaded.config
+
+
+def test_speculative_output_equals_plain_greedy(setup):
+    root, target, samples = setup
+    model, cfg = _drafter(root)
+    verifier = TargetVerifier(target, cfg.tap_layer_ids, "cpu", torch.float32)
+    head = TargetHead(verifier.embed_tokens_VH, verifier.lm_head_VH)
+    accepted = 0
+    for s in samples[:6]:
+        prompt = s.input_ids[: int(s.loss_mask.argmax())].tolist()
+        spec = speculative_generate(model, head, verifier, prompt, NEW_TOKENS)
+        plain = greedy_generate(verifier, prompt, NEW_TOKENS)
+        assert spec.tokens == plain.tokens
+        assert spec.tokens == s.input_ids[len(prompt) :].tolist(), "the data are the target's greedy continuation"
+        assert sum(spec.step_tokens) == NEW_TOKENS - 1, "after the prefill token, the steps emit the rest exactly"
+        accepted += sum(spec.step_accepted)
+    assert accepted > 0, "the trained drafter should get some drafts accepted"
+
+
+def test_walk_equals_real_speculative_decoding_on_target_greedy_data(setup):
+    root, target, samples = setup
+    model, cfg = _drafter(root)
+    reader = ShardReader(root / "cache")
+    from shards import load_target_head
+
+    head_t = load_target_head(root / "cache")
+    walk = evaluate_drafter(
+        model,
+        TargetHead(head_t["embed_tokens"].float(), head_t["lm_head"].float()),
+        str(root / "cache"),
+        reader.batch_ids(),
+        budgets=(),
+    )
+    assert walk.data_is_target_greedy == 1.0 and "exact" in walk.whose_tokens()
+
+    verifier = TargetVerifier(target, cfg.tap_layer_ids, "cpu", torch.float32)
+    head = TargetHead(verifier.embed_tokens_VH, verifier.lm_head_VH)
+    prompts = [s.input_ids[: int(s.loss_mask.argmax())].tolist() for s in samples]
+    report = decode_prompts(model, head, verifier, prompts, NEW_TOKENS)
+    assert report.identical == len(prompts)
+    got, want = report.walk, walk.walk
+    assert want.responses == len(samples)
+    assert got.accepted_histogram == want.accepted_histogram
+    assert got.slot_reached == want.slot_reached and got.slot_accepted == want.slot_accepted
+    assert (got.steps, got.tokens) == (want.steps, want.tokens)
+    assert got.acceptance_length == pytest.approx(want.acceptance_length, abs=1e-12)
+    assert sum(want.accepted_histogram[1:]) >= 10, f"the test needs accepted drafts to mean anything ({want})"
+
+
+def test_eval_cli_with_target_and_prompts(setup, tmp_path):
+    root, target, samples = setup
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"input_ids": s.input_ids.tolist(), "loss_mask": s.loss_mask.tolist()}) + "\n"
+            for s in samples[:3]
+        )
+    )
+    assert [len(p) for p in read_prompts(prompts, 512)] == [int(s.loss_mask.argmax()) for s in samples[:3]]
+    args = [
+        "eval",
+        "--drafter",
+        str(root / "run"),
+        "--target",
+        str(target),
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--dtype",
+        "float32",
+        "--out",
+        str(tmp_path / "e.json"),
+    ]
+    register_verifier_factory(None)
+    res = CliRunner().invoke(train_cli, args)
+    assert res.exit_code == 1 and "dflash-train eval" in res.output, res.output  # no factory: named refusal
+    register_verifier_factory(_target_verifier)
+    try:
+        res = CliRunner().invoke(train_cli, args, catch_exceptions=False)
+    finally:
+        register_verifier_factory(None)
+    assert res.exit_code == 0, res.output
+    assert "identical to plain greedy decoding" in res.output and "tokens/s" in res.output
+    out = json.loads((tmp_path / "e.json").read_text())["speculative_decoding"]
+    assert out["identical_to_greedy"] == 3 and out["acceptance_length"] >= 1.0 and out["greedy_tokens_per_s"] > 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("[1, 2, 99999]\n")
+    res = CliRunner().invoke(train_cli, args[:6] + [str(bad)])
+    assert res.exit_code == 1 and "line 1" in res.output and "outside the vocabulary" in res.output
+
+
+def test_read_prompts_from_a_parquet_dataset(tmp_path):
+    import numpy as np
+
+    from extract.dataset.index import Sample, write_parquet
+
+    samples = [
+        Sample(f"s{i}", np.arange(10, dtype=np.int32) + i, (np.arange(10) >= 3 + i).astype(np.uint8)) for i in range(4)
+    ]
+    write_parquet(tmp_path / "d.parquet", samples)
+    assert read_prompts(tmp_path / "d.parquet", 64) == [list(range(i, 3 + 2 * i)) for i in range(4)]
+    assert len(read_prompts(tmp_path / "d.parquet", 64, max_prompts=2)) == 2
+    with pytest.raises(ValueError, match="row 2: token ids \\[5, 6\\] outside the vocabulary"):
+        read_prompts(tmp_path / "d.parquet", 5)

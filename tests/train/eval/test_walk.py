@@ -1,0 +1,240 @@
+"""The decoding walk against a brute-force per-response loop of single-block inference forwards, and
+against drafters that are always right (B tokens per step) or always wrong (1 per step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shards import ShardReader, decode_hidden, load_target_head
+from tests.helpers.drafter import drafter_for_target
+from tests.helpers.train import rewrite_shard, tiny_cache
+from train.drafter.attention import BlockAttentionLayout
+from train.drafter.model import DFlashDrafter, TargetHead
+from train.eval.evaluate import evaluate_drafter
+from train.eval.tree import tree_acceptance
+from train.eval.walk import WalkCounts, response_spans, walk_shard
+
+VOCAB, B = 8, 4
+
+
+def _multi_turn_cache(tmp_path):
+    """Tiny random cache over 8 tokens whose supervised runs are cut in two (multi-turn responses)."""
+    cache = tiny_cache(tmp_path / "cache", num_batches=2, vocab_size=VOCAB, max_seqs=4)
+    for batch_id in (0, 1):
+
+        def edit(t):
+            mask = t["loss_mask"]
+            for s in range(t["cu_seqlens"].shape[0] - 1):
+                a, b = int(t["cu_seqlens"][s]), int(t["cu_seqlens"][s + 1])
+                if b - a > 12:
+                    mask[(a + b) // 2 : (a + b) // 2 + 2] = 0  # a user turn in the middle
+
+        rewrite_shard(cache, batch_id, edit)
+    return cache
+
+
+def _confident_drafter(seed: int = 0) -> DFlashDrafter:
+    cfg = drafter_for_target(32, 64, VOCAB, num_layers=1, block_size=B)
+    torch.manual_seed(seed)
+    model = DFlashDrafter(cfg).double()
+    with torch.no_grad():
+        model.norm.weight.mul_(20)  # confident argmaxes over 8 tokens: some drafts are right by chance
+    return model
+
+
+def brute_force_walk(model, head, t, budget=None) -> WalkCounts:
+    """Every response walked alone: one inference forward per step over its own sequence's prefix."""
+    ids, mask, pos = t["input_ids"].long().tolist(), t["loss_mask"].tolist(), t["position_ids"].long()
+    hidden = decode_hidden(t["hidden"]).double()
+    cu = t["cu_seqlens"].tolist()
+    counts = WalkCounts(B)
+    for s0, s1 in zip(cu[:-1], cu[1:]):
+        runs, t0 = [], None
+        for i in range(s0, s1 + 1):
+            on = i < s1 and mask[i] == 1
+            if on and t0 is None:
+                t0 = i
+            if not on and t0 is not None:
+                runs.append((t0, i - 1))
+                t0 = None
+        for first, last in runs:
+            if last == first:
+                continue
+            p, tokens, steps = first, 0, 0
+            while p < last:
+                block = torch.tensor([ids[p]] + [model.config.mask_token_id] * (B - 1))
+                with torch.no_grad():
+                    out = model.forward_block(hidden[s0:p], pos[s0:p], head.embed(block), pos[p] + torch.arange(B))
+                logits = head.logits(out[1:]).float()
+                labels = [ids[p + k] if p + k <= last else -1 for k in range(1, B)]
+                valid = [p + k <= last for k in range(1, B)]
+                if budget is None:
+                    pred, a = logits.argmax(-1).tolist(), 0
+                    while a < B - 1 and valid[a] and pred[a] == labels[a]:
+                        a += 1
+                else:
+                    lp, top = torch.log_softmax(logits, -1).topk(min(budget, VOCAB), -1)
+                    a = tree_acceptance(lp.tolist(), top.tolist(), labels, valid, budget) - 1
+                counts.add_step(a, sum(valid))
+                tokens += min(a + 1, last - p)
+                steps += 1
+                p += a + 1
+            counts.add_response(tokens, steps)
+    return counts
+
+
+def _walk(model, head, t, layout, budget=None, dtype=torch.float64) -> WalkCounts:
+    """walk_shard over one shard's tensors, its context K/V computed once as evaluate_drafter does."""
+    with torch.no_grad():
+        context = model.context(decode_hidden(t["hidden"]), t["position_ids"], dtype)
+    spans = response_spans(t["loss_mask"], t["cu_seqlens"])
+    return walk_shard(model, head, context, t["input_ids"], t["position_ids"], spans, layout, budget=budget)
+
+
+# sdpa: the CPU round (only the busy lanes); flex (eager on CPU): the GPU's fixed-shape round of all lanes.
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize(
+    "budget,lanes,backend", [(None, 2, "sdpa"), (None, 8, "sdpa"), (3, 2, "sdpa"), (None, 4, "flex"), (3, 4, "flex")]
+)
+def test_walk_equals_brute_force_per_response_loop(tmp_path, budget, lanes, backend):
+    cache = _multi_turn_cache(tmp_path)
+    model = _confident_drafter()
+    head_t = load_target_head(cache)
+    head = TargetHead(head_t["embed_tokens"].double(), head_t["lm_head"].double())
+    reader = ShardReader(cache)
+    T = reader.config.token_budget
+    total = WalkCounts(B)
+    want = WalkCounts(B)
+    for batch_id in (0, 1):
+        t, _ = reader.read(batch_id)
+        layout = BlockAttentionLayout(
+            num_ctx=T, num_blocks=lanes, block_size=B, backend=backend, tile_size=8, compile_flex=False
+        )
+        got = _walk(model, head, t, layout, budget)
+        ref = brute_force_walk(model, head, t, budget)
+        assert got.as_vector() == pytest.approx(ref.as_vector(), abs=1e-9), f"batch {batch_id}"
+        total = WalkCounts.from_vector(B, [a + b for a, b in zip(total.as_vector(), got.as_vector())])
+        want = WalkCounts.from_vector(B, [a + b for a, b in zip(want.as_vector(), ref.as_vector())])
+    assert total.responses > 4, "the cache should hold several (multi-turn) responses"
+    assert sum(total.accepted_histogram[1:]) > 0, "the test needs some accepted drafts to mean anything"
+    assert total.tokens == sum(
+        last - first
+        for _, first, last in (
+            r for b in (0, 1) for r in response_spans(reader.read(b)[0]["loss_mask"], reader.read(b)[0]["cu_seqlens"])
+        )
+    )
+
+
+class _Recomputing(DFlashDrafter):
+    """The walk as it ran before the context cache: every round recomputes the fused context and every
+    layer's context K/V from the tapped states (the training forward); records how far the cached
+    round (DFlashDrafter.forward_cached over the shard's ContextKV) is from it."""
+
+    max_abs_diff, rounds = 0.0, 0
+
+    def context(self, hidden_TKH, position_ids_T, dtype):
+        return hidden_TKH.to(dtype), position_ids_T, super().context(hidden_TKH, position_ids_T, dtype)
+
+    def forward_cached(self, context, block_embed_NBH, block_pos_NB, layout):
+        hidden_TKH, position_ids_T, cached = context
+        out = self(hidden_TKH, position_ids_T, block_embed_NBH, block_pos_NB, layout)
+        diff = (super().forward_cached(cached, block_embed_NBH, block_pos_NB, layout) - out).abs().max().item()
+        self.max_abs_diff, self.rounds = max(self.max_abs_diff, diff), self.rounds + 1
+        return out
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("budget,backend", [(None, "sdpa"), (3, "sdpa"), (None, "flex")])
+def test_cached_context_walk_equals_recomputing_walk_in_fp32(tmp_path, budget, backend):
+    cache = _multi_turn_cache(tmp_path)
+    model = _confident_drafter().float()
+    uncached = _Recomputing(model.config)
+    uncached.load_state_dict(model.state_dict())
+    head_t = load_target_head(cache)
+    head = TargetHead(head_t["embed_tokens"].float(), head_t["lm_head"].float())
+    reader = ShardReader(cache)
+    for batch_id in (0, 1):
+        t, _ = reader.read(batch_id)
+
+        def layout():
+            return BlockAttentionLayout(
+                num_ctx=reader.config.token_budget,
+                num_blocks=4,
+                block_size=B,
+                backend=backend,
+                tile_size=8,
+                compile_flex=False,
+            )
+
+        got = _walk(model, head, t, layout(), budget, torch.float32)
+        want = _walk(uncached, head, t, layout(), budget, torch.float32)
+        assert got.as_vector() == want.as_vector(), f"batch {batch_id}"
+        assert sum(got.accepted_histogram[1:]) > 0, "the test needs some accepted drafts to mean anything"
+    assert uncached.rounds > 10 and uncached.max_abs_diff <= 1e-5, f"cached vs recomputed: {uncached.max_abs_diff}"
+
+
+class _Oracle(torch.nn.Module):
+    """A drafter that reads the answer (right=True) or its successor (right=False) from the packed ids:
+    one-hot rows through an identity lm_head."""
+
+    def __init__(self, input_ids_T, right: bool):
+        super().__init__()
+        # Only the walk reads the config (block size, MASK id); the forward below is the oracle.
+        self.config = drafter_for_target(
+            VOCAB, 8, VOCAB, num_layers=1, block_size=B, tap_layer_ids=[1], num_target_layers=4
+        )
+        self.ids, self.right = input_ids_T.long(), right
+
+    def context(self, hidden_TKH, position_ids_T, dtype):
+        return None  # reads the answer from the ids, needs no context
+
+    def forward_cached(self, context, block_embed_NBH, block_pos_NB, layout):
+        index_NB = (layout.anchor_N.long().unsqueeze(1) + torch.arange(B)).clamp(max=self.ids.shape[0] - 1)
+        tokens_NB = self.ids[index_NB] if self.right else (self.ids[index_NB] + 1) % VOCAB
+        return torch.nn.functional.one_hot(tokens_NB, VOCAB).float()
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_always_right_gives_block_size_and_always_wrong_gives_one(tmp_path, right):
+    cache = _multi_turn_cache(tmp_path)
+    reader = ShardReader(cache)
+    t, _ = reader.read(0)
+    head = TargetHead(torch.eye(VOCAB), torch.eye(VOCAB))
+    responses = response_spans(t["loss_mask"], t["cu_seqlens"])
+    layout = BlockAttentionLayout(num_ctx=reader.config.token_budget, num_blocks=2, block_size=B, backend="sdpa")
+    got = _walk(_Oracle(t["input_ids"], right), head, t, layout)
+    if not right:
+        assert got.acceptance_length == got.acceptance_length_pooled == 1.0
+        assert got.accepted_histogram[0] == got.steps
+        return
+    # Every step but a response's last yields B tokens; the last one what is left.
+    steps = [-(-(last - first) // B) for _, first, last in responses]
+    assert got.steps == sum(steps)
+    assert got.acceptance_length == pytest.approx(
+        sum((last - first) / n for (_, first, last), n in zip(responses, steps)) / len(responses)
+    )
+    assert got.accepted_histogram[B - 1] >= got.steps - len(responses)
+    assert got.slot_acceptance == [1.0] * (B - 1)
+    full = [r for r in responses if (r.last - r.first) % B == 0]
+    assert full, "the test needs a response whose length is a multiple of B"
+
+
+def test_evaluate_drafter_reports_the_walk_and_the_diagnostics(tmp_path):
+    cache = _multi_turn_cache(tmp_path)
+    model = _confident_drafter()
+    head_t = load_target_head(cache)
+    head = TargetHead(head_t["embed_tokens"].double(), head_t["lm_head"].double())
+    res = evaluate_drafter(model, head, str(cache), [0, 1], num_blocks=16, budgets=(3,), lanes=4)
+    reader = ShardReader(cache)
+    want = WalkCounts(B)
+    for b in (0, 1):
+        ref = brute_force_walk(model, head, reader.read(b)[0])
+        want = WalkCounts.from_vector(B, [x + y for x, y in zip(want.as_vector(), ref.as_vector())])
+    assert res.acceptance_length == pytest.approx(want.acceptance_length, abs=1e-12)
+    assert res.acceptance_length_pooled == pytest.approx(want.acceptance_length_pooled, abs=1e-12)
+    assert res.tree_acceptance[3] >= res.acceptance_length
+    assert res.data_is_target_greedy is None and "agreement with the data" in res.whose_tokens()
+    d = res.to_dict()
+    assert d["batch_ids"] == [0, 1] and d["dtype"] == "float64"
+    assert res.heldout_loss > 0 and res.random_anchor_chain_length >= 1.0

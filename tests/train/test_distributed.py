@@ -1,0 +1,57 @@
+"""Two CPU gloo ranks under torchrun take the same step as one process averaging their two batches."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shards import ShardReader, epoch_shard_order
+from tests.helpers.process import child_env, torchrun_command
+from tests.helpers.train import hand_step_loss, tiny_cache, tiny_cli_args, tiny_config
+from train.config import resolve_run
+from train.drafter.model import DFlashDrafter
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_equal_one_process_averaging_both_batches(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=4)
+    out = tmp_path / "run"
+    cmd = torchrun_command("train.cli", *tiny_cli_args(cache, out, "--max-steps", "1", "--grad-clip", "0.05"))
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    trained = load_file(str(out / "step-00000001" / "model.safetensors"))
+
+    # Reference: one process, both ranks' batches and anchors, gradients averaged by hand, then the same
+    # clip and a plain (non-fused) AdamW step.
+    cfg = tiny_config(cache, tmp_path / "unused", max_steps=1, grad_clip=0.05)
+    run = resolve_run(cfg, world_size=2)
+    torch.manual_seed(cfg.seed)
+    model = DFlashDrafter(run.drafter)
+    losses = []
+    for rank in (0, 1):
+        loss = hand_step_loss(model, run.drafter, cache, cfg, rank=rank, world_size=2)
+        loss.total.backward()
+        losses.append(float(loss.total.detach()))
+    params = list(model.parameters())
+    for p in params:
+        p.grad /= 2
+    norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))
+    for p in params:
+        p.grad *= min(1.0, 0.05 / (float(norm) + 1e-6))
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=False)
+    opt.step()
+
+    assert record["loss/total"] == pytest.approx(sum(losses) / 2, abs=1e-6)
+    # Token counts are the job's: both ranks' shards of the step, in metrics.jsonl and the summary.
+    reader = ShardReader(cache)
+    tokens = sum(reader.info(epoch_shard_order(run.train_ids, 0, cfg.seed, r, 2)[0]).num_tokens for r in (0, 1))
+    assert record["data/tokens_seen"] == tokens
+    assert f"1 step, {tokens:,} tokens" in proc.stdout + proc.stderr
+    assert record["opt/grad_norm"] == pytest.approx(float(norm), rel=1e-5)
+    worst = max((p.detach() - trained[name]).abs().max().item() for name, p in model.named_parameters())
+    assert worst <= 1e-6, f"max abs parameter diff after one step: {worst}"

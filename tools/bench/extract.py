@@ -1,0 +1,484 @@
+"""Benchmark dflash-extract end to end at 27B width on a realistic length mix.
+
+A random-weight target at the full 64-layer 27B shape is built on the GPU (no checkpoint on disk:
+54 GB would not fit the machine's disk beside the cache), then the real extraction loop
+(`extract.runner.extract_batches`: dataset loading, packing, forward, pinned copies, writer thread,
+durable shards) runs over a lognormal length mix (median ~1.5K tokens, max 8K). Reports, per GPU, for the configurations --configs names (run in this order: dense ones first, since
+the switch to FP8 compute is in place):
+  no_write        the loop without writing (compute only)
+  write_bf16      writing a bf16 cache to local disk
+  write_fp8       writing an fp8 cache
+  fp8_no_write    FP8 compute (linear layers on e4m3 matmuls), compute only
+  fp8_write_fp8   FP8 compute writing an fp8 cache (the issue-16 goal: >= 20K tokens/s per H200)
+and the same names with `_before` (every memory-traffic cut off: ForwardOptions all False and the
+writer's host copies on the forward's stream, i.e. the code path before those cuts) or, for
+fp8_write_fp8, `_no_<cut>` (that one cut off: fuse_residual, split_conv, concat_linears, copy_stream),
+each as tokens/s of the short run ("end to end": from the first batch's launch until the last shard is
+durable, so it includes filling and draining the pipeline once) and as the steady rate between the
+first and the last batch finishing (what a long extraction sees), with the write rate and the time the
+loop waited for the disk. Before the first FP8 configuration, the per-tap relative error of FP8 compute
+against dense compute (same weights, one full batch) is measured, next to the error of fp8 storage
+alone. The JSON at --out is rewritten after every step, so a timeout loses only the step it cut.
+Also (--hf-layers > 0): HF transformers' qwen3_5 (fla when installed) on the same samples in
+length-sorted, padded batches of the same token count, on a layer subset projected to 64.
+
+    python -m tools.bench.extract --out bench_extract.json --cache-dir /tmp/bench_cache --hf-layers 0 \
+        --configs no_write,write_fp8,fp8_no_write,fp8_write_fp8 --timed-batches 6
+    python -m tools.bench.extract --out bench_extract_cuts.json --cache-dir /tmp/bench_cache --hf-layers 0 \
+        --configs write_fp8_before,write_fp8,fp8_write_fp8_before,fp8_write_fp8 --timed-batches 8 --profile
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+import torch
+
+from extract.config import ExtractConfig
+from extract.dataset.index import Sample, SampleLoader, scan_dataset, write_parquet
+from extract.dataset.packing import PackingConfig, load_batch, plan_batches
+from extract.runner import build_cache_config, extract_batches
+from extract.target.config import TargetConfig
+from extract.target.kernels import select_kernels
+from extract.target.model import ForwardOptions, TargetModel
+from extract.writer import AsyncShardWriter
+from shards import create_cache
+from shards.codec import decode_hidden, encode_hidden
+from shards.ownership import foreign_entries
+from tools.fixtures.tiny_target import qwen35_27b_config_dict, random_weights, tiny_config_dict
+
+log = logging.getLogger("bench_extract")
+
+
+def length_mix(num_samples: int, median: float, sigma: float, max_len: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(np.log(median), sigma, size=num_samples), 16, max_len).astype(np.int64)
+
+
+def write_mix(path: Path, lengths: np.ndarray, vocab: int, seed: int) -> None:
+    rng = np.random.default_rng(seed + 1)
+    samples = []
+    for i, n in enumerate(lengths.tolist()):
+        ids = rng.integers(0, vocab, size=n).astype(np.int32)
+        mask = (np.arange(n) >= n // 4).astype(np.uint8)
+        samples.append(Sample(f"mix-{i}", ids, mask))
+    write_parquet(path, samples)
+
+
+BASE_CONFIGS = {  # name -> (compute, storage, write)
+    "no_write": ("dense", "bf16", False),
+    "write_bf16": ("dense", "bf16", True),
+    "write_fp8": ("dense", "fp8", True),
+    "fp8_no_write": ("fp8", "bf16", False),
+    "fp8_write_fp8": ("fp8", "fp8", True),
+}
+# The memory-traffic cuts a configuration can switch off: the ForwardOptions fields and the writer's
+# side stream for host copies.
+CUTS = tuple(f.name for f in dataclasses.fields(ForwardOptions)) + ("copy_stream",)
+CONFIGS = {}  # name -> (compute, storage, write, cuts switched off)
+for _name, _spec in BASE_CONFIGS.items():
+    CONFIGS[_name] = (*_spec, frozenset())
+    CONFIGS[f"{_name}_before"] = (*_spec, frozenset(CUTS))
+for _cut in CUTS:
+    CONFIGS[f"fp8_write_fp8_no_{_cut}"] = (*BASE_CONFIGS["fp8_write_fp8"], frozenset({_cut}))
+
+
+class DiscardingSink:
+    """A ShardSink that drops every batch: the extraction loop timed without the copy-out and disk.
+    done_s: when each batch's forward finished on the device (a thread waits on one event per batch)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.bytes_written, self.shards_written, self.wait_s = 0, 0, 0.0
+        self.done_s: list[float] = []
+        self._events: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True) if device.type == "cuda" else None
+        if self._thread is not None:
+            self._thread.start()
+
+    def submit(self, batch_id, arrays, hidden_nKH, topk, samples) -> None:
+        if self._thread is None:  # CPU: the forward has finished when it returns
+            self.done_s.append(time.monotonic())
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self._events.put(event)
+
+    def _run(self) -> None:
+        while (event := self._events.get()) is not None:
+            event.synchronize()
+            self.done_s.append(time.monotonic())
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._events.put(None)
+            self._thread.join()
+
+    close_quietly = close
+
+
+class TimedWriter(AsyncShardWriter):
+    """The real writer, noting when each shard became durable (done_s)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.done_s: list[float] = []
+        super().__init__(*args, **kwargs)
+
+    def _write(self, job) -> None:
+        super()._write(job)
+        self.done_s.append(time.monotonic())
+
+
+def _sink(
+    cfg: ExtractConfig, cache_cfg, device: torch.device, write: bool, copy_stream: bool
+) -> TimedWriter | DiscardingSink:
+    if not write:
+        return DiscardingSink(device)
+    return TimedWriter(cfg.out_dir, cache_cfg, device, num_buffers=cfg.writer_buffers, copy_stream=copy_stream)
+
+
+def steady_tokens_per_s(tokens_per_batch: list[int], done_s: list[float]) -> float | None:
+    """Tokens of batches 2..N over the time from batch 1 finishing to batch N finishing."""
+    if len(done_s) < 2 or done_s[-1] <= done_s[0]:
+        return None
+    return sum(tokens_per_batch[1 : len(done_s)]) / (done_s[-1] - done_s[0])
+
+
+def _rel_err_per_tap(got_nKH: torch.Tensor, want_nKH: torch.Tensor, taps: list[int]) -> dict[str, float]:
+    return {
+        str(tap): ((got_nKH[:, j].float() - want_nKH[:, j].float()).norm() / want_nKH[:, j].float().norm()).item()
+        for j, tap in enumerate(taps)
+    }
+
+
+def _save(out_path: str, result: dict) -> None:
+    Path(out_path).write_text(json.dumps(result, indent=2))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hf_padded_tokens_per_s(cfg_dict, state, index, loader_rows, token_budget, layers, device) -> dict:
+    """HF on length-sorted padded batches of ~token_budget tokens (rows x max_len), with attention_mask."""
+    from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
+
+    from extract.dataset.index import load_samples
+
+    sub = dict(cfg_dict, num_hidden_layers=layers, layer_types=cfg_dict["layer_types"][:layers])
+    hf_cfg = Qwen3_5TextConfig(**{k: v for k, v in sub.items() if k not in ("architectures", "model_type", "dtype")})
+    hf_cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        hf = Qwen3_5TextModel(hf_cfg)
+    # Same weights as ours; the final norm (never reached by our taps) is zero-centred: zeros.
+    params = {
+        n: state[n] if n in state else torch.zeros(p.shape, dtype=torch.bfloat16, device=device)
+        for n, p in hf.named_parameters()
+    }
+    hf.load_state_dict(params, strict=True, assign=True)
+    hf.rotary_emb = type(hf.rotary_emb)(hf_cfg).to(device)
+    hf = hf.eval()
+    samples = sorted(load_samples(index, loader_rows), key=len)
+    batches, cur = [], []
+    for s in samples:  # rows of equal padded length until the padded batch reaches the budget
+        if cur and (len(cur) + 1) * len(s) > token_budget:
+            batches.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        batches.append(cur)
+    real = padded = 0
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i, rows in enumerate(batches):
+            width = max(len(s) for s in rows)
+            ids = torch.zeros(len(rows), width, dtype=torch.long)
+            mask = torch.zeros(len(rows), width, dtype=torch.long)
+            for r, s in enumerate(rows):
+                ids[r, : len(s)] = torch.from_numpy(s.input_ids)
+                mask[r, : len(s)] = 1
+            hf(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True, use_cache=False)
+            if i == 0:  # first batch: autotune and allocator warm-up, not timed
+                _sync(device)
+                t0 = time.perf_counter()
+                continue
+            real += sum(len(s) for s in rows)
+            padded += ids.numel()
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    del hf
+    return {
+        "hf_layers": layers,
+        "hf_real_tokens_per_s_full_depth": real / seconds * layers / 64,
+        "hf_fill": real / max(padded, 1),
+        "hf_batches_timed": len(batches) - 1,
+    }
+
+
+def _forward_batch(
+    model: TargetModel, index, batch, taps: list[int], device: torch.device, token_budget: int
+) -> torch.Tensor:
+    """The taps [n, K, H] of one packed batch's real tokens (for the FP8-vs-dense error)."""
+    arrays = load_batch(SampleLoader(index), batch, PackingConfig(token_budget=token_budget))
+    n = batch.num_tokens
+    ids = torch.from_numpy(arrays["input_ids"][:n]).to(device)
+    pos = torch.from_numpy(arrays["position_ids"][:n]).to(device)
+    cu = torch.from_numpy(arrays["cu_seqlens"][: len(batch.sample_ids) + 1])
+    return model.forward_packed(ids, pos, cu, taps)
+
+
+MATMUL_KERNEL_WORDS = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "f8f8bf16")  # in GEMM kernel names
+
+
+def kernel_profile(
+    model: TargetModel, index, batch, taps: list[int], device: torch.device, token_budget: int, top: int = 25
+) -> dict:
+    """GPU time per kernel name over one forward (torch.profiler), most first, and the share of the
+    GEMMs in it: what is left besides the matmuls, by kernel. On CPU: self CPU time per op instead."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = device.type == "cuda"
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA] if on_cuda else [ProfilerActivity.CPU]) as prof:
+        _forward_batch(model, index, batch, taps, device, token_budget)
+        _sync(device)
+    us_per_name: dict[str, float] = {}
+    for event in prof.events():
+        if on_cuda and event.device_type != DeviceType.CUDA:
+            continue
+        us = event.time_range.elapsed_us() if on_cuda else event.self_cpu_time_total
+        us_per_name[event.name] = us_per_name.get(event.name, 0.0) + us
+    total_us = sum(us_per_name.values())
+    matmul_us = sum(us for n, us in us_per_name.items() if any(w in n.lower() for w in MATMUL_KERNEL_WORDS))
+    ranked = sorted(us_per_name.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "tokens": batch.num_tokens,
+        "total_ms": total_us / 1e3,
+        "matmul_ms": matmul_us / 1e3,
+        "top": [{"name": n, "ms": us / 1e3, "share": us / max(total_us, 1e-9)} for n, us in ranked],
+    }
+
+
+def _refuse_foreign(cache_dir: Path, work: Path) -> None:
+    """The benchmark deletes --cache-dir between configurations and rewrites its data folder: both must
+    be new, or hold only what an earlier benchmark run wrote there."""
+    if cache_dir.exists() and (not cache_dir.is_dir() or foreign_entries(cache_dir)):
+        raise click.UsageError(f"--cache-dir {cache_dir} holds files that are not a cache's; name a new directory")
+    ours = {"mix.parquet", "target"}
+    if work.exists() and (not work.is_dir() or {p.name for p in work.iterdir()} - ours):
+        raise click.UsageError(
+            f"{work} (the benchmark's data beside --cache-dir) holds other files; name a new --cache-dir"
+        )
+
+
+@click.command()
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False))
+@click.option("--cache-dir", default="/tmp/bench_extract_cache", show_default=True)
+@click.option("--num-samples", default=400, show_default=True, help="Samples in the length mix (~2K tokens each).")
+@click.option(
+    "--timed-batches",
+    "--batches",
+    "timed_batches",
+    default=8,
+    show_default=True,
+    help="Timed batches per configuration (the first configuration of each compute mode is preceded "
+    "by two warm-up batches).",
+)
+@click.option("--layers", default=64, show_default=True, help="Target layers (64 = the real 27B depth).")
+@click.option(
+    "--hf-layers", default=4, show_default=True, help="Layers for the HF comparison (projected to 64); 0 = skip."
+)
+@click.option("--token-budget", default=49152, show_default=True)
+@click.option(
+    "--configs",
+    default="no_write,write_bf16,write_fp8",
+    show_default=True,
+    help=f"Comma-separated configurations to run, from {', '.join(CONFIGS)}; the fp8_* ones need an "
+    "FP8 GPU (sm_89+) and add the FP8-vs-dense per-tap error.",
+)
+@click.option(
+    "--tiny", is_flag=True, help="CPU smoke run on the tiny config (checks the script, measures nothing useful)."
+)
+@click.option(
+    "--profile",
+    is_flag=True,
+    help="After the last configuration, profile one forward in its settings: GPU time per kernel name, "
+    "GEMMs vs the rest (printed, and under 'profile' in --out).",
+)
+def main(
+    out_path, cache_dir, num_samples, timed_batches, layers, hf_layers, token_budget, configs, tiny, profile
+) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    names = [c.strip() for c in configs.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown or not names:
+        raise click.BadParameter(f"{unknown or configs!r}: choose from {', '.join(CONFIGS)}", param_hint="--configs")
+    if timed_batches < 1:
+        raise click.BadParameter(f"{timed_batches}: must be at least 1", param_hint="--timed-batches")
+    names = sorted(dict.fromkeys(names), key=lambda c: CONFIGS[c][0] == "fp8")  # dense first: FP8 is in place
+    use_fp8 = any(CONFIGS[c][0] == "fp8" for c in names)
+    device = torch.device("cpu" if tiny else "cuda")
+    cache_dir = Path(cache_dir)
+    work = cache_dir.parent / (cache_dir.name + "-data")
+    _refuse_foreign(cache_dir, work)  # both are emptied and rewritten below
+    work.mkdir(parents=True, exist_ok=True)
+    cfg_dict = tiny_config_dict() if tiny else qwen35_27b_config_dict(num_hidden_layers=layers)
+    target = TargetConfig.from_hf_dict(cfg_dict)
+    taps = target.default_tap_layer_ids(5) if layers >= 8 else list(range(1, layers))
+    median, max_len = (40.0, 200) if tiny else (1450.0, 8192)
+    lengths = length_mix(num_samples, median, 0.75, max_len, seed=0)
+    data = work / "mix.parquet"
+    write_mix(data, lengths, target.vocab_size, seed=0)
+    index = scan_dataset(data, vocab_size=target.vocab_size, token_budget=token_budget)
+    plan = plan_batches(index, PackingConfig(token_budget=token_budget))
+    log.info(
+        "length mix: median %d, mean %d, max %d; %s", np.median(lengths), lengths.mean(), lengths.max(), plan.summary()
+    )
+    warm = 2  # two batch lengths: torch.compile specialises on the first, goes dynamic on the second
+    need = warm + timed_batches
+    if len(plan.batches) < need:
+        raise click.UsageError(
+            f"the mix packs into {len(plan.batches)} batches, need {need}: raise --num-samples or lower --timed-batches"
+        )
+    t0 = time.perf_counter()
+    dtype = torch.bfloat16 if use_fp8 or not tiny else torch.float32  # FP8 compute runs on bf16
+    state = random_weights(target, seed=0, device=device, with_head=False, dtype=dtype, last_layer=taps[-1])
+    kernels = select_kernels(device)
+    model = TargetModel.from_state_dict(target, state, kernels, dtype=dtype, last_layer=taps[-1])
+    log.info("built a random %d-layer 27B-width target in %.0fs", taps[-1] + 1, time.perf_counter() - t0)
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "layers_built": taps[-1] + 1,
+        "taps": taps,
+        "token_budget": token_budget,
+        "padding_efficiency": plan.padding_efficiency,
+        "median_len": float(np.median(lengths)),
+        "mean_len": float(lengths.mean()),
+        "max_len": int(lengths.max()),
+        "configs": names,
+        "timed_batches": timed_batches,
+    }
+    _save(out_path, result)
+    # ExtractConfig wants a checkpoint directory: give it the config alone (weights live on the GPU).
+    config_dir = work / "target"
+    config_dir.mkdir(exist_ok=True)
+    (config_dir / "config.json").write_text(json.dumps(cfg_dict))
+    timed = plan.batches[warm:need]
+    warmed: set[str] = set()
+    for name in names:
+        mode, storage, write, off = CONFIGS[name]
+        options = ForwardOptions(**{f.name: f.name not in off for f in dataclasses.fields(ForwardOptions)})
+        if mode == "fp8" and not model.pw.fp8:  # the first FP8 configuration: convert, measure the error
+            t1 = time.perf_counter()
+            model.set_forward_options(ForwardOptions())
+            dense_nKH = _forward_batch(model, index, plan.batches[warm], taps, device, token_budget)
+            model.use_fp8_compute()  # in place: the linear layers' weights quantised once
+            fp8_nKH = _forward_batch(model, index, plan.batches[warm], taps, device, token_budget)
+            stored = decode_hidden(**encode_hidden(dense_nKH, "fp8"))
+            result["fp8_vs_dense_rel_err_per_tap"] = _rel_err_per_tap(fp8_nKH, dense_nKH, taps)
+            result["fp8_storage_rel_err_per_tap"] = _rel_err_per_tap(stored, dense_nKH, taps)
+            result["fp8_error_tokens"] = int(dense_nKH.shape[0])
+            result["fp8_conversion_and_error_s"] = time.perf_counter() - t1
+            del dense_nKH, fp8_nKH, stored
+            _save(out_path, result)
+            log.info("FP8 compute vs dense, relative L2 per tap: %s", result["fp8_vs_dense_rel_err_per_tap"])
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        cfg = ExtractConfig(
+            target=str(config_dir),
+            data=str(data),
+            out_dir=str(cache_dir),
+            tap_layer_ids=taps,
+            storage_dtype=storage,
+            token_budget=token_budget,
+            progress_interval_s=5.0,
+            compute=mode,
+            dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+        )
+        cache_cfg = build_cache_config(cfg, target, taps, plan, index)
+        vocab, hidden = target.vocab_size, target.hidden_size
+        create_cache(
+            cache_dir,
+            cache_cfg,
+            {
+                "embed_tokens": torch.zeros(vocab, hidden, dtype=torch.bfloat16),
+                "lm_head": torch.zeros(vocab, hidden, dtype=torch.bfloat16),
+                "final_norm": torch.zeros(hidden, dtype=torch.bfloat16),
+            },
+        )
+        model.set_forward_options(options)
+        copy_stream = "copy_stream" not in off
+        variant = f"{mode} {options}"
+        if variant not in warmed:  # compile and allocator warm-up, once per compute mode and options
+            warm_sink = _sink(cfg, cache_cfg, device, write, copy_stream)
+            extract_batches(model, cfg, cache_cfg, index, plan.batches[:warm], device, warm_sink)
+            warmed.add(variant)
+        sink = _sink(cfg, cache_cfg, device, write, copy_stream)
+        s = extract_batches(model, cfg, cache_cfg, index, timed, device, sink)
+        steady = steady_tokens_per_s([b.num_tokens for b in timed], sink.done_s)
+        result[name] = {
+            "tokens_per_s": s.tokens_per_s,
+            "steady_tokens_per_s": steady,
+            "seconds": s.seconds,
+            "tokens": s.tokens,
+            "gb_written": s.bytes_written / 1e9,
+            "write_gb_per_s": s.bytes_written / 1e9 / s.seconds,
+            "wait_for_disk_s": sink.wait_s,
+            "cuts_off": sorted(off),
+        }
+        _save(out_path, result)
+        log.info(
+            "%s: %.0f tok/s end to end, %s steady", name, s.tokens_per_s, f"{steady:.0f} tok/s" if steady else "no"
+        )
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    if profile:
+        result["profile"] = {"config": names[-1], **kernel_profile(model, index, timed[0], taps, device, token_budget)}
+        _save(out_path, result)
+    if hf_layers:
+        del model
+        torch.cuda.empty_cache()
+        rows = [r for b in plan.batches[warm : warm + 3] for r in b.rows]  # HF is slow: three batches' samples
+        result.update(hf_padded_tokens_per_s(cfg_dict, state, index, rows, token_budget, hf_layers, device))
+        _save(out_path, result)
+    print(f"\n{'configuration':<34} {'end to end tok/s':>16} {'steady tok/s':>12} {'write GB/s':>10}")
+    for name in names:
+        r = result[name]
+        steady = f"{r['steady_tokens_per_s']:,.0f}" if r["steady_tokens_per_s"] else "-"
+        print(f"{name:<34} {r['tokens_per_s']:>16,.0f} {steady:>12} {r['write_gb_per_s']:>10.2f}")
+    if hf_layers:
+        print(
+            f"{'HF+fla padded (projected to 64)':<34} {result['hf_real_tokens_per_s_full_depth']:>16,.0f}   fill {result['hf_fill']:.2f}"
+        )
+    if "fp8_vs_dense_rel_err_per_tap" in result:
+        for key, what in (
+            ("fp8_vs_dense_rel_err_per_tap", "FP8 compute vs dense"),
+            ("fp8_storage_rel_err_per_tap", "fp8 storage alone"),
+        ):
+            errs = ", ".join(f"layer {t}: {e:.2e}" for t, e in result[key].items())
+            print(f"{what}, relative L2 per tap (one batch): {errs}")
+    if profile:
+        prof = result["profile"]
+        print(
+            f"\none forward of {prof['tokens']} tokens in {prof['config']}'s settings: {prof['total_ms']:.1f} ms of "
+            f"kernels, GEMMs {prof['matmul_ms']:.1f} ms, the rest {prof['total_ms'] - prof['matmul_ms']:.1f} ms; "
+            "by kernel name:"
+        )
+        for row in prof["top"]:
+            print(f"{row['ms']:>9.2f} ms {100 * row['share']:>5.1f}%  {row['name'][:110]}")
+    print(
+        f"packing efficiency {result['padding_efficiency']:.4f}, median {result['median_len']:.0f}, max {result['max_len']}"
+    )
+
+
+if __name__ == "__main__":
+    main()

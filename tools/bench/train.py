@@ -1,0 +1,549 @@
+"""Benchmark of the drafter training step on one GPU: query tokens/s and MFU, CUDA graphs vs eager.
+
+Random data of fixed shapes (no cache on disk), the same step as dflash-train (train.loop's
+build_step_state + train.step.StepRunner), no metrics steps. Two sizes by default:
+  27b     the Qwen3.5-27B drafter: 5 layers, hidden 5120, MLP 17408, 32/8 heads of 128, vocab 248320,
+          block 16, token budget 49152, num_blocks default (halved on out-of-memory, reported)
+  4b      a launch-bound size: 4B-target width 2560 (MLP 9216, 32/8 heads of 128), budget 8192
+Also measures the bf16 matmul peak of this GPU, the MFU denominator.
+
+FLOPs per step (printed by the script), with Q = blocks x block size query tokens, T context tokens,
+L layers, keys_l = mean keys a query of layer l attends to (full: its context before the anchor + its
+block; sliding: the part of both inside its window):
+  layers      6 x P_layers x Q                (P_layers: trainable parameters of the decoder layers)
+  ctx K/V     6 x L x (2 x H x M x D) x T     (each layer's k/v projections of the fused context)
+  attention   12 x N x D x sum_l keys_l x Q   (QK^T and AV, forward 4, backward 8)
+  LM head     4 x V x H x Q                   (frozen: logits forward and input gradient only)
+  fc          4 x (K x H) x H x T             (forward and weight gradient; its input is frozen)
+
+Sliding layers and long contexts: --layer-types (repeatable: one layout per run, e.g. all full vs the
+published sliding,sliding,sliding,sliding,full) with --sliding-window, and --seq-lens (the packed
+sequence length, i.e. the context length, one run each). Each result also counts the kv tiles the
+flex BlockMasks visit per query tile (full and sliding masks): what the kernel skips outside the window.
+
+Kernel-time split (--profile): after the timed steps, --profile-steps more run under torch.profiler
+and every CUDA kernel is classified by name (tools/bench/kernel_profile.py: GEMM, attention, softmax/loss,
+elementwise, copy/cast, reduction, optimizer, other); the table is printed and stored per result
+under "profile". The step's own options (STEP_FIELDS: --checkpoint-layers, the compute dtype, the
+loss chunk and the elementwise cuts) are dflash-train's flags, generated from TrainConfig, so one
+run can compare a setting on and off; --num-blocks overrides the density (e.g. 4096 per 49152 tokens
+with --checkpoint-layers). Each result also reports ms per query token (step time / query tokens).
+
+Usage: python -m tools.bench.train --out bench_train.json [--sizes 27b,4b] [--steps 5]
+       python -m tools.bench.train --sizes 27b --modes graphs --seq-lens 4096,32768 \
+           --layer-types full,full,full,full,full --layer-types sliding,sliding,sliding,sliding,full
+       python -m tools.bench.train --sizes 27b --modes graphs --steps 3 --profile
+       python -m tools.bench.train --sizes 27b --modes graphs --steps 3 --profile --compare-plain
+           (the step without the elementwise cuts, then with them; or give --no-weight-copies etc.)
+       python -m tools.bench.train --sizes 27b --modes graphs --steps 3 --num-blocks 4096 --checkpoint-layers
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import logging
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import click
+import torch
+
+from shards import CacheConfig, TargetInfo
+from shards.common.cli_options import config_options
+from tools.bench.kernel_profile import format_profile, profile_kernels
+from train.blocks import default_num_blocks, sample_blocks
+from train.config import ResolvedRun, TrainConfig
+from train.drafter.config import DrafterConfig
+from train.drafter.model import count_parameters
+from train.loop import build_step_state
+from train.step import StepRunner
+
+log = logging.getLogger("bench_train")
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    hidden: int
+    mlp: int
+    heads: tuple[int, int, int]  # q heads, kv heads, head dim
+    vocab: int
+    layers: int
+    token_budget: int
+    seq_len: int  # packed sequence length of the random batch
+    taps: int = 5
+    block_size: int = 16
+    num_blocks: int | None = None  # None = dflash-train's default for the budget
+
+
+SIZES = {
+    "27b": Size("27b", 5120, 17408, (32, 8, 128), 248320, 5, 49152, 4096),
+    "4b": Size("4b", 2560, 9216, (32, 8, 128), 248320, 5, 8192, 2048),
+    # Launch-bound: many small kernels per step (4B width, 2048-token budget, 32 blocks = 512 queries).
+    "launch": Size("launch", 2560, 9216, (32, 8, 128), 248320, 5, 2048, 512, num_blocks=32),
+    # CPU-sized (tests: --device cpu): 2 layers of width 64, 16 blocks of 16 per 512 tokens.
+    "tiny": Size("tiny", 64, 128, (4, 2, 16), 512, 2, 512, 128, taps=3, num_blocks=16),
+}
+
+# TrainConfig fields of the step itself that the benchmark exposes as dflash-train's own flags.
+STEP_FIELDS = (
+    "checkpoint_layers",
+    "compute_dtype",
+    "loss_chunk_blocks",
+    "weight_copies",
+    "fused_loss",
+    "compile_pointwise",
+)
+# The elementwise cuts (train/precision.py, fused_loss.py, pointwise.py) and how the table names them.
+CUTS = {"weight_copies": "copies", "fused_loss": "loss", "compile_pointwise": "compile"}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What every configuration of one benchmark invocation shares besides size and mode."""
+
+    steps: int  # timed steps per configuration, after warm-up
+    profile_steps: int = 0  # steps run under torch.profiler after the timed ones; 0 = no profile
+    layer_types: list[str] | None = None  # None = all full
+    sliding_window: int | None = None
+    num_blocks: int | None = None  # None = the size's own (or dflash-train's default for the budget)
+    step_options: dict = dataclasses.field(default_factory=dict)  # STEP_FIELDS -> TrainConfig values
+
+
+def bf16_matmul_peak(device: torch.device, n: int = 8192, iters: int = 20) -> float:
+    """Measured dense bf16 matmul FLOP/s (best of 3 runs of `iters` n^3 products)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    best = 0.0
+    for _ in range(3):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            a @ b
+        torch.cuda.synchronize(device)
+        best = max(best, 2 * n**3 * iters / (time.perf_counter() - t0))
+    return best
+
+
+def drafter_config(
+    size: Size, layer_types: list[str] | None = None, sliding_window: int | None = None
+) -> DrafterConfig:
+    q, kv, d = size.heads
+    sliding = layer_types is not None and "sliding_attention" in layer_types
+    return DrafterConfig(
+        num_layers=size.layers,
+        hidden_size=size.hidden,
+        intermediate_size=size.mlp,
+        num_attention_heads=q,
+        num_key_value_heads=kv,
+        head_dim=d,
+        block_size=size.block_size,
+        mask_token_id=size.vocab - 1,
+        tap_layer_ids=list(range(size.taps)),
+        num_target_layers=64,
+        vocab_size=size.vocab,
+        layer_types=layer_types,
+        sliding_window=sliding_window if sliding else None,
+    )
+
+
+def parse_layer_types(spec: str) -> list[str]:
+    """'sliding,full' -> ['sliding_attention', 'full_attention']."""
+    names = {"full": "full_attention", "sliding": "sliding_attention"}
+    out = [names.get(t.strip(), t.strip()) for t in spec.split(",") if t.strip()]
+    if not out or any(t not in names.values() for t in out):
+        raise click.BadParameter(f"--layer-types entries must be full or sliding, got {spec!r}")
+    return out
+
+
+def mean_keys_per_layer(blocks, cfg: DrafterConfig) -> list[float]:
+    """Mean keys a valid block's query attends to, per layer (attention.py's rule, counted analytically)."""
+    valid = blocks.block_valid_N
+    ctx_N1 = (blocks.anchor_N - blocks.seq_start_N).float()[valid].unsqueeze(1)  # context before the anchor
+    B = cfg.block_size
+    k_1B = torch.arange(B, device=ctx_N1.device, dtype=torch.float32).unsqueeze(0)
+    full = float((ctx_N1 + B).mean())
+    if cfg.attention_window is None:
+        return [full] * cfg.num_layers
+    W = cfg.attention_window
+    sliding = float((ctx_N1.clamp(max=W - 1 - k_1B).clamp(min=0) + (k_1B + 1).clamp(max=W)).mean())
+    return [sliding if s else full for s in cfg.sliding_layers]
+
+
+def visited_kv_tiles(layout) -> dict[str, float]:
+    """Mean kv tiles (partial + full) each flex query tile visits, per mask kind (full / sliding)."""
+    out = {}
+    if layout.backend != "flex":
+        return out
+    for sliding in [False, True] if layout.sliding_window is not None else [False]:
+        bm = layout.flex_mask(sliding).block_mask
+        out["sliding" if sliding else "full"] = float((bm.kv_num_blocks + bm.full_kv_num_blocks).float().mean())
+    out["of"] = float(bm.kv_indices.shape[-1])
+    return out
+
+
+def fill_random_batch(state, size: Size, gen: torch.Generator) -> None:
+    """Packed sequences of seq_len tokens; the first 10% of each is prompt (loss_mask 0)."""
+    b = state.batch
+    T, S = size.token_budget, b.cu_seqlens_S1.shape[0] - 1
+    num_seqs = min(T // size.seq_len, S)
+    starts = torch.arange(num_seqs + 1) * size.seq_len
+    cu = torch.cat([starts, starts[-1:].repeat(S - num_seqs)]).to(torch.int32)
+    pos = torch.zeros(T, dtype=torch.int32)
+    mask = torch.zeros(T, dtype=torch.uint8)
+    for s in range(num_seqs):
+        a = s * size.seq_len
+        pos[a : a + size.seq_len] = torch.arange(size.seq_len, dtype=torch.int32)
+        mask[a + size.seq_len // 10 : a + size.seq_len] = 1
+    b.cu_seqlens_S1.copy_(cu)
+    b.position_ids_T.copy_(pos)
+    b.loss_mask_T.copy_(mask)
+    b.input_ids_T.copy_(torch.randint(0, size.vocab - 1, (T,), generator=gen, dtype=torch.int32))
+    b.hidden_TKH.normal_()
+    b.batch_id.fill_(0)
+
+
+def step_flops(size: Size, cfg: DrafterConfig, num_blocks: int, mean_keys: list[float]) -> dict[str, float]:
+    H, L, V, T = size.hidden, size.layers, size.vocab, size.token_budget
+    N, M, D = size.heads
+    Q = num_blocks * size.block_size
+    fc_params = size.taps * H * H
+    layer_params = count_parameters(cfg) - fc_params - 2 * H  # minus fc, hidden_norm and final norm
+    return {
+        "layers": 6 * layer_params * Q,
+        "ctx_kv": 6 * L * (2 * H * M * D) * T,
+        "attention": 12 * N * D * sum(mean_keys) * Q,
+        "lm_head": 4 * V * H * Q,
+        "fc": 4 * fc_params * T,
+    }
+
+
+def bench_one(
+    size: Size, mode: str, num_blocks: int, options: RunOptions, device: torch.device, peak: float | None
+) -> dict:
+    """One configuration: set-up, warm-up, `options.steps` timed steps, then the optional profile."""
+    steps, cuda = options.steps, device.type == "cuda"
+    dcfg = drafter_config(size, options.layer_types, options.sliding_window)
+    cc = CacheConfig(
+        target=TargetInfo(
+            name="random",
+            config_hash="random",
+            hidden_size=size.hidden,
+            num_layers=64,
+            vocab_size=size.vocab,
+            dtype="bfloat16",
+        ),
+        tap_layer_ids=list(range(size.taps)),
+        token_budget=size.token_budget,
+        max_seqs=64,
+        mask_token_id=size.vocab - 1,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = TrainConfig(
+            cache=tmp,
+            out_dir=tmp,
+            device=str(device),
+            block_size=size.block_size,
+            num_blocks=num_blocks,
+            num_layers=size.layers,
+            cuda_graphs=mode == "graphs",
+            **options.step_options,
+        )
+    run = ResolvedRun(
+        cache_config=cc,
+        drafter=dcfg,
+        num_blocks=num_blocks,
+        train_ids=[0],
+        eval_ids=[],
+        steps_per_epoch=1,
+        total_steps=10_000,
+        warmup_steps=400,
+    )
+    gen = torch.Generator().manual_seed(0)
+    head = {
+        "embed_tokens": torch.randn(size.vocab, size.hidden, device=device, dtype=torch.bfloat16) * 0.02,
+        "lm_head": torch.randn(size.vocab, size.hidden, device=device, dtype=torch.bfloat16) * 0.02,
+    }
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    state = build_step_state(cfg, run, head, device)
+    fill_random_batch(state, size, gen)
+    blocks = sample_blocks(
+        input_ids_T=state.batch.input_ids_T,
+        position_ids_T=state.batch.position_ids_T,
+        loss_mask_T=state.batch.loss_mask_T,
+        cu_seqlens_S1=state.batch.cu_seqlens_S1,
+        num_blocks=num_blocks,
+        block_size=size.block_size,
+        mask_token_id=size.vocab - 1,
+    )
+    mean_keys = mean_keys_per_layer(blocks, dcfg)
+    state.layout.update(blocks.seq_start_N, blocks.anchor_N)
+    tiles = visited_kv_tiles(state.layout)
+    t_setup = time.perf_counter()
+    runner = StepRunner(state, cuda_graphs=mode == "graphs", warmup_iters=2)
+    for _ in range(2):
+        runner.run(with_metrics=False)
+    _sync(device)
+    setup_s = time.perf_counter() - t_setup
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        runner.run(with_metrics=False)
+    _sync(device)
+    step_s = (time.perf_counter() - t0) / steps
+    peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+    loss = float(state.totals.sums.view("loss/total") / state.totals.sums.view("steps"))
+    flops = step_flops(size, dcfg, num_blocks, mean_keys)
+    total = sum(flops.values())
+    result = {
+        "size": size.name,
+        "mode": mode,
+        "num_blocks": num_blocks,
+        "query_tokens": num_blocks * size.block_size,
+        "context_tokens": size.token_budget,
+        "step_ms": step_s * 1e3,
+        "query_tokens_per_s": num_blocks * size.block_size / step_s,
+        "context_tokens_per_s": size.token_budget / step_s,
+        "ms_per_query_token": step_s * 1e3 / (num_blocks * size.block_size),
+        "tflops": total / step_s / 1e12,
+        "mfu": total / step_s / peak if peak else None,
+        "flops_per_step": flops,
+        "layer_types": list(dcfg.layer_types),
+        "sliding_window": dcfg.attention_window,
+        "seq_len": size.seq_len,
+        "mean_keys_per_query": sum(mean_keys) / len(mean_keys),
+        "mean_keys_per_layer": mean_keys,
+        "kv_tiles_per_q_tile": tiles,
+        "peak_mem_gib": peak_mem,
+        "setup_s": setup_s,
+        "mean_loss": loss,
+        "params": count_parameters(dcfg),
+        "step_options": dict(options.step_options),
+        "device": device.type,
+    }
+    if options.profile_steps:
+        result["profile"] = profile_kernels(partial(runner.run, with_metrics=False), options.profile_steps, device)
+        log.info("%s %s kernel profile:\n%s", size.name, mode, format_profile(result["profile"]))
+    del runner, state, head, blocks
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_size(
+    size: Size, modes: list[str], options: RunOptions, device: torch.device, peak: float | None
+) -> list[dict]:
+    """Every mode of one size; out of memory halves the blocks and retries (the failure is a result too)."""
+    num_blocks = options.num_blocks or size.num_blocks or default_num_blocks(size.token_budget, size.block_size)
+    results = []
+    for mode in modes:
+        while True:
+            try:
+                results.append(bench_one(size, mode, num_blocks, options, device, peak))
+                log.info("%s %s: %s", size.name, mode, _row(results[-1]))
+                break
+            except torch.cuda.OutOfMemoryError:
+                gc.collect()
+                torch.cuda.empty_cache()
+                results.append(
+                    {
+                        "size": size.name,
+                        "mode": mode,
+                        "num_blocks": num_blocks,
+                        "step_options": dict(options.step_options),
+                        "device": device.type,
+                        "error": "out of memory",
+                    }
+                )
+                smaller = (num_blocks // 2) // 8 * 8
+                log.warning("%s %s: out of memory at %d blocks; retrying with %d", size.name, mode, num_blocks, smaller)
+                if smaller < 8:
+                    break
+                num_blocks = smaller
+    return results
+
+
+def _layout_name(r: dict) -> str:
+    types = r.get("layer_types") or []
+    if not any(t == "sliding_attention" for t in types):
+        return "full"
+    return "".join("s" if t == "sliding_attention" else "f" for t in types) + f"/{r['sliding_window']}"
+
+
+def _step_name(r: dict) -> str:
+    """The step variant of a result: its elementwise cuts and activation checkpointing, e.g. 'copies+loss+ckpt'."""
+    opts = r.get("step_options") or {}
+    cuda = r.get("device", "cuda") == "cuda"
+    names = [
+        short
+        for name, short in CUTS.items()
+        if opts.get(name) or (name == "compile_pointwise" and opts.get(name) is None and cuda)
+    ]
+    names += ["ckpt"] if opts.get("checkpoint_layers") else []
+    return "+".join(names) or "plain"
+
+
+def _row(r: dict) -> str:
+    if "error" in r:
+        return f"{r['size']:<5} {r['mode']:<7} {_step_name(r):<22} {r['num_blocks']:>6}  {r['error']}"
+    tiles = r.get("kv_tiles_per_q_tile") or {}
+    tile_text = "/".join(f"{tiles[k]:.0f}" for k in ("full", "sliding") if k in tiles)
+    mfu = f"{100 * r['mfu']:>6.1f}%" if r["mfu"] is not None else f"{'-':>7}"
+    mem = f"{r['peak_mem_gib']:>7.1f}" if r["peak_mem_gib"] is not None else f"{'-':>7}"
+    return (
+        f"{r['size']:<5} {r['mode']:<7} {_step_name(r):<22} {_layout_name(r):<12} {r['seq_len']:>7} {r['num_blocks']:>6} "
+        f"{r['query_tokens_per_s']:>12,.0f} {r['context_tokens_per_s']:>10,.0f} {r['step_ms']:>9.1f} "
+        f"{1e3 * r['ms_per_query_token']:>8.2f} {r['tflops']:>8.1f} {mfu} {mem} {r['mean_keys_per_query']:>8.0f} "
+        f"{tile_text:>9}"
+    )
+
+
+@click.command()
+@click.option("--out", "out_path", default="bench_train.json", show_default=True, help="JSON results file.")
+@click.option(
+    "--sizes", default="27b,4b", show_default=True, help="Comma-separated: 27b, 4b, launch, tiny (CPU tests)."
+)
+@click.option("--modes", default="graphs,eager", show_default=True, help="Comma-separated: graphs, eager.")
+@click.option("--steps", default=5, show_default=True, help="Timed steps per configuration (after warm-up).")
+@click.option(
+    "--layer-types",
+    "layouts",
+    multiple=True,
+    help="Drafter layer kinds, e.g. sliding,sliding,sliding,sliding,full; repeat the option to compare layouts. Default: all full.",
+)
+@click.option(
+    "--sliding-window",
+    default=2048,
+    show_default=True,
+    help="Window of the sliding layers (tokens, the query included).",
+)
+@click.option(
+    "--seq-lens",
+    default=None,
+    help="Comma-separated packed sequence lengths (context length) to run each size at; default: the size's own.",
+)
+@click.option(
+    "--num-blocks",
+    default=None,
+    type=int,
+    help="Draft blocks per batch (query tokens = blocks x 16); default: the size's own (27b: 2048).",
+)
+@click.option(
+    "--compare-plain",
+    is_flag=True,
+    help="Run every configuration twice: first with the elementwise cuts off (the step before them), then "
+    "with the step flags as given.",
+)
+@click.option("--profile", is_flag=True, help="Profile --profile-steps more steps: kernel time by category.")
+@click.option("--profile-steps", default=3, show_default=True, help="Steps under torch.profiler with --profile.")
+@click.option(
+    "--device",
+    "device_name",
+    default="cuda",
+    show_default=True,
+    help="cuda, or cpu (only for the tiny size: tests; eager mode, no MFU, no peak memory).",
+)
+@config_options(TrainConfig, exclude=[f.name for f in dataclasses.fields(TrainConfig) if f.name not in STEP_FIELDS])
+def main(
+    out_path: str,
+    sizes: str,
+    modes: str,
+    steps: int,
+    layouts: tuple[str, ...],
+    sliding_window: int,
+    seq_lens: str | None,
+    num_blocks: int | None,
+    compare_plain: bool,
+    profile: bool,
+    profile_steps: int,
+    device_name: str,
+    **step_options,
+) -> None:
+    """Drafter training throughput (query tokens/s per GPU) and MFU, CUDA graphs vs eager."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+    mode_list = [m.strip() for m in modes.split(",")]
+    if device_name == "cpu":
+        if "graphs" in mode_list:
+            raise click.BadParameter("--modes graphs needs CUDA; pass --modes eager with --device cpu")
+        device, peak = torch.device("cpu"), None
+    elif device_name == "cuda":
+        if not torch.cuda.is_available():
+            raise click.ClickException("bench_train needs a CUDA GPU (or --device cpu --sizes tiny)")
+        device = torch.device("cuda:0")
+        torch.cuda.set_device(device)
+        peak = bf16_matmul_peak(device)
+        log.info("bf16 matmul peak (8192^3): %.1f TFLOP/s on %s", peak / 1e12, torch.cuda.get_device_name(device))
+    else:
+        raise click.BadParameter(f"--device {device_name}: must be cuda or cpu")
+    if num_blocks is not None and num_blocks < 1:
+        raise click.BadParameter(f"--num-blocks {num_blocks}: must be >= 1")
+    if profile and profile_steps < 1:
+        raise click.BadParameter(f"--profile-steps {profile_steps}: must be >= 1")
+    log.info("FLOPs/step = 6*P_layers*Q + 6*L*(2*H*M*D)*T + 12*L*N*D*keys*Q + 4*V*H*Q + 4*(K*H)*H*T")
+    layer_specs = [parse_layer_types(spec) for spec in layouts] or [None]
+    results = []
+    for name in sizes.split(","):
+        base = SIZES[name.strip()]
+        lengths = [int(v) for v in seq_lens.split(",")] if seq_lens else [base.seq_len]
+        for length in lengths:
+            if not 1 <= length <= base.token_budget:
+                raise click.BadParameter(f"--seq-lens {length}: must be in [1, token budget {base.token_budget}]")
+            for types in layer_specs:
+                if types is not None and len(types) != base.layers:
+                    raise click.BadParameter(f"--layer-types {','.join(types)}: {base.name} has {base.layers} layers")
+                size = dataclasses.replace(base, seq_len=length)
+                plain = {**step_options, **{name: False for name in CUTS}}
+                for chosen in [plain, step_options] if compare_plain else [step_options]:
+                    options = RunOptions(
+                        steps=steps,
+                        profile_steps=profile_steps if profile else 0,
+                        layer_types=types,
+                        sliding_window=sliding_window,
+                        num_blocks=num_blocks,
+                        step_options=chosen,
+                    )
+                    results += bench_size(size, mode_list, options, device, peak)
+    header = (
+        f"{'size':<5} {'mode':<7} {'step':<22} {'layout':<12} {'seq len':>7} {'blocks':>6} {'query tok/s':>12} "
+        f"{'ctx tok/s':>10} {'step ms':>9} {'us/q tok':>8} {'TFLOP/s':>8} {'MFU':>7} {'mem GiB':>7} {'keys/q':>8} "
+        f"{'kv tiles':>9}"
+    )
+    click.echo(header)
+    click.echo("-" * len(header))
+    for r in results:
+        click.echo(_row(r))
+    for r in results:
+        if "profile" in r:
+            click.echo(
+                f"\n{r['size']} {r['mode']} {_step_name(r)} {r['num_blocks']} blocks:\n{format_profile(r['profile'])}"
+            )
+    with open(out_path, "w") as f:
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "bf16_peak_flops": peak,
+                "torch": torch.__version__,
+                "results": results,
+            },
+            f,
+            indent=1,
+        )
+    click.echo(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()

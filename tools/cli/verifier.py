@@ -1,0 +1,47 @@
+"""The target as a speculative-decoding verifier (train.eval.speculative.Verifier), built from extract's
+target model: for a token sequence it returns the target's greedy next token after every position
+and the tapped hidden states, recomputing the whole prefix each call (no KV cache, no GatedDeltaNet
+state carried between calls: simple and exact, fine for measuring acceptance and relative speed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from extract.target.model import TargetModel
+
+
+class TargetVerifier:
+    def __init__(
+        self,
+        target_dir: str | Path,
+        tap_layer_ids: list[int],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+    ):
+        self.model = TargetModel.from_pretrained(target_dir, device, dtype=dtype, with_head=True)
+        n = self.model.config.num_hidden_layers
+        bad = [t for t in tap_layer_ids if not 0 <= t < n]
+        if bad:
+            raise ValueError(f"--target {target_dir}: the drafter taps layers {bad}, the target has {n} layers")
+        self.tap_layer_ids = [int(t) for t in tap_layer_ids]
+        self.embed_tokens_VH = self.model.embed_tokens.weight
+        self.lm_head_VH = self.model.lm_head.weight
+
+    def __call__(self, input_ids_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        L = input_ids_L.shape[0]
+        device = self.embed_tokens_VH.device
+        cu = torch.tensor([0, L], dtype=torch.int32, device=device)
+        hidden_LKH, top_ids_L1, _ = self.model.topk_next_tokens(
+            input_ids_L.to(device), torch.arange(L, device=device), cu, self.tap_layer_ids, k=1
+        )
+        return top_ids_L1[:, 0].long(), hidden_LKH
+
+
+def target_verifier(
+    target_dir: str, tap_layer_ids: list[int], device: torch.device, dtype: torch.dtype
+) -> TargetVerifier:
+    """The factory tools/cli/dflash_train.py registers with train.eval.speculative."""
+    return TargetVerifier(target_dir, tap_layer_ids, device, dtype)

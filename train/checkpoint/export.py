@@ -1,0 +1,399 @@
+"""Export a trained drafter in z-lab's DFlashDraftModel layout (what vLLM / SGLang load), and reload it.
+
+OUT/config.json        architectures ["DFlashDraftModel"], model_type "qwen3", block_size,
+                       num_target_layers, dflash_config {mask_token_id, target_layer_ids}, Qwen3 fields
+OUT/model.safetensors  the drafter's parameters under z-lab's names, bf16
+
+config.json leaves nothing to an engine's defaults (what each engine reads, from their loaders):
+- RoPE: vLLM reads only rope_parameters.rope_theta (1e6 when absent, not our 1e7); SGLang reads
+  rope_parameters, else rope_theta. Both are written, equal.
+- Layer kinds: layer_types per layer; sliding layers need sliding_window and use_sliding_window true
+  (HF Qwen3Config drops sliding_window when use_sliding_window is false, and vLLM / SGLang then refuse
+  the sliding layers). vLLM makes a layer causal iff it is sliding unless is_causal or
+  dflash_config.causal say otherwise, so neither is written.
+- Taps: dflash_config.target_layer_ids in z-lab's "output of layer j" convention; vLLM and SGLang add 1
+  for their "input of layer j+1" capture. eagle_aux_hidden_state_layer_ids is not written: vLLM would
+  take it as-is in place of target_layer_ids + 1.
+- fc input: vLLM sizes it target_hidden_size (else hidden_size) x taps; written, equal to hidden_size.
+- block_size, num_target_layers, mask_token_id (SGLang reads them top-level or in dflash_config;
+  vLLM reads dflash_config.mask_token_id and takes the block size from --speculative-config).
+- The target's bos / eos / pad ids, as the published configs carry them.
+
+load_exported_drafter reads ours and published directories (model.safetensors, or shards listed in
+model.safetensors.index.json) and refuses fields whose meaning we do not train (is_causal, use_swa,
+attention sinks, rope scaling), naming them.
+
+Export is for serving and evaluation, never a resume source (checkpoints are the loop's business).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+
+from shards.common.crc import crc32
+from shards.common.durable import (
+    DIR_MODE,
+    PROBE,
+    atomic_write,
+    atomic_write_text,
+    check_writable,
+    remove_stale_temporaries,
+    temporary_final_name,
+)
+from shards.container import read_header, write_container
+from shards.format import CacheFormatError
+from train.drafter.config import DrafterConfig
+from train.drafter.model import DFlashDrafter
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"  # sharded checkpoints: {"weight_map": {name: file}}
+# Fields whose presence would make an engine read the drafter differently from how it was trained here.
+_FOREIGN_FIELDS = (
+    "is_causal",
+    "use_swa",
+    "swa_window_size",
+    "causal",
+    "attention_sink_bias",
+    "add_swa_attention_sink_bias",
+    "draft_vocab_size",
+)
+
+
+def zlab_parameter_names(cfg: DrafterConfig) -> list[str]:
+    """The parameter names of z-lab's DFlashDraftModel for this shape: the one name mapping we follow."""
+    names = ["fc.weight", "hidden_norm.weight", "norm.weight"]
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+        names += [p + f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+    return names
+
+
+def drafter_config_to_hf(cfg: DrafterConfig) -> dict:
+    """config.json of the exported drafter (Qwen3Config fields plus the DFlash keys)."""
+    sliding = any(cfg.sliding_layers)
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.tap_layer_ids)},
+        "target_hidden_size": cfg.hidden_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "layer_types": list(cfg.layer_types),
+        "sliding_window": cfg.sliding_window if sliding else None,
+        "use_sliding_window": sliding,
+        "max_window_layers": cfg.num_layers,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "dtype": "bfloat16",
+    }
+
+
+def drafter_config_from_hf(hf: dict, source: str = "config.json", mask_token_id: int | None = None) -> DrafterConfig:
+    """Inverse of drafter_config_to_hf; also reads published z-lab / SpecForge configs.
+
+    mask_token_id: used when the config's dflash_config.mask_token_id is null (some published configs)."""
+    if "DFlashDraftModel" not in hf.get("architectures", []):
+        raise ValueError(f"{source}: architectures {hf.get('architectures')} does not name DFlashDraftModel")
+    dflash = hf.get("dflash_config") or {}
+    missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
+    if missing:
+        raise ValueError(f"{source}: dflash_config lacks {missing}")
+
+    def foreign_in(d: dict) -> set[str]:  # is_causal / causal override vLLM's per-layer causality either way
+        return {k for k in _FOREIGN_FIELDS if d.get(k) is not None and (d[k] is not False or "causal" in k)}
+
+    foreign = sorted(foreign_in(hf) | {f"dflash_config.{k}" for k in foreign_in(dflash)})
+    if foreign:
+        raise ValueError(
+            f"{source}: {foreign} change how engines run this drafter's attention or vocabulary, "
+            "which dflash-train does not model; use a plain DFlashDraftModel (Qwen3 layers)"
+        )
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+        raise ValueError(
+            f"{source}: rope_parameters.rope_type {rope.get('rope_type')!r} / rope_scaling "
+            f"{hf.get('rope_scaling')!r}: only default RoPE is implemented"
+        )
+    thetas = {float(t) for t in (rope.get("rope_theta"), hf.get("rope_theta")) if t is not None}
+    if len(thetas) != 1:
+        raise ValueError(
+            f"{source}: RoPE theta rope_parameters.rope_theta {rope.get('rope_theta')!r} vs "
+            f"rope_theta {hf.get('rope_theta')!r}: exactly one value must be given"
+        )
+    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias", False):
+        raise ValueError(
+            f"{source}: hidden_act {hf.get('hidden_act')!r} / attention_bias "
+            f"{hf.get('attention_bias')!r}: only silu without attention bias is implemented"
+        )
+    if hf.get("target_hidden_size") not in (None, hf["hidden_size"]):
+        raise ValueError(
+            f"{source}: target_hidden_size {hf['target_hidden_size']} differs from hidden_size "
+            f"{hf['hidden_size']}; the drafter must be as wide as its target"
+        )
+    layer_types = hf.get("layer_types") or _derived_layer_types(hf)
+    sliding = bool(layer_types) and "sliding_attention" in layer_types
+    window = hf.get("sliding_window", 4096) if sliding else None
+    if sliding and not hf.get("use_sliding_window", False):
+        raise ValueError(
+            f"{source}: layer_types has sliding_attention layers but use_sliding_window is "
+            f"{hf.get('use_sliding_window')!r}: HF, vLLM and SGLang then see no window (set it true)"
+        )
+    mask = dflash["mask_token_id"] if dflash["mask_token_id"] is not None else mask_token_id
+    if mask is None:
+        raise ValueError(f"{source}: dflash_config.mask_token_id is null; pass --mask-token-id")
+    num_heads = hf["num_attention_heads"]
+    return DrafterConfig(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_attention_heads=num_heads,
+        num_key_value_heads=hf.get("num_key_value_heads", num_heads),
+        head_dim=hf.get("head_dim", hf["hidden_size"] // num_heads),
+        rms_norm_eps=hf["rms_norm_eps"],
+        rope_theta=thetas.pop(),
+        max_position_embeddings=hf["max_position_embeddings"],
+        block_size=hf.get("block_size", dflash.get("block_size", 16)),
+        mask_token_id=mask,
+        tap_layer_ids=list(dflash["target_layer_ids"]),
+        num_target_layers=hf["num_target_layers"],
+        vocab_size=hf["vocab_size"],
+        layer_types=layer_types,
+        sliding_window=window,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+def _derived_layer_types(hf: dict) -> list[str] | None:
+    """The layer types HF's Qwen3Config (what engines read) derives when config.json has no layer_types:
+    sliding from layer max_window_layers on, iff use_sliding_window; None when every layer is full."""
+    if not hf.get("use_sliding_window", False) or hf.get("sliding_window", 4096) is None:
+        return None
+    first_sliding = hf.get("max_window_layers", 28)  # Qwen3Config's defaults, also for sliding_window
+    types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(hf["num_hidden_layers"])]
+    return types if "sliding_attention" in types else None
+
+
+# Written into model.safetensors' metadata: how a later export recognises a directory it may replace.
+PRODUCER = "dflash-pipeline"
+
+
+def export_status(out: Path) -> tuple[bool, list[Path]]:
+    """(is an earlier export of ours, entries that are neither ours nor temporaries) for an existing out."""
+    ours = {CONFIG_FILE, WEIGHTS_FILE}
+    temporaries = ours | {PROBE}  # check_writable's probe too: another rank's, a moment ahead
+    foreign = [p for p in sorted(out.iterdir()) if p.name not in ours and temporary_final_name(p) not in temporaries]
+    weights = out / WEIGHTS_FILE
+    produced = False
+    if weights.is_file():
+        try:
+            produced = read_header(weights).metadata.get("producer") == PRODUCER
+        except CacheFormatError:
+            produced = False
+    return produced and not foreign, foreign
+
+
+def check_export_target(out: Path, overwrite: bool) -> None:
+    """Refuse a non-empty directory that is not an earlier export of ours; replacing ours needs overwrite."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"export directory {out} is a file; choose a new or empty directory")
+    if out.is_dir() and any(out.iterdir()):
+        ours, foreign = export_status(out)
+        if not ours:
+            shown = ", ".join(str(p) for p in (foreign or sorted(out.iterdir()))[:5])
+            raise ValueError(
+                f"export directory {out} is not empty and is not a drafter exported by dflash-train "
+                f"(found {shown}); nothing was written: choose a new or empty directory"
+            )
+        if not overwrite:
+            raise ValueError(
+                f"export directory {out} holds an earlier export; pass --overwrite to replace it, or choose a new "
+                "directory"
+            )
+    check_writable(out, f"export directory {out}")
+
+
+def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Write config.json and model.safetensors (bf16, z-lab names) into out_dir; returns out_dir.
+
+    out_dir must be new, empty, or (with overwrite) an earlier export of ours: never anyone else's
+    files. Both files go through the durable-write path and are readable by every user (a serving
+    process often runs as another user)."""
+    out = Path(out_dir)
+    check_export_target(out, overwrite)
+    if not out.is_dir():
+        out.mkdir(parents=True)
+        os.chmod(out, DIR_MODE)  # mkdir applies the umask
+    remove_stale_temporaries(out, {CONFIG_FILE, WEIGHTS_FILE}.__contains__)  # ours only: never a user's .tmp-x
+    state = {name: t.detach().to("cpu", torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
+    expected = zlab_parameter_names(cfg)
+    if sorted(state) != sorted(expected):
+        raise ValueError(
+            f"drafter state_dict names differ from z-lab's: extra {sorted(set(state) - set(expected))}, "
+            f"missing {sorted(set(expected) - set(state))}"
+        )
+    meta = {"format": "pt", "producer": PRODUCER}
+    try:
+        atomic_write(out / WEIGHTS_FILE, lambda f: write_container(f, state, meta))
+        atomic_write_text(out / CONFIG_FILE, json.dumps(drafter_config_to_hf(cfg), indent=2) + "\n")
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"exporting to {out} failed: {e.strerror or e}"
+            + ("; free space and export again" if e.errno == errno.ENOSPC else ""),
+        ) from e
+    log.info("exported drafter (%d tensors) to %s", len(state), out)
+    return out
+
+
+def read_drafter_config(path: str | Path, mask_token_id: int | None = None) -> DrafterConfig:
+    """The DrafterConfig of a DFlashDraftModel directory's config.json (no weights read)."""
+    config_path = Path(path) / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path}: not found; expected an exported DFlash drafter directory")
+    try:
+        hf = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path}: not valid JSON ({e})") from e
+    try:
+        return drafter_config_from_hf(hf, source=str(config_path), mask_token_id=mask_token_id)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{config_path}: not a DFlashDraftModel config ({type(e).__name__}: {e})") from e
+
+
+def _weight_files(path: Path) -> tuple[list[Path], Path]:
+    """The safetensors files of a drafter directory and what lists them (model.safetensors or its index)."""
+    index_path, single = path / WEIGHTS_INDEX_FILE, path / WEIGHTS_FILE
+    if single.is_file():
+        return [single], single
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text()).get("weight_map") or {}
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent or not files:
+            raise FileNotFoundError(f"{index_path}: lists shards that are not there: {absent or 'none at all'}")
+        return files, index_path
+    raise FileNotFoundError(
+        f"{path}: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}; expected an exported DFlash drafter directory"
+    )
+
+
+def _unreadable(path: Path, e: Exception) -> ValueError:
+    return ValueError(f"{path}: unreadable ({e}): damaged or partial; export (or download) the drafter again")
+
+
+def drafter_fingerprint(path: str | Path) -> str:
+    """crc32 over a drafter directory's config.json and weight files, in order: what a resumed
+    --init-from run compares, so the same drafter under another path (or a copy) is the same run."""
+    files = [Path(path) / CONFIG_FILE, *_weight_files(Path(path))[0]]
+    value = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 26):
+                value = crc32(chunk, value)
+    return f"content crc32 {value:08x}"
+
+
+def check_weight_files(path: str | Path) -> None:
+    """Refuse (ValueError naming the file) a drafter directory whose weight files are missing, cut short or
+    not safetensors; reads headers only, so it runs before any model is built."""
+    for f in _weight_files(Path(path))[0]:
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except (OSError, SafetensorError) as e:
+            raise _unreadable(f, e) from e
+
+
+def read_drafter_weights(path: str | Path, cfg: DrafterConfig) -> dict[str, torch.Tensor]:
+    """The drafter tensors of a directory: model.safetensors, or the shards model.safetensors.index.json
+    lists; names must be exactly z-lab's for cfg (the error lists the extra and missing ones)."""
+    files, where = _weight_files(Path(path))
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except SafetensorError as e:
+            raise _unreadable(f, e) from e
+    expected = zlab_parameter_names(cfg)
+    extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
+    if extra or missing:
+        raise ValueError(f"{where}: tensor names differ from DFlashDraftModel: extra {extra}, missing {missing}")
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in DFlashDrafter(cfg).named_parameters()}
+    bad = {n: (tuple(t.shape), shapes[n]) for n, t in state.items() if tuple(t.shape) != shapes[n]}
+    if bad:
+        raise ValueError(f"{where}: tensor shapes differ from config.json's (found, expected): {bad}")
+    _check_values(state, where)
+    return state
+
+
+def _check_values(state: dict[str, torch.Tensor], where: Path) -> None:
+    """Refuse integer tensors and non-finite values: either would load, then train or draft garbage."""
+    not_float = sorted(f"{n} ({t.dtype})" for n, t in state.items() if not t.is_floating_point())
+    if not_float:
+        raise ValueError(f"{where}: tensors {not_float[:5]} are not floating point; expected bf16, fp16 or fp32")
+    bad = sorted(n for n, t in state.items() if not torch.isfinite(t).all())
+    if bad:
+        raise ValueError(
+            f"{where}: {len(bad)} tensor(s) hold NaN or inf values ({', '.join(bad[:5])}); the drafter is damaged"
+        )
+
+
+def load_exported_drafter(
+    path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    mask_token_id: int | None = None,
+) -> tuple[DFlashDrafter, DrafterConfig]:
+    """Load a DFlashDraftModel directory (ours or a published one) into a DFlashDrafter."""
+    cfg = read_drafter_config(path, mask_token_id=mask_token_id)
+    state = read_drafter_weights(path, cfg)
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+    return model, cfg
+
+
+@torch.no_grad()
+def load_drafter_weights_(model: DFlashDrafter, path: str | Path) -> None:
+    """Copy a DFlashDraftModel directory's weights into `model` in place (its dtype and device kept);
+    the directory must describe model's shape (read_drafter_weights checks names and shapes)."""
+    state = read_drafter_weights(path, model.config)
+    for name, p in model.named_parameters():
+        p.copy_(state[name].to(p.dtype))
+    log.info("initialised the drafter from %s (%d tensors)", path, len(state))

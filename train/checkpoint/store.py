@@ -1,0 +1,333 @@
+"""Training checkpoints: OUT/step-NNNNNNNN/ {model.safetensors, optimizer.pt, train_state.json}.
+
+A checkpoint is built in a temporary directory beside its final name (.tmp-step-*), every file
+fsynced, then renamed in one step and the run directory fsynced; train_state.json is written last
+and records the crc32 of model.safetensors and optimizer.pt. A folder counts only when it holds all
+three files, train_state.json parses and (when verified: resume, export) both checksums match; a
+damaged or partial newest checkpoint is skipped with a warning naming the file, and the previous
+valid one wins. Valid ones older than the newest keep_checkpoints are deleted (Retention: never the
+one just written or resumed from, never a damaged or later one), and temporaries of a killed save are
+removed at the next start (remove_stale_temporaries). Checkpoints are resume sources only.
+
+train_state.json: step, epoch, data cursor (index of the next shard in this epoch's per-rank
+order), tokens seen, skipped shards, world size, config hash and identity, drafter config, cache
+target fingerprint, and per-rank RNG states (torch CPU, CUDA, the block-sampling generator).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import errno
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from shards.common.durable import (
+    DIR_MODE,
+    FILE_MODE,
+    TMP_PREFIX,
+    atomic_write_text,
+    file_checksum,
+    fsync_dir,
+    fsync_file,
+)
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "train_state.json"
+_NAME = re.compile(r"^step-(\d{8})$")
+_TMP_NAME = re.compile(rf"^{re.escape(TMP_PREFIX)}step-\d{{8}}-\w+$")  # tempfile.mkdtemp's suffix: [a-z0-9_]
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+    state: dict[str, Any]  # train_state.json
+
+
+def encode_rng(t: torch.Tensor | None) -> str | None:
+    return None if t is None else base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def decode_rng(s: str | None) -> torch.Tensor | None:
+    if s is None:
+        return None
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is damaged, partial or cannot be written; the message names the file."""
+
+
+def save_checkpoint(
+    out_dir: str | Path,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict,
+    train_state: dict[str, Any],
+    retention: Retention,
+) -> Path:
+    """Write step-{step:08d}/ durably (called on rank 0 only); then prune as `retention` says."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final = out_dir / checkpoint_name(step)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=out_dir))
+    current = tmp / MODEL_FILE
+    try:
+        os.chmod(tmp, DIR_MODE)
+        save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(current))
+        current = tmp / OPTIMIZER_FILE
+        torch.save(optimizer_state, current)
+        checksums = {}
+        for name in (MODEL_FILE, OPTIMIZER_FILE):
+            current = tmp / name
+            os.chmod(current, FILE_MODE)
+            fsync_file(current)
+            checksums[name] = file_checksum(current)
+        current = tmp / STATE_FILE
+        atomic_write_text(current, json.dumps({**train_state, "checksums": checksums}, indent=1, sort_keys=True) + "\n")
+        if final.exists():  # a checkpoint of the same step from a run that died after writing it
+            shutil.rmtree(final)
+        current = final
+        os.replace(tmp, final)
+        fsync_dir(out_dir)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            what = "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+            raise CheckpointError(
+                f"checkpoint of step {step}: writing {current} failed ({what}); nothing partial was kept. "
+                f"Free space (or fix {out_dir}) and re-run with --resume to continue from the last checkpoint"
+            ) from e
+        raise
+    log.info("checkpoint: saved %s", final)
+    retention.verified.add(step)  # its checksums were just computed from the bytes written
+    retention.prune(out_dir, written_step=step)
+    return final
+
+
+def verify_checkpoint(ckpt: Checkpoint, files: tuple[str, ...] = (MODEL_FILE, OPTIMIZER_FILE)) -> None:
+    """Raise CheckpointError naming the first of `files` whose bytes differ from the recorded checksum."""
+    recorded = ckpt.state.get("checksums")
+    if not isinstance(recorded, dict):
+        log.warning("checkpoint %s records no checksums (written by an older dflash-train): not verified", ckpt.path)
+        return
+    for name in files:
+        path = ckpt.path / name
+        try:
+            found = file_checksum(path)
+        except OSError as e:
+            raise CheckpointError(f"{path}: unreadable ({e.strerror or e})") from e
+        if found != recorded.get(name):
+            raise CheckpointError(
+                f"{path}: checksum mismatch (recorded {recorded.get(name)}, file has {found}): damaged or partial"
+            )
+
+
+def list_checkpoints(out_dir: str | Path) -> list[Checkpoint]:
+    """Valid checkpoints, oldest first; incomplete or unreadable folders are ignored (with a warning)."""
+    out_dir = Path(out_dir)
+    found = []
+    if not out_dir.is_dir():
+        return found
+    for p in out_dir.iterdir():
+        m = _NAME.match(p.name)
+        if not m or not p.is_dir():
+            continue
+        try:
+            state = json.loads((p / STATE_FILE).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            log.warning("checkpoint %s ignored: %s unreadable (%s)", p, STATE_FILE, e)
+            continue
+        if not all((p / n).is_file() for n in (MODEL_FILE, OPTIMIZER_FILE)):
+            log.warning("checkpoint %s ignored: missing %s or %s", p, MODEL_FILE, OPTIMIZER_FILE)
+            continue
+        found.append(Checkpoint(p, int(m.group(1)), state))
+    return sorted(found, key=lambda c: c.step)
+
+
+def checkpoint_folders(out_dir: str | Path) -> list[Path]:
+    """Every step-NNNNNNNN folder in out_dir, valid or not (what a run directory's history holds)."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    return sorted(p for p in out_dir.iterdir() if _NAME.match(p.name) and p.is_dir())
+
+
+def latest_checkpoint(out_dir: str | Path, verify: bool = True) -> Checkpoint | None:
+    """The newest checkpoint whose files match their checksums; a damaged newer one is skipped with a
+    warning naming the file (verify=False: the newest complete folder, files unchecked)."""
+    for ckpt in reversed(list_checkpoints(out_dir)):
+        if not verify:
+            return ckpt
+        try:
+            verify_checkpoint(ckpt)
+            return ckpt
+        except CheckpointError as e:
+            log.warning("checkpoint %s skipped: %s; falling back to the previous one", ckpt.path, e)
+    return None
+
+
+@dataclass
+class Retention:
+    """Which checkpoints a run keeps after each save: the newest `keep` *valid* ones up to the step just
+    written (each verified once per process), and what is older than them is deleted. Never pruned:
+    the checkpoint just written and the one this run resumed from. Not counted, left in place and
+    warned about once: a folder among the newest whose checksums do not match (it goes once `keep`
+    valid newer ones exist), and a folder of a later step than the one just written (a resumed run's
+    leftover: replaced when the run gets there). Used from one thread at a time (saves never overlap)."""
+
+    keep: int  # valid checkpoints to keep (--keep-checkpoints)
+    protected: set[int] = field(default_factory=set)  # steps never pruned (the one resumed from)
+    verified: set[int] = field(default_factory=set)  # steps whose checksums this process checked or wrote
+    damaged: set[int] = field(default_factory=set)  # steps found damaged (not read again)
+    _reported: set[Path] = field(default_factory=set)  # folders already warned about
+
+    def prune(self, out_dir: str | Path, written_step: int) -> None:
+        checkpoints = list_checkpoints(out_dir)
+        if sum(c.step <= written_step for c in checkpoints) <= self.keep:
+            # Nothing older than the newest `keep` to delete: no folder needs reading (a 27B drafter's
+            # checkpoint is ~20 GB) to decide what counts.
+            remove_stale_temporaries(out_dir)
+            return
+        kept = 0
+        for ckpt in reversed(checkpoints):
+            if ckpt.step > written_step:
+                self._report(
+                    ckpt.path,
+                    f"of a later step than the one just written ({written_step}): not counted "
+                    "against --keep-checkpoints, left in place (replaced if the run reaches its step)",
+                )
+                continue
+            if kept >= self.keep and ckpt.step != written_step and ckpt.step not in self.protected:
+                shutil.rmtree(ckpt.path, ignore_errors=True)
+                log.info("checkpoint: removed %s (keeping the newest %d)", ckpt.path, self.keep)
+                continue
+            if ckpt.step not in self.verified:
+                if ckpt.step in self.damaged:
+                    continue
+                try:
+                    verify_checkpoint(ckpt)
+                except CheckpointError as e:
+                    self.damaged.add(ckpt.step)
+                    self._report(ckpt.path, f"damaged ({e}): not counted against --keep-checkpoints, left in place")
+                    continue
+                self.verified.add(ckpt.step)
+            kept += 1
+        remove_stale_temporaries(out_dir)
+
+    def _report(self, path: Path, why: str) -> None:
+        if path not in self._reported:
+            self._reported.add(path)
+            log.warning("checkpoint %s %s", path, why)
+
+
+def is_checkpoint_temporary(path: Path) -> bool:
+    """Whether `path` is the folder save_checkpoint builds a checkpoint in (.tmp-step-NNNNNNNN-XXXX, a directory)."""
+    return bool(_TMP_NAME.match(path.name)) and path.is_dir() and not path.is_symlink()
+
+
+def remove_stale_temporaries(out_dir: str | Path) -> int:
+    """Delete the .tmp-step-* folders of saves that were killed; returns how many (call with the run's lock)."""
+    stale = [p for p in Path(out_dir).glob(f"{TMP_PREFIX}step-*") if is_checkpoint_temporary(p)]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return len(stale)
+
+
+def load_model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    path = ckpt.path / MODEL_FILE
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e}); use an earlier checkpoint") from e
+
+
+def load_optimizer_state(ckpt: Checkpoint) -> dict:
+    path = ckpt.path / OPTIMIZER_FILE
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e}); use an earlier checkpoint") from e
+
+
+def check_resume_compatible(
+    ckpt: Checkpoint,
+    identity: dict[str, Any],
+    world_size: int,
+    target_config_hash: str,
+    cache_identity: dict[str, Any] | None = None,
+    *,
+    legacy_identity: dict[str, Any] | None = None,
+    drafter: dict[str, Any] | None = None,
+) -> None:
+    """Refuse to resume under different settings or another cache, naming the flag of every setting that
+    differs.
+
+    identity: the run's settings as resolved against the cache (train_config.resolved_identity),
+    compared with the checkpoint's "resolved_identity"; a checkpoint written before that was recorded is
+    compared on its raw "config_identity" with legacy_identity (cfg.identity()). drafter: the resolved
+    DrafterConfig now (as a dict), compared field by field with the checkpoint's. cache_identity: target
+    head checksum, dataset fingerprint, shard count and cache id of the cache now (loop.cache_identity);
+    checkpoints written before it was recorded are checked without it."""
+    from shards.common.cli_options import flag_name, shown
+    from train.config import TrainConfig
+
+    options = {f.name for f in dataclasses.fields(TrainConfig)}
+
+    def named(key: str) -> str:  # the flag that sets it, else the setting's own name
+        return flag_name(TrainConfig, key) if key in options else key
+
+    recorded, now = ckpt.state.get("resolved_identity"), identity
+    if not isinstance(recorded, dict):
+        recorded, now = ckpt.state.get("config_identity", {}), legacy_identity or identity
+    differ = [k for k in sorted(set(recorded) | set(now)) if recorded.get(k) != now.get(k)]
+    diffs = [f"{named(k)}: checkpoint {shown(recorded.get(k))}, now {shown(now.get(k))}" for k in differ]
+    recorded_drafter = ckpt.state.get("drafter")
+    if drafter is not None and isinstance(recorded_drafter, dict):
+        drafter = json.loads(json.dumps(drafter))
+        diffs += [
+            f"drafter {k}{f' ({named(k)})' if k in options else ''}: checkpoint {shown(recorded_drafter.get(k))}, "
+            f"now {shown(drafter.get(k))}"
+            for k in sorted(set(recorded_drafter) | set(drafter))
+            if k not in differ and recorded_drafter.get(k) != drafter.get(k)
+        ]
+    if ckpt.state.get("world_size") != world_size:
+        diffs.append(
+            f"world_size: checkpoint {ckpt.state.get('world_size')}, now {world_size} (the data cursor is per rank)"
+        )
+    if ckpt.state.get("target_config_hash") != target_config_hash:
+        diffs.append(
+            f"cache target config_hash: checkpoint {ckpt.state.get('target_config_hash')!r}, now {target_config_hash!r}"
+        )
+    recorded_cache = ckpt.state.get("cache_identity")
+    if cache_identity is not None and isinstance(recorded_cache, dict):
+        diffs += [
+            f"cache {k}: checkpoint {recorded_cache.get(k)!r}, now {cache_identity.get(k)!r}"
+            for k in sorted(cache_identity)
+            if recorded_cache.get(k) != cache_identity.get(k)
+        ]
+    if diffs:
+        raise ValueError(
+            f"cannot resume from {ckpt.path}: settings differ ({'; '.join(diffs)}); "
+            "use the original settings or a new --out directory"
+        )

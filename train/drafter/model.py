@@ -1,0 +1,349 @@
+"""The DFlash drafter: Qwen3-style decoder layers with KV injection of the fused target context.
+
+What is unusual about this model (z-lab's DFlashDraftModel, which serving engines load):
+- No embedding or LM head of its own: block tokens are embedded with the target's frozen
+  embed_tokens and its output goes through the target's frozen lm_head (`TargetHead`, kept
+  outside the module so it is neither trained, saved, exported nor broadcast by DDP).
+- Context = the K tapped target hidden states of each token, fused: hidden_norm(fc(concat)).
+- In every layer K/V come from [fused context ; block hidden] and Q from the block only; the
+  context is not layer-normed (only the block stream passes input_layernorm).
+- RMSNorms are Qwen3's (w * x_normed, w initialised to ones), not the target's (1 + w).
+- RoPE rotates the whole head; context key t sits at its position id, block slot k at
+  pos(anchor)+k; queries at the block positions.
+- Layers are full (the block sees all its context and itself bidirectionally) or sliding
+  (config.layer_types "sliding_attention": causal, window sliding_window), as attention.py defines.
+
+Parameter names equal z-lab's: fc, hidden_norm, norm, layers.N.{input_layernorm,
+post_attention_layernorm}, layers.N.self_attn.{q,k,v,o}_proj / {q,k}_norm, layers.N.mlp.{gate,up,down}_proj.
+
+Legend: T context tokens, K taps, H hidden, NB blocks, B block size, Q = NB*B block tokens,
+L = T + Q keys, A query heads, M kv heads, D head dim, I MLP width, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from train.drafter.attention import BlockAttentionLayout, block_attention, full_attention, window_attention
+from train.drafter.config import DrafterConfig
+from train.precision import use_working_copy
+
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ContextKV(NamedTuple):
+    """Every layer's (k, v) [T, M, D] of one packed batch's fused context (DFlashDrafter.context): the
+    part of a forward that depends on the batch and the weights only, not on the blocks."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k (k_norm, RoPE at the context positions), v
+
+
+class Linear(nn.Linear):
+    """nn.Linear without bias that computes with a working copy of its weight when training set one.
+
+    weight_copy: the fp32 master weight rounded to the compute dtype (precision.WorkingWeights, refreshed
+    once per step); its gradient reaches the master through use_working_copy. None = the weight itself
+    (the default, and every model outside the training step)."""
+
+    weight_copy: torch.Tensor | None = None
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_copy is None:
+            return F.linear(x, self.weight)
+        return F.linear(x, use_working_copy(self.weight, self.weight_copy))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3 RMSNorm: w * (x / rms(x)), statistics in float32, the result in x's dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    # Cast after the weight: fp32 master weights must not turn bf16 activations into fp32 ones.
+    return (weight * x32).to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+# The pointwise regions (norm, SwiGLU, RoPE) are called through these class attributes;
+# train/drafter/pointwise.py sets compiled twins on the modules of the training model only.
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm (rms_norm), weight initialised to ones."""
+
+    norm_fn = staticmethod(rms_norm)
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm_fn(x, self.weight, self.eps)
+
+
+def rope_cos_sin(
+    pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [*pos.shape, D] for positions `pos` (any int shape), full-head NeoX layout."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim)
+    freqs = pos.float().unsqueeze(-1) * inv_freq  # [..., D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [..., D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x_SHD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+    """x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1], broadcast over heads."""
+    x1, x2 = x_SHD.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x_SHD * cos_SD.unsqueeze(1) + rotated * sin_SD.unsqueeze(1)
+
+
+class DFlashAttention(nn.Module):
+    rope_fn = staticmethod(apply_rope)
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim)
+        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim)
+        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def context_kv(
+        self, ctx_TH: torch.Tensor, rope_ctx: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV injection: this layer's (k, v) [T, M, D] of the fused context; they depend on the batch and the
+        weights only, never on the blocks (a walk computes them once per shard: DFlashDrafter.context)."""
+        T, D = ctx_TH.shape[0], self.head_dim
+        k_ctx_TMD = self.rope_fn(self.k_norm(self.k_proj(ctx_TH).view(T, self.num_kv_heads, D)), *rope_ctx)
+        v_ctx_TMD = self.v_proj(ctx_TH).view(T, self.num_kv_heads, D)
+        return k_ctx_TMD, v_ctx_TMD
+
+    def forward(
+        self,
+        x_QH: torch.Tensor,
+        ctx_kv: tuple[torch.Tensor, torch.Tensor],
+        rope_blk: tuple[torch.Tensor, torch.Tensor],
+        attend: AttendFn,
+    ) -> torch.Tensor:
+        Q, D, rope = x_QH.shape[0], self.head_dim, self.rope_fn
+        k_ctx_TMD, v_ctx_TMD = ctx_kv
+        q_QAD = rope(self.q_norm(self.q_proj(x_QH).view(Q, self.num_heads, D)), *rope_blk)
+        k_blk_QMD = rope(self.k_norm(self.k_proj(x_QH).view(Q, self.num_kv_heads, D)), *rope_blk)
+        v_blk_QMD = self.v_proj(x_QH).view(Q, self.num_kv_heads, D)
+        # Under autocast with fp32 norm weights q/k come out fp32 while v is bf16; flex needs one dtype.
+        dtype = v_ctx_TMD.dtype
+        k_LMD = torch.cat([k_ctx_TMD, k_blk_QMD], dim=0).to(dtype)
+        v_LMD = torch.cat([v_ctx_TMD, v_blk_QMD], dim=0)
+        out_QAD = attend(q_QAD.to(dtype), k_LMD, v_LMD)
+        return self.o_proj(out_QAD.reshape(Q, self.num_heads * D))
+
+
+class SwiGLU(nn.Module):
+    act_fn = staticmethod(swiglu)
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x_QH, ctx_kv, rope_blk, attend: AttendFn) -> torch.Tensor:
+        """ctx_kv: this layer's context (k, v), from self_attn.context_kv."""
+        x_QH = x_QH + self.self_attn(self.input_layernorm(x_QH), ctx_kv, rope_blk, attend)
+        return x_QH + self.mlp(self.post_attention_layernorm(x_QH))
+
+    def forward_fused(self, x_QH, ctx_TH, rope_ctx, rope_blk, attend: AttendFn) -> torch.Tensor:
+        """The layer computing its own context K/V from the fused context (training: inside the layer's
+        activation checkpoint, so they are recomputed in backward rather than kept)."""
+        return self(x_QH, self.self_attn.context_kv(ctx_TH, rope_ctx), rope_blk, attend)
+
+
+class DFlashDrafter(nn.Module):
+    """Trainable part of the drafter; see the module docstring for the architecture."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        init_drafter_weights(self)
+
+    def fuse_context(self, hidden_TKH: torch.Tensor) -> torch.Tensor:
+        """[T, K, H] tapped target states -> [T, H] fused context hidden_norm(fc(concat_k))."""
+        return self.hidden_norm(self.fc(hidden_TKH.flatten(1)))
+
+    def context(self, hidden_TKH: torch.Tensor, position_ids_T: torch.Tensor, dtype: torch.dtype) -> ContextKV:
+        """Every layer's context K/V of one packed batch, activations in `dtype` (the block embeddings')."""
+        cfg = self.config
+        ctx_TH = self.fuse_context(hidden_TKH.to(dtype))
+        rope_ctx = rope_cos_sin(position_ids_T, cfg.head_dim, cfg.rope_theta, dtype)
+        return ContextKV([layer.self_attn.context_kv(ctx_TH, rope_ctx) for layer in self.layers])
+
+    def _run_layers(
+        self, ctx_TH, ctx_pos_T, x_QH, blk_pos_Q, attends: list[AttendFn], checkpoint_layers: bool = False
+    ) -> torch.Tensor:
+        """attends: one attention function per layer (full or sliding)."""
+        cfg = self.config
+        rope_ctx = rope_cos_sin(ctx_pos_T, cfg.head_dim, cfg.rope_theta, x_QH.dtype)
+        rope_blk = rope_cos_sin(blk_pos_Q, cfg.head_dim, cfg.rope_theta, x_QH.dtype)
+        for layer, attend in zip(self.layers, attends, strict=True):
+            if checkpoint_layers and torch.is_grad_enabled():
+                # Recompute each layer in backward: Q = NB*B block tokens at MLP width dominate memory.
+                # No RNG inside a layer (no dropout): skipping the RNG stash keeps it CUDA-graph-capturable.
+                x_QH = torch.utils.checkpoint.checkpoint(
+                    layer.forward_fused,
+                    x_QH,
+                    ctx_TH,
+                    rope_ctx,
+                    rope_blk,
+                    attend,
+                    use_reentrant=False,
+                    preserve_rng_state=False,
+                )
+            else:
+                x_QH = layer.forward_fused(x_QH, ctx_TH, rope_ctx, rope_blk, attend)
+        return self.norm(x_QH)
+
+    def _block_attends(self, layout: BlockAttentionLayout) -> list[AttendFn]:
+        """One block attention per layer (full or sliding) under `layout`, whose window must be the drafter's."""
+        if any(self.config.sliding_layers) and layout.sliding_window != self.config.sliding_window:
+            raise ValueError(
+                f"the drafter's sliding layers use window {self.config.sliding_window}, the attention "
+                f"layout has {layout.sliding_window}: build BlockAttentionLayout with "
+                "sliding_window=DrafterConfig.attention_window"
+            )
+        return [partial(block_attention, layout=layout, sliding=s) for s in self.config.sliding_layers]
+
+    def forward(
+        self,
+        hidden_TKH: torch.Tensor,
+        position_ids_T: torch.Tensor,
+        block_embed_NBH: torch.Tensor,
+        block_pos_NB: torch.Tensor,
+        layout: BlockAttentionLayout,
+        checkpoint_layers: bool = False,
+    ) -> torch.Tensor:
+        """Training forward over one packed batch; returns normed block hidden states [NB, B, H].
+
+        hidden_TKH: tapped target states of all T tokens (context K/V computed once per layer over them).
+        block_embed_NBH: target embeddings of the block tokens; block_pos_NB: their positions.
+        layout: the block attention rule for this batch (BlockAttentionLayout.update already called).
+        checkpoint_layers: recompute every decoder layer in backward (activation checkpointing).
+        """
+        NB, B, H = block_embed_NBH.shape
+        ctx_TH = self.fuse_context(hidden_TKH.to(block_embed_NBH.dtype))
+        x_QH = block_embed_NBH.reshape(NB * B, H)
+        attends = self._block_attends(layout)
+        out_QH = self._run_layers(
+            ctx_TH, position_ids_T, x_QH, block_pos_NB.reshape(NB * B), attends, checkpoint_layers
+        )
+        return out_QH.view(NB, B, H)
+
+    def forward_cached(
+        self,
+        context: ContextKV,
+        block_embed_NBH: torch.Tensor,
+        block_pos_NB: torch.Tensor,
+        layout: BlockAttentionLayout,
+    ) -> torch.Tensor:
+        """`forward` with the batch's context K/V already computed (`context`, no gradient path needed):
+        only the blocks' own projections, attention and MLPs run; [NB, B, H]."""
+        cfg = self.config
+        NB, B, H = block_embed_NBH.shape
+        x_QH = block_embed_NBH.reshape(NB * B, H)
+        rope_blk = rope_cos_sin(block_pos_NB.reshape(NB * B), cfg.head_dim, cfg.rope_theta, x_QH.dtype)
+        for layer, attend, ctx_kv in zip(self.layers, self._block_attends(layout), context.kv, strict=True):
+            x_QH = layer(x_QH, ctx_kv, rope_blk, attend)
+        return self.norm(x_QH).view(NB, B, H)
+
+    def forward_block(
+        self, hidden_LKH: torch.Tensor, ctx_pos_L: torch.Tensor, block_embed_BH: torch.Tensor, block_pos_B: torch.Tensor
+    ) -> torch.Tensor:
+        """Inference forward: one block over one sequence's prefix (all of it visible); [B, H]."""
+        ctx_LH = self.fuse_context(hidden_LKH.to(block_embed_BH.dtype))
+        key_pos_L = torch.cat([ctx_pos_L, block_pos_B])
+        sliding = partial(
+            window_attention, q_pos_Q=block_pos_B, k_pos_L=key_pos_L, sliding_window=self.config.sliding_window
+        )
+        attends = [sliding if s else full_attention for s in self.config.sliding_layers]
+        return self._run_layers(ctx_LH, ctx_pos_L, block_embed_BH, block_pos_B, attends)
+
+
+@torch.no_grad()
+def init_drafter_weights(model: DFlashDrafter, std: float = 0.02) -> None:
+    """Every initialisation in one place: linears N(0, std) (Qwen3 initializer_range), RMSNorm weights 1."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            if module.weight.device.type != "meta":
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            if module.weight.device.type != "meta":
+                nn.init.ones_(module.weight)
+
+
+class TargetHead(nn.Module):
+    """The target's frozen embed_tokens and lm_head (buffers, not parameters, never saved with the drafter).
+
+    The target's final norm is not needed: the drafter applies its own `norm` before the lm_head.
+    """
+
+    def __init__(self, embed_tokens_VH: torch.Tensor, lm_head_VH: torch.Tensor):
+        super().__init__()
+        if embed_tokens_VH.shape != lm_head_VH.shape:
+            raise ValueError(
+                f"embed_tokens {tuple(embed_tokens_VH.shape)} and lm_head {tuple(lm_head_VH.shape)} "
+                "must have the same [vocab, hidden] shape"
+            )
+        self.register_buffer("embed_tokens_VH", embed_tokens_VH.detach(), persistent=False)
+        # Tied targets store lm_head as the embedding; share storage when they are the same tensor.
+        same = lm_head_VH.data_ptr() == embed_tokens_VH.data_ptr()
+        self.register_buffer("lm_head_VH", self.embed_tokens_VH if same else lm_head_VH.detach(), persistent=False)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed_tokens_VH)
+
+    def logits(self, hidden_XH: torch.Tensor) -> torch.Tensor:
+        return hidden_XH @ self.lm_head_VH.T
+
+
+def lm_head_weight(head: TargetHead | torch.Tensor) -> torch.Tensor:
+    """The [V, H] lm_head of a TargetHead, or the tensor itself (losses and metrics take either)."""
+    return head if isinstance(head, torch.Tensor) else head.lm_head_VH
+
+
+def count_parameters(cfg: DrafterConfig) -> int:
+    """Trainable parameters of a drafter of this shape, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,241 @@
+"""What `dflash-train eval` decides before it runs, and the run: which shards (the planned ids, split as
+training splits them), which weights (an export, a checkpoint verified as export verifies it, or a run
+directory's newest valid one), whether they fit the cache, and a loud warning when a chosen shard is
+one a checkpoint was trained on (the figures are then not held-out). The evaluation itself is
+train/eval/evaluate.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shards import ShardReader
+from train.drafter.attention import choose_backend
+from train.drafter.config import DrafterConfig
+from train.drafter.model import DFlashDrafter, TargetHead
+from train.eval.config import EvalConfig
+from train.eval.evaluate import EvalResult, eval_copy, evaluate_drafter
+from train.precision import DTYPES
+
+log = logging.getLogger(__name__)
+
+
+def select_eval_shards(
+    all_ids: list[int], *, shards: list[int] | None, eval_shards: int | None, holdout_frac: float | None, cache: str
+) -> list[int]:
+    """The held-out batch ids named by exactly one of --shards, --eval-shards, --holdout-frac."""
+    if sum(x is not None for x in (shards, eval_shards, holdout_frac)) != 1:
+        raise ValueError("give exactly one of --shards, --eval-shards, --holdout-frac")
+    if shards is not None:
+        missing = sorted(set(shards) - set(all_ids))
+        if missing:
+            raise ValueError(
+                f"--shards {missing} not in cache {cache} (it holds batch ids "
+                f"{all_ids[0] if all_ids else '-'}..{all_ids[-1] if all_ids else '-'})"
+            )
+        return list(shards)
+    if holdout_frac is not None and not 0 < holdout_frac <= 1:
+        raise ValueError(f"--holdout-frac must be in (0, 1], got {holdout_frac}")
+    n = eval_shards if eval_shards is not None else math.ceil(holdout_frac * len(all_ids))
+    if not 1 <= n <= len(all_ids):
+        raise ValueError(f"held-out shard count {n} outside [1, {len(all_ids)}] for cache {cache}")
+    return all_ids[-n:]
+
+
+def check_fits(cfg: DrafterConfig, cache_config, drafter: str, cache: str) -> None:
+    """Refuse a drafter whose taps, width or vocabulary differ from the cache's, naming both."""
+    problems = []
+    if list(cfg.tap_layer_ids) != list(cache_config.tap_layer_ids):
+        problems.append(f"taps: drafter {cfg.tap_layer_ids}, cache {cache_config.tap_layer_ids}")
+    if (cfg.hidden_size, cfg.vocab_size) != (cache_config.target.hidden_size, cache_config.target.vocab_size):
+        problems.append(
+            f"hidden/vocab: drafter {cfg.hidden_size}/{cfg.vocab_size}, "
+            f"cache {cache_config.target.hidden_size}/{cache_config.target.vocab_size}"
+        )
+    if problems:
+        raise ValueError(
+            f"drafter {drafter} does not fit cache {cache}: {'; '.join(problems)}; evaluate it on "
+            "a cache extracted from its own target with the same taps"
+        )
+
+
+@dataclass
+class LoadedDrafter:
+    model: DFlashDrafter  # fp32 for a checkpoint, the stored dtype for an export
+    config: DrafterConfig
+    training_dtype: str  # the compute dtype it was trained in (the default evaluation dtype)
+    source: str  # what was loaded, for the output
+    trained_on: tuple[str, list[int]] | None = None  # (cache id, batch ids) of a checkpoint's training
+
+
+def _trained_on(state: dict[str, Any]) -> tuple[str, list[int]] | None:
+    """The cache id and batch ids a checkpoint was trained on (train_state.json; older checkpoints: the
+    first num_shards - eval_shards planned ids, as resolve_run split them)."""
+    cache = state.get("cache_identity") or {}
+    if not cache.get("cache_id"):
+        return None
+    ids = state.get("train_ids")
+    if ids is None:
+        eval_shards = (state.get("config_identity") or {}).get("eval_shards")
+        if not isinstance(cache.get("num_shards"), int) or not isinstance(eval_shards, int):
+            return None
+        ids = list(range(cache["num_shards"] - eval_shards))
+    return cache["cache_id"], list(ids)
+
+
+def load_drafter(path: str | Path) -> LoadedDrafter:
+    """An exported drafter (config.json + model.safetensors), a checkpoint step-NNNNNNNN/, or a run
+    directory (its newest valid checkpoint), as `dflash-train export` takes them."""
+    from train.checkpoint.export import CONFIG_FILE, load_exported_drafter
+    from train.checkpoint.store import (
+        MODEL_FILE,
+        STATE_FILE,
+        latest_checkpoint,
+        list_checkpoints,
+        load_model_state,
+        verify_checkpoint,
+    )
+
+    path = Path(path)
+    if (path / CONFIG_FILE).is_file() and not (path / STATE_FILE).is_file():
+        hf = json.loads((path / CONFIG_FILE).read_text())
+        model, cfg = load_exported_drafter(path, dtype=torch.float32)
+        dtype = hf.get("dtype", "bfloat16")  # our exports record the training default
+        return LoadedDrafter(model, cfg, dtype if dtype in DTYPES else "bfloat16", f"export {path}")
+    ckpt = next((c for c in list_checkpoints(path.parent) if c.path.resolve() == path.resolve()), None)
+    if ckpt is not None:
+        verify_checkpoint(ckpt, files=(MODEL_FILE,))  # as export does, the weights only: eval never reads the optimizer
+    else:
+        ckpt = latest_checkpoint(path)  # a run dir: its newest valid checkpoint
+    if ckpt is None:
+        raise ValueError(
+            f"--drafter {path}: neither an exported drafter (config.json + model.safetensors), a "
+            "checkpoint step-NNNNNNNN/ (train_state.json, model.safetensors) nor a run directory "
+            "holding one"
+        )
+    cfg = DrafterConfig(**ckpt.state["drafter"])
+    model = DFlashDrafter(cfg)
+    model.load_state_dict(load_model_state(ckpt), strict=True)
+    identity = ckpt.state.get("config_identity") or {}
+    dtype = identity.get("compute_dtype", "bfloat16")
+    return LoadedDrafter(model, cfg, dtype, f"checkpoint {ckpt.path}", _trained_on(ckpt.state))
+
+
+@dataclass
+class EvalOutput:
+    """What `dflash-train eval` found: the walk on cached shards and/or real decoding with the target."""
+
+    walk: EvalResult | None
+    decoding: Any | None  # train.eval.speculative.DecodeReport
+    trained_on: list[int] = field(default_factory=list)  # evaluated shards the drafter was trained on
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.walk.to_dict() if self.walk is not None else {"batch_ids": []}
+        if self.trained_on:
+            out["trained_on_batch_ids"] = self.trained_on
+        if self.decoding is not None:
+            out["speculative_decoding"] = self.decoding.to_dict()
+        return out
+
+    def table(self) -> str:
+        parts = [self.walk.table()] if self.walk is not None else []
+        if self.trained_on:
+            parts.insert(0, _trained_on_warning(self.trained_on))
+        if self.decoding is not None:
+            parts.append(self.decoding.table())
+        return "\n\n".join(parts)
+
+
+def _trained_on_warning(ids: list[int]) -> str:
+    return (
+        f"WARNING: the drafter was trained on shards {ids} of this cache: the figures below are NOT held-out "
+        "(choose its held-out shards: --eval-shards as in training, or --shards)"
+    )
+
+
+def run_eval(cfg: EvalConfig) -> EvalOutput:
+    """Everything `dflash-train eval` does; raises ValueError naming flag and value."""
+    from shards import load_target_head
+    from shards.common.runtime import resolve_device
+    from train.config import planned_batch_ids
+
+    reader = ShardReader(cfg.cache) if cfg.cache is not None else None
+    ids, trained_on = None, []
+    if reader is not None:
+        ids = select_eval_shards(  # the planned ids, split as training splits them
+            planned_batch_ids(reader.config, cfg.cache),
+            shards=cfg.shards,
+            eval_shards=cfg.eval_shards,
+            holdout_frac=cfg.holdout_frac,
+            cache=cfg.cache,
+        )
+        absent = sorted(set(ids) - set(reader.batch_ids()))
+        if absent:
+            raise ValueError(
+                f"held-out shards {absent} of cache {cfg.cache} are missing (their files are not there); "
+                "re-run dflash-extract to write them, or choose present ones with --shards"
+            )
+    loaded = load_drafter(cfg.drafter)
+    if reader is not None:
+        check_fits(loaded.config, reader.config, cfg.drafter, cfg.cache)
+        if loaded.trained_on is not None and loaded.trained_on[0] == reader.config.cache_id():
+            trained_on = sorted(set(ids) & set(loaded.trained_on[1]))
+            if trained_on:
+                log.warning("eval: %s", _trained_on_warning(trained_on))
+    device = resolve_device(cfg.device, 0)
+    dtype_name = loaded.training_dtype if cfg.dtype == "auto" else cfg.dtype
+    dtype = DTYPES[dtype_name]
+    log.info(
+        "eval: %s in %s (%s) on %s",
+        loaded.source,
+        dtype_name,
+        "the training compute dtype" if cfg.dtype == "auto" else "--dtype",
+        device,
+    )
+    model = eval_copy(loaded.model.to(device), dtype)
+    walk = decoding = None
+    if reader is not None:
+        head_t = load_target_head(cfg.cache)
+        head = TargetHead(head_t["embed_tokens"].to(device, dtype), head_t["lm_head"].to(device, dtype))
+        log.info("eval: decoding walk over %d %s shards %s", len(ids), "chosen" if trained_on else "held-out", ids)
+        walk = evaluate_drafter(
+            model,
+            head,
+            cfg.cache,
+            ids,
+            num_blocks=cfg.num_blocks,
+            seed=cfg.seed,
+            device=device,
+            attention=choose_backend("auto", device),
+            budgets=cfg.budgets,
+            lanes=cfg.lanes,
+        )
+    if cfg.target is not None:
+        from train.eval.speculative import build_verifier, decode_prompts, read_prompts
+
+        prompts = read_prompts(
+            cfg.prompts, loaded.config.vocab_size, cfg.max_prompts
+        )  # user input checked before the target loads
+        verifier = build_verifier(cfg.target, loaded.config.tap_layer_ids, device, dtype)
+        if verifier.lm_head_VH.shape != (loaded.config.vocab_size, loaded.config.hidden_size):
+            raise ValueError(
+                f"--target {cfg.target}: its LM head {tuple(verifier.lm_head_VH.shape)} does not fit "
+                f"the drafter (vocab {loaded.config.vocab_size}, hidden {loaded.config.hidden_size})"
+            )
+        head = TargetHead(verifier.embed_tokens_VH.to(dtype), verifier.lm_head_VH.to(dtype))
+        # The drafter sees hidden states rounded as the cache stores them (bf16 also stands in for fp8).
+        log.info(
+            "eval: speculative and plain greedy decoding of %d prompts x %d tokens with %s",
+            len(prompts),
+            cfg.max_new_tokens,
+            cfg.target,
+        )
+        decoding = decode_prompts(model, head, verifier, prompts, cfg.max_new_tokens, context_dtype=torch.bfloat16)
+    return EvalOutput(walk, decoding, trained_on)

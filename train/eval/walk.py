@@ -1,0 +1,265 @@
+"""The decoding walk: held-out acceptance measured the way greedy speculative decoding produces it.
+
+Per response (a contiguous run of supervised tokens x_first..x_last inside one packed sequence):
+  anchor p = first                the token the target's prefill produced
+  repeat while p < last:          tokens remain to be produced
+      block  = [x_p, MASK x (B-1)] at positions pos(p)..pos(p)+B-1; the drafter sees the context of
+               its sequence strictly before p (the tapped hidden states of the cache), as in training
+      a      = accepted drafts: chain = longest prefix of slots k = 1..B-1 with argmax q_k == x_{p+k};
+               tree@budget = depth of the label path inside the DDTree of the block (train/eval/tree.py);
+               slots past `last` are never accepted
+      tokens = min(a + 1, last - p)     (the a drafts plus the target's bonus token, cut at the end)
+      p      = p + a + 1                (the bonus token is the next anchor, right after a rejection)
+This is what z-lab's dflash_generate does when the data are the target's greedy output (the data's
+next tokens are then the target's greedy tokens), except that it counts the bonus of the last step
+past max_new_tokens; here a response's tokens over its steps sum to last - first exactly.
+
+Figures (WalkCounts):
+  acceptance_length         mean over responses of (tokens / steps) of the response: how serving
+                            benchmarks average (z-lab benchmark.py), the headline
+  acceptance_length_pooled  all tokens / all steps (long responses weigh more)
+  accepted_histogram[a]     steps with a accepted drafts, a = 0..B-1
+  slot_acceptance[k-1]      P(slot k accepted | slots 1..k-1 accepted and slot k has a label)
+
+Batched: every lane (one response at a time) puts its current anchor into one drafter forward per
+round, through the training forward's layers and block attention (BlockAttentionLayout: context
+[seq_start, anchor) plus the own block); a lane that finishes takes the shard's next response.
+The fused context and every layer's context K/V depend on the shard and the weights only, so they
+are computed once per shard (DFlashDrafter.context -> ContextKV) and every round runs only the
+blocks (DFlashDrafter.forward_cached). On flex (GPU) a round has the fixed shape of all NB lanes;
+on sdpa (CPU) it holds only the busy lanes.
+
+Legend: T token budget, K taps, H hidden, NB lanes, R blocks of a round (NB on flex, the busy lanes on
+sdpa), B block size, S = B-1 slots, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from train.drafter.attention import BlockAttentionLayout
+from train.drafter.model import ContextKV, DFlashDrafter, TargetHead
+from train.eval.tree import tree_acceptance
+from train.metrics.block_metrics import accepted_prefix_length
+
+
+class Response(NamedTuple):
+    """One response of a packed batch: packed indices of its sequence's first token and of its first
+    and last supervised token."""
+
+    seq_start: int
+    first: int
+    last: int
+
+
+def response_spans(loss_mask_T: torch.Tensor, cu_seqlens_S1: torch.Tensor) -> list[Response]:
+    """Contiguous supervised runs of every sequence with at least two tokens (one step or more)."""
+    mask = loss_mask_T.bool().tolist()
+    bounds = cu_seqlens_S1.tolist()
+    spans = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        t = start
+        while t < end:
+            if not mask[t]:
+                t += 1
+                continue
+            first = t
+            while t + 1 < end and mask[t + 1]:
+                t += 1
+            if t > first:
+                spans.append(Response(start, first, t))
+            t += 1
+    return spans
+
+
+@dataclass
+class WalkCounts:
+    """Additive counts of one walk (one rule), host-side; `merge` adds another (ranks, shards)."""
+
+    block_size: int
+    responses: int = 0
+    steps: int = 0
+    tokens: int = 0
+    response_mean_sum: float = 0.0  # sum over responses of tokens/steps
+    accepted_histogram: list[int] = field(default_factory=list)  # [B]: steps with a = 0..B-1
+    slot_reached: list[int] = field(default_factory=list)  # [S]
+    slot_accepted: list[int] = field(default_factory=list)  # [S]
+
+    def __post_init__(self) -> None:
+        B = self.block_size
+        self.accepted_histogram = self.accepted_histogram or [0] * B
+        self.slot_reached = self.slot_reached or [0] * (B - 1)
+        self.slot_accepted = self.slot_accepted or [0] * (B - 1)
+
+    def add_step(self, accepted: int, num_labels: int) -> None:
+        """One step with `accepted` drafts out of `num_labels` slots that had a label."""
+        self.steps += 1
+        self.accepted_histogram[accepted] += 1
+        for k in range(1, min(accepted + 1, num_labels) + 1):  # slot k was tried iff slots < k were accepted
+            self.slot_reached[k - 1] += 1
+            self.slot_accepted[k - 1] += k <= accepted
+
+    def add_response(self, tokens: int, steps: int) -> None:
+        self.responses += 1
+        self.tokens += tokens
+        self.response_mean_sum += tokens / steps
+
+    def as_vector(self) -> list[float]:
+        return [
+            self.responses,
+            self.steps,
+            self.tokens,
+            self.response_mean_sum,
+            *self.accepted_histogram,
+            *self.slot_reached,
+            *self.slot_accepted,
+        ]
+
+    @classmethod
+    def from_vector(cls, block_size: int, v: list[float]) -> WalkCounts:
+        B, S = block_size, block_size - 1
+        ints = [round(x) for x in v]
+        return cls(
+            block_size,
+            ints[0],
+            ints[1],
+            ints[2],
+            float(v[3]),
+            ints[4 : 4 + B],
+            ints[4 + B : 4 + B + S],
+            ints[4 + B + S : 4 + B + 2 * S],
+        )
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.response_mean_sum / self.responses if self.responses else float("nan")
+
+    @property
+    def acceptance_length_pooled(self) -> float:
+        return self.tokens / self.steps if self.steps else float("nan")
+
+    @property
+    def slot_acceptance(self) -> list[float]:
+        return [a / r if r else float("nan") for a, r in zip(self.slot_accepted, self.slot_reached)]
+
+    def figures(self) -> dict[str, float | int | list]:
+        """The walk's figures as every report writes them (eval.json, eval --out, the decode report)."""
+        return {
+            "acceptance_length": self.acceptance_length,
+            "acceptance_length_pooled": self.acceptance_length_pooled,
+            "num_steps": self.steps,
+            "accepted_histogram": self.accepted_histogram,
+            "slot_acceptance": self.slot_acceptance,
+        }
+
+
+def draft_accepted(
+    hidden_NBH: torch.Tensor,
+    head: TargetHead,
+    labels_NS: torch.Tensor,
+    valid_NS: torch.Tensor,
+    budget: int | None,
+    chunk_blocks: int = 32,
+) -> list[int]:
+    """Accepted drafts per block: chain (budget None) or DDTree at `budget` nodes; labels [NB, S]."""
+    NB, B, H = hidden_NBH.shape
+    out: list[int] = []
+    for start in range(0, NB, chunk_blocks):
+        sl = slice(start, start + chunk_blocks)
+        C = hidden_NBH[sl].shape[0]
+        logits_CSV = head.logits(hidden_NBH[sl, 1:].reshape(C * (B - 1), H)).float().view(C, B - 1, -1)
+        if budget is None:
+            ok_CS = (logits_CSV.argmax(-1) == labels_NS[sl]) & valid_NS[sl]
+            out += accepted_prefix_length(ok_CS).tolist()
+            continue
+        ranks = min(budget, logits_CSV.shape[-1])
+        top_logp_CSR, top_ids_CSR = torch.log_softmax(logits_CSV, -1).topk(ranks, dim=-1)
+        lp, ids = top_logp_CSR.tolist(), top_ids_CSR.tolist()
+        labels, valid = labels_NS[sl].tolist(), valid_NS[sl].tolist()
+        out += [tree_acceptance(lp[c], ids[c], labels[c], valid[c], budget) - 1 for c in range(C)]
+    return out
+
+
+@torch.no_grad()
+def walk_shard(
+    model: DFlashDrafter,
+    head: TargetHead,
+    context: ContextKV,
+    input_ids_T: torch.Tensor,
+    position_ids_T: torch.Tensor,
+    responses: list[Response],
+    layout: BlockAttentionLayout,
+    *,
+    budget: int | None = None,
+    chunk_blocks: int = 32,
+) -> WalkCounts:
+    """Walk every response of one packed batch (all tensors on the model's device; `layout` sized for
+    T context tokens and NB lanes). context = model.context(hidden_TKH, position_ids_T, dtype): the
+    shard's context K/V, computed once and shared by every round (and every rule). budget None =
+    greedy chain, else DDTree at that node budget.
+
+    flex (GPU): every round is the fixed-shape forward of all NB lanes (idle lanes included) through
+    `layout`, as training runs it. sdpa (CPU, tests): no graph or compiled kernel needs a fixed shape,
+    so a round runs only the busy lanes: a shard often holds fewer responses than max_seqs lanes, and
+    lanes fall idle as responses end."""
+    cfg = model.config
+    B, S, NB = cfg.block_size, cfg.block_size - 1, layout.num_blocks
+    device = input_ids_T.device
+    counts = WalkCounts(B)
+    pending = list(reversed(responses))
+    lane: list[list[int] | None] = [None] * NB  # [seq_start, anchor, last, tokens, steps] per busy lane
+    k_B = torch.arange(B, device=device)
+    compact = layout.backend == "sdpa"
+    while True:
+        for n in range(NB):
+            if lane[n] is None and pending:
+                r = pending.pop()
+                lane[n] = [r.seq_start, r.first, r.last, 0, 0]
+        busy = [n for n in range(NB) if lane[n] is not None]
+        if not busy:
+            return counts
+        if compact:
+            rows = [lane[n] for n in busy]
+            round_layout = BlockAttentionLayout(
+                num_ctx=layout.num_ctx,
+                num_blocks=len(rows),
+                block_size=B,
+                backend="sdpa",
+                device=device,
+                sliding_window=layout.sliding_window,
+            )
+        else:
+            # Idle lanes: anchor 0 with an empty context (seq_start == anchor), ignored below.
+            rows = [lane[n] or [0, 0, -1] for n in range(NB)]
+            round_layout = layout
+        seq_start_R = torch.tensor([r[0] for r in rows], dtype=torch.int32)
+        anchor_R = torch.tensor([r[1] for r in rows], dtype=torch.int32)
+        last_R = torch.tensor([r[2] for r in rows])
+        round_layout.update(seq_start_R.to(device), anchor_R.to(device))
+        anchor_dev = anchor_R.to(device).long()
+        block_ids_RB = torch.where(
+            k_B == 0,
+            input_ids_T[anchor_dev].long().unsqueeze(1),
+            torch.full((len(rows), B), cfg.mask_token_id, device=device, dtype=torch.long),
+        )
+        block_pos_RB = position_ids_T[anchor_dev].long().unsqueeze(1) + k_B
+        index_RS = anchor_dev.unsqueeze(1) + k_B[1:]
+        valid_RS = index_RS <= last_R.to(device).unsqueeze(1)
+        labels_RS = input_ids_T[index_RS.clamp(max=input_ids_T.shape[0] - 1)].long()
+        hidden_RBH = model.forward_cached(context, head.embed(block_ids_RB), block_pos_RB, round_layout)
+        if not compact:  # the LM head and the verification rule only for the busy lanes
+            keep = torch.tensor(busy, device=device)
+            hidden_RBH, labels_RS, valid_RS = hidden_RBH[keep], labels_RS[keep], valid_RS[keep]
+        accepted = draft_accepted(hidden_RBH, head, labels_RS, valid_RS, budget, chunk_blocks)
+        for n, a in zip(busy, accepted, strict=True):
+            seq_start, anchor, last, tokens, steps = lane[n]
+            counts.add_step(a, min(S, last - anchor))
+            tokens, steps, anchor = tokens + min(a + 1, last - anchor), steps + 1, anchor + a + 1
+            if anchor >= last:
+                counts.add_response(tokens, steps)
+                lane[n] = None
+            else:
+                lane[n] = [seq_start, anchor, last, tokens, steps]

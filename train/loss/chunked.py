@@ -1,0 +1,215 @@
+"""DFlash training loss over draft blocks, computed chunk by chunk over the target's lm_head.
+
+Per block n and slot k >= 1 (label y = token at anchor+k, weight w from blocks.py):
+    CE   = sum w * -log q(y)                                   / sum w
+    KL   = sum w * sum_i p_i (log p_i - log q(v_i))            / sum w
+           p = the target's stored top-Kt distribution at anchor+k-1, renormalised over its Kt ids v_i
+    CAP  = -sum_n sum_{k>=1} prod_{j=1..k} q_j(y_j) [valid_j]  / (valid blocks * (B-1))
+    total = CE + kl_lambda * KL + cap_lambda * CAP
+q = softmax(lm_head(h)) over the full vocabulary, in float32 (float64 inputs stay float64).
+
+[NB*B, V] logits are never built for the whole batch. `block_loss` runs a custom autograd
+function that, for each chunk of blocks, builds the chunk's logits, the loss terms and their
+gradient with respect to the chunk's hidden states, then frees the logits; backward only scales
+the stored gradient. The LM head costs two matmuls per chunk (logits, grad), not three as with
+recomputation. The normalisers depend only on the weights, so chunks add up exactly.
+With `fused` (training only), the chunk's terms and logit gradient come from fused_loss.py's
+hand-written derivative instead of autograd over log_softmax: the same two matmuls, but the [X, V]
+work between them is one reduction and one pointwise pass over the compute-dtype logits (compiled
+into two kernels on CUDA) instead of float32 logits, log-softmax, a scatter and its backward.
+
+Legend: NB blocks, B block size, C blocks in a chunk, X = C*B rows, H hidden, V vocab,
+T packed tokens, Kt stored target top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from train.blocks import TrainingBlocks
+from train.drafter.model import lm_head_weight
+from train.loss.fused import ChunkTargets, compiled_loss_and_logit_grad, loss_and_logit_grad
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    """Loss weights and chunking: the one owner of every loss setting of a run."""
+
+    gamma: float = 7.0
+    """Decay of the slot weights: slot k >= 1 is weighted exp(-(k-1)/gamma) (recipe: 7 for block 16)."""
+    kl_lambda: float = 0.0
+    """Weight of KL(target || drafter) on the stored target top-k; 0 disables it (no top-k needed)."""
+    cap_lambda: float = 0.0
+    """Weight of the CAP term (minus the expected accepted length / (B-1)); 0 disables it."""
+    chunk_blocks: int = 32
+    """Blocks per LM-head chunk: the chunk's float32 logits take chunk_blocks*B*V*4 bytes (x~3 live)."""
+    fused: bool = False
+    """Training chunks take fused_loss.py's hand-written gradient (compiled on CUDA) instead of
+    autograd over float32 log-softmax; evaluation (no gradient) always takes the reference path."""
+
+    def __post_init__(self) -> None:
+        if not self.gamma > 0:
+            raise ValueError(f"LossConfig.gamma must be > 0, got {self.gamma}")
+        if self.kl_lambda < 0:
+            raise ValueError(f"LossConfig.kl_lambda must be >= 0, got {self.kl_lambda}")
+        if self.cap_lambda < 0:
+            raise ValueError(f"LossConfig.cap_lambda must be >= 0, got {self.cap_lambda}")
+        if self.chunk_blocks < 1:
+            raise ValueError(f"LossConfig.chunk_blocks must be >= 1, got {self.chunk_blocks}")
+
+
+class LossParts(NamedTuple):
+    """Device scalars. total carries the gradient; ce, kl, cap are detached values of the terms
+    (before their lambdas; kl and cap are 0 when disabled; cap is negative)."""
+
+    total: torch.Tensor
+    ce: torch.Tensor
+    kl: torch.Tensor
+    cap: torch.Tensor
+
+
+def _float_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_sums(
+    hidden_CBH: torch.Tensor, lm_head_VH: torch.Tensor, targets: ChunkTargets, with_cap: bool
+) -> tuple[torch.Tensor, ...]:
+    """Unnormalised (ce_sum, kl_sum, cap_sum) of a chunk of blocks; differentiable in hidden."""
+    labels_CB, label_valid_CB, weights_CB, kl_ids_CBK, kl_logp_CBK = targets
+    C, B, H = hidden_CBH.shape
+    fdt = _float_dtype(hidden_CBH.dtype)
+    logits_XV = (hidden_CBH.reshape(C * B, H) @ lm_head_VH.T).to(fdt)
+    logp_XV = torch.log_softmax(logits_XV, dim=-1)
+    logp_label_CB = logp_XV.gather(1, labels_CB.reshape(-1, 1)).view(C, B)
+    weights_CB = weights_CB.to(fdt)
+    ce_sum = -(weights_CB * logp_label_CB).sum()
+
+    kl_sum = logp_XV.new_zeros(())
+    if kl_ids_CBK is not None:
+        Kt = kl_ids_CBK.shape[-1]
+        logp_target_CBK = torch.log_softmax(kl_logp_CBK.to(fdt), dim=-1)  # renormalise the top-Kt
+        logq_at_ids_CBK = logp_XV.gather(1, kl_ids_CBK.reshape(C * B, Kt).long()).view(C, B, Kt)
+        kl_CB = (logp_target_CBK.exp() * (logp_target_CBK - logq_at_ids_CBK)).sum(-1)
+        kl_sum = (weights_CB * kl_CB).sum()
+
+    cap_sum = logp_XV.new_zeros(())
+    if with_cap:
+        # prod_{j<=k} q_j = exp(cumsum log q_j); an invalid slot contributes -inf, ending the chain.
+        logq_CB = torch.where(label_valid_CB, logp_label_CB, torch.full_like(logp_label_CB, float("-inf")))
+        cap_sum = torch.exp(torch.cumsum(logq_CB[:, 1:], dim=1)).sum()
+    return ce_sum, kl_sum, cap_sum
+
+
+def _normalisers(blocks: TrainingBlocks, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # Any valid block has weight 1 at slot 1, so a nonzero sum is >= 1; the clamp only guards all-invalid.
+    ce_norm = blocks.weights_NB.to(dtype).sum().clamp_min(1e-6)
+    cap_norm = (blocks.block_valid_N.to(dtype).sum() * (blocks.block_size - 1)).clamp_min(1.0)
+    return ce_norm, cap_norm
+
+
+def _chunk_targets(blocks: TrainingBlocks, cfg: LossConfig, ids_TK, logp_TK, sl: slice) -> ChunkTargets:
+    """The labels, weights and (with KL) stored target top-k of the blocks in `sl`."""
+    kl_ids, kl_logp = None, None
+    if cfg.kl_lambda > 0:
+        if ids_TK is None or logp_TK is None:
+            raise ValueError(
+                "LossConfig.kl_lambda > 0 needs target_topk_ids and target_topk_logprobs; "
+                "the cache has none: re-extract with target top-k or set kl_lambda 0"
+            )
+        index_CB = blocks.prev_index_NB[sl]
+        kl_ids, kl_logp = ids_TK[index_CB], logp_TK[index_CB]
+    return ChunkTargets(blocks.labels_NB[sl], blocks.label_valid_NB[sl], blocks.weights_NB[sl], kl_ids, kl_logp)
+
+
+def _combine(sums, ce_norm, cap_norm, cfg: LossConfig):
+    ce_sum, kl_sum, cap_sum = sums
+    ce, kl, cap = ce_sum / ce_norm, kl_sum / ce_norm, -cap_sum / cap_norm
+    return ce + cfg.kl_lambda * kl + cfg.cap_lambda * cap, ce, kl, cap
+
+
+class _ChunkedBlockLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_NBH, lm_head_VH, blocks, cfg, ids_TK, logp_TK):
+        needs_grad = ctx.needs_input_grad[0]
+        fdt = _float_dtype(hidden_NBH.dtype)
+        ce_norm, cap_norm = norms = _normalisers(blocks, fdt)
+        parts = torch.zeros(4, dtype=fdt, device=hidden_NBH.device)
+        grad_NBH = torch.zeros_like(hidden_NBH) if needs_grad else None
+        for start in range(0, blocks.num_blocks, cfg.chunk_blocks):
+            sl = slice(start, start + cfg.chunk_blocks)
+            targets = _chunk_targets(blocks, cfg, ids_TK, logp_TK, sl)
+            if needs_grad and cfg.fused:
+                terms, grad_NBH[sl] = _fused_chunk(hidden_NBH[sl], lm_head_VH, targets, cfg, norms)
+                parts += torch.stack(terms)
+                continue
+            h_CBH = hidden_NBH[sl].detach().requires_grad_(needs_grad)
+            with torch.enable_grad():
+                sums = _chunk_sums(h_CBH, lm_head_VH, targets, cfg.cap_lambda > 0)
+                terms = _combine(sums, ce_norm, cap_norm, cfg)
+            if needs_grad:
+                grad_NBH[sl] = torch.autograd.grad(terms[0], h_CBH)[0]
+            parts += torch.stack([t.detach() for t in terms])
+        ctx.save_for_backward(grad_NBH)
+        ctx.mark_non_differentiable(parts)
+        return parts[0].clone(), parts
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_parts):
+        (grad_NBH,) = ctx.saved_tensors
+        return (grad_NBH * grad_total.to(grad_NBH.dtype), None, None, None, None, None)
+
+
+def _fused_chunk(h_CBH, lm_head_VH, targets: ChunkTargets, cfg: LossConfig, norms):
+    """(the chunk's (total, ce, kl, cap) terms, d total / d h_CBH) by fused_loss's derivative."""
+    C, B, H = h_CBH.shape
+    logits_XV = h_CBH.detach().reshape(C * B, H) @ lm_head_VH.T
+    chunk_fn = compiled_loss_and_logit_grad() if logits_XV.is_cuda else loss_and_logit_grad
+    *sums, grad_XV = chunk_fn(logits_XV, targets, *norms, kl_lambda=cfg.kl_lambda, cap_lambda=cfg.cap_lambda)
+    return _combine(sums, *norms, cfg), (grad_XV @ lm_head_VH).view(C, B, H)
+
+
+def _frozen_lm_head(head) -> torch.Tensor:
+    weight = lm_head_weight(head)
+    if weight.requires_grad:
+        raise ValueError(
+            "the target lm_head must be frozen (requires_grad False); the chunked loss returns no gradient for it"
+        )
+    return weight
+
+
+def block_loss(
+    hidden_NBH: torch.Tensor,
+    lm_head,
+    blocks: TrainingBlocks,
+    cfg: LossConfig,
+    target_topk_ids_TK: torch.Tensor | None = None,
+    target_topk_logprobs_TK: torch.Tensor | None = None,
+) -> LossParts:
+    """Chunked loss of the drafter's normed block states [NB, B, H]; lm_head is a TargetHead or [V, H]."""
+    if not torch.is_grad_enabled():
+        hidden_NBH = hidden_NBH.detach()  # evaluation: skip the in-forward gradient work
+    total, parts = _ChunkedBlockLoss.apply(
+        hidden_NBH, _frozen_lm_head(lm_head), blocks, cfg, target_topk_ids_TK, target_topk_logprobs_TK
+    )
+    return LossParts(total, parts[1], parts[2], parts[3])
+
+
+def block_loss_unchunked(
+    hidden_NBH: torch.Tensor,
+    lm_head,
+    blocks: TrainingBlocks,
+    cfg: LossConfig,
+    target_topk_ids_TK: torch.Tensor | None = None,
+    target_topk_logprobs_TK: torch.Tensor | None = None,
+) -> LossParts:
+    """Same loss in one pass with plain autograd (all logits at once): the reference for tests."""
+    fdt = _float_dtype(hidden_NBH.dtype)
+    ce_norm, cap_norm = _normalisers(blocks, fdt)
+    targets = _chunk_targets(blocks, cfg, target_topk_ids_TK, target_topk_logprobs_TK, slice(0, blocks.num_blocks))
+    sums = _chunk_sums(hidden_NBH, _frozen_lm_head(lm_head), targets, cfg.cap_lambda > 0)
+    total, ce, kl, cap = _combine(sums, ce_norm, cap_norm, cfg)
+    return LossParts(total, ce.detach(), kl.detach(), cap.detach())
