@@ -13,13 +13,16 @@ Cases (tiny random target, 24 samples packed into 5 batches of token budget 256,
   4. NaN / Inf hidden states from the target at batch k > 0: the run stops naming the batch and exactly
      its samples; the shards before it are kept, and the rerun (target fixed) equals the reference.
   5. A finished cache with one damaged shard (flipped bit, truncated): the same command redoes that shard only.
-Corrupted caches, bad inputs, setting mismatches and training faults: tests/test_faults_inputs.py.
---overwrite and nesting, locks, impossible settings, SIGTERM during extraction: test_faults_ownership.py;
-exports, damaged checkpoints, disk full while checkpointing, foreign shards: test_faults_export.py;
-run directory, SIGTERM during training, resume bookkeeping: test_faults_training.py; damaged targets
-and foreign or unplanned shards by name: test_faults_messages.py; SIGTERM to one of two gloo ranks and
-shards left out by the rank split: test_faults_ranks.py; output directories that cannot be written:
-test_faults_readonly.py.
+  6. Resuming an extraction with other settings (target, token budget, max seqs, long-seqs policy, target
+     top-k, dtype, MASK id, reordered data): refused naming the field; the cache is left byte-identical.
+  7. A shard copied in from a cache of another dataset (same shapes): verify and the resumed extraction
+     name it and leave it in place.
+Elsewhere: --overwrite and nesting, locks, impossible settings, unwritable --out, SIGTERM during
+extraction: test_extract_ownership.py; bad rows and damaged Parquet pages: dataset/test_dataset_faults.py;
+damaged targets: target/test_target_checkpoint.py; damaged caches under dflash-shards verify:
+tests/tools/cli/test_dflash_shards.py; a shard outside the plan: tests/shards/test_format.py; training
+faults: tests/train/ (test_train_faults.py, test_train_damaged_cache.py, test_distributed_faults.py,
+checkpoint/test_export_faults.py).
 """
 
 import errno
@@ -33,9 +36,12 @@ import textwrap
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 
+from extract.cache_dir import CacheMismatchError
 from extract.cli import main as extract_cli
+from extract.dataset.index import write_jsonl
 from extract.runner import run_extract
 from extract.target.model import TargetModel
 from extract.writer import NonFiniteHiddenError
@@ -43,11 +49,16 @@ from shards import ShardReader, shard_path
 from shards.inspect import verify_cache
 from tests.helpers.extract import (
     REPO,
+    VOCAB,
     assert_equals_reference,
     cli_args,
+    copy_cache,
     extract_cfg,
+    make_samples,
+    snapshot,
     temporaries,
 )
+from tools.fixtures.tiny_target import write_random_checkpoint
 
 KILL_EXIT = -signal.SIGKILL
 
@@ -329,3 +340,64 @@ def test_rerun_redoes_a_damaged_shard_only(target, data, reference, tmp_path, ho
     summary = run_extract(extract_cfg(target, data, out))
     assert (summary.written, summary.resumed) == (1, reference["num_batches"] - 1), "only batch 2 is redone"
     assert_equals_reference(out, reference)
+
+
+# ---- 6. resuming an extraction with other settings --------------------------------------------------------
+
+
+def _reordered(tmp_path):
+    path = tmp_path / "reordered.jsonl"
+    samples = make_samples()
+    samples[0], samples[1] = samples[1], samples[0]
+    write_jsonl(path, samples)
+    return {"data": str(path)}
+
+
+def _other_target(tmp_path):
+    return {"target": str(write_random_checkpoint(tmp_path / "other", seed=2, dtype=torch.float32))}
+
+
+RESUME_CHANGES = [
+    ("target", _other_target, "target.name"),
+    ("token_budget", lambda t: {"token_budget": 512}, "token_budget: cache has 256, this run has 512"),
+    ("max_seqs", lambda t: {"max_seqs": 4}, "max_seqs: cache has 8, this run has 4"),
+    ("long_seqs", lambda t: {"long_seqs": "skip"}, "packing.long_seqs: cache has 'truncate', this run has 'skip'"),
+    ("target_topk", lambda t: {"target_topk": 2}, "target_topk: cache has 0, this run has 2"),
+    ("dtype", lambda t: {"dtype": "bfloat16"}, "target.dtype: cache has 'float32', this run has 'bfloat16'"),
+    ("mask_token_id", lambda t: {"mask_token_id": 7}, f"mask_token_id: cache has {VOCAB - 1}, this run has 7"),
+    ("reordered data", _reordered, "dataset.fingerprint"),
+]
+
+
+@pytest.mark.parametrize("name,change,field", RESUME_CHANGES, ids=[c[0] for c in RESUME_CHANGES])
+def test_resume_with_other_settings_is_refused_and_cache_untouched(
+    target, data, reference, tmp_path, name, change, field
+):
+    cache = copy_cache(reference, tmp_path)
+    before = snapshot(cache)
+    kw = {"target": target, "data": data, **change(tmp_path)}
+    with pytest.raises(CacheMismatchError) as e:
+        run_extract(extract_cfg(kw.pop("target"), kw.pop("data"), cache, **kw))
+    assert field in str(e.value) and "--overwrite" in str(e.value), str(e.value)
+    assert snapshot(cache) == before, "a refused resume must leave the cache as it was"
+
+
+# ---- 7. a shard of another dataset ------------------------------------------------------------------------
+
+
+def test_a_shard_of_another_dataset_is_refused_on_resume_and_by_verify(target, data, reference, tmp_path):
+    cache = copy_cache(reference, tmp_path)
+    samples = make_samples()
+    samples[0], samples[1] = samples[1], samples[0]  # same samples, other order: another dataset fingerprint
+    other_data = tmp_path / "other.jsonl"
+    write_jsonl(other_data, samples)
+    other = tmp_path / "other"
+    run_extract(extract_cfg(target, other_data, other))
+    shutil.copy(shard_path(other, 3), shard_path(cache, 3))
+    foreign = shard_path(cache, 3).read_bytes()
+    bad = verify_cache(cache).bad
+    assert [b["file"] for b in bad if b["batch_id"] == 3] == [str(shard_path(cache, 3))], bad
+    assert "belongs to another cache" in next(b["reason"] for b in bad if b["batch_id"] == 3)
+    with pytest.raises(CacheMismatchError, match="b00000003.safetensors: belongs to another cache"):
+        run_extract(extract_cfg(target, data, cache))
+    assert shard_path(cache, 3).read_bytes() == foreign, "a shard that is not this cache's is left for the user"

@@ -2,7 +2,7 @@
 one job at a time holds a cache, settings that can never work are refused before any work, SIGTERM
 stops an extraction cleanly.
 
-Cases (the tiny target, dataset and reference cache of test_faults.py):
+Cases (the tiny target, dataset and reference cache of tests/conftest.py):
   1. --overwrite on a folder of user files, on a cache holding a user file, on a cache of ours (only our
      files go, the rebuilt cache equals the reference); the refusal without --overwrite does not
      suggest --overwrite for a folder that is not a cache.
@@ -14,6 +14,9 @@ Cases (the tiny target, dataset and reference cache of test_faults.py):
      masks, 1-token samples).
   5. SIGTERM delivered in the forward of batch k (a deterministic point): the shards handed to the
      writer are complete, nothing partial remains, exit code 143, the same command completes the cache.
+  6. An --out that cannot be written (under a file, in /sys, on a read-only file system; see
+     tests/helpers/faults.py): refused before any work with one message naming the directory and the fix,
+     nothing written anywhere.
 """
 
 import os
@@ -43,6 +46,7 @@ from tests.helpers.extract import (
     snapshot,
     temporaries,
 )
+from tests.helpers.faults import HOWS, expect_refusal, unwritable
 
 
 def user_folder(path):
@@ -206,7 +210,7 @@ def test_overwrite_counts_the_old_cache_as_free_space(target, data, reference, t
     cache = copy_cache(reference, tmp_path)
     shards = sum(p.stat().st_size for p in (cache / "shards").iterdir())
     free = real.disk_usage(tmp_path)._replace(free=shards // 2)
-    monkeypatch.setattr("extract.runner.shutil.disk_usage", lambda path: free)
+    monkeypatch.setattr("extract.refusals.shutil.disk_usage", lambda path: free)
     result = CliRunner().invoke(extract_cli, cli_args(target, data, cache, "--overwrite"))
     assert result.exit_code == 0, result.output
 
@@ -335,7 +339,7 @@ def test_a_cache_too_large_for_the_free_space_is_refused_before_any_work(target,
     import shutil as real
 
     free = real.disk_usage(tmp_path)._replace(free=1000)
-    monkeypatch.setattr("extract.runner.shutil.disk_usage", lambda path: free)
+    monkeypatch.setattr("extract.refusals.shutil.disk_usage", lambda path: free)
     out = tmp_path / "cache"
     result = CliRunner().invoke(extract_cli, cli_args(target, data, out))
     assert result.exit_code == 1 and "still to write" in result.output and "1.00 KB free" in result.output, (
@@ -393,3 +397,17 @@ def test_sigterm_finishes_the_shards_in_flight_and_resumes(target, data, referen
     summary = run_extract(extract_cfg(target, data, out))
     assert summary.resumed == k
     assert_equals_reference(out, reference)
+
+
+# ---- 6. an --out that cannot be written -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_extract_out_that_cannot_be_written_is_refused_before_any_work(
+    target, data, tmp_path, monkeypatch, no_work, how
+):
+    out, where = unwritable(how, tmp_path, monkeypatch)
+    before = snapshot(tmp_path)
+    result = CliRunner().invoke(extract_cli, cli_args(target, data, out))
+    expect_refusal(result, "--out", out, where, how)
+    assert snapshot(tmp_path) == before, "nothing is written anywhere"

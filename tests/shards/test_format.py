@@ -1,7 +1,9 @@
-"""The cache format through the shards API: round trips, corruption, durability, manifest, order."""
+"""The cache format through the shards API: round trips, corruption (a shard outside the plan of an extracted
+cache too), durability, manifest, order."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +31,7 @@ from shards import (
     write_shard,
 )
 from shards.inspect import verify_cache
-from tests.helpers.extract import corrupt_shard
+from tests.helpers.extract import copy_cache, corrupt_shard
 from tools.cli.dflash_shards import main as shards_cli
 from tools.fixtures.synthetic_cache import _random_batch, write_synthetic_cache
 
@@ -238,6 +240,15 @@ def test_stale_manifest_is_reported(cache):
     assert report.remedy() == f"rebuild the manifest from the shards with `dflash-shards index {cache_dir}`"
     rebuild_manifest(cache_dir)
     assert verify_cache(cache_dir).ok
+
+
+def test_a_shard_outside_the_plan_is_named_by_verify(reference, tmp_path):
+    cache = copy_cache(reference, tmp_path)
+    n = reference["num_batches"]
+    shutil.copy(shard_path(cache, 0), shard_path(cache, n + 4))
+    bad = verify_cache(cache).bad
+    reasons = [b["reason"] for b in bad if b["batch_id"] == n + 4]
+    assert reasons and f"outside the plan of {n} batches" in reasons[0], bad
 
 
 def test_target_head_round_trip(cache):

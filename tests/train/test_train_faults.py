@@ -4,7 +4,9 @@ checks the cache it continues on, and metrics.jsonl keeps one record per step.
 Cases (tiny synthetic caches, the dflash-train CLI):
   1. --out that is the cache, inside the cache, a folder with a user file (.tmp-notes too), or with
      user files named as ours (eval.json, metrics.jsonl, run.json: no run.json of ours): refused, untouched.
-  2. A second run on a locked run directory: refused naming host and pid.
+  2. A second run on a locked run directory: refused naming host and pid. An --out that cannot be written
+     (under a file, in /sys, on a read-only file system; see tests/helpers/faults.py): refused before any
+     work with one message naming the directory and the fix, nothing written anywhere.
   3. SIGTERM (or SIGINT, Ctrl-C) delivered in step k (a deterministic point): checkpoint of step k,
      exit code 143 (130), a "stopped" event; --resume then reproduces the uninterrupted run's losses
      exactly, and its summary tells this invocation's figures from the whole run's.
@@ -13,6 +15,7 @@ Cases (tiny synthetic caches, the dflash-train CLI):
   6. --resume onto a cache with another shard count (same target): refused naming the field. Resume
      compares settings as resolved: an unset --num-blocks and its value given explicitly are the same
      run; a changed flag, or a cache.json whose MASK id changed under an unset flag, is named by flag.
+     --resume onto a cache of another target: refused naming the target config hash.
   7. --device cuda without CUDA, for dflash-train and dflash-extract: one message, exit 1, no traceback.
   8. Retention after a resume past a damaged newest checkpoint: the one just written and the one
      resumed from are kept, the damaged later one is not counted; --resume where every checkpoint is
@@ -33,6 +36,7 @@ from extract.cli import main as extract_cli
 from shards import read_cache_config, write_cache_config
 from shards.common.lock import DirectoryLock
 from tests.helpers.extract import snapshot
+from tests.helpers.faults import HOWS, expect_refusal, unwritable
 from tests.helpers.train import read_records, tiny_cache, tiny_cli_args, tiny_config
 from train.checkpoint.store import latest_checkpoint, list_checkpoints
 from train.cli import main as train_cli
@@ -119,6 +123,16 @@ def test_a_second_run_on_a_locked_run_directory_is_refused(tmp_path):
     assert result.exit_code == 1 and f"pid {os.getpid()}" in result.output, result.output
     assert "in use by another dflash-train" in result.output
     assert train(cache, run, "--max-steps", "1").exit_code == 0, "released with its holder"
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_train_out_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch, no_work, how):
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    out, where = unwritable(how, tmp_path, monkeypatch)
+    before = snapshot(tmp_path)
+    result = CliRunner().invoke(train_cli, tiny_cli_args(cache, out, "--max-steps", "1"))
+    expect_refusal(result, "--out", out, where, how)
+    assert snapshot(tmp_path) == before, "nothing is written anywhere"
 
 
 # ---- 3. SIGTERM -------------------------------------------------------------------------------------------
@@ -244,6 +258,17 @@ def test_resume_compares_the_settings_as_resolved_naming_the_flag(tmp_path):
     assert result.exit_code == 1 and no_traceback(result), result.output
     expected = f"--mask-token-id: checkpoint {config.mask_token_id}, now {config.mask_token_id - 1}"
     assert expected in result.output, result.output
+
+
+def test_training_resume_on_a_cache_of_another_target_is_refused(tmp_path):
+    run = tmp_path / "run"
+    first = tiny_cache(tmp_path / "a", num_batches=2, seed=0)
+    result = CliRunner().invoke(train_cli, tiny_cli_args(first, run, "--max-steps", "2"))
+    assert result.exit_code == 0, result.output
+    other = tiny_cache(tmp_path / "b", num_batches=2, seed=1)  # config_hash synthetic-1
+    result = CliRunner().invoke(train_cli, tiny_cli_args(other, run, "--max-steps", "4", "--resume"))
+    assert result.exit_code != 0
+    assert "cache target config_hash: checkpoint 'synthetic-0', now 'synthetic-1'" in result.output, result.output
 
 
 # ---- 7. no raw tracebacks for a missing GPU ---------------------------------------------------------------

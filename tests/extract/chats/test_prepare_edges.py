@@ -1,7 +1,7 @@
 """dflash-data prepare on hostile inputs: Parquet's struct merging, replies cut inside their reasoning,
 a tokenizer whose ids pass the model's vocabulary, same-named files, errors of on-the-fly preparation.
 
-Each test names what went wrong before it was fixed; the tiny target and helpers are test_data_chat's.
+Each test names what went wrong before it was fixed; the tiny target and helpers are tests/helpers/chats.py's.
 """
 
 from __future__ import annotations
@@ -19,15 +19,12 @@ from extract.chats.prepare import tokens_for_extraction
 from extract.chats.template import ChatRenderer
 from extract.dataset.index import scan_dataset
 from extract.dataset.rows import DataError
-from tests.extract.chats.test_prepare import CHAIN, VOCAB, _prepare, _write_rows
-from tools.fixtures.tiny_target import tiny_config_dict, write_random_checkpoint
+from tests.helpers.chats import CHAIN, chat_target, prepare, write_rows
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    return write_random_checkpoint(
-        tmp_path_factory.mktemp("target"), tiny_config_dict(vocab_size=VOCAB), naming="text", with_tokenizer=True
-    )
+    return chat_target(tmp_path_factory)
 
 
 def _with_hello_at(target: Path, out: Path, token_id: int) -> Path:
@@ -82,7 +79,7 @@ def test_parquet_rows_do_not_get_other_rows_keys(target, tmp_path):
     pq.write_table(pa.Table.from_pylist(TOOL_ROWS), path)
     assert pq.read_table(path).to_pylist()[0]["messages"][1]["tool_calls"][0]["function"]["arguments"]["a"] is None
     out = tmp_path / "o.parquet"
-    result = _prepare(["--target", str(target), "--data", str(path), "--out", str(out), "--thinking", "off"])
+    result = prepare(["--target", str(target), "--data", str(path), "--out", str(out), "--thinking", "off"])
     assert result.exit_code == 0, result.output
     renderer = ChatRenderer(target, thinking=False)
     for row, written in zip(TOOL_ROWS, pq.read_table(out).to_pylist()):  # as the same rows in JSON Lines give
@@ -120,9 +117,9 @@ HELLO = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", 
 def test_tokenizer_id_outside_the_vocabulary_is_refused_before_work(target, tmp_path):
     # Before: tokenizer.json mapped "hello" to 700 (vocab_size 512, 305 tokens) and prepare wrote id 700.
     bad = _with_hello_at(target, tmp_path / "target", 700)
-    data = _write_rows(tmp_path / "chats.jsonl", HELLO)
+    data = write_rows(tmp_path / "chats.jsonl", HELLO)
     out = tmp_path / "o.parquet"
-    result = _prepare(["--target", str(bad), "--data", str(data), "--out", str(out)])
+    result = prepare(["--target", str(bad), "--data", str(data), "--out", str(out)])
     assert result.exit_code == 1 and not out.exists(), result.output
     assert f"{bad / 'tokenizer.json'}: token 'hello' has id 700, outside the model's vocab_size 512" in result.output
 
@@ -131,9 +128,9 @@ def test_prepared_ids_are_checked_against_the_vocabulary(target, tmp_path, monke
     # Past the tokenizer check (here switched off), an id outside the vocabulary is still never written.
     monkeypatch.setattr(ChatRenderer, "_check_fits", lambda self, vocab_size: None)
     bad = _with_hello_at(target, tmp_path / "target", 700)
-    data = _write_rows(tmp_path / "chats.jsonl", HELLO)
+    data = write_rows(tmp_path / "chats.jsonl", HELLO)
     out = tmp_path / "o.parquet"
-    result = _prepare(["--target", str(bad), "--data", str(data), "--out", str(out), "--thinking", "off"])
+    result = prepare(["--target", str(bad), "--data", str(data), "--out", str(out), "--thinking", "off"])
     assert result.exit_code == 1 and not out.exists(), result.output
     assert f"{data}, row 0 (line 1): token " in result.output
     assert "has id 700 ('hello'), outside the model's vocab_size 512" in result.output
@@ -143,17 +140,17 @@ def test_same_named_files_get_distinct_derived_ids(target, tmp_path):
     # Before: a/chats.jsonl and b/chats.jsonl both derived "chats:0": "duplicate id", nothing written.
     row = {"messages": CHAIN}
     for folder in ("a", "b"):
-        _write_rows(tmp_path / "in" / folder / "chats.jsonl", [row, row])
-    _write_rows(tmp_path / "in" / "other.jsonl", [row])
+        write_rows(tmp_path / "in" / folder / "chats.jsonl", [row, row])
+    write_rows(tmp_path / "in" / "other.jsonl", [row])
     out = tmp_path / "o.parquet"
-    result = _prepare(["--target", str(target), "--data", str(tmp_path / "in"), "--out", str(out)])
+    result = prepare(["--target", str(target), "--data", str(tmp_path / "in"), "--out", str(out)])
     assert result.exit_code == 0, result.output
     ids = [r["id"] for r in pq.read_table(out).to_pylist()]
     assert ids == ["a/chats.jsonl:0", "a/chats.jsonl:1", "b/chats.jsonl:0", "b/chats.jsonl:1", "other:0"]
     # One file alone keeps the documented "<stem>:<row>".
     assert [c.sample_id for c in iter_conversations(tmp_path / "in" / "a")] == ["chats:0", "chats:1"]
     # A derived id can still meet a given one: the message says which was derived and how to fix it.
-    clash = _write_rows(tmp_path / "clash" / "c.jsonl", [{"id": "c:1", **row}, row])
+    clash = write_rows(tmp_path / "clash" / "c.jsonl", [{"id": "c:1", **row}, row])
     with pytest.raises(DataError, match=r"row 1 \(line 2\): duplicate id 'c:1' \(derived from the file name"):
         list(iter_conversations(clash))
 
@@ -161,7 +158,7 @@ def test_same_named_files_get_distinct_derived_ids(target, tmp_path):
 def test_errors_on_prepared_rows_name_the_chat_file_and_row(target, tmp_path):
     # Before: dflash-extract's error named the temporary prepared file, deleted once it had failed.
     rows = [{"id": f"c{i}", "messages": CHAIN} for i in range(3)]
-    data = _write_rows(tmp_path / "chats.jsonl", rows)
+    data = write_rows(tmp_path / "chats.jsonl", rows)
     with pytest.raises(DataError) as err:
         with tokens_for_extraction(str(data), str(target), "off") as (prepared, _):
             scan_dataset(prepared, vocab_size=10)  # every row has ids past 10: refused, naming rows

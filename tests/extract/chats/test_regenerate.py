@@ -1,4 +1,5 @@
-"""dflash-data regenerate over real HTTP against tools/fixtures/tiny_server.py: replies, resume, retries, failures."""
+"""dflash-data regenerate over real HTTP against tools/fixtures/tiny_server.py: replies, resume, retries, failures.
+Answers the tiny server never gives (a canned server): test_regenerate_answers.py."""
 
 from __future__ import annotations
 
@@ -8,10 +9,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -23,13 +22,13 @@ from click.testing import CliRunner
 from extract.chats.cli import main as data_cli
 from extract.cli import main as extract_cli
 from extract.target.model import TargetModel
+from tests.helpers.chats import MAX_TOKENS, read_rows, regenerate_args, running, write_conversations
 from tests.helpers.extract import all_tensors, cli_args
 from tests.helpers.train import tiny_cli_args
 from tools.fixtures.tiny_server import Faults, TinyChatModel, make_server
 from tools.fixtures.tiny_target import tiny_config_dict, write_random_checkpoint
 from train.cli import main as train_cli
 
-MAX_TOKENS = 5
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -50,68 +49,13 @@ def chat_model(target) -> TinyChatModel:
 
 
 @contextmanager
-def running(server):
-    """An HTTP server on a background thread while the block runs: its /v1 base URL."""
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-@contextmanager
 def serving(chat_model: TinyChatModel, faults: Faults | None = None):
     with running(make_server(chat_model, 0, faults)) as url:
         yield url
 
 
-def _conversations(path: Path, n: int, multi_turn: bool = True) -> Path:
-    rows = []
-    for i in range(n):
-        messages = [{"role": "user", "content": f"Question number {i} about the weather?"}]
-        if multi_turn and i % 2:
-            messages += [
-                {"role": "assistant", "content": "old answer"},
-                {"role": "user", "content": "And tomorrow?"},
-                {"role": "assistant", "content": "old answer two"},
-            ]
-        rows.append({"id": f"c{i}", "messages": messages, "source": "test"})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def _regenerate_args(url: str, data: Path, out: Path, *extra: str, model: str = "tiny", thinking: str = "off"):
-    """dflash-data regenerate's arguments against the tiny server: MAX_TOKENS per reply, no progress bar,
-    short retry backoff, then `extra`."""
-    return [
-        "regenerate",
-        "--server",
-        url,
-        "--model",
-        model,
-        "--data",
-        str(data),
-        "--out",
-        str(out),
-        "--max-tokens",
-        str(MAX_TOKENS),
-        "--thinking",
-        thinking,
-        "--no-progress",
-        "--retry-backoff",
-        "0.05",
-        *extra,
-    ]
-
-
 def _regenerate(url: str, data: Path, out: Path, *extra: str, **options: str):
-    return CliRunner().invoke(data_cli, _regenerate_args(url, data, out, *extra, **options), catch_exceptions=False)
-
-
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in out.read_text().splitlines()]
+    return CliRunner().invoke(data_cli, regenerate_args(url, data, out, *extra, **options), catch_exceptions=False)
 
 
 def _greedy_ids(model: TargetModel, tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
@@ -135,13 +79,13 @@ def _greedy_reference(target: Path, model: TargetModel, tokenizer, messages: lis
 
 
 def test_regenerate_turn_by_turn_equals_greedy_reference(target, chat_model, tmp_path):
-    data = _conversations(tmp_path / "chats.jsonl", 6)
+    data = write_conversations(tmp_path / "chats.jsonl", 6)
     out = tmp_path / "regen.jsonl"
     with serving(chat_model) as url:
         result = _regenerate(url, data, out, "--concurrency", "3")
     assert result.exit_code == 0, result.output
     assert "6 conversations regenerated (9 replies" in result.output and "0 failed" in result.output
-    rows = _rows(out)
+    rows = read_rows(out)
     assert [r["id"] for r in rows] == [f"c{i}" for i in range(6)]  # input order, whatever the completion order
     model = TargetModel.from_pretrained(target, "cpu", dtype=torch.float32, with_head=True)
     tokenizer = chat_model.tokenizer
@@ -160,25 +104,25 @@ def test_regenerate_turn_by_turn_equals_greedy_reference(target, chat_model, tmp
 
 
 def test_thinking_on_keeps_reasoning(chat_model, tmp_path):
-    data = _conversations(tmp_path / "chats.jsonl", 1, multi_turn=False)
+    data = write_conversations(tmp_path / "chats.jsonl", 1, multi_turn=False)
     out = tmp_path / "regen.jsonl"
     with serving(chat_model) as url:
         result = _regenerate(url, data, out, thinking="on")
     assert result.exit_code == 0, result.output
-    reply = _rows(out)[0]["messages"][-1]
+    reply = read_rows(out)[0]["messages"][-1]
     # The random target never closes </think> within 5 tokens: everything it wrote is reasoning.
     assert reply["reasoning_content"] and reply["content"] == ""
 
 
 def test_kill_in_the_middle_then_resume_loses_and_duplicates_nothing(chat_model, tmp_path):
-    data = _conversations(tmp_path / "chats.jsonl", 8, multi_turn=False)
+    data = write_conversations(tmp_path / "chats.jsonl", 8, multi_turn=False)
     clean = tmp_path / "clean.jsonl"
     out = tmp_path / "regen.jsonl"
     with serving(chat_model) as url:
         assert _regenerate(url, data, clean, "--concurrency", "2").exit_code == 0
     # The server answers 3 requests, then hangs: with one conversation in flight exactly 3 are written.
     with serving(chat_model, Faults(hang_after=3)) as url:
-        cmd = [sys.executable, "-m", "extract.chats.cli", *_regenerate_args(url, data, out, "--concurrency", "1")]
+        cmd = [sys.executable, "-m", "extract.chats.cli", *regenerate_args(url, data, out, "--concurrency", "1")]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 120
@@ -190,16 +134,16 @@ def test_kill_in_the_middle_then_resume_loses_and_duplicates_nothing(chat_model,
         finally:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert [r["id"] for r in _rows(out)] == ["c0", "c1", "c2"]
+    assert [r["id"] for r in read_rows(out)] == ["c0", "c1", "c2"]
     with open(out, "a") as f:  # a write torn by the kill
         f.write('{"id": "c3", "messages": [{"role": "us')
     with serving(chat_model) as url:
         result = _regenerate(url, data, out, "--concurrency", "3")
     assert result.exit_code == 0, result.output
     assert "5 conversations regenerated" in result.output and "3 kept from an earlier run" in result.output
-    ids = [r["id"] for r in _rows(out)]
+    ids = [r["id"] for r in read_rows(out)]
     assert sorted(ids) == sorted(f"c{i}" for i in range(8)) and len(ids) == len(set(ids))
-    assert sorted(_rows(out), key=lambda r: r["id"]) == sorted(_rows(clean), key=lambda r: r["id"])
+    assert sorted(read_rows(out), key=lambda r: r["id"]) == sorted(read_rows(clean), key=lambda r: r["id"])
     # A third run has nothing left to do.
     with serving(chat_model) as url:
         result = _regenerate(url, data, out)
@@ -207,18 +151,18 @@ def test_kill_in_the_middle_then_resume_loses_and_duplicates_nothing(chat_model,
 
 
 def test_a_conversation_edited_in_the_data_is_regenerated_on_resume(chat_model, tmp_path):
-    data = _conversations(tmp_path / "chats.jsonl", 3, multi_turn=False)
+    data = write_conversations(tmp_path / "chats.jsonl", 3, multi_turn=False)
     out = tmp_path / "regen.jsonl"
     with serving(chat_model) as url:
         assert _regenerate(url, data, out).exit_code == 0
-        first = {r["id"]: r for r in _rows(out)}
+        first = {r["id"]: r for r in read_rows(out)}
         rows = [json.loads(line) for line in data.read_text().splitlines()]
         rows[1]["messages"][0]["content"] = "A new question about the sea?"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
         result = _regenerate(url, data, out)
     assert result.exit_code == 0 and "1 conversations regenerated" in result.output, result.output
     assert "2 kept from an earlier run" in result.output
-    again = {r["id"]: r for r in _rows(out)}
+    again = {r["id"]: r for r in read_rows(out)}
     assert again["c1"]["messages"][0]["content"] == "A new question about the sea?"
     assert again["c0"] == first["c0"] and again["c2"] == first["c2"]
     assert again["c1"]["regenerated_from_sha256"] != first["c1"]["regenerated_from_sha256"]
@@ -227,7 +171,7 @@ def test_a_conversation_edited_in_the_data_is_regenerated_on_resume(chat_model, 
 def test_prepare_reads_a_regenerate_folder_without_its_sidecar_and_names_a_thinking_mismatch(
     target, chat_model, tmp_path, caplog
 ):
-    data = _conversations(tmp_path / "chats.jsonl", 2, multi_turn=False)
+    data = write_conversations(tmp_path / "chats.jsonl", 2, multi_turn=False)
     out = tmp_path / "regen" / "out.jsonl"
     with serving(chat_model) as url:
         assert _regenerate(url, data, out, thinking="off").exit_code == 0
@@ -241,35 +185,35 @@ def test_prepare_reads_a_regenerate_folder_without_its_sidecar_and_names_a_think
 
 
 def test_retries_after_5xx_and_timeouts(chat_model, tmp_path):
-    data = _conversations(tmp_path / "chats.jsonl", 2, multi_turn=False)
+    data = write_conversations(tmp_path / "chats.jsonl", 2, multi_turn=False)
     with serving(chat_model, Faults(fail_requests=frozenset({1, 2}))) as url:
         result = _regenerate(url, data, tmp_path / "a.jsonl", "--concurrency", "1")
     assert result.exit_code == 0 and "2 retries" in result.output and "0 failed" in result.output, result.output
-    assert len(_rows(tmp_path / "a.jsonl")) == 2
+    assert len(read_rows(tmp_path / "a.jsonl")) == 2
     # Request 1 takes longer than the timeout: retried. (A loaded machine may time out more: at least 1.)
     with serving(chat_model, Faults(delay_s={1: 20.0})) as url:
         result = _regenerate(url, data, tmp_path / "b.jsonl", "--concurrency", "1", "--request-timeout", "4")
     assert result.exit_code == 0 and "0 retries" not in result.output and "0 failed" in result.output, result.output
-    assert len(_rows(tmp_path / "b.jsonl")) == 2
+    assert len(read_rows(tmp_path / "b.jsonl")) == 2
 
 
 def test_failures_are_listed_never_dropped_and_retried_by_a_rerun(chat_model, tmp_path):
-    data = _conversations(tmp_path / "chats.jsonl", 3, multi_turn=False)
+    data = write_conversations(tmp_path / "chats.jsonl", 3, multi_turn=False)
     out = tmp_path / "regen.jsonl"
     with serving(chat_model, Faults(fail_requests=frozenset({2, 3}))) as url:  # c1 fails twice: out of retries
         result = _regenerate(url, data, out, "--concurrency", "1", "--max-retries", "1")
     assert result.exit_code == 1
     assert f"failed 'c1' ({data}, row 1 (line 2)): InternalServerError after 2 attempts" in result.output, result.output
     assert "1 conversations failed and are not in" in result.output and "re-run the same command" in result.output
-    assert [r["id"] for r in _rows(out)] == ["c0", "c2"]
+    assert [r["id"] for r in read_rows(out)] == ["c0", "c2"]
     with serving(chat_model) as url:
         result = _regenerate(url, data, out)
     assert result.exit_code == 0 and "1 conversations regenerated" in result.output
-    assert sorted(r["id"] for r in _rows(out)) == ["c0", "c1", "c2"]
+    assert sorted(r["id"] for r in read_rows(out)) == ["c0", "c1", "c2"]
 
 
 def test_refusals_name_the_problem(chat_model, tmp_path):
-    data = _conversations(tmp_path / "chats.jsonl", 1, multi_turn=False)
+    data = write_conversations(tmp_path / "chats.jsonl", 1, multi_turn=False)
     out = tmp_path / "regen.jsonl"
     with serving(chat_model) as url:
         assert _regenerate(url, data, out).exit_code == 0
@@ -337,7 +281,7 @@ def test_greedy_ids_survive_the_server_text_and_prepare(target, chat_model, tmp_
     data are the target's own greedy output: extracted with its top-1, data == target greedy on 100% of
     supervised positions (what `eval` prints as whose tokens). A reply cut at max_tokens is closed by the
     template with an end token the model never wrote: in the data, not supervised."""
-    data = _conversations(tmp_path / "chats.jsonl", 8, multi_turn=False)
+    data = write_conversations(tmp_path / "chats.jsonl", 8, multi_turn=False)
     regenerated, prepared = tmp_path / "regen.jsonl", tmp_path / "data.parquet"
     with serving(chat_model) as url:
         assert _regenerate(url, data, regenerated).exit_code == 0
@@ -349,7 +293,7 @@ def test_greedy_ids_survive_the_server_text_and_prepare(target, chat_model, tmp_
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     rows = pq.read_table(prepared).to_pylist()
     cut = 0
-    for row, chat in zip(rows, _rows(data)):
+    for row, chat in zip(rows, read_rows(data)):
         prompt, reply = _greedy_ids(model, tokenizer, chat["messages"])
         closed = reply[-1] == end
         cut += not closed
@@ -420,9 +364,9 @@ def test_extract_takes_conversations_as_prepare_then_extract(target, tmp_path):
 def test_progress_in_a_log_file_is_plain_lines(chat_model, tmp_path, caplog):
     """Redirected output (not a terminal) gets plain progress lines with rates and ETA, never a bar's carriage
     returns; the last line counts every conversation."""
-    data = _conversations(tmp_path / "chats.jsonl", 4, multi_turn=False)
+    data = write_conversations(tmp_path / "chats.jsonl", 4, multi_turn=False)
     out = tmp_path / "regen.jsonl"
-    args = [a for a in _regenerate_args("URL", data, out) if a != "--no-progress"]
+    args = [a for a in regenerate_args("URL", data, out) if a != "--no-progress"]
     with serving(chat_model) as url, caplog.at_level("INFO", logger="extract.chats.regenerate"):
         result = CliRunner().invoke(data_cli, [url if a == "URL" else a for a in args], catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -430,179 +374,3 @@ def test_progress_in_a_log_file_is_plain_lines(chat_model, tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("regenerate: ")]
     assert lines and lines[-1].startswith("regenerate: 4/4 conversations | "), lines
     assert " conv/s | " in lines[-1] and " gen tok/s | 0 failed | ETA 0m00s" in lines[-1]
-
-
-def _completion(content: str = "hello", *, usage: object = 2, **message: object) -> bytes:
-    """A chat completion's body; usage: completion_tokens, or None for no usage block."""
-    body: dict = {"id": "x", "object": "chat.completion", "created": 0, "model": "tiny"}
-    body["choices"] = [
-        {"index": 0, "message": {"role": "assistant", "content": content, **message}, "finish_reason": "stop"}
-    ]
-    if usage is not None:
-        body["usage"] = {"prompt_tokens": 3, "completion_tokens": usage, "total_tokens": 5}
-    return json.dumps(body).encode()
-
-
-def _no_crash(result) -> None:
-    """The command ended through click (its exit or a clean `Error:` line), not an uncaught exception."""
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-
-
-_MODELS = json.dumps({"object": "list", "data": [{"id": "tiny", "object": "model"}]}).encode()
-
-
-@contextmanager
-def canned(answers: dict[int, bytes], default: bytes = _completion(), models: bytes = _MODELS):
-    """A server answering HTTP 200 with canned bodies: request n (from 1) gets answers[n], others `default`;
-    GET /models gets `models`. For answers the tiny server never gives (HTML pages, empty bodies...)."""
-    count = {"n": 0}
-    lock = threading.Lock()
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, fmt, *args):
-            pass
-
-        def _send(self, body: bytes) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html" if body.startswith(b"<") else "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self):
-            self._send(models)
-
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            with lock:
-                count["n"] += 1
-                n = count["n"]
-            self._send(answers.get(n, default))
-
-    with running(ThreadingHTTPServer(("127.0.0.1", 0), Handler)) as url:
-        yield url
-
-
-@pytest.mark.parametrize(
-    "body, reason",
-    [
-        (json.dumps({"choices": []}).encode(), "choices is []"),
-        (json.dumps({"choices": None}).encode(), "choices is null"),
-        (json.dumps({"choices": [{"index": 0}]}).encode(), "choices[0] has no message object"),
-        (b"<html>gateway</html>", "not JSON (body: '<html>gateway</html>')"),
-        (b"", "not JSON (body: an empty body)"),
-        (b'{"choices": [', "not JSON"),
-        (b"[1, 2]", "a JSON list, not an object"),
-        (_completion(None), ""),  # content null: an empty reply, fine
-        (_completion(7), "message.content is a int, not a string"),
-        (_completion("x", tool_calls={"a": 1}), "message.tool_calls is a dict, not a list"),
-        (_completion("cut \ud83d emoji"), "lone UTF-16 surrogate"),
-    ],
-)
-def test_an_answer_that_is_no_chat_completion_fails_its_conversation_only(tmp_path, body, reason):
-    """One malformed HTTP 200 answer among many: that conversation is listed with the reason and left
-    out, the others are written, no traceback; a re-run does the one left."""
-    data = _conversations(tmp_path / "chats.jsonl", 6, multi_turn=False)
-    out = tmp_path / "regen.jsonl"
-    with canned({3: body}) as url:
-        result = CliRunner().invoke(data_cli, _regenerate_args(url, data, out, "--concurrency", "1"))
-    _no_crash(result)
-    if not reason:
-        assert result.exit_code == 0, result.output
-        assert _rows(out)[2]["messages"][-1]["content"] == ""
-        return
-    assert result.exit_code == 1, result.output
-    assert (
-        f"failed 'c2' ({data}, row 2 (line 3)): the server answered HTTP 200 with no chat completion: " in result.output
-    )
-    assert reason in result.output, result.output
-    assert "5 conversations regenerated" in result.output and "1 failed" in result.output
-    assert [r["id"] for r in _rows(out)] == ["c0", "c1", "c3", "c4", "c5"]
-    with canned({}) as url:
-        result = CliRunner().invoke(data_cli, _regenerate_args(url, data, out))
-    assert result.exit_code == 0 and "1 conversations regenerated" in result.output, result.output
-    assert sorted(r["id"] for r in _rows(out)) == [f"c{i}" for i in range(6)]
-
-
-@pytest.mark.parametrize(
-    "models, said",
-    [
-        (b"<html>login</html>", "('<html>login</html>')"),
-        (b"", "(an empty body)"),
-        (json.dumps({"object": "list", "data": None}).encode(), '"data": null'),
-        (json.dumps({"data": [{"name": "tiny"}]}).encode(), '"name": "tiny"'),
-    ],
-)
-def test_a_models_answer_that_is_no_model_list_is_one_clear_error(tmp_path, models, said):
-    data = _conversations(tmp_path / "chats.jsonl", 1, multi_turn=False)
-    with canned({}, models=models) as url:
-        result = CliRunner().invoke(data_cli, _regenerate_args(url, data, tmp_path / "regen.jsonl"))
-    _no_crash(result)
-    assert result.exit_code == 1
-    assert f"Error: {url}/models answered HTTP 200 with no model list " in result.output, result.output
-    assert said in result.output, result.output
-    assert not list(tmp_path.glob("regen.jsonl*")), "a refused first run leaves nothing behind"
-
-
-def test_the_summary_never_states_token_figures_the_server_did_not_report(tmp_path, caplog):
-    data = _conversations(tmp_path / "chats.jsonl", 2, multi_turn=False)
-    for name, answers, default in (
-        ("none", {}, _completion(usage=None)),
-        ("negative", {}, _completion(usage=-5)),
-        ("no-count", {}, _completion(usage="7")),
-    ):
-        with canned(answers, default) as url, caplog.at_level("WARNING"):
-            result = CliRunner().invoke(data_cli, _regenerate_args(url, data, tmp_path / f"{name}.jsonl"))
-        assert result.exit_code == 0, result.output
-        assert "(2 replies, tokens unknown: the server reported no valid usage, 0 cut" in result.output, result.output
-        assert "-10 tokens" not in result.output and "0 gen tok/s" not in result.output
-    assert "completion_tokens is not a count" in caplog.text  # the negative and the string said in the log
-    # Only some replies with usage: the count says what it leaves out.
-    with canned({1: _completion(usage=None)}, _completion(usage=4)) as url:
-        result = CliRunner().invoke(
-            data_cli, _regenerate_args(url, data, tmp_path / "some.jsonl", "--concurrency", "1")
-        )
-    assert result.exit_code == 0, result.output
-    assert (
-        "(2 replies, 4 tokens, " in result.output
-        and "(counted over 1 replies; 1 came without valid usage)" in result.output
-    )
-
-
-def _tool_call_reply(arguments: str) -> bytes:
-    call = {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
-    return _completion("", tool_calls=[call])
-
-
-def test_tool_call_arguments_that_are_not_a_json_object_fail_the_conversation(tmp_path):
-    """Never rewritten ({"value": ...} or {"arguments": raw}): prepare would supervise parameters the model
-    never wrote."""
-    data = _conversations(tmp_path / "chats.jsonl", 1, multi_turn=False)
-    for i, arguments in enumerate(("[1,2]", "not json {", '"a string"')):
-        out = tmp_path / f"bad{i}.jsonl"
-        with canned({}, _tool_call_reply(arguments)) as url:
-            result = CliRunner().invoke(data_cli, _regenerate_args(url, data, out))
-        _no_crash(result)
-        assert result.exit_code == 1, result.output
-        assert "the server returned tool-call arguments that are not a JSON object" in result.output, result.output
-        assert repr(arguments) in result.output and out.read_text() == ""
-    out = tmp_path / "good.jsonl"
-    with canned({}, _tool_call_reply('{"city": "Paris"}')) as url:
-        result = CliRunner().invoke(data_cli, _regenerate_args(url, data, out))
-    assert result.exit_code == 0, result.output
-    calls = _rows(out)[0]["messages"][-1]["tool_calls"]
-    assert calls == [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
-
-
-def test_a_lone_surrogate_in_a_row_is_refused_naming_the_file_and_row(tmp_path):
-    data = tmp_path / "chats.jsonl"
-    data.write_text(
-        '{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'
-        '{"id": "b", "messages": [{"role": "user", "content": "bad \\ud83d here"}]}\n'
-    )
-    with canned({}) as url:
-        result = CliRunner().invoke(data_cli, _regenerate_args(url, data, tmp_path / "regen.jsonl"))
-    _no_crash(result)
-    assert result.exit_code == 1, result.output
-    assert f"Error: {data}, row 1 (line 2): " in result.output and "surrogate" in result.output, result.output
-    assert "codec can't encode" not in result.output

@@ -1,5 +1,10 @@
 """dflash-shards as a user reads it: verify gives one remedy, info leaves quarantined files out, show
-prints a whole sample and the stored target top-k, and every option's help says its default."""
+prints a whole sample and the stored target top-k, and every option's help says its default.
+
+verify on an extracted cache (the tiny target's reference cache of tests/conftest.py) damaged in each
+way: exit code 1, each problem named by file: a shard deleted after extraction (named as missing), the
+manifest out of date, the manifest unreadable, cache.json of another format version, the target head
+with a flipped byte, the target head deleted."""
 
 import json
 import math
@@ -8,8 +13,10 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from shards import ShardReader, shard_path
+from shards import ShardReader, shard_path, write_manifest
 from shards.inspect import QUARANTINE_DIR, _extract_command
+from tests.helpers.extract import copy_cache
+from tests.helpers.faults import flip_byte
 from tools.cli.dflash_shards import main as shards_cli
 from tools.fixtures.synthetic_cache import write_synthetic_cache
 
@@ -20,18 +27,12 @@ def cache(tmp_path):
     return tmp_path / "cache"
 
 
-def _flip_a_byte(path):
-    data = bytearray(path.read_bytes())
-    data[-10] ^= 0xFF
-    path.write_bytes(data)
-
-
 def _invoke(*args):
     return CliRunner().invoke(shards_cli, [str(a) for a in args])
 
 
 def test_verify_gives_one_remedy_before_and_after_quarantine(cache):
-    _flip_a_byte(shard_path(cache, 1))
+    flip_byte(shard_path(cache, 1))
     res = _invoke("verify", cache)
     assert res.exit_code == 1
     remedies = [line for line in res.output.splitlines() if line.startswith("to repair:")]
@@ -90,7 +91,7 @@ def test_an_edited_cache_json_is_named_not_the_good_shards(cache):
 def test_info_does_not_count_quarantined_files(cache):
     before = json.loads(_invoke("info", cache, "--json").output)
     size = shard_path(cache, 1).stat().st_size
-    _flip_a_byte(shard_path(cache, 1))
+    flip_byte(shard_path(cache, 1))
     _invoke("verify", cache, "--quarantine")
     after = json.loads(_invoke("info", cache, "--json").output)
     assert after["num_shards"] == 2 and after["num_quarantined"] == 1 and after["bytes_quarantined"] == size
@@ -173,7 +174,7 @@ def test_every_option_says_its_default_or_the_rule_that_derives_it():
 
 
 def test_quarantine_never_replaces_a_file_it_did_not_write(cache):
-    _flip_a_byte(shard_path(cache, 1))
+    flip_byte(shard_path(cache, 1))
     theirs = cache / QUARANTINE_DIR / shard_path(cache, 1).name
     theirs.parent.mkdir()
     theirs.write_text("my notes")
@@ -198,3 +199,65 @@ def test_a_cache_a_job_is_writing_is_named_by_verify_and_not_changed_by_index(ca
         assert (cache / MANIFEST_FILE).read_bytes() == before
     res = _invoke("index", cache)  # the job ended
     assert res.exit_code == 0 and (cache / MANIFEST_FILE).read_bytes() != before, res.output
+
+
+# ---- verify on a damaged extracted cache ------------------------------------------------------------------
+
+
+def _missing_shard(cache):
+    shard_path(cache, 2).unlink()
+    return shard_path(cache, 2), "missing"
+
+
+# A deleted shard also leaves the manifest listing its samples, but the re-extraction that restores the
+# shard rewrites the manifest: verify reports the shard only, with that one remedy.
+ALSO_BAD: dict[str, list[str]] = {}
+
+
+def _stale_manifest(cache):
+    reader = ShardReader(cache)
+    write_manifest(cache, [reader.info(b) for b in reader.batch_ids()[:-1]])  # as before the last shard
+    return cache / "manifest.parquet", "out of date with the shards"
+
+
+def _unreadable_manifest(cache):
+    (cache / "manifest.parquet").write_bytes(b"PAR1 not parquet")
+    return cache / "manifest.parquet", "unreadable"
+
+
+def _head_flipped(cache):
+    flip_byte(cache / "target_head.safetensors")
+    return cache / "target_head.safetensors", "checksum mismatch"
+
+
+def _head_missing(cache):
+    (cache / "target_head.safetensors").unlink()
+    return cache / "target_head.safetensors", "not found"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [_missing_shard, _stale_manifest, _unreadable_manifest, _head_flipped, _head_missing],
+    ids=lambda f: f.__name__.strip("_"),
+)
+def test_verify_names_each_damage(reference, tmp_path, damage):
+    cache = copy_cache(reference, tmp_path)
+    path, reason = damage(cache)
+    result = CliRunner().invoke(shards_cli, ["verify", str(cache), "--json"])
+    assert result.exit_code == 1, result.output
+    bad = json.loads(result.output)["bad"]
+    also = [str(cache / name) for name in ALSO_BAD.get(damage.__name__, [])]
+    assert [b["file"] for b in bad] == [str(path), *also], bad
+    assert reason in bad[0]["reason"], bad
+    assert json.loads(result.output)["remedy"], "every damage comes with its remedy"
+    text = CliRunner().invoke(shards_cli, ["verify", str(cache)])
+    assert text.exit_code == 1 and f"BAD {path}" in text.output, text.output
+
+
+def test_verify_refuses_another_cache_format_version(reference, tmp_path):
+    cache = copy_cache(reference, tmp_path)
+    config = cache / "cache.json"
+    config.write_text(config.read_text().replace('"format_version": 2', '"format_version": 7'))
+    result = CliRunner().invoke(shards_cli, ["verify", str(cache)])
+    assert result.exit_code == 1
+    assert str(config) in result.output and "format version 7" in result.output, result.output

@@ -4,7 +4,9 @@ while checkpointing is one clear message; a shard of another cache is refused by
 
 Cases (tiny synthetic caches, training through the library and the dflash-train CLI):
   1. Export into a target checkpoint folder, into a folder with a user file: refused, bytes unchanged.
-     Export twice: the second needs --overwrite. Files 0o644 and folder 0o755 under umask 077.
+     Export twice: the second needs --overwrite. Files 0o644 and folder 0o755 under umask 077. Export
+     into a directory that cannot be written (under a file, in /sys, on a read-only file system; see
+     tests/helpers/faults.py): refused before any work naming the directory and the fix.
   2. Newest checkpoint with a flipped byte in model.safetensors, a truncated optimizer.pt, a truncated
      model.safetensors: resume and run-dir export fall back to the previous checkpoint with a warning
      naming the file; exporting that checkpoint by name is refused naming the file.
@@ -13,13 +15,19 @@ Cases (tiny synthetic caches, training through the library and the dflash-train 
   5. eval --out onto a user's file or into a missing directory: refused before any
      work; its own file is replaced, as strict JSON. eval of a checkpoint with a flipped or truncated
      model.safetensors, and --init-from of a truncated export: refused naming the file, no traceback.
+  6. Training SIGKILLed in a subprocess in the middle of writing a checkpoint: the partial checkpoint is
+     ignored, the resume starts from the previous one and continues exactly (losses equal to 1e-6).
 """
 
 import json
 import logging
 import os
 import shutil
+import signal
 import stat
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from click.testing import CliRunner
@@ -27,6 +35,8 @@ from click.testing import CliRunner
 from shards import ShardReader, shard_path
 from shards.inspect import verify_cache
 from tests.helpers.extract import snapshot
+from tests.helpers.faults import HOWS, expect_refusal, unwritable
+from tests.helpers.process import REPO
 from tests.helpers.train import fill_disk_on_torch_save, read_records, tiny_cache, tiny_cli_args, tiny_config
 from tools.fixtures.tiny_target import write_random_checkpoint
 from train.checkpoint.store import latest_checkpoint, list_checkpoints
@@ -96,6 +106,16 @@ def test_replacing_an_export_needs_overwrite_and_files_are_readable_by_all(train
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
     assert modes == {"config.json": 0o644, "model.safetensors": 0o644}, modes
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_export_into_a_directory_that_cannot_be_written_is_refused_first(trained, tmp_path, monkeypatch, no_work, how):
+    _, run_dir = trained
+    out, where = unwritable(how, tmp_path, monkeypatch)
+    before = snapshot(tmp_path)
+    result = CliRunner().invoke(train_cli, ["export", str(run_dir), str(out)])
+    expect_refusal(result, "export directory", out, where, how)
+    assert snapshot(tmp_path) == before, "nothing is written anywhere"
 
 
 # ---- 2. damaged checkpoints -------------------------------------------------------------------------------
@@ -237,3 +257,67 @@ def test_init_from_a_truncated_export_is_refused_before_any_work(trained, tmp_pa
     assert result.exit_code == 1 and no_traceback(result), result.output
     assert f"--init-from {drafter}: {drafter / 'model.safetensors'}: unreadable" in result.output, result.output
     assert not (tmp_path / "run").exists(), "refused before the run directory is made"
+
+
+# ---- 6. SIGKILL while writing a checkpoint ----------------------------------------------------------------
+
+
+# The child trains through the CLI and SIGKILLs itself half way through writing its second checkpoint's
+# optimizer state, so a .tmp-step-* folder with a partial optimizer.pt is all that is left of it.
+TRAIN_KILL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    marker = sys.argv[1]
+    real_save = torch.save
+    calls = [0]
+
+    def dying_save(obj, f, *a, **kw):
+        calls[0] += 1
+        if calls[0] == 2:
+            with open(f, "wb") as out:
+                out.write(b"partial optimizer state")
+            with open(marker, "w") as m:
+                m.write(str(f))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(obj, f, *a, **kw)
+
+    torch.save = dying_save
+    from train.cli import main
+    main(sys.argv[2:])
+""")
+
+
+@pytest.mark.slow
+def test_training_killed_while_checkpointing_resumes_exactly(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=4)
+    settings = dict(epochs=4, checkpoint_every=4, keep_checkpoints=3, metrics_every=3)
+    full = tmp_path / "full"
+    run_training(tiny_config(cache, full, **settings))
+    reference = {r["step"]: r["loss/total"] for r in read_records(full)}
+    assert sorted(reference) == list(range(1, 17))
+
+    killed = tmp_path / "killed"
+    marker = tmp_path / "killed-at"
+    args = tiny_cli_args(
+        cache, killed, "--epochs", "4", "--checkpoint-every", "4", "--keep-checkpoints", "3", "--metrics-every", "3"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    proc = subprocess.run(
+        [sys.executable, "-c", TRAIN_KILL_SCRIPT, str(marker), *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        timeout=300,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-3000:]
+    assert ".tmp-step-00000008" in marker.read_text(), marker.read_text()
+    assert latest_checkpoint(killed).step == 4, "the half-written step 8 must not count as a checkpoint"
+    assert list(killed.glob(".tmp-step-00000008-*")), "the kill should have left the partial checkpoint"
+
+    run_training(tiny_config(cache, killed, resume=True, **settings))
+    got = {r["step"]: r["loss/total"] for r in read_records(killed)}  # steps 5-8 logged twice: the later wins
+    assert sorted(got) == list(range(1, 17))
+    diffs = {s: abs(got[s] - reference[s]) for s in range(5, 17)}
+    assert max(diffs.values()) <= 1e-6, f"max abs loss diff {max(diffs.values())} (per step: {diffs})"
+    assert not list(killed.glob(".tmp-step-*")), "the partial checkpoint must be cleaned up"
+    assert latest_checkpoint(killed).step == 16

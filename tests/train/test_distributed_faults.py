@@ -1,4 +1,4 @@
-"""Fault injection, several ranks: two CPU gloo ranks under torchrun (as test_train_distributed.py starts
+"""Fault injection, several ranks: two CPU gloo ranks under torchrun (as test_distributed.py starts
 them) agree on pre-emption, and shards that do not divide among the ranks are announced, never dropped
 in silence.
 

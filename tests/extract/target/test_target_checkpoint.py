@@ -1,14 +1,16 @@
-"""Fault injection, messages: a user error is one line naming the file and the fix, never a traceback;
-a shard from another cache or outside the plan is refused by name.
+"""Fault injection, the target checkpoint dflash-extract reads (extract/target/checkpoint.py): a damaged
+target is one line naming the file and the fix, never a traceback, refused before any work.
 
-Cases (the tiny target, dataset and reference cache of test_faults.py; dflash-extract CLI):
+Cases (the tiny target and dataset of tests/conftest.py; dflash-extract CLI):
   1. A damaged target checkpoint: config.json not JSON, a tensor missing, a tensor of the wrong shape,
      a truncated model.safetensors: exit 1, the file named, refused before the dataset scan and before
      cache.json. More than 20 bad tensors (layer 3's q_proj of another shape, layers 4 and 5 missing):
-     every one counted, the first 20 named with file, expected and found shape. A sharded checkpoint (index and
-     two files) with one unreadable header and one tensor the index names but its file lacks.
-  2. A shard copied in from a cache of another dataset (same shapes): verify and the resumed extraction
-     name it and leave it in place; a shard outside the plan of cache.json is named by verify.
+     every one counted, the first 20 named with file, expected and found shape. Tensors config.json does
+     not describe (a layer past num_hidden_layers, a bias the model lacks, integer weights). A sharded
+     checkpoint (index and two files) with one unreadable header and one tensor the index names but its
+     file lacks.
+A shard copied in from a cache of another dataset: tests/extract/test_extract_faults.py; a shard outside
+the plan of cache.json: tests/shards/test_format.py.
 """
 
 import json
@@ -20,12 +22,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from extract.cli import main as extract_cli
-from extract.dataset.index import write_jsonl
-from extract.runner import CacheMismatchError, run_extract
 from extract.target.checkpoint import MAX_REPORTED_TENSORS
-from shards import shard_path
-from shards.inspect import verify_cache
-from tests.helpers.extract import cli_args, copy_cache, extract_cfg, make_samples
+from tests.helpers.extract import cli_args
 
 
 def _weights(ckpt):
@@ -151,30 +149,3 @@ def test_a_sharded_target_with_a_bad_header_or_tensor_is_refused_naming_them(tar
     assert shown.count(str(first)) == 1, "an unreadable file is named once, not once per tensor it holds"
     assert f"{second}: tensor {dropped!r} is missing" in shown, shown
     assert "2 bad or missing tensor(s)" in shown, shown
-
-
-def test_a_shard_of_another_dataset_is_refused_on_resume_and_by_verify(target, data, reference, tmp_path):
-    cache = copy_cache(reference, tmp_path)
-    samples = make_samples()
-    samples[0], samples[1] = samples[1], samples[0]  # same samples, other order: another dataset fingerprint
-    other_data = tmp_path / "other.jsonl"
-    write_jsonl(other_data, samples)
-    other = tmp_path / "other"
-    run_extract(extract_cfg(target, other_data, other))
-    shutil.copy(shard_path(other, 3), shard_path(cache, 3))
-    foreign = shard_path(cache, 3).read_bytes()
-    bad = verify_cache(cache).bad
-    assert [b["file"] for b in bad if b["batch_id"] == 3] == [str(shard_path(cache, 3))], bad
-    assert "belongs to another cache" in next(b["reason"] for b in bad if b["batch_id"] == 3)
-    with pytest.raises(CacheMismatchError, match="b00000003.safetensors: belongs to another cache"):
-        run_extract(extract_cfg(target, data, cache))
-    assert shard_path(cache, 3).read_bytes() == foreign, "a shard that is not this cache's is left for the user"
-
-
-def test_a_shard_outside_the_plan_is_named_by_verify(reference, tmp_path):
-    cache = copy_cache(reference, tmp_path)
-    n = reference["num_batches"]
-    shutil.copy(shard_path(cache, 0), shard_path(cache, n + 4))
-    bad = verify_cache(cache).bad
-    reasons = [b["reason"] for b in bad if b["batch_id"] == n + 4]
-    assert reasons and f"outside the plan of {n} batches" in reasons[0], bad

@@ -1,9 +1,9 @@
-"""Fault injection, directories that cannot be written: `dflash-extract --out`, `dflash-train --out` and
-`dflash-train export OUT` are refused before any work with one message naming the directory and the fix.
+"""Helpers shared by the fault tests of several components (no tests here): a flipped byte, and output
+directories whose writes really fail.
 
 The tests run as root, whom permission bits do not stop (chmod 0o500 changes nothing, and os.access says
 yes), so the code tries to write (a probe temporary of its own, created and removed) and the tests make
-writes really fail in three ways, each named in its case:
+writes really fail in three ways (HOWS), each named in its case by `unwritable`:
   "under a file"   ENOTDIR, real: the output's parent is a regular file.
   "in /sys"        EPERM / EACCES, real: sysfs refuses new entries even to root (skipped without sysfs).
   "read-only fs"   EROFS: an existing, empty directory whose writes fail as on a read-only mount, by
@@ -18,13 +18,13 @@ import os
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from extract.cli import main as extract_cli
-from tests.helpers.extract import cli_args, snapshot
-from tests.helpers.train import tiny_cache, tiny_cli_args, tiny_config
-from train.cli import main as train_cli
-from train.loop import run_training
+
+def flip_byte(path, offset=-10):
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
 
 SYSFS = Path("/sys")
 HAS_SYSFS = os.path.ismount(SYSFS) and (SYSFS / "kernel").is_dir()
@@ -78,41 +78,3 @@ def expect_refusal(result, flag: str, out: Path, where: Path, how: str) -> None:
     else:
         assert f"{flag} {out}: cannot write in {where} (" in shown, shown
         assert "choose a directory on a writable file system, or one this user may write to" in shown, shown
-
-
-@pytest.mark.parametrize("how", HOWS)
-def test_extract_out_that_cannot_be_written_is_refused_before_any_work(
-    target, data, tmp_path, monkeypatch, no_work, how
-):
-    out, where = unwritable(how, tmp_path, monkeypatch)
-    before = snapshot(tmp_path)
-    result = CliRunner().invoke(extract_cli, cli_args(target, data, out))
-    expect_refusal(result, "--out", out, where, how)
-    assert snapshot(tmp_path) == before, "nothing is written anywhere"
-
-
-@pytest.mark.parametrize("how", HOWS)
-def test_train_out_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch, no_work, how):
-    cache = tiny_cache(tmp_path / "cache", num_batches=2)
-    out, where = unwritable(how, tmp_path, monkeypatch)
-    before = snapshot(tmp_path)
-    result = CliRunner().invoke(train_cli, tiny_cli_args(cache, out, "--max-steps", "1"))
-    expect_refusal(result, "--out", out, where, how)
-    assert snapshot(tmp_path) == before, "nothing is written anywhere"
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("trained")
-    cache = tiny_cache(root / "cache", num_batches=2)
-    run_training(tiny_config(cache, root / "run", max_steps=1))
-    return root / "run"
-
-
-@pytest.mark.parametrize("how", HOWS)
-def test_export_into_a_directory_that_cannot_be_written_is_refused_first(run_dir, tmp_path, monkeypatch, no_work, how):
-    out, where = unwritable(how, tmp_path, monkeypatch)
-    before = snapshot(tmp_path)
-    result = CliRunner().invoke(train_cli, ["export", str(run_dir), str(out)])
-    expect_refusal(result, "export directory", out, where, how)
-    assert snapshot(tmp_path) == before, "nothing is written anywhere"
