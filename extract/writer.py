@@ -21,11 +21,12 @@ import numpy as np
 import torch
 
 from shards import CacheConfig, SampleEntry, allocate_shard_buffers, encode_hidden, shard_path, write_shard
+from shards.common.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
-class NonFiniteHiddenError(RuntimeError):
+class NonFiniteHiddenError(UserError, RuntimeError):
     """The target produced NaN or Inf for a batch; the run stops and names it."""
 
 

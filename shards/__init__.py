@@ -1,4 +1,10 @@
-"""The hidden-state cache: the contract between dflash-extract and dflash-train (format version 1)."""
+"""The hidden-state cache: the contract between dflash-extract and dflash-train.
+
+The format (its version is `FORMAT_VERSION`, in shards/format.py) lives in this package's modules: schema
+(format), encodings (codec), the safetensors container, writer, reader, manifest, shard order, the
+prefetching loader, whole-cache inspection and which files of a cache are ours (ownership).
+`shards/common/` is the plumbing both stages share and is not part of the format.
+"""
 
 from shards.codec import decode_hidden, encode_hidden
 from shards.format import (

@@ -1,10 +1,10 @@
 """Training blocks: sample a fixed number of anchors in a packed batch and build the draft blocks,
 their labels, loss weights and the per-block attention ranges.
 
-Anchor rule (SpecForge's): position t is a valid anchor iff loss_mask[t] == 1 and token t+1 is in
-the same sequence with loss_mask[t+1] == 1. NB anchors are drawn uniformly without replacement among
-valid positions as the top-NB of i.i.d. uniform keys (invalid positions get key -1): no nonzero,
-no randperm, fixed shapes. With fewer than NB valid positions the surplus blocks have weight 0.
+Anchor rule (SpecForge's; one definition for both stages, shards/anchors.py): position t is a valid
+anchor iff loss_mask[t] == 1 and token t+1 is in the same sequence with loss_mask[t+1] == 1. NB
+anchors are drawn uniformly without replacement among valid positions as the top-NB of i.i.d.
+uniform keys (invalid positions get key -1): no nonzero, no randperm, fixed shapes. With fewer than NB valid positions the surplus blocks have weight 0.
 
 Block n = [token at anchor, MASK x (B-1)] at positions pos(anchor)+0..B-1. Slot k >= 1 is trained
 to predict the token at anchor+k (same-position labels), with weight
@@ -19,6 +19,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from shards.anchors import sequence_bounds, valid_anchors
+from train.loss.config import LossConfig
 
 
 @dataclass
@@ -42,29 +45,6 @@ class TrainingBlocks:
     @property
     def block_size(self) -> int:
         return self.block_ids_NB.shape[1]
-
-
-def sequence_bounds(cu_seqlens_S1: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(start_T, end_T): packed index range [start, end) of each token's sequence; padding gets [total, total)."""
-    token_T = torch.arange(num_tokens, device=cu_seqlens_S1.device, dtype=cu_seqlens_S1.dtype)
-    cu_S1 = cu_seqlens_S1.contiguous()
-    # right=True: the first boundary strictly after t; repeated totals send padding past the last sequence.
-    upper_T = torch.searchsorted(cu_S1, token_T, right=True)
-    last = cu_S1.shape[0] - 1
-    start_T = cu_S1[(upper_T - 1).clamp(0, last)]
-    end_T = cu_S1[upper_T.clamp(max=last)]
-    end_T = torch.where(token_T < end_T, end_T, start_T)  # padding: empty range
-    return start_T, end_T
-
-
-def valid_anchors(loss_mask_T: torch.Tensor, cu_seqlens_S1: torch.Tensor) -> torch.Tensor:
-    """[T] bool: supervised positions whose next token is supervised and in the same sequence."""
-    num_tokens = loss_mask_T.shape[0]
-    _, end_T = sequence_bounds(cu_seqlens_S1, num_tokens)
-    supervised_T = loss_mask_T.bool()
-    next_supervised_T = torch.cat([supervised_T[1:], supervised_T.new_zeros(1)])
-    token_T = torch.arange(num_tokens, device=loss_mask_T.device)
-    return supervised_T & next_supervised_T & (token_T + 1 < end_T)
 
 
 def decay_weights(block_size: int, gamma: float, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -98,7 +78,7 @@ def sample_blocks(
     num_blocks: int,
     block_size: int,
     mask_token_id: int,
-    gamma: float = 7.0,
+    gamma: float = LossConfig.gamma,
     generator: torch.Generator | None = None,
 ) -> TrainingBlocks:
     """Sample NB anchors and build the blocks. Fixed output shapes, no host syncs.

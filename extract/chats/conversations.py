@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extract.dataset.index import derived_id_prefixes, find_data_files
+from extract.dataset.files import derived_id_prefixes, find_data_files
 from extract.dataset.rows import DataError, open_parquet, read_row_group, row_location
 
 CONVERSATION_SUFFIXES = (".jsonl", ".json", ".parquet")

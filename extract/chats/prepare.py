@@ -34,7 +34,8 @@ from extract.chats.conversations import (
     iter_conversations,
 )
 from extract.chats.template import ChatRenderer, load_tokenizer
-from extract.dataset.index import Sample, data_would_read
+from extract.dataset.files import data_would_read
+from extract.dataset.index import Sample
 from extract.dataset.rows import DataError
 from extract.target.config import TargetConfig
 from shards.common.cli_options import cli_field, config_error

@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import Any, get_args
 from urllib.parse import urlsplit
 
-from extract.chats.conversations import FINISH_REASON, Conversation, first_unencodable, iter_conversations
+from extract.chats.conversations import FINISH_REASON, Conversation, iter_conversations
 from extract.chats.conversations import REGENERATE_META_SUFFIX as META_SUFFIX
 from extract.chats.prepare import Thinking, check_output_file
+from extract.chats.wire import Retryable, completion, completion_tokens, excerpt, model_ids, reply_message, wire_message
 from extract.dataset.rows import DataError
 from shards.common.cli_options import cli_field, config_error
 from shards.common.durable import atomic_write_bytes, atomic_write_text
@@ -154,11 +155,6 @@ class RegenerateSummary:
         )
 
 
-class _Retryable(Exception):
-    """This conversation failed (out of retries, or an answer that is no chat completion): it is
-    listed and left out of OUT, so the next run retries it."""
-
-
 def _read_done(out: Path) -> tuple[dict[str, str | None], int]:
     """The conversations already in OUT, id -> the sha256 of the input they were made from (None for
     lines of older versions); a partial last line (no newline: the run was killed mid-write) is cut
@@ -253,115 +249,6 @@ def _start_out(cfg: RegenerateConfig, out: Path) -> None:
     out.touch()
 
 
-def _wire_message(m: dict[str, Any]) -> dict[str, Any]:
-    """A normalised message in OpenAI wire form (tool-call arguments as a JSON string; our
-    finish_reason mark stays out of the request)."""
-    m = {k: v for k, v in m.items() if k != FINISH_REASON}
-    if not m.get("tool_calls"):
-        return m
-    calls = [
-        {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
-        for c in m["tool_calls"]
-    ]
-    return {**m, "tool_calls": [{"id": f"call_{i}", **c} for i, c in enumerate(calls)]}
-
-
-def _excerpt(body: bytes) -> str:
-    """The start of an answer's body, for messages."""
-    if not body:
-        return "an empty body"
-    return repr(body[:120].decode("utf-8", errors="replace")) + ("..." if len(body) > 120 else "")
-
-
-def _malformed(what: str, body: bytes) -> _Retryable:
-    """An HTTP 200 answer that is no chat completion: a failure of its conversation, never a crash."""
-    return _Retryable(f"the server answered HTTP 200 with no chat completion: {what} (body: {_excerpt(body)})")
-
-
-def _json_body(body: bytes) -> Any:
-    """The JSON of an answer's body; None when it is not JSON (an HTML page, empty, cut off)."""
-    try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-
-
-def _completion(body: bytes) -> tuple[dict[str, Any], Any]:
-    """(choices[0], usage) of a chat completion's body; anything else fails the conversation."""
-    data = _json_body(body)
-    if not isinstance(data, dict):
-        raise _malformed("not JSON" if data is None else f"a JSON {type(data).__name__}, not an object", body)
-    choices = data.get("choices")
-    if not isinstance(choices, list) or not choices:
-        raise _malformed(f"choices is {json.dumps(choices)[:40]}", body)
-    if not isinstance(choices[0], dict) or not isinstance(choices[0].get("message"), dict):
-        raise _malformed("choices[0] has no message object", body)
-    return choices[0], data.get("usage")
-
-
-def _completion_tokens(usage: Any) -> int | None:
-    """usage.completion_tokens when it is a count of tokens; None (unknown) when missing, negative or
-    not an integer: summed, such a figure would misstate the throughput."""
-    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0 else None
-
-
-def _optional_text(message: dict[str, Any], key: str, body: bytes) -> str:
-    value = message.get(key)
-    if value is not None and not isinstance(value, str):
-        raise _malformed(f"message.{key} is a {type(value).__name__}, not a string", body)
-    return value or ""
-
-
-def _reply_tool_call(call: Any, index: int, body: bytes) -> dict[str, Any]:
-    """One tool call of the server's reply, its arguments parsed: they must be a JSON object, as the
-    chat template renders them parameter by parameter."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    if (
-        not isinstance(fn, dict)
-        or not isinstance(fn.get("name"), str)
-        or not isinstance(fn.get("arguments") or "", str)
-    ):
-        raise _malformed(f"tool_calls[{index}] is not a function call with a name and string arguments", body)
-    raw = fn.get("arguments") or "{}"  # no arguments: a call without parameters
-    try:
-        args = json.loads(raw)
-    except json.JSONDecodeError:
-        args = None
-    if not isinstance(args, dict):  # rewritten, the drafter would learn parameters the model never wrote
-        raise _Retryable(
-            f"the server returned tool-call arguments that are not a JSON object "
-            f"(tool_calls[{index}] {fn['name']!r}: {raw[:80]!r})"
-        )
-    return {"type": "function", "function": {"name": fn["name"], "arguments": args}}
-
-
-def _reply_message(message: dict[str, Any], body: bytes) -> dict[str, Any]:
-    """The server's reply (choices[0].message of `body`) as a normalised assistant message."""
-    reasoning = _optional_text(message, "reasoning_content", body) or _optional_text(message, "reasoning", body)
-    out: dict[str, Any] = {"role": "assistant", "content": _optional_text(message, "content", body)}
-    if reasoning:
-        out["reasoning_content"] = reasoning
-    calls = message.get("tool_calls") or []
-    if not isinstance(calls, list):
-        raise _malformed(f"message.tool_calls is a {type(calls).__name__}, not a list", body)
-    if calls:
-        out["tool_calls"] = [_reply_tool_call(call, i, body) for i, call in enumerate(calls)]
-    bad = first_unencodable(out, "reply")
-    if bad is not None:  # it could not be written to OUT
-        raise _malformed(f"the reply holds a lone UTF-16 surrogate, which is not text, at {bad}", body)
-    return out
-
-
-def _model_ids(body: bytes) -> list[str] | None:
-    """The model ids of a /models answer; None when it is no model list."""
-    data = _json_body(body)
-    models = data.get("data") if isinstance(data, dict) else None
-    if not isinstance(models, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in models):
-        return None
-    return [m["id"] for m in models]
-
-
 class _Client:
     def __init__(self, cfg: RegenerateConfig, summary: RegenerateSummary):
         from openai import AsyncOpenAI
@@ -385,10 +272,10 @@ class _Client:
             raise ConnectionError(
                 f"{self.cfg.base_url}/models answered HTTP {e.status_code}: {e.message}; is --server an OpenAI-compatible API?"
             ) from e
-        models = _model_ids(raw.content)
+        models = model_ids(raw.content)
         if models is None:
             raise ConnectionError(
-                f"{self.cfg.base_url}/models answered HTTP 200 with no model list ({_excerpt(raw.content)}); "
+                f"{self.cfg.base_url}/models answered HTTP 200 with no model list ({excerpt(raw.content)}); "
                 "is --server an OpenAI-compatible API?"
             )
         if models and self.cfg.model not in models:
@@ -400,7 +287,7 @@ class _Client:
         cfg = self.cfg
         request: dict[str, Any] = dict(
             model=cfg.model,
-            messages=[_wire_message(m) for m in context],
+            messages=[wire_message(m) for m in context],
             temperature=cfg.temperature,
             max_tokens=cfg.max_tokens,
             extra_body={"chat_template_kwargs": {"enable_thinking": cfg.thinking == "on"}},
@@ -422,13 +309,13 @@ class _Client:
                 openai.RateLimitError,
             ) as e:
                 if attempt == cfg.max_retries:
-                    raise _Retryable(f"{type(e).__name__} after {attempt + 1} attempts: {e}") from e
+                    raise Retryable(f"{type(e).__name__} after {attempt + 1} attempts: {e}") from e
                 self.summary.num_retries += 1
                 await asyncio.sleep(min(cfg.retry_backoff_s * 2**attempt, _MAX_BACKOFF_S))
             except openai.APIStatusError as e:  # other 4xx: the request itself is wrong, retrying cannot help
-                raise _Retryable(f"HTTP {e.status_code}: {e.message}") from e
-        choice, usage = _completion(raw.content)
-        message = _reply_message(choice["message"], raw.content)
+                raise Retryable(f"HTTP {e.status_code}: {e.message}") from e
+        choice, usage = completion(raw.content)
+        message = reply_message(choice["message"], raw.content)
         self._count(choice.get("finish_reason"), usage)
         if choice.get("finish_reason") == "length":  # cut at max_tokens: its end-of-turn token was never generated
             message[FINISH_REASON] = "length"
@@ -439,7 +326,7 @@ class _Client:
         summary = self.summary
         summary.num_replies += 1
         summary.num_truncated_replies += finish_reason == "length"
-        tokens = _completion_tokens(usage)
+        tokens = completion_tokens(usage)
         if tokens is None:
             summary.num_replies_without_usage += 1
             if usage is not None and not self._warned_usage:
@@ -495,7 +382,7 @@ async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: Regener
                 conv = todo[i]
                 try:
                     row = await client.regenerate(conv)
-                except _Retryable as e:
+                except Retryable as e:
                     summary.failures.append(Failure(conv.sample_id, conv.where, str(e)))
                     row = None
                 async with cond:

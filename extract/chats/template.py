@@ -39,6 +39,7 @@ import numpy as np
 
 from extract.chats.conversations import FINISH_REASON, Conversation
 from extract.dataset.rows import DataError
+from shards.common.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ _SENTINEL = "DFLASHSENTINEL"  # probe content; any text the template copies verb
 _THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(UserError, ValueError):
     """The target directory has no usable tokenizer or chat template; the message says which."""
 
 

@@ -1,8 +1,7 @@
 """Dataset input for dflash-extract: find, validate, index and load tokenised samples.
 
-Input is a Parquet or JSON Lines file, a directory holding such files (searched recursively), or a
-glob. Files are taken in sorted order, so the dataset order, and with it the packing plan and every
-batch id, is the same on every run and every rank.
+Input is a Parquet or JSON Lines file, a directory holding such files, or a glob (finding the files,
+in an order that is the same on every run and rank: files.py).
 
 Each row carries
     input_ids   list of ints in [0, vocab_size)           required
@@ -20,22 +19,21 @@ lines they need. Parsing and validating the rows of each file format is rows.py'
 
 from __future__ import annotations
 
-import fnmatch
-import glob
 import hashlib
 import json
 import logging
 import os
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, get_args
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
+from extract.dataset.files import derived_id_prefixes, find_data_files
 from extract.dataset.rows import (
     DataError,
     Problems,
@@ -47,11 +45,11 @@ from extract.dataset.rows import (
     read_row_group,
     row_location,
 )
+from shards.anchors import valid_anchors
 from shards.common.crc import crc32
 
 logger = logging.getLogger(__name__)
 
-DATA_SUFFIXES = (".parquet", ".jsonl")
 # What happens to a sample longer than the token budget (see PackingConfig.long_seqs).
 LongSeqPolicy = Literal["truncate", "skip", "error"]
 LONG_SEQ_POLICIES = get_args(LongSeqPolicy)
@@ -94,7 +92,7 @@ class ScanReport:
     num_longer_than_budget: int  # samples longer than token_budget (0 when token_budget is None)
     empty_examples: tuple[str, ...]  # ids of the first few empty samples, for the log
     # Supervised tokens whose next token in the same sample is supervised too: the positions a drafter
-    # can anchor a block at (train/blocks.py). 0 means nothing to learn from, whatever the mask count.
+    # can anchor a block at (shards/anchors.py). 0 means nothing to learn from, whatever the mask count.
     num_anchor_positions: int = 0
     # Of those, the ones packing keeps (--long-seqs truncate cuts a sample at token_budget, skip drops
     # it); equal to num_anchor_positions without token_budget.
@@ -133,61 +131,6 @@ class DatasetIndex:
     def location(self, i: int) -> str:
         """Human-readable place of sample i, for error messages."""
         return row_location(self.files[int(self.file_index[i])], int(self.rows[i]))
-
-
-def is_glob(path: str | os.PathLike) -> bool:
-    """`path` is a pattern: it has a wildcard and names no existing file or directory (a folder
-    called `run[1]` is a folder)."""
-    text = str(path)
-    return any(c in text for c in "*?[") and not os.path.lexists(text)
-
-
-def data_would_read(data: str | os.PathLike, path: str | os.PathLike) -> bool:
-    """--data `data` (a file, directory or glob) names `path`: it is the input file, lies inside the
-    input directory, or matches the pattern, so a file written there would be read back as data."""
-    if not is_glob(data):
-        root, p = Path(os.path.realpath(data)), Path(os.path.realpath(path))
-        return p == root or root in p.parents
-    pattern = Path(os.path.abspath(str(data))).parts
-    return any(_glob_match(pattern, Path(q).parts) for q in (os.path.abspath(path), os.path.realpath(path)))
-
-
-def _glob_match(pattern: Sequence[str], parts: Sequence[str]) -> bool:
-    """glob.glob(recursive=True)'s match, one path segment at a time: `**` spans any number of
-    directories, every other segment matches exactly one (its `*` never crosses a `/`)."""
-    if not pattern:
-        return not parts
-    head, rest = pattern[0], pattern[1:]
-    if head == "**":
-        return any(_glob_match(rest, parts[i:]) for i in range(len(parts) + 1))
-    return bool(parts) and fnmatch.fnmatchcase(parts[0], head) and _glob_match(rest, parts[1:])
-
-
-def find_data_files(path: str | os.PathLike, suffixes: tuple[str, ...] = DATA_SUFFIXES) -> list[str]:
-    """The data files named by `path` (file, directory or glob) whose names end in `suffixes`, sorted."""
-    text = str(path)
-    if is_glob(text):
-        files = sorted(glob.glob(text, recursive=True))
-        if not files:
-            raise DataError(f"no files match {text!r}")
-        bad = [f for f in files if not f.endswith(suffixes)]
-        if bad:
-            raise DataError(f"{text!r} matches files that are not {' or '.join(suffixes)}: {bad[:5]}")
-        return files
-    p = Path(text)
-    if p.is_dir():
-        found = sorted(str(f) for f in p.rglob("*") if f.is_file())
-        files = [f for f in found if f.endswith(suffixes)]
-        if len(files) < len(found):
-            logger.info("%s: ignoring %d files that are not %s", p, len(found) - len(files), suffixes)
-        if not files:
-            raise DataError(f"directory {p} holds no {' or '.join(suffixes)} files")
-        return files
-    if not p.is_file():
-        raise DataError(f"dataset path {p} does not exist")
-    if not text.endswith(suffixes):
-        raise DataError(f"{p}: unsupported file type; expected one of {suffixes}")
-    return [text]
 
 
 def scan_dataset(
@@ -275,22 +218,21 @@ def scan_dataset(
 def anchor_positions(
     lengths: np.ndarray, mask: np.ndarray, token_budget: int | None = None, long_seqs: str = "truncate"
 ) -> int:
-    """Positions t with mask[t] and mask[t+1] in the same sample (rows back to back in `mask`): where a
-    drafter can anchor a training block (train/blocks.py). A pair across a row boundary does not count.
-    With token_budget, only what packing keeps of samples longer than it: their first token_budget
-    tokens (long_seqs "truncate"), nothing (any other policy: skipped, or refused by the scan)."""
-    m = mask.astype(bool)
-    if m.size == 0:
+    """How many positions of these samples (rows back to back in `mask`, each its own sequence) may
+    hold a training block's anchor, by the rule training samples with (shards/anchors.py). With
+    token_budget, only what packing keeps of samples longer than it: their first token_budget tokens
+    (long_seqs "truncate"), nothing (any other policy: skipped, or refused by the scan)."""
+    if mask.size == 0:
         return 0
-    pairs = np.concatenate([[0], np.cumsum(m[:-1] & m[1:], dtype=np.int64)])  # pairs starting before t
-    pairs = np.append(pairs, pairs[-1])  # an empty last sample starts at len(mask)
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
     kept = lengths if token_budget is None else np.minimum(lengths, token_budget)
-    per_sample = pairs[np.maximum(starts + kept - 1, starts)] - pairs[starts]
     if token_budget is not None and long_seqs != "truncate":
-        per_sample = np.where(lengths > token_budget, 0, per_sample)
-    return int(per_sample.sum())
+        kept = np.where(lengths > token_budget, 0, kept)
+    ends = np.cumsum(lengths)
+    # A token packing drops counts as unsupervised: no anchor at it, and none before it (its successor).
+    offsets = np.arange(mask.size) - np.repeat(ends - lengths, lengths)
+    supervised = (mask != 0) & (offsets < np.repeat(kept, lengths))
+    cu_seqlens = np.concatenate([[0], ends])
+    return int(valid_anchors(torch.from_numpy(supervised), torch.from_numpy(cu_seqlens)).sum())
 
 
 def _index_chunk(
@@ -344,20 +286,6 @@ def sample_crc32(tokens: np.ndarray, mask: np.ndarray) -> int:
     """crc32 of one sample's tokens (int32 LE) and mask: a row edited in place after the scan, same
     length and id, still differs from its index entry."""
     return crc32(mask.astype(np.uint8).tobytes(), crc32(tokens.astype("<i4").tobytes()))
-
-
-def derived_id_prefixes(files: list[str]) -> dict[str, str]:
-    """The <file> part of each file's derived ids "<file>:<row>": its stem, unless another of `files`
-    has the same stem; then its path relative to the folder common to all of them, suffix kept
-    (chats.jsonl and chats.parquet of one folder share a stem), so derived ids never collide."""
-    stems = Counter(Path(f).stem for f in files)
-    if all(n == 1 for n in stems.values()):
-        return {f: Path(f).stem for f in files}
-    root = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
-    return {
-        f: Path(f).stem if stems[Path(f).stem] == 1 else Path(os.path.relpath(os.path.abspath(f), root)).as_posix()
-        for f in files
-    }
 
 
 def dataset_fingerprint(index: DatasetIndex) -> str:

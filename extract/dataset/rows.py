@@ -18,12 +18,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from shards.common.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 LARGE_ROW_GROUP_TOKENS = 16 * 2**20  # a Parquet row group past this makes random sample access slow
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset file or row that cannot be used; the message names file, row and reason."""
 
 

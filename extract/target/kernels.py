@@ -1,5 +1,9 @@
 """Per-op kernel choice for the target's forward, made once at start-up and announced.
 
+Kept whole (~460 lines): the choice (`select_kernels` and the probes behind it), its record
+(`KernelChoice`) and the dispatch it drives (KernelChoice's ops and per-batch `prepare`) are one
+decision, each backend named in all three; apart, no part reads without the others open.
+
 Three ops need sequence-boundary-aware kernels over packed batches:
   gated delta rule   fla-core `chunk_gated_delta_rule` (varlen cu_seqlens, native GVA) | torch chunked
   causal conv1d      Dao `causal_conv1d_fn` (seq_idx) | fla Triton `causal_conv1d` (cu_seqlens) | torch

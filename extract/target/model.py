@@ -1,6 +1,7 @@
 """The frozen target: a Qwen3.5-style hybrid text decoder over packed sequences (inference only).
 
-What is unusual about this model (exact math: shared/reference/qwen35-target.md section 2):
+What is unusual about this model (exact math: shared/reference/qwen35-target.md section 2; the
+pointwise math: extract/target/ops.py):
 - Two kinds of layer in a 3:1 layout: GatedDeltaNet (linear attention with a gated delta-rule
   state) and gated full attention; both pre-norm, each followed by a SwiGLU MLP.
 - Every RMSNorm is zero-centred, y = norm(x) * (1 + w), computed in fp32, except the GatedDeltaNet
@@ -9,15 +10,16 @@ What is unusual about this model (exact math: shared/reference/qwen35-target.md 
   (NeoX rotate-half) on the first rotary_dim dims only; output * sigmoid(gate) before o_proj.
 - GatedDeltaNet: one causal depthwise conv + silu over [q | k | v] channels; value head h reads
   q/k head h // ratio; log-decay g = -exp(A_log) * softplus(a + dt_bias) in fp32.
-The pointwise math (norms, gates, RoPE, silu-mul) is written as plain functions; on CUDA the
-`Pointwise` table wraps each in torch.compile, so each runs as one or two fused kernels.
+The layers run their pointwise ops through one shared `Pointwise` table (extract/target/pointwise.py:
+fused by torch.compile on CUDA, FP8 twins under --compute fp8) and their linear layers through
+`linear` / `grouped_linears` (extract/target/fp8/linear.py: dense, or e4m3 after use_fp8_compute).
 Packed batches: tokens of several sequences lie end to end; `cu_seqlens` marks the boundaries and
 every op (conv, recurrence, attention) restarts at each one; position ids restart at 0.
 
-Memory-traffic cuts (`ForwardOptions`, all on by default, each switchable so one benchmark run can
-measure it): the MLP's residual add runs inside the next layer's input norm; the GatedDeltaNet conv
-runs per q / k / v group, so fla's kernel gets contiguous inputs and copies nothing; under FP8
-compute, linear layers that read the same input are one matmul (`LINEAR_GROUPS`).
+Memory-traffic cuts (`ForwardOptions`, extract/target/options.py; all on by default, each switchable
+so one benchmark run can measure it): the MLP's residual add runs inside the next layer's input norm;
+the GatedDeltaNet conv runs per q / k / v group, so fla's kernel gets contiguous inputs and copies
+nothing; under FP8 compute, linear layers that read the same input are one matmul (`LINEAR_GROUPS`).
 
 Public API: `TargetModel.from_pretrained`, `forward_packed`, `topk_next_tokens`.
 Parameter names equal HF's text-model names (model.language_model.* or model.* stripped), so
@@ -35,246 +37,27 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from extract.target import ops
 from extract.target.config import TargetConfig
-from extract.target.fp8 import kernels as fp8_kernels
 from extract.target.fp8.linear import (
     BLOCKWISE_TOKEN_MULTIPLE,
     Fp8Input,
     check_blockwise_device,
+    check_fp8_compute,
     convert_linears,
     fp8_kernel_report,
     fp8_weight_names,
     grouped_linears,
     linear,
 )
-from extract.target.fp8.quantization import Fp8BlockFormat, quantize_activations_fp8
+from extract.target.fp8.quantization import Fp8BlockFormat
 from extract.target.kernels import KernelChoice, VarlenBatch, select_kernels
+from extract.target.options import ForwardOptions
+from extract.target.pointwise import Pointwise
 
 logger = logging.getLogger(__name__)
-
-
-# ---- pointwise math (eager here; fused by torch.compile on CUDA, see Pointwise) ---------------
-def zero_centred_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """y = x / rms(x) * (1 + w) in fp32, cast back to x's dtype."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * (1.0 + w.float())).to(x.dtype)
-
-
-def add_zero_centred_rmsnorm(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float):
-    """(h + delta, norm(h + delta)): the residual add (in h's dtype, as HF) fused with the next norm."""
-    h = h + delta
-    return h, zero_centred_rmsnorm(h, w, eps)
-
-
-def gated_rmsnorm(o_TMD: torch.Tensor, z_TMD: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """GatedDeltaNet output norm: plain weight, norm first, then silu(z) gate."""
-    o32 = o_TMD.float()
-    o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + eps)
-    # HF rounds the normalised value to the activation dtype before the weight: keep that order.
-    y = w * o32.to(o_TMD.dtype)
-    return (y * F.silu(z_TMD.float())).to(o_TMD.dtype)
-
-
-def gdn_gates(b_TM: torch.Tensor, a_TM: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
-    """beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias) in fp32 (<= 0; in half precision
-    exp(A_log) could overflow to inf, HF's comment)."""
-    return b_TM.sigmoid(), -A_log.float().exp() * F.softplus(a_TM.float() + dt_bias.float())
-
-
-def partial_rope(x_TND: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
-    """NeoX RoPE (rotate_half) on the first R dims of every head; the rest pass through."""
-    R = cos_TR.shape[-1]
-    x_rot, x_pass = x_TND[..., :R], x_TND[..., R:]
-    rotated = torch.cat([-x_rot[..., R // 2 :], x_rot[..., : R // 2]], dim=-1)
-    x_rot = x_rot * cos_TR.unsqueeze(1) + rotated * sin_TR.unsqueeze(1)
-    return torch.cat([x_rot, x_pass], dim=-1)
-
-
-def qk_norm_rope(q_TND, k_TMD, wq, wk, eps: float, cos_TR, sin_TR):
-    """Per-head zero-centred RMSNorm of q and k, then partial RoPE (norm before RoPE, as HF)."""
-    q_TND = partial_rope(zero_centred_rmsnorm(q_TND, wq, eps), cos_TR, sin_TR)
-    k_TMD = partial_rope(zero_centred_rmsnorm(k_TMD, wk, eps), cos_TR, sin_TR)
-    return q_TND, k_TMD
-
-
-def sigmoid_gate(o_TND: torch.Tensor, gate_TND: torch.Tensor) -> torch.Tensor:
-    """o * sigmoid(gate) flattened to [T, N*D]. gate_TND is a strided view into q_proj's output:
-    reshaping it before the op would copy it (an eager pass over [T, N*D]); inside, it is one read."""
-    return (o_TND * torch.sigmoid(gate_TND)).reshape(o_TND.shape[0], -1)
-
-
-def silu_mul(gate_TF: torch.Tensor, up_TF: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate_TF) * up_TF
-
-
-# ---- FP8 compute (--compute fp8; the linear layers: extract/target/fp8/linear.py) ----------------------
-# Under FP8 compute these ops also quantise the output that feeds linear layers (the `_fp8` functions
-# below; `_fp8_dense` also returns the dense output).
-FP8_VARIANTS = (
-    "zero_centred_rmsnorm_fp8",
-    "zero_centred_rmsnorm_fp8_dense",
-    "add_zero_centred_rmsnorm_fp8",
-    "add_zero_centred_rmsnorm_fp8_dense",
-    "gated_rmsnorm_fp8",
-    "sigmoid_gate_fp8",
-    "silu_mul_fp8",
-)
-
-
-# The FP8 variants of the ops whose output feeds linear layers: the op, then the quantisation of that
-# output (flattened to [T, X]) per token (group 0) or per token per `group` channels (block mode);
-# compiled together, the quantisation adds no pass over memory. One function (one code object) each:
-# dynamo counts recompiles per code object, and a shared wrapper would exceed its limit under fullgraph=True.
-def zero_centred_rmsnorm_fp8(x, w, eps: float, group: int):
-    return quantize_activations_fp8(zero_centred_rmsnorm(x, w, eps), group)
-
-
-def zero_centred_rmsnorm_fp8_dense(x, w, eps: float, group: int):
-    y = zero_centred_rmsnorm(x, w, eps)
-    return (y, *quantize_activations_fp8(y, group))
-
-
-def add_zero_centred_rmsnorm_fp8(h, delta, w, eps: float, group: int):
-    h, y = add_zero_centred_rmsnorm(h, delta, w, eps)
-    return (h, *quantize_activations_fp8(y, group))
-
-
-def add_zero_centred_rmsnorm_fp8_dense(h, delta, w, eps: float, group: int):
-    h, y = add_zero_centred_rmsnorm(h, delta, w, eps)
-    return (h, y, *quantize_activations_fp8(y, group))
-
-
-def gated_rmsnorm_fp8(o_TMD, z_TMD, w, eps: float, group: int):
-    y_TMD = gated_rmsnorm(o_TMD, z_TMD, w, eps)
-    return quantize_activations_fp8(y_TMD.reshape(y_TMD.shape[0], -1), group)
-
-
-def sigmoid_gate_fp8(o_TND, gate_TND, group: int):
-    return quantize_activations_fp8(sigmoid_gate(o_TND, gate_TND), group)
-
-
-def silu_mul_fp8(gate_TF, up_TF, group: int):
-    return quantize_activations_fp8(silu_mul(gate_TF, up_TF), group)
-
-
-@dataclasses.dataclass(kw_only=True)
-class ForwardOptions:
-    """Switches for the forward's memory-traffic cuts. All on by default; off runs the earlier code
-    path, so that tools/bench/extract.py can time each in one run (TargetModel.set_forward_options).
-    On or off, the results agree: exactly in eager mode, to rounding under torch.compile and the
-    Triton feed kernels (same roundings, another summation order)."""
-
-    # The MLP's residual add runs inside the next layer's input norm (and its FP8 quantisation): one
-    # pass less over the [T, H] residual per layer; the sum is materialised only at taps and the end.
-    fuse_residual: bool = True
-    # The GatedDeltaNet conv runs once per q / k / v channel group: each output is contiguous, so
-    # fla's chunk_gated_delta_rule (which makes its inputs contiguous) no longer copies [T, E].
-    split_conv: bool = True
-    # FP8 compute: each LINEAR_GROUPS entry (linear layers reading one input) is one matmul over the
-    # concatenated weights; its outputs are column slices (views). GatedDeltaNet's dense a|b too.
-    concat_linears: bool = True
-    # FP8 compute: the pointwise ops feeding FP8 matmuls (norms, gated norm, silu-mul, each with its
-    # quantisation) run as the Triton kernels of extract/target/fp8/kernels.py, one read of each row, where
-    # the kernel choice has them (CUDA with triton); off: the torch.compile'd functions.
-    feed_kernels: bool = True
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, bool):
-                raise ValueError(f"ForwardOptions.{field.name} must be True or False, found {value!r}")
-
-
-# The FP8_VARIANTS functions as fp8_kernels computes them (same arguments, same outputs).
-FEED_KERNELS = {
-    "zero_centred_rmsnorm_fp8": lambda x, w, eps, group: fp8_kernels.add_rmsnorm_quant(x, None, w, eps, group=group),
-    "zero_centred_rmsnorm_fp8_dense": lambda x, w, eps, group: fp8_kernels.add_rmsnorm_quant(
-        x, None, w, eps, keep_dense=True, group=group
-    ),
-    "add_zero_centred_rmsnorm_fp8": lambda h, d, w, eps, group: fp8_kernels.add_rmsnorm_quant(
-        h, d, w, eps, group=group
-    ),
-    "add_zero_centred_rmsnorm_fp8_dense": lambda h, d, w, eps, group: fp8_kernels.add_rmsnorm_quant(
-        h, d, w, eps, keep_dense=True, group=group
-    ),
-    "gated_rmsnorm_fp8": fp8_kernels.gated_rmsnorm_quant,
-    "sigmoid_gate_fp8": fp8_kernels.sigmoid_gate_quant,
-    "silu_mul_fp8": fp8_kernels.silu_mul_quant,
-}
-
-
-def compile_for_tokens(fn):
-    """torch.compile(fn) with the token dimension (dim 0 of every tensor argument of 2+ dims)
-    dynamic from the first call: batches differ in length, and a first graph specialised on one
-    length would be compiled again, dynamic, on the second."""
-    compiled = torch.compile(fn, fullgraph=True)
-
-    def run(*args):
-        for arg in args:
-            if isinstance(arg, torch.Tensor) and arg.ndim >= 2:
-                torch._dynamo.maybe_mark_dynamic(arg, 0)
-        return compiled(*args)
-
-    return run
-
-
-class Pointwise:
-    """The pointwise functions above, eager or each wrapped in torch.compile (one fused kernel or
-    two per call instead of up to ten eager passes over [T, H]-sized fp32 temporaries).
-
-    With fp8 on, `feed` runs the FP8_VARIANTS function of an op, which also quantises its output per
-    token, or per token per `fp8_group` channels in block mode (and keeps the dense output too when
-    keep_dense): as a FEED_KERNELS Triton kernel when `feed_kernels` (the kernel choice has them) and
-    options.feed_kernels, else the function."""
-
-    NAMES = (
-        "zero_centred_rmsnorm",
-        "add_zero_centred_rmsnorm",
-        "gated_rmsnorm",
-        "gdn_gates",
-        "qk_norm_rope",
-        "sigmoid_gate",
-        "silu_mul",
-    )
-
-    def __init__(self, compiled: bool, feed_kernels: bool = False, options: ForwardOptions | None = None):
-        self.compiled = compiled
-        self.fp8 = False  # set by TargetModel.use_fp8_compute
-        # Channels per activation scale under FP8 compute: 0 = one per token (rowwise mode), else the
-        # weights' block_k (block mode); set by TargetModel.use_fp8_compute.
-        self.fp8_group = 0
-        self.options = ForwardOptions() if options is None else options  # shared with the model
-        self.feed_kernels = dict(FEED_KERNELS) if feed_kernels else {}  # a shape a kernel refuses drops it
-        wrap = compile_for_tokens if compiled else (lambda fn: fn)
-        for name in self.NAMES + FP8_VARIANTS:
-            setattr(self, name, wrap(globals()[name]))
-
-    def _fp8_variant(self, variant: str, args):
-        kernel = self.feed_kernels.get(variant) if self.options.feed_kernels else None
-        if kernel is not None:
-            try:
-                return kernel(*args)
-            except fp8_kernels.UnsupportedShape as e:
-                logger.info("kernel fp8 feeds: %s falls back to the torch function (%s)", variant, e)
-                del self.feed_kernels[variant]
-        return getattr(self, variant)(*args)
-
-    def feed(self, name: str, *args, keep_dense: bool = False):
-        """Run pointwise op `name` whose (last) output feeds linear layers: that output as a tensor,
-        or under FP8 compute as an Fp8Input (other outputs, like the residual, unchanged)."""
-        if not self.fp8:
-            return getattr(self, name)(*args)
-        out = self._fp8_variant(f"{name}_fp8_dense" if keep_dense else f"{name}_fp8", (*args, self.fp8_group))
-        if keep_dense:
-            *rest, dense, x8, scale = out
-        else:
-            (*rest, x8, scale), dense = out, None
-        fed = Fp8Input(x8, scale, dense)
-        return (*rest, fed) if rest else fed
 
 
 class ZeroCentredRMSNorm(nn.Module):
@@ -367,19 +150,6 @@ class GatedAttention(nn.Module):
         o_TND = self.kernels.attention(q_TND, k_TMD, v_TMD, batch, self.scale)
         o_TX = self.pw.feed("sigmoid_gate", o_TND, gate_TND)
         return linear(self.o_proj, o_TX)
-
-
-def rope_cos_sin(
-    position_ids_T: torch.Tensor, cfg: TargetConfig, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, R] for NeoX RoPE on the first R dims; angles in fp32, cast like HF."""
-    R = cfg.rotary_dim
-    inv_freq_R2 = 1.0 / (
-        cfg.rope_theta ** (torch.arange(0, R, 2, dtype=torch.float32, device=position_ids_T.device) / R)
-    )
-    freqs_TR2 = position_ids_T.float().unsqueeze(1) * inv_freq_R2
-    angles_TR = torch.cat([freqs_TR2, freqs_TR2], dim=-1)
-    return angles_TR.cos().to(dtype), angles_TR.sin().to(dtype)
 
 
 class SwiGLU(nn.Module):
@@ -486,8 +256,8 @@ class TargetModel(nn.Module):
             the FP8_LINEARS weights as stored (e4m3 and block scales, not dequantised) and runs them
             block-scaled; dense dequantises every weight while streaming.
         """
-        from extract.target.checkpoint import load_weights_into
         from extract.target.fp8.quantization import checkpoint_quantization
+        from extract.target.weights import load_weights_into
 
         cfg = TargetConfig.from_dir(path)
         device = torch.device(device)
@@ -532,7 +302,7 @@ class TargetModel(nn.Module):
     ) -> TargetModel:
         """Build from in-memory tensors named like our parameters (tests, benchmarks); tensors are
         cast to `dtype` on their own device, except A_log and dt_bias which stay fp32."""
-        from extract.target.checkpoint import storage_dtype
+        from extract.target.weights import storage_dtype
 
         with torch.device("meta"):
             model = cls(cfg, kernels, last_layer=last_layer, with_head=with_head)
@@ -575,27 +345,7 @@ class TargetModel(nn.Module):
         checkpoint holds them) kept unchanged, the other FP8_LINEARS quantised into the same blocks,
         activations one scale per token per block.block_k channels. Needs bf16 weights, and on CUDA sm_89+."""
         device = self.embed_tokens.weight.device
-        if self.embed_tokens.weight.dtype != torch.bfloat16:
-            raise ValueError(
-                f"FP8 compute needs the model in bfloat16 (its matmuls write bf16), "
-                f"found {self.embed_tokens.weight.dtype}: use --dtype bfloat16"
-            )
-        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-            raise ValueError(
-                f"FP8 compute needs an FP8 GPU (sm_89+: L4, L40, H100, H200, B200), "
-                f"{torch.cuda.get_device_name(device)} is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}: "
-                f"use --compute dense"
-            )
-        if block is not None and device.type == "cuda" and not hasattr(F, "scaled_mm"):
-            raise ValueError(
-                f"FP8 compute on an FP8 checkpoint runs block-scaled matmuls, which need "
-                f"torch.nn.functional.scaled_mm (torch {torch.__version__} has none): upgrade torch, "
-                f"or use --compute dense"
-            )
-        if stored and block is None:
-            raise ValueError("use_fp8_compute: FP8 weights kept as stored need their block format (block=)")
-        if block is not None:
-            check_blockwise_device(device)
+        check_fp8_compute(device, self.embed_tokens.weight.dtype, block, stored)
         done = convert_linears(self, block, stored or {})
         self.pw.fp8 = True
         self.pw.fp8_group = 0 if block is None else block.block_k
@@ -650,7 +400,7 @@ class TargetModel(nn.Module):
         logprobs_TKt = torch.empty(T, k, dtype=torch.float32, device=last_TH.device)
         for start in range(0, T, chunk_tokens):
             rows = slice(start, min(start + chunk_tokens, T))
-            normed_cH = zero_centred_rmsnorm(last_TH[rows], self.norm.weight, self.norm.eps)
+            normed_cH = ops.zero_centred_rmsnorm(last_TH[rows], self.norm.weight, self.norm.eps)
             logits_cV = self.lm_head(normed_cH).float()
             # log-softmax of the k winners only: one [c, V] temporary instead of two.
             top = torch.topk(logits_cV, k, dim=-1)
@@ -686,7 +436,7 @@ class TargetModel(nn.Module):
             return hidden_TKH[:T], h_TH[:T]
         batch = self.kernels.prepare(cu_seqlens_S1, T, device)
         h_TH = self.embed_tokens(input_ids_T.to(device, non_blocking=True).long())
-        rope = rope_cos_sin(position_ids_T.to(device, non_blocking=True), self.config, h_TH.dtype)
+        rope = ops.rope_cos_sin(position_ids_T.to(device, non_blocking=True), self.config, h_TH.dtype)
         hidden_TKH = torch.empty(T, len(taps), self.config.hidden_size, dtype=h_TH.dtype, device=device)
         stop = built - 1 if to_end else max(taps)
         delta_TH = None  # the last layer's MLP output, not yet added to h (the next input norm adds it)

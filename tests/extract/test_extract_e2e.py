@@ -11,9 +11,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from extract.cache_dir import CacheMismatchError
 from extract.cli import main as extract_cli
 from extract.dataset.index import write_jsonl, write_parquet
-from extract.runner import CacheMismatchError, run_extract
+from extract.runner import run_extract
 from extract.target.model import TargetModel
 from extract.writer import NonFiniteHiddenError
 from shards import ShardReader, decode_hidden, read_manifest
@@ -207,7 +208,8 @@ def test_resume_with_a_same_shape_target_of_other_weights_is_refused(target, dat
 
 def test_drafter_copies_the_target_mlp_width_from_the_cache(target, data, tmp_path):
     from extract.target.config import TargetConfig
-    from train.config import TrainConfig, resolve_run
+    from train.config import TrainConfig
+    from train.resolve import resolve_run
 
     out = tmp_path / "cache"
     run_extract(extract_cfg(target, data, out))
@@ -220,7 +222,8 @@ def test_drafter_copies_the_target_mlp_width_from_the_cache(target, data, tmp_pa
 def test_drafter_export_carries_the_target_token_ids_from_the_cache(target, data, tmp_path):
     from extract.target.config import special_token_ids
     from train.checkpoint.export import drafter_config_to_hf
-    from train.config import TrainConfig, resolve_run
+    from train.config import TrainConfig
+    from train.resolve import resolve_run
 
     out = tmp_path / "cache"
     run_extract(extract_cfg(target, data, out))

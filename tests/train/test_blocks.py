@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
+from shards.anchors import valid_anchors
 from tests.helpers.drafter import MASK_ID, batch_blocks, make_batch
-from train.blocks import valid_anchors
 
 SEQ_LENS = [9, 14, 3, 11]
 BUDGET, MAX_SEQS = 48, 6

@@ -20,7 +20,8 @@ loop waited for the disk. Before the first FP8 configuration, the per-tap relati
 against dense compute (same weights, one full batch) is measured, next to the error of fp8 storage
 alone. The JSON at --out is rewritten after every step, so a timeout loses only the step it cut.
 Also (--hf-layers > 0): HF transformers' qwen3_5 (fla when installed) on the same samples in
-length-sorted, padded batches of the same token count, on a layer subset projected to 64.
+length-sorted, padded batches of the same token count, on a layer subset projected to 64
+(tools/bench/hf_padded.py).
 
     python -m tools.bench.extract --out bench_extract.json --cache-dir /tmp/bench_cache --hf-layers 0 \
         --configs no_write,write_fp8,fp8_no_write,fp8_write_fp8 --timed-batches 6
@@ -43,17 +44,20 @@ import click
 import numpy as np
 import torch
 
+from extract.cache_dir import build_cache_config
 from extract.config import ExtractConfig
 from extract.dataset.index import Sample, SampleLoader, scan_dataset, write_parquet
 from extract.dataset.packing import PackingConfig, load_batch, plan_batches
-from extract.runner import build_cache_config, extract_batches
+from extract.runner import extract_batches
 from extract.target.config import TargetConfig
 from extract.target.kernels import select_kernels
-from extract.target.model import ForwardOptions, TargetModel
+from extract.target.model import TargetModel
+from extract.target.options import ForwardOptions
 from extract.writer import AsyncShardWriter
 from shards import create_cache
 from shards.codec import decode_hidden, encode_hidden
 from shards.ownership import foreign_entries
+from tools.bench.hf_padded import hf_padded_tokens_per_s
 from tools.fixtures.tiny_target import qwen35_27b_config_dict, random_weights, tiny_config_dict
 
 log = logging.getLogger("bench_extract")
@@ -166,63 +170,6 @@ def _save(out_path: str, result: dict) -> None:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def hf_padded_tokens_per_s(cfg_dict, state, index, loader_rows, token_budget, layers, device) -> dict:
-    """HF on length-sorted padded batches of ~token_budget tokens (rows x max_len), with attention_mask."""
-    from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
-
-    from extract.dataset.index import load_samples
-
-    sub = dict(cfg_dict, num_hidden_layers=layers, layer_types=cfg_dict["layer_types"][:layers])
-    hf_cfg = Qwen3_5TextConfig(**{k: v for k, v in sub.items() if k not in ("architectures", "model_type", "dtype")})
-    hf_cfg._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        hf = Qwen3_5TextModel(hf_cfg)
-    # Same weights as ours; the final norm (never reached by our taps) is zero-centred: zeros.
-    params = {
-        n: state[n] if n in state else torch.zeros(p.shape, dtype=torch.bfloat16, device=device)
-        for n, p in hf.named_parameters()
-    }
-    hf.load_state_dict(params, strict=True, assign=True)
-    hf.rotary_emb = type(hf.rotary_emb)(hf_cfg).to(device)
-    hf = hf.eval()
-    samples = sorted(load_samples(index, loader_rows), key=len)
-    batches, cur = [], []
-    for s in samples:  # rows of equal padded length until the padded batch reaches the budget
-        if cur and (len(cur) + 1) * len(s) > token_budget:
-            batches.append(cur)
-            cur = []
-        cur.append(s)
-    if cur:
-        batches.append(cur)
-    real = padded = 0
-    _sync(device)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for i, rows in enumerate(batches):
-            width = max(len(s) for s in rows)
-            ids = torch.zeros(len(rows), width, dtype=torch.long)
-            mask = torch.zeros(len(rows), width, dtype=torch.long)
-            for r, s in enumerate(rows):
-                ids[r, : len(s)] = torch.from_numpy(s.input_ids)
-                mask[r, : len(s)] = 1
-            hf(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True, use_cache=False)
-            if i == 0:  # first batch: autotune and allocator warm-up, not timed
-                _sync(device)
-                t0 = time.perf_counter()
-                continue
-            real += sum(len(s) for s in rows)
-            padded += ids.numel()
-    _sync(device)
-    seconds = time.perf_counter() - t0
-    del hf
-    return {
-        "hf_layers": layers,
-        "hf_real_tokens_per_s_full_depth": real / seconds * layers / 64,
-        "hf_fill": real / max(padded, 1),
-        "hf_batches_timed": len(batches) - 1,
-    }
 
 
 def _forward_batch(

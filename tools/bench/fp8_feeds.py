@@ -1,4 +1,4 @@
-"""Time the ops that feed FP8 matmuls at 27B widths: the torch.compile'd functions of extract/target/model.py
+"""Time the ops that feed FP8 matmuls at 27B widths: the torch.compile'd FP8 twins of extract/target/fp8/feeds.py
 against the Triton kernels of extract/target/fp8/kernels.py, with the bytes each must move and the rate.
 
     python -m tools.bench.fp8_feeds --out bench_fp8_feeds.json [--tokens 49152]
@@ -16,8 +16,9 @@ from pathlib import Path
 import click
 import torch
 
-from extract.target import model as M
+from extract.target.fp8 import feeds
 from extract.target.fp8 import kernels as fp8_kernels
+from extract.target.pointwise import Pointwise
 
 H, F, MV, DV = 5120, 17408, 48, 128  # 27B hidden, MLP width, GatedDeltaNet value heads and head dim
 NQ, D = 24, 256  # attention query heads and head dim
@@ -82,14 +83,14 @@ def main(out_path: str, tokens: int, iters: int) -> None:
     if not fp8_kernels.available():
         raise click.UsageError("triton is not importable: the kernels cannot run")
     device = torch.device("cuda")
-    pw = M.Pointwise(compiled=True)
+    pw = Pointwise(compiled=True)
     result = {"device": torch.cuda.get_device_name(device), "tokens": tokens, "ops": {}}
     saved_ms = 0.0
     print(f"{'op':<36} {'calls':>5} {'compiled ms':>11} {'triton ms':>9} {'GB':>6} {'TB/s c|t':>11}")
     for op, (calls, bytes_per_token) in OPS.items():
         args = inputs(op, tokens, device)
         compiled_ms = time_ms(getattr(pw, op), args, iters)
-        triton_ms = time_ms(M.FEED_KERNELS[op], args, iters)
+        triton_ms = time_ms(feeds.FEED_KERNELS[op], args, iters)
         gb = bytes_per_token * tokens / 1e9
         result["ops"][op] = {
             "calls_per_forward": calls,

@@ -1,5 +1,5 @@
 """Triton kernels for the pointwise ops that feed FP8 matmuls (--compute fp8): each reads its inputs
-once, does the op in fp32 with the same bf16 roundings as the plain functions in extract/target/model.py,
+once, does the op in fp32 with the same bf16 roundings as the plain functions in extract/target/ops.py,
 and writes the e4m3 output with its per-token scale (rowwise, or per `group` channels).
 
 Why hand-written: torch.compile turns "op, then the row's amax, then divide" into a looped reduction

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -39,9 +38,7 @@ from extract.target.fp8.quantization import (
     quantize_fp8_blocks,
     quantize_rows_fp8,
 )
-
-if TYPE_CHECKING:
-    from extract.target.model import ForwardOptions
+from extract.target.options import ForwardOptions
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +209,36 @@ def grouped_linears(module: nn.Module, group: str, x: torch.Tensor | Fp8Input, o
 
 
 # ---- conversion (TargetModel.use_fp8_compute) ---------------------------------------------------
+def check_fp8_compute(
+    device: torch.device,
+    dtype: torch.dtype,
+    block: Fp8BlockFormat | None,
+    stored: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,
+) -> None:
+    """Refuse FP8 compute for a model in `dtype` on `device` where it cannot run: it needs bf16
+    weights, on CUDA an sm_89+ GPU, and for block mode (`block` set) torch's blockwise scaled_mm on Hopper."""
+    if dtype != torch.bfloat16:
+        raise ValueError(
+            f"FP8 compute needs the model in bfloat16 (its matmuls write bf16), found {dtype}: use --dtype bfloat16"
+        )
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(
+            f"FP8 compute needs an FP8 GPU (sm_89+: L4, L40, H100, H200, B200), "
+            f"{torch.cuda.get_device_name(device)} is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}: "
+            f"use --compute dense"
+        )
+    if block is not None and device.type == "cuda" and not hasattr(F, "scaled_mm"):
+        raise ValueError(
+            f"FP8 compute on an FP8 checkpoint runs block-scaled matmuls, which need "
+            f"torch.nn.functional.scaled_mm (torch {torch.__version__} has none): upgrade torch, "
+            f"or use --compute dense"
+        )
+    if stored and block is None:
+        raise ValueError("use_fp8_compute: FP8 weights kept as stored need their block format (block=)")
+    if block is not None:
+        check_blockwise_device(device)
+
+
 @dataclasses.dataclass(kw_only=True)
 class Fp8Conversion:
     """What convert_linears did, for the kernel report."""

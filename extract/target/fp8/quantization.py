@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from shards.common.errors import UserError
 from shards.format import FP8_E4M3_MAX
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
@@ -41,7 +42,7 @@ IMPLEMENTED = (
 )
 
 
-class UnsupportedQuantizationError(ValueError):
+class UnsupportedQuantizationError(UserError, ValueError):
     """The checkpoint is quantized in a way this loader does not implement."""
 
 

@@ -1,4 +1,5 @@
-"""extract.dataset.index: round trips, ids, empty samples, file discovery, fingerprints, loading after a scan."""
+"""extract.dataset.index and .files: round trips, ids, empty samples, file discovery, fingerprints, loading
+after a scan."""
 
 import json
 import os
@@ -6,14 +7,12 @@ import os
 import numpy as np
 import pytest
 
+from extract.dataset.files import data_would_read, find_data_files, is_glob
 from extract.dataset.index import (
     DataError,
     Sample,
     SampleLoader,
-    data_would_read,
     dataset_fingerprint,
-    find_data_files,
-    is_glob,
     load_samples,
     scan_dataset,
     write_jsonl,

@@ -11,8 +11,8 @@ Tolerance: relative max error 1e-4 (float32 with different but equivalent op ord
 import pytest
 import torch
 
-from extract.target.checkpoint import load_target_head
 from extract.target.model import TargetModel
+from extract.target.weights import load_target_head
 from tools.fixtures.tiny_target import tiny_config_dict, write_random_checkpoint
 
 transformers = pytest.importorskip("transformers")

@@ -31,7 +31,10 @@ from extract.target.fp8.quantization import (
     quantize_rows_fp8,
 )
 from extract.target.kernels import KernelChoice, select_kernels
-from extract.target.model import ForwardOptions, Pointwise, TargetModel, zero_centred_rmsnorm
+from extract.target.model import TargetModel
+from extract.target.ops import zero_centred_rmsnorm
+from extract.target.options import ForwardOptions
+from extract.target.pointwise import Pointwise
 from tests.helpers.extract import rel_l2, two_sequences_27b
 from tools.fixtures.tiny_target import qwen35_27b_config_dict, random_weights, write_random_checkpoint
 
@@ -267,13 +270,13 @@ def test_each_forward_cut_switched_off_gives_the_same_hidden_states_in_block_mod
 def test_block_mode_is_refused_before_loading_on_a_gpu_without_the_blockwise_kernel(fp8_targets, monkeypatch):
     """torch's 1x128 x 128x128 scaled_mm exists for sm_90 only: an L40S (sm_89) or a B200 (sm_100) would
     load the whole target and fail at the first matmul. Refused before any tensor is read."""
-    import extract.target.checkpoint
+    import extract.target.weights
 
     kernels = KernelChoice(gated_delta_backend="torch", conv_backend="torch", attention_backend="sdpa")
     for capability, name in (((8, 9), "NVIDIA L40S"), ((10, 0), "NVIDIA B200")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
-        monkeypatch.setattr(extract.target.checkpoint, "load_weights_into", lambda *a, **k: pytest.fail("loaded"))
+        monkeypatch.setattr(extract.target.weights, "load_weights_into", lambda *a, **k: pytest.fail("loaded"))
         with pytest.raises(ValueError, match=rf"Hopper \(sm_90\) only; {name} is sm_{capability[0]}{capability[1]}"):
             TargetModel.from_pretrained(fp8_targets[32], "cuda", kernels=kernels, compute="fp8")
 

@@ -10,9 +10,9 @@ from safetensors.torch import load_file, save_file
 
 from extract.cli import main as extract_cli
 from extract.dataset.index import Sample, write_jsonl
-from extract.target.checkpoint import load_target_head
 from extract.target.fp8.quantization import UnsupportedQuantizationError, read_quantization
 from extract.target.model import TargetModel
+from extract.target.weights import load_target_head
 from shards import read_cache_config
 from tests.helpers.extract import cli_args
 from tools.cli.dflash_shards import main as shards_cli

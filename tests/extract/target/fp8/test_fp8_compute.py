@@ -16,7 +16,10 @@ from extract.target.config import TargetConfig
 from extract.target.fp8.linear import FP8_LINEARS, Fp8Input, grouped_linears, linear
 from extract.target.fp8.quantization import quantize_rows_fp8
 from extract.target.kernels import select_kernels
-from extract.target.model import ForwardOptions, Pointwise, TargetModel, silu_mul, zero_centred_rmsnorm
+from extract.target.model import TargetModel
+from extract.target.ops import silu_mul, zero_centred_rmsnorm
+from extract.target.options import ForwardOptions
+from extract.target.pointwise import Pointwise
 from shards import read_cache_config
 from tests.helpers.extract import rel_l2, two_sequences_27b
 from tools.fixtures.tiny_target import qwen35_27b_config_dict, random_weights, tiny_config_dict, write_random_checkpoint

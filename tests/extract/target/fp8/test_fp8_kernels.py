@@ -1,5 +1,5 @@
 """The Triton kernels that feed FP8 matmuls (extract/target/fp8/kernels.py) against the torch functions they
-replace (extract/target/model.py's *_fp8 variants) and against float64 math. On CPU they run under Triton's
+replace (the *_fp8 twins of extract/target/fp8/feeds.py) and against float64 math. On CPU they run under Triton's
 interpreter (tests/conftest.py turns it on); the `gpu` tests run them compiled at 27B widths."""
 
 import json
@@ -13,12 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from extract.target import model as M
 from extract.target.config import TargetConfig
+from extract.target.fp8 import feeds
 from extract.target.fp8 import kernels as K
 from extract.target.fp8.quantization import Fp8BlockFormat
 from extract.target.kernels import select_kernels
-from extract.target.model import ForwardOptions, TargetModel
+from extract.target.model import TargetModel
+from extract.target.options import ForwardOptions
 from shards.format import FP8_E4M3_MAX
 from tools.fixtures.tiny_target import random_weights, tiny_config_dict
 
@@ -72,12 +73,12 @@ def feed_cases(device="cpu", T=5, H=320, F_=300, heads=6, D=16, attn_heads=3, at
     }
 
 
-@pytest.mark.parametrize("variant", sorted(M.FEED_KERNELS))
+@pytest.mark.parametrize("variant", sorted(feeds.FEED_KERNELS))
 @pytest.mark.parametrize("group", [0, 16])  # rowwise, and per 16 channels (block mode at tiny width)
 def test_feed_kernel_equals_the_torch_function(variant, group):
     """Under the interpreter the kernels and the eager functions are the same arithmetic: bit for bit."""
     args = (*feed_cases(F_=320)[variant], group)  # F = 320: whole groups of 16 for silu-mul too
-    got, want = M.FEED_KERNELS[variant](*args), getattr(M, variant)(*args)
+    got, want = feeds.FEED_KERNELS[variant](*args), getattr(feeds, variant)(*args)
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and torch.equal(_bits(g), _bits(w)), (variant, g.dtype)
@@ -86,7 +87,7 @@ def test_feed_kernel_equals_the_torch_function(variant, group):
 def test_silu_mul_over_several_chunks_and_a_partial_one():
     # F = 17408 (the 27B MLP) is walked in chunks of CHUNK_CHANNELS: 8.5 chunks, the last one partial.
     gate, up = rows_view(2, 17408, seed=9), rows_view(2, 17408, seed=10)
-    assert_same_quantised(K.silu_mul_quant(gate, up), M.silu_mul_fp8(gate, up, 0))
+    assert_same_quantised(K.silu_mul_quant(gate, up), feeds.silu_mul_fp8(gate, up, 0))
 
 
 def float64_feed(variant, args):
@@ -183,7 +184,7 @@ def test_fp8_forward_with_the_kernels_equals_the_torch_functions(block):
     for name, fn in list(model.pw.feed_kernels.items()):
         model.pw.feed_kernels[name] = lambda *a, _fn=fn, _n=name: calls.__setitem__(_n, 1) or _fn(*a)
     with_kernels = model.forward_packed(ids, pos, cu, taps)
-    assert set(calls) == set(M.FEED_KERNELS) - {"zero_centred_rmsnorm_fp8"}  # layer 0 is GatedDeltaNet
+    assert set(calls) == set(feeds.FEED_KERNELS) - {"zero_centred_rmsnorm_fp8"}  # layer 0 is GatedDeltaNet
     model.set_forward_options(ForwardOptions(feed_kernels=False))
     calls.clear()
     without = model.forward_packed(ids, pos, cu, taps)
@@ -198,7 +199,7 @@ def test_a_head_dim_the_kernel_does_not_cover_falls_back_once(caplog):
     model.pw.feed_kernels["gated_rmsnorm_fp8"] = lambda o, z, w, eps, group: K.gated_rmsnorm_quant(
         o, z, w, eps, group=8
     )  # refuses
-    with caplog.at_level("INFO", logger="extract.target.model"):
+    with caplog.at_level("INFO", logger="extract.target.pointwise"):
         first = model.forward_packed(ids, pos, cu, [3])
         second = model.forward_packed(ids, pos, cu, [3])
     lines = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
@@ -210,11 +211,11 @@ def test_a_head_dim_the_kernel_does_not_cover_falls_back_once(caplog):
 # ---- GPU: compiled kernels at the 27B widths -----------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", [0, 128])  # rowwise, and block mode's activations per 128 channels
-@pytest.mark.parametrize("variant", sorted(M.FEED_KERNELS))
+@pytest.mark.parametrize("variant", sorted(feeds.FEED_KERNELS))
 def test_feed_kernel_equals_the_torch_function_at_27b_width_on_cuda(variant, group):
     cases = feed_cases(device="cuda", T=512, H=5120, F_=17408, heads=48, D=128, attn_heads=24, attn_D=256)
     args = (*cases[variant], group)
-    assert_same_quantised(M.FEED_KERNELS[variant](*args), getattr(M, variant)(*args))
+    assert_same_quantised(feeds.FEED_KERNELS[variant](*args), getattr(feeds, variant)(*args))
 
 
 @pytest.mark.gpu
@@ -237,7 +238,7 @@ def test_grouped_quantisation_against_float64_on_cuda(group):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("variant", sorted(M.FEED_KERNELS))
+@pytest.mark.parametrize("variant", sorted(feeds.FEED_KERNELS))
 def test_a_nan_makes_its_row_nan_as_in_torch(variant, device):
     """A NaN (a diverged attention or GatedDeltaNet output) must reach the writer's finite check: its
     token's scale NaN, as the torch function gives (the matmul then writes that row NaN), the other
@@ -250,10 +251,10 @@ def test_a_nan_makes_its_row_nan_as_in_torch(variant, device):
     poisoned = clean[0].clone()
     poisoned.view(poisoned.shape[0], -1)[2, 7] = float("nan")
     args = (poisoned, *clean[1:], 0)
-    got, want = M.FEED_KERNELS[variant](*args), getattr(M, variant)(*args)
+    got, want = feeds.FEED_KERNELS[variant](*args), getattr(feeds, variant)(*args)
     assert torch.isnan(got[-1][2]).all() and torch.isnan(want[-1][2]).all()
     keep = [0, 1, 3, 4]
-    unpoisoned = M.FEED_KERNELS[variant](*clean, 0)
+    unpoisoned = feeds.FEED_KERNELS[variant](*clean, 0)
     for g, u in zip(got, unpoisoned, strict=True):
         assert torch.equal(_bits(g[keep]), _bits(u[keep]))
 

@@ -1,0 +1,30 @@
+"""The anchor positions a dataset scan counts (extract.dataset.index.anchor_positions, by shards/anchors.py's
+rule) against a plain loop, under each --long-seqs policy: what training can sample from what packing keeps."""
+
+import numpy as np
+import pytest
+
+from extract.dataset.index import anchor_positions
+
+
+def loop_count(lengths: list[int], mask: list[int], token_budget: int | None, long_seqs: str) -> int:
+    """Per sample: the part packing keeps (all; the first token_budget tokens under truncate; nothing
+    under the other policies when longer), and in it each t with mask[t] and mask[t + 1]."""
+    count, start = 0, 0
+    for length in lengths:
+        kept = length
+        if token_budget is not None and length > token_budget:
+            kept = token_budget if long_seqs == "truncate" else 0
+        count += sum(1 for t in range(start, start + kept - 1) if mask[t] and mask[t + 1])
+        start += length
+    return count
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("token_budget, long_seqs", [(None, "truncate"), (4, "truncate"), (4, "skip"), (1, "truncate")])
+def test_extraction_counts_the_anchors_training_can_sample(seed, token_budget, long_seqs):
+    g = np.random.default_rng(seed)
+    lengths = g.integers(0, 9, size=g.integers(0, 7)).astype(np.int64)
+    mask = (g.random(int(lengths.sum())) < g.random()).astype(np.uint8)
+    want = loop_count(lengths.tolist(), mask.tolist(), token_budget, long_seqs)
+    assert anchor_positions(lengths, mask, token_budget, long_seqs) == want
