@@ -1,10 +1,12 @@
 """The training loop: owns data, cadence, checkpoints and evaluation; the step owns the math.
 
 run_training(cfg):
-  validate the config against the cache (resolve_run: no model, no GPU) -> join the process group
+  validate the config against the cache (train/resolve.py: no model, no GPU) -> join the process group
   -> build drafter (fp32 master), frozen target head, static batch, optimizer, schedule
-  -> resume from the newest valid checkpoint when asked -> capture the step (CUDA) -> per step:
-  next batch (timed) -> copy to the device -> count tokens -> step -> log / eval / checkpoint.
+  (train/step.py: build_step_state) -> resume from the newest valid checkpoint when asked
+  (train/resume.py says whether it may) -> capture the step (CUDA) -> per step: next batch (timed)
+  -> copy to the device -> count tokens -> step -> log / eval / checkpoint.
+What the run prints at start and end is train/console.py's.
 
 Each step consumes exactly one shard on every rank; train/data.py says how skipped shards keep the
 ranks in step.
@@ -18,7 +20,6 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +28,11 @@ import torch
 from shards import ShardReader, load_target_head
 from shards.common.durable import atomic_write_text, check_writable
 from shards.common.lock import DirectoryLock
-from shards.common.progress import format_duration, plural
 from shards.common.provenance import provenance
 from shards.common.runtime import DistInfo, all_gather_objects, barrier, rank_info, resolve_device
 from shards.ownership import describe
-from train.batch import StaticBatch
-from train.blocks import anchor_seed
 from train.checkpoint.async_save import CheckpointWriter
-from train.checkpoint.export import load_drafter_weights_
 from train.checkpoint.store import (
-    Checkpoint,
-    check_resume_compatible,
     checkpoint_folders,
     checkpoint_name,
     decode_rng,
@@ -46,75 +41,24 @@ from train.checkpoint.store import (
     load_model_state,
     load_optimizer_state,
 )
-from train.config import ResolvedRun, TrainConfig, resolve_run, resolved_identity
+from train.config import TrainConfig
+from train.console import TrainSummary, announce_run
 from train.data import Batch, rank_batches
-from train.distributed import FlatGrads, broadcast_parameters, init_distributed
-from train.drafter.attention import BlockAttentionLayout, choose_backend
-from train.drafter.model import DFlashDrafter, Linear, TargetHead, count_parameters
-from train.drafter.pointwise import compile_pointwise_
+from train.distributed import init_distributed
+from train.drafter.attention import choose_backend
 from train.eval.evaluate import EvalResult, eval_copy, evaluate_drafter
 from train.metrics.flops import drafter_step_flops, peak_flops
-from train.metrics.logger import MetricsLogger, StepTotals
+from train.metrics.logger import MetricsLogger
+from train.optim import load_optimizer_state_
 from train.outputs import write_eval_json
-from train.precision import WorkingWeights, autocast_dtype, torch_dtype
+from train.precision import torch_dtype
 from train.preempt import StopOnSigterm, stop_together
+from train.resolve import ResolvedRun, resolve_run, resolved_identity
+from train.resume import cache_identity, check_resume
 from train.rundir import RUN_RECORD_FILE, check_run_dir, clean_stale_temporaries, truncate_metrics
-from train.step import StepRunner, StepState, WarmupCosine, load_optimizer_state_, make_optimizer
+from train.step import StepRunner, build_step_state
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainSummary:
-    steps: int
-    tokens_seen: int
-    last_record: dict[str, Any] | None
-    last_checkpoint: Path | None
-    eval: EvalResult | None
-    skipped_shards: list[tuple[int, str]]
-    eval_before: EvalResult | None = None  # the untrained drafter, when a fresh run has held-out shards
-    already_complete: bool = False  # --resume found the run finished: nothing was trained
-    stopped: bool = False  # SIGTERM or SIGINT: checkpointed at `steps` and stopped early; --resume continues
-    stop_signal: str = "SIGTERM"  # which of the two, when stopped
-    wall_s: float = 0.0  # the whole run: checks, set-up, steps, checkpoints, evaluations
-    out_dir: Path | None = None
-    tensorboard_dir: Path | None = None  # OUT/tb when TensorBoard scalars were written
-    tokens_this_run: int = 0  # tokens_seen minus what a resumed checkpoint had seen
-    start_step: int = 0  # the step this invocation resumed at (0: a fresh run)
-
-    def report(self) -> str:
-        """The final summary: what was done, how long it took, how fast, and where every output is."""
-        rec = self.last_record or {}
-        rate = self.tokens_this_run / self.wall_s if self.wall_s > 0 else 0.0
-        loss = f"final loss {rec.get('loss/total', float('nan')):.4f}"
-        skipped = plural(len(self.skipped_shards), "shard")
-        if self.start_step == 0:
-            first = (
-                f"done in {format_duration(self.wall_s)}: {plural(self.steps, 'step')}, {self.tokens_seen:,} tokens "
-                f"({rate:,.0f} tok/s over the whole run, set-up and evaluations included), {loss}, {skipped} skipped"
-            )
-        else:  # a resume: each figure says which span it covers
-            first = (
-                f"done in {format_duration(self.wall_s)} this invocation (resumed at step {self.start_step}): "
-                f"{plural(self.steps - self.start_step, 'step')}, {self.tokens_this_run:,} tokens ({rate:,.0f} tok/s, "
-                f"set-up and evaluations included), {skipped} skipped; the whole run: {plural(self.steps, 'step')}, "
-                f"{self.tokens_seen:,} tokens, {loss}"
-            )
-        lines = [first]
-        out = self.out_dir
-        if out is not None:
-            where = [
-                f"checkpoint {self.last_checkpoint}",
-                f"metrics {out / 'metrics.jsonl'}",
-                f"run record {out / 'run.json'}",
-            ]
-            if self.eval is not None:
-                where.append(f"evaluation {out / 'eval.json'}")
-            if self.tensorboard_dir is not None:
-                where.append(f"TensorBoard {self.tensorboard_dir}")
-            lines.append("outputs: " + ", ".join(where))
-            lines.append(f"plot it: dflash-train plot {out}; export it: dflash-train export {out} DRAFTER_DIR")
-        return "\n".join(lines)
 
 
 def run_training(cfg: TrainConfig) -> TrainSummary:
@@ -171,106 +115,6 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
         lock.release()
 
 
-def check_resume(ckpt: Checkpoint, cfg: TrainConfig, run: ResolvedRun, world_size: int) -> None:
-    """Refuse (ValueError naming each flag) to resume `ckpt` under other resolved settings or another cache."""
-    identity = resolved_identity(cfg, run)
-    recorded = (ckpt.state.get("resolved_identity") or {}).get("init_from")
-    if _same_directory(recorded, cfg.init_from):  # written before --init-from was compared by content
-        identity["init_from"] = recorded
-    check_resume_compatible(
-        ckpt,
-        identity,
-        world_size,
-        run.cache_config.target.config_hash,
-        cache_identity(run),
-        legacy_identity=cfg.identity(),
-        drafter=_drafter_dict(run),
-    )
-
-
-def _same_directory(recorded: Any, now: str | None) -> bool:
-    """A checkpoint's --init-from recorded as a path (before its content was recorded) names `now`."""
-    if not isinstance(recorded, str) or now is None or recorded.startswith("content crc32"):
-        return False
-    try:
-        return recorded == now or os.path.samefile(recorded, now)
-    except OSError:
-        return False
-
-
-def cache_identity(run: ResolvedRun) -> dict[str, Any]:
-    """What a resumed run must find again in its cache: the same target weights, data and shards."""
-    cc = run.cache_config
-    return {
-        "target_head_checksum": cc.target_head_checksum,
-        "dataset_fingerprint": cc.dataset.fingerprint if cc.dataset is not None else None,
-        "num_shards": len(run.train_ids) + len(run.eval_ids),
-        "cache_id": cc.cache_id(),
-    }
-
-
-def build_step_state(
-    cfg: TrainConfig, run: ResolvedRun, head: dict[str, torch.Tensor], device: torch.device, rank: int = 0
-) -> StepState:
-    """Everything train_step touches, on `device`: seeded fp32 drafter (rank 0's weights on every rank),
-    frozen head in the compute dtype, flat grads, schedule, optimizer, static batch, attention layout,
-    totals, the seeded anchor generator, and the elementwise options (working weight copies, compiled
-    pointwise regions)."""
-    compute_dtype = torch_dtype(cfg.compute_dtype)
-    torch.manual_seed(cfg.seed)  # identical init on every rank; the broadcast makes sure
-    model = DFlashDrafter(run.drafter).to(device)  # fp32 master weights
-    if cfg.init_from is not None:  # a resumed run overwrites these with its checkpoint's
-        load_drafter_weights_(model, cfg.init_from)
-    broadcast_parameters(model)
-    if cfg.pointwise_compiled(device.type):
-        compile_pointwise_(model)
-    target_head = TargetHead(head["embed_tokens"].to(device, compute_dtype), head["lm_head"].to(device, compute_dtype))
-    params = list(model.parameters())
-    grads = FlatGrads(params)
-    schedule = WarmupCosine(
-        peak_lr=cfg.lr,
-        warmup_steps=run.warmup_steps,
-        total_steps=run.total_steps,
-        min_lr_ratio=cfg.min_lr_ratio,
-        device=device,
-    )
-    optimizer = make_optimizer(params, schedule, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-    cc = run.cache_config
-    batch = StaticBatch(cc, device, compute_dtype, with_topk=cfg.kl_lambda > 0)
-    backend = choose_backend(cfg.attention, device)
-    layout = BlockAttentionLayout.for_drafter(
-        run.drafter, num_ctx=cc.token_budget, num_blocks=run.num_blocks, backend=backend, device=device
-    )
-    # Anchor sampling: the default CUDA generator on GPU (graph-safe); a private one on CPU.
-    generator = None if device.type == "cuda" else torch.Generator(device)
-    if generator is None:
-        torch.cuda.manual_seed(anchor_seed(cfg.seed, rank=rank))
-    else:
-        generator.manual_seed(anchor_seed(cfg.seed, rank=rank))
-    return StepState(
-        model=model,
-        head=target_head,
-        batch=batch,
-        layout=layout,
-        optimizer=optimizer,
-        schedule=schedule,
-        grads=grads,
-        totals=StepTotals(cfg.block_size, device),
-        loss=cfg.loss_config(),
-        grad_clip=cfg.grad_clip,
-        metrics_topk=cfg.metrics_topk,
-        autocast_dtype=autocast_dtype(compute_dtype),
-        generator=generator,
-        checkpoint_layers=cfg.checkpoint_layers,
-        params=params,
-        working_weights=(
-            WorkingWeights([m for m in model.modules() if isinstance(m, Linear)], compute_dtype)
-            if cfg.weight_copies and autocast_dtype(compute_dtype) is not None
-            else None
-        ),
-    )
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, run: ResolvedRun, dist_info: DistInfo, device: torch.device):
         self.cfg, self.run, self.dist, self.device = cfg, run, dist_info, device
@@ -283,10 +127,22 @@ class Trainer:
         if dist_info.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         compute_dtype = torch_dtype(cfg.compute_dtype)
-        self.loss_terms = tuple(t for t, w in (("kl", cfg.kl_lambda), ("cap", cfg.cap_lambda)) if w > 0)
+        self.loss_terms = tuple(t for t, w in (("kl", cfg.loss.kl_lambda), ("cap", cfg.loss.cap_lambda)) if w > 0)
         self.flops_per_step = drafter_step_flops(run.drafter, run.cache_config.token_budget, run.num_blocks)
-        self.peak_flops, self._peak_source = peak_flops(device, compute_dtype)
-        self._announce(choose_backend(cfg.attention, device), compute_dtype)
+        self.peak_flops, peak_source = peak_flops(device, compute_dtype)
+        if dist_info.is_main:
+            announce_run(
+                cfg,
+                run,
+                world_size=dist_info.world_size,
+                device=device,
+                backend=choose_backend(cfg.attention, device),
+                compute_dtype=compute_dtype,
+                cuda_graphs=self.use_graphs,
+                flops_per_step=self.flops_per_step,
+                peak_flops=self.peak_flops,
+                peak_source=peak_source,
+            )
 
         head = load_target_head(cfg.cache)
         self.state = build_step_state(cfg, run, head, device, rank=dist_info.rank)
@@ -346,73 +202,6 @@ class Trainer:
         self.runner = StepRunner(self.state, cuda_graphs=self.use_graphs)
 
     # ---- setup ---------------------------------------------------------------------------------
-    def _announce(self, backend: str, compute_dtype: torch.dtype) -> None:
-        if not self.dist.is_main:
-            return
-        r = self.run
-        log.info(
-            "run: %d train shards, %d held out; %s; %d steps (%d per epoch), warmup %d",
-            len(r.train_ids),
-            len(r.eval_ids),
-            plural(self.dist.world_size, "rank"),
-            r.total_steps,
-            r.steps_per_epoch,
-            r.warmup_steps,
-        )
-        left_out = len(r.train_ids) % self.dist.world_size
-        if left_out:
-            log.warning(
-                "%d of the %d training shards are left out of each epoch (a different set each epoch, "
-                "drawn by the epoch's shuffle): each of the %d ranks must run the same number of steps. "
-                "Use a shard count divisible by the rank count to train on every shard every epoch",
-                left_out,
-                len(r.train_ids),
-                self.dist.world_size,
-            )
-        log.info(
-            "drafter: %s parameters, %d layers, hidden %d, MLP %d, heads %d/%d x %d, block %d, %d blocks per batch",
-            f"{count_parameters(r.drafter):,}",
-            r.drafter.num_layers,
-            r.drafter.hidden_size,
-            r.drafter.intermediate_size,
-            r.drafter.num_attention_heads,
-            r.drafter.num_key_value_heads,
-            r.drafter.head_dim,
-            r.drafter.block_size,
-            r.num_blocks,
-        )
-        mfu = (
-            f"MFU against {self.peak_flops / 1e12:.0f} TFLOP/s bf16 peak ({self._peak_source})"
-            if self.peak_flops
-            else f"no MFU figure: {self._peak_source}"
-        )
-        log.info(
-            "FLOPs per step: %.4g (drafter and LM-head matmuls, forward and backward, per rank; attention "
-            "not counted, see train/metrics/flops.py); %s",
-            self.flops_per_step,
-            mfu,
-        )
-        if r.drafter.attention_window is not None:
-            log.info(
-                "drafter layers: %s (sliding: causal, window %d tokens)",
-                ",".join("sliding" if s else "full" for s in r.drafter.sliding_layers),
-                r.drafter.attention_window,
-            )
-        log.info(
-            "kernels: attention %s, compute %s (fp32 master weights), step %s on %s",
-            backend,
-            str(compute_dtype).removeprefix("torch."),
-            "CUDA graph" if self.use_graphs else "eager",
-            self.device,
-        )
-        cfg, cuda = self.cfg, self.device.type == "cuda"
-        log.info(
-            "elementwise: working weight copies %s, fused loss %s, compiled pointwise regions %s",
-            "on" if cfg.weight_copies and compute_dtype != torch.float32 else "off",
-            ("on (compiled)" if cuda else "on (eager)") if cfg.fused_loss else "off",
-            "on" if cfg.pointwise_compiled(self.device.type) else "off",
-        )
-
     def _rng_state(self) -> dict[str, str | None]:
         cuda = self.device.type == "cuda"
         return {
@@ -432,7 +221,7 @@ class Trainer:
         record = {
             "config": self.cfg.to_dict(),
             "config_hash": self.cfg.config_hash(),
-            "drafter": _drafter_dict(self.run),
+            "drafter": dataclasses.asdict(self.run.drafter),
             "num_blocks": self.run.num_blocks,
             "total_steps": self.run.total_steps,
             "world_size": self.dist.world_size,
@@ -538,7 +327,7 @@ class Trainer:
             if self.metrics.should_log(self.step) or checkpoint_due or done:
                 self._log()
             # In-training eval by default: every epoch, or every --eval-every steps (the end is evaluated below).
-            every = cfg.eval_every or run.steps_per_epoch
+            every = cfg.eval.every or run.steps_per_epoch
             if run.eval_ids and self.step % every == 0 and not done:
                 self._evaluate()
             if checkpoint_due and not done:
@@ -597,7 +386,7 @@ class Trainer:
                 "config_hash": self.cfg.config_hash(),
                 "config_identity": self.cfg.identity(),
                 "resolved_identity": resolved_identity(self.cfg, self.run),
-                "drafter": _drafter_dict(self.run),
+                "drafter": dataclasses.asdict(self.run.drafter),
                 "target_config_hash": self.run.cache_config.target.config_hash,
                 "rng": rngs,
                 "cache_identity": cache_identity(self.run),
@@ -617,7 +406,7 @@ class Trainer:
     def _evaluate(self, *, one_off: bool = False) -> EvalResult:
         cfg, run = self.cfg, self.run
         started = time.monotonic()
-        ids = run.eval_ids[: cfg.eval_max_shards]
+        ids = run.eval_ids[: cfg.eval.max_shards]
         # One number per set of weights: the fp32 master weights rounded to the compute dtype, no autocast.
         model = eval_copy(self.model, torch_dtype(cfg.compute_dtype))
         result = evaluate_drafter(
@@ -627,9 +416,8 @@ class Trainer:
             ids,
             device=self.device,  # eval's own anchors: the same as `eval`'s
             attention=self.state.layout.backend,
-            chunk_blocks=self.state.loss.chunk_blocks,
-            budgets=cfg.eval_tree_budgets,  # default none: trees cost a walk each, dflash-train eval has them
-            gamma=self.state.loss.gamma,
+            loss=self.state.loss,  # held-out CE weighted and chunked as training's
+            budgets=cfg.eval.tree_budgets,  # default none: trees cost a walk each, dflash-train eval has them
             rank=self.dist.rank,
             world_size=self.dist.world_size,
         )
@@ -647,7 +435,3 @@ class Trainer:
     def close(self) -> None:
         self.checkpoints.close()  # after an error: the write in flight still finishes
         self.metrics.close()
-
-
-def _drafter_dict(run: ResolvedRun) -> dict[str, Any]:
-    return dataclasses.asdict(run.drafter)

@@ -11,7 +11,9 @@ cast weights are not cached across graph replays: autocast's cache is off), loss
 fp32. With working weights (precision.WorkingWeights) the linear weights are rounded to bf16 once,
 at the top of the step (= after the previous step's optimizer update, and after a resume or the
 capture's state restore), instead of at each use. The learning rate lives in a device tensor that
-the scheduler rewrites inside the step, so a replayed graph always uses the current value.
+the scheduler rewrites inside the step, so a replayed graph always uses the current value (the
+optimizer and the schedule are train/optim.py's). `build_step_state` builds everything the step
+touches, once, before capture.
 
 Legend: T token budget, K taps, H hidden, NB blocks, B block size.
 """
@@ -19,68 +21,33 @@ Legend: T token budget, K taps, H hidden, NB blocks, B block size.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
 from train.batch import StaticBatch
-from train.blocks import sample_blocks
-from train.distributed import FlatGrads
-from train.drafter.attention import BlockAttentionLayout
-from train.drafter.model import DFlashDrafter, TargetHead
-from train.loss.chunked import LossConfig, block_loss
+from train.blocks import anchor_seed, sample_blocks
+from train.checkpoint.export import load_drafter_weights_
+from train.config import TrainConfig
+from train.distributed import FlatGrads, broadcast_parameters
+from train.drafter.attention import BlockAttentionLayout, choose_backend
+from train.drafter.model import DFlashDrafter, Linear, TargetHead
+from train.drafter.pointwise import compile_pointwise_
+from train.loss.chunked import block_loss
+from train.loss.config import LossConfig
 from train.metrics.block_metrics import block_metrics
 from train.metrics.logger import StepTotals
-from train.precision import WorkingWeights, compute_autocast
+from train.optim import WarmupCosine, build_optimizer, optimizer_state_tensors
+from train.precision import WorkingWeights, autocast_dtype, compute_autocast, torch_dtype
+from train.resolve import ResolvedRun
 
 log = logging.getLogger(__name__)
 
 
-class WarmupCosine:
-    """lr(s) = lr * (s+1)/W for s < W, then min + (lr - min) * (1 + cos(pi * (s-W)/(N-1-W))) / 2.
-
-    s is the 0-based index of the step about to run; `lr_t` always holds lr(step_t). The last step
-    (s = N-1) runs at the floor min = lr * --min-lr-ratio, as its help says, whenever the warmup ends
-    before it (W <= N-1; a warmup that lasts to the end leaves no cosine step).
-    """
-
-    def __init__(
-        self, *, peak_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float, device: torch.device
-    ):
-        self.peak_lr, self.warmup_steps, self.total_steps = peak_lr, warmup_steps, total_steps
-        self.min_lr = peak_lr * min_lr_ratio
-        self.step_t = torch.zeros((), dtype=torch.float64, device=device)
-        self.lr_t = torch.zeros((), dtype=torch.float32, device=device)
-        self._refresh()
-
-    def lr_at(self, s: torch.Tensor) -> torch.Tensor:
-        warm = self.peak_lr * (s + 1) / max(self.warmup_steps, 1)
-        span = self.total_steps - 1 - self.warmup_steps  # 0: the warmup ends at N-2, the last step is the floor
-        progress = ((s - self.warmup_steps) / span).clamp(0, 1) if span > 0 else torch.ones_like(s)
-        cosine = self.min_lr + (self.peak_lr - self.min_lr) * 0.5 * (1 + torch.cos(math.pi * progress))
-        return torch.where(s < self.warmup_steps, warm, cosine)
-
-    def host_lr(self, s: int) -> float:
-        """lr of 0-based step s, computed on the host (for logs)."""
-        return float(self.lr_at(torch.tensor(float(s), dtype=torch.float64)))
-
-    def _refresh(self) -> None:
-        self.lr_t.copy_(self.lr_at(self.step_t))
-
-    def step(self) -> None:
-        self.step_t += 1
-        self._refresh()
-
-    def set_step(self, step: int) -> None:
-        self.step_t.fill_(step)
-        self._refresh()
-
-
 @dataclass
 class StepState:
-    """Everything one step touches; built once by the loop, every tensor at a fixed address.
+    """Everything one step touches; built once (build_step_state), every tensor at a fixed address.
 
     Shapes come from their owners: block size and MASK id from model.config, the number of blocks
     from layout, the loss settings (gamma included) from loss."""
@@ -104,6 +71,63 @@ class StepState:
 
     def autocast(self):
         return compute_autocast(self.batch.device, self.autocast_dtype)
+
+
+def build_step_state(
+    cfg: TrainConfig, run: ResolvedRun, head: dict[str, torch.Tensor], device: torch.device, rank: int = 0
+) -> StepState:
+    """Everything train_step touches, on `device`: seeded fp32 drafter (rank 0's weights on every rank),
+    frozen head in the compute dtype, flat grads, schedule, optimizer, static batch, attention layout,
+    totals, the seeded anchor generator, and the elementwise options (working weight copies, compiled
+    pointwise regions)."""
+    compute_dtype = torch_dtype(cfg.compute_dtype)
+    torch.manual_seed(cfg.seed)  # identical init on every rank; the broadcast makes sure
+    model = DFlashDrafter(run.drafter).to(device)  # fp32 master weights
+    if cfg.drafter.init_from is not None:  # a resumed run overwrites these with its checkpoint's
+        load_drafter_weights_(model, cfg.drafter.init_from)
+    broadcast_parameters(model)
+    if cfg.pointwise_compiled(device.type):
+        compile_pointwise_(model)
+    target_head = TargetHead(head["embed_tokens"].to(device, compute_dtype), head["lm_head"].to(device, compute_dtype))
+    params = list(model.parameters())
+    grads = FlatGrads(params)
+    schedule, optimizer = build_optimizer(
+        cfg.optim, params, warmup_steps=run.warmup_steps, total_steps=run.total_steps, device=device
+    )
+    cc = run.cache_config
+    batch = StaticBatch(cc, device, compute_dtype, with_topk=cfg.loss.kl_lambda > 0)
+    backend = choose_backend(cfg.attention, device)
+    layout = BlockAttentionLayout.for_drafter(
+        run.drafter, num_ctx=cc.token_budget, num_blocks=run.num_blocks, backend=backend, device=device
+    )
+    # Anchor sampling: the default CUDA generator on GPU (graph-safe); a private one on CPU.
+    generator = None if device.type == "cuda" else torch.Generator(device)
+    if generator is None:
+        torch.cuda.manual_seed(anchor_seed(cfg.seed, rank=rank))
+    else:
+        generator.manual_seed(anchor_seed(cfg.seed, rank=rank))
+    return StepState(
+        model=model,
+        head=target_head,
+        batch=batch,
+        layout=layout,
+        optimizer=optimizer,
+        schedule=schedule,
+        grads=grads,
+        totals=StepTotals(cfg.block_size, device),
+        loss=cfg.loss,
+        grad_clip=cfg.optim.grad_clip,
+        metrics_topk=cfg.metrics_topk,
+        autocast_dtype=autocast_dtype(compute_dtype),
+        generator=generator,
+        checkpoint_layers=cfg.checkpoint_layers,
+        params=params,
+        working_weights=(
+            WorkingWeights([m for m in model.modules() if isinstance(m, Linear)], compute_dtype)
+            if cfg.weight_copies and autocast_dtype(compute_dtype) is not None
+            else None
+        ),
+    )
 
 
 def train_step(s: StepState, *, with_metrics: bool) -> None:
@@ -157,55 +181,6 @@ def train_step(s: StepState, *, with_metrics: bool) -> None:
     s.optimizer.step()
     s.schedule.step()
     s.grads.zero()
-
-
-def make_optimizer(
-    params: list[nn.Parameter], schedule: WarmupCosine, *, betas: tuple[float, float], eps: float, weight_decay: float
-) -> torch.optim.AdamW:
-    """Fused AdamW (graph-capturable on CUDA) reading lr from the schedule's device tensor.
-
-    Its state is created here by one zero-lr step on zero gradients (parameters unchanged) and then
-    zeroed, so every state tensor exists before capture and checkpoints can be loaded into it in place.
-    """
-    # capturable: step() refuses graph capture without it; the fused kernel itself is graph-safe.
-    opt = torch.optim.AdamW(
-        params,
-        lr=schedule.lr_t,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        fused=True,
-        capturable=params[0].device.type == "cuda",
-    )
-    saved_lr = schedule.lr_t.clone()
-    schedule.lr_t.zero_()
-    for p in params:
-        p.grad.zero_()
-    opt.step()
-    for state in opt.state.values():
-        for t in state.values():
-            t.zero_()
-    schedule.lr_t.copy_(saved_lr)
-    return opt
-
-
-def optimizer_state_tensors(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[torch.Tensor]:
-    return [t for p in params for _, t in sorted(opt.state[p].items())]
-
-
-def load_optimizer_state_(opt: torch.optim.Optimizer, params: list[nn.Parameter], saved: dict) -> None:
-    """Copy a saved optimizer.state_dict() into the live state tensors (addresses kept for the graph)."""
-    saved_state = saved["state"]
-    if len(saved_state) != len(params):
-        raise ValueError(f"optimizer state holds {len(saved_state)} parameters, the model has {len(params)}")
-    for i, p in enumerate(params):
-        live = opt.state[p]
-        if set(saved_state[i]) != set(live):
-            raise ValueError(
-                f"optimizer state of parameter {i} has keys {sorted(saved_state[i])}, expected {sorted(live)}"
-            )
-        for key, t in live.items():
-            t.copy_(saved_state[i][key])
 
 
 def _persistent_tensors(s: StepState) -> list[torch.Tensor]:

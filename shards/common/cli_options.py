@@ -1,18 +1,27 @@
 """Click options generated from the typed config dataclasses: every setting is written once.
 
 Both CLIs (dflash-extract, dflash-train) build their options from their config class, as torchtitan
-derives its flags from its config classes. For each dataclass field:
+derives its flags from its config classes. A field whose type is itself a config dataclass (torchtitan's
+nesting: dflash-train's loss, optimizer, drafter and evaluation settings) contributes its own fields as
+top-level options, in place, so the command line stays flat while each component validates its own
+fields. For each leaf field:
 
-    flag     the field name with dashes (`token_budget` -> `--token-budget`), or the one named by
+    name     the option's name: the click parameter, and the key of `to_options` (run records and
+             resume identities are flat dicts of these): the field name, or `cli_field(name=...)` where a
+             nested field's short name would be ambiguous at top level (`chunk_blocks` -> loss_chunk_blocks)
+    flag     the name with dashes (`token_budget` -> `--token-budget`), or the one named by
              `cli_field(flag=...)` where the short name is the established one (`--out`, `--taps`)
     default  the field's default (None: the option is optional and the help says what unset means)
     help     the docstring under the field (the convention of every config class here)
     type     from the annotation: int, float, str; bool -> `--x` (default False) or `--x/--no-x`
              (default True or None); Literal[...] -> Choice; list[int] / tuple[float, ...] -> one
              comma-separated value (parse_number_list); `cli_field(path=...)` -> click.Path
-A field without a default is a required option. `build_config` turns the parsed options into the
-config and a ValueError from its __post_init__ into a usage error (exit 2, no traceback). The
-configs' own messages speak in flags (`config_error`), so what the user reads names what they typed.
+    identity `cli_field(identity=False)` marks a setting a resumed run may change (cadence, paths, kernels):
+             `to_options(cfg, identity_only=True)` leaves it out
+A field without a default is a required option. `from_options` builds the config (nested ones first)
+from flat options; `build_config` does so for a command and turns a ValueError from a __post_init__ into
+a usage error (exit 2, no traceback). The configs' own messages speak in flags (`config_error`), so
+what the user reads names what they typed.
 
 It lives in shards/ because that is the one package both stages import.
 """
@@ -20,14 +29,16 @@ It lives in shards/ because that is the one package both stages import.
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
+import functools
 import inspect
 import os
 import sys
 import textwrap
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import click
@@ -53,18 +64,69 @@ def cli_field(
     *,
     flag: str | None = None,
     path: str | None = None,
+    name: str | None = None,
+    identity: bool = True,
     default_factory: Any = dataclasses.MISSING,
 ) -> Any:
-    """A dataclass field with CLI metadata: `flag` replaces the derived name, `path` is a PATH_KINDS key."""
+    """A dataclass field with CLI metadata: `flag` replaces the derived flag, `path` is a PATH_KINDS key,
+    `name` replaces the field name as the option's name, `identity=False` keeps it out of the run's
+    identity (to_options(identity_only=True))."""
     if path is not None and path not in PATH_KINDS:
         raise ValueError(f"cli_field path must be one of {sorted(PATH_KINDS)}, got {path!r}")
-    return dataclasses.field(default=default, default_factory=default_factory, metadata={"flag": flag, "path": path})
+    return dataclasses.field(
+        default=default,
+        default_factory=default_factory,
+        metadata={"flag": flag, "path": path, "name": name, "identity": identity},
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option of a config class: a leaf field, at the top or inside nested configs."""
+
+    name: str  # the click parameter and the flat key (to_options, from_options)
+    path: tuple[str, ...]  # attribute path from the root config: ("loss", "chunk_blocks")
+    owner: type  # the dataclass declaring the field (its docstrings are the option's --help)
+    field: dataclasses.Field
+    hint: Any  # the field's resolved annotation
+
+    @property
+    def flag(self) -> str:
+        return self.field.metadata.get("flag") or "--" + self.name.replace("_", "-")
+
+    @property
+    def identity(self) -> bool:
+        return self.field.metadata.get("identity", True)
+
+
+def _is_config(hint: Any) -> bool:
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+@functools.cache
+def option_fields(cls: type) -> tuple[Option, ...]:
+    """Every option of config class `cls`, nested configs' fields in place of the nested field."""
+    hints = typing.get_type_hints(cls)
+    found: list[Option] = []
+    for f in dataclasses.fields(cls):
+        if _is_config(hints[f.name]):
+            found += [dataclasses.replace(o, path=(f.name, *o.path)) for o in option_fields(hints[f.name])]
+        else:
+            found.append(Option(f.metadata.get("name") or f.name, (f.name,), cls, f, hints[f.name]))
+    names = [o.name for o in found]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # one flag and one record key per option: a clash is a bug in the config classes
+        raise TypeError(f"{cls.__name__}: options {twice} are declared twice; give one a cli_field(name=...)")
+    return tuple(found)
 
 
 def flag_name(cls: type, name: str) -> str:
-    """The command-line flag of field `name` of config class `cls` (`--token-budget`)."""
-    f = {f.name: f for f in dataclasses.fields(cls)}[name]
-    return f.metadata.get("flag") or "--" + name.replace("_", "-")
+    """The command-line flag of option `name` of config class `cls` (`--token-budget`); a nested config
+    class also answers for its own field names (LossConfig's `chunk_blocks` -> `--loss-chunk-blocks`)."""
+    for o in option_fields(cls):
+        if o.name == name or o.path == (name,):
+            return o.flag
+    raise KeyError(name)
 
 
 def shown(value: Any) -> str:
@@ -77,6 +139,48 @@ def shown(value: Any) -> str:
 def config_error(cfg: Any, name: str, rule: str) -> ValueError:
     """`--warmup-ratio 1.5: must be in [0, 1)`: the flag, the value given, then the rule and fix."""
     return ValueError(f"{flag_name(type(cfg), name)} {shown(getattr(cfg, name))}: {rule}")
+
+
+def at_least(cfg: Any, minimum: int, *names: str) -> None:
+    """Each named field is an integer >= minimum, else `--name value: must be an integer >= minimum`."""
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < minimum:
+            raise config_error(cfg, name, f"must be an integer >= {minimum}")
+
+
+def to_options(cfg: Any, *, identity_only: bool = False) -> dict[str, Any]:
+    """The config as flat options {name: value}, in option order (values copied, as dataclasses.asdict
+    copies them); identity_only: only the settings a resumed run must keep (cli_field(identity=...))."""
+    out = {}
+    for o in option_fields(type(cfg)):
+        if o.identity or not identity_only:
+            value = cfg
+            for attr in o.path:
+                value = getattr(value, attr)
+            out[o.name] = copy.deepcopy(value)
+    return out
+
+
+def from_options(cls: type[C], options: Mapping[str, Any]) -> C:
+    """The config from flat options (an option left out takes its default). Nested configs are built
+    first, so their __post_init__ checks run before the outer one's; raises ValueError as those do."""
+    left = dict(options)
+    cfg = _build(cls, left)
+    if left:
+        raise TypeError(f"{cls.__name__}: no option named {', '.join(sorted(left))}")
+    return cfg
+
+
+def _build(cls: type[C], left: dict[str, Any]) -> C:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if _is_config(hints[f.name]):
+            kwargs[f.name] = _build(hints[f.name], left)
+        elif (name := f.metadata.get("name") or f.name) in left:
+            kwargs[f.name] = left.pop(name)
+    return cls(**kwargs)
 
 
 def parse_number_list(text: str, kind: type = int) -> list:
@@ -130,34 +234,33 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def config_options(cls: type, *, exclude: Sequence[str] = ()) -> Callable[[F], F]:
-    """Decorator adding one click option per field of `cls` (minus `exclude`), named as the field."""
-    hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
-    fields = [f for f in dataclasses.fields(cls) if f.name not in exclude]
+    """Decorator adding one click option per option of `cls` (minus those named in `exclude`)."""
+    options = [o for o in option_fields(cls) if o.name not in exclude]
+    docs = {o.owner: field_docs(o.owner) for o in options}
 
     def decorate(fn: F) -> F:
-        for f in reversed(fields):  # click lists options in decoration order, innermost first
-            fn = _option(cls, f, hints[f.name], docs.get(f.name, ""))(fn)
+        for o in reversed(options):  # click lists options in decoration order, innermost first
+            fn = _option(o, docs[o.owner].get(o.field.name, ""))(fn)
         return fn
 
     return decorate
 
 
-def _option(cls: type, f: dataclasses.Field, hint: Any, help_text: str) -> Callable[[F], F]:
-    flag = flag_name(cls, f.name)
+def _option(o: Option, help_text: str) -> Callable[[F], F]:
+    f, flag = o.field, o.flag
     has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
     default = (
         f.default
         if f.default is not dataclasses.MISSING
         else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
     )
-    base, optional = _strip_optional(hint)
+    base, optional = _strip_optional(o.hint)
     kwargs: dict[str, Any] = dict(help=help_text, required=not has_default)
     if base is bool:
         if default is False:
-            return click.option(flag, f.name, is_flag=True, default=False, **kwargs)
+            return click.option(flag, o.name, is_flag=True, default=False, **kwargs)
         return click.option(
-            f"{flag}/--no-{flag[2:]}", f.name, default=default, show_default=default is not None, **kwargs
+            f"{flag}/--no-{flag[2:]}", o.name, default=default, show_default=default is not None, **kwargs
         )
     if typing.get_origin(base) is Literal:
         kwargs["type"] = PrecisionChoice([str(c) for c in typing.get_args(base)])
@@ -170,11 +273,11 @@ def _option(cls: type, f: dataclasses.Field, hint: Any, help_text: str) -> Calla
     elif base in (int, float, str):
         kwargs["type"] = base
     else:
-        raise TypeError(f"{cls.__name__}.{f.name}: no CLI type for annotation {hint!r}")
+        raise TypeError(f"{o.owner.__name__}.{f.name}: no CLI type for annotation {o.hint!r}")
     if has_default:
         kwargs["default"] = default
         kwargs["show_default"] = default is not None
-    return click.option(flag, f.name, **kwargs)
+    return click.option(flag, o.name, **kwargs)
 
 
 class PrecisionChoice(click.Choice):
@@ -197,7 +300,7 @@ def _strip_optional(hint: Any) -> tuple[Any, bool]:
 def build_config(cls: type[C], options: dict[str, Any]) -> C:
     """The config from parsed options; its ValueError becomes click's usage error (exit 2, no traceback)."""
     try:
-        return cls(**options)
+        return from_options(cls, options)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
 

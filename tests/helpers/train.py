@@ -19,13 +19,15 @@ from shards import (
     write_manifest,
     write_shard,
 )
+from shards.common.cli_options import from_options
 from tools.fixtures.synthetic_cache import write_synthetic_cache
 from train.blocks import anchor_seed, sample_shard_blocks
-from train.config import TrainConfig, resolve_run
+from train.config import TrainConfig
 from train.drafter.attention import BlockAttentionLayout
 from train.drafter.config import DrafterConfig
 from train.drafter.model import TargetHead
 from train.loss.chunked import block_loss
+from train.resolve import resolve_run
 
 TINY_CACHE = dict(hidden_size=32, vocab_size=128, token_budget=128, max_seqs=4, tap_layer_ids=(1, 3, 5))
 
@@ -44,9 +46,10 @@ TINY_RUN = dict(epochs=2, metrics_every=2, checkpoint_every=0)  # library runs o
 
 
 def tiny_config(cache: Path, out: Path, **overrides) -> TrainConfig:
-    """A 1-layer, 32-wide drafter with 8 blocks of 4 per 128-token batch, fp32 on CPU."""
+    """A 1-layer, 32-wide drafter with 8 blocks of 4 per 128-token batch, fp32 on CPU; overrides are
+    dflash-train options by name (as flags, nested configs' fields included)."""
     options = {**TINY_DRAFTER, **ON_CPU, **TINY_SCHEDULE, **TINY_RUN, **overrides}
-    return TrainConfig(cache=str(cache), out_dir=str(out), **options)
+    return from_options(TrainConfig, {"cache": str(cache), "out_dir": str(out), **options})
 
 
 def tiny_cli_args(cache: Path, out: Path, *extra: str) -> list[str]:
@@ -76,14 +79,14 @@ def hand_step_loss(model, drafter: DrafterConfig, cache: Path, cfg: TrainConfig,
         num_blocks=cfg.num_blocks,
         block_size=cfg.block_size,
         mask_token_id=drafter.mask_token_id,
-        gamma=cfg.gamma,
+        gamma=cfg.loss.gamma,
         generator=torch.Generator().manual_seed(anchor_seed(cfg.seed, rank=rank)),
     )
     layout = BlockAttentionLayout.for_drafter(drafter, num_ctx=reader.config.token_budget, num_blocks=cfg.num_blocks)
     layout.update(blocks.seq_start_N, blocks.anchor_N)
     hidden_TKH = decode_hidden(t["hidden"], t.get("hidden_scale")).float()
     out = model(hidden_TKH, t["position_ids"], head.embed(blocks.block_ids_NB), blocks.block_pos_NB, layout)
-    return block_loss(out, head, blocks, cfg.loss_config())
+    return block_loss(out, head, blocks, cfg.loss)
 
 
 def rewrite_shard(cache: Path, batch_id: int, edit) -> None:
@@ -135,9 +138,8 @@ def run_steps(cache: Path, out: Path, num_steps: int, **overrides) -> dict:
     """num_steps train_steps of tiny_config(**overrides) on the cache's first shard (CPU), with metrics:
     the step sums, each step's flat gradient just before its optimizer update, and the final weights."""
     from shards import LoadedShard, load_target_head
-    from train.config import resolve_run
-    from train.loop import build_step_state
-    from train.step import train_step
+    from train.resolve import resolve_run
+    from train.step import build_step_state, train_step
 
     cfg = tiny_config(cache, out, **overrides)
     state = build_step_state(cfg, resolve_run(cfg), load_target_head(cache), torch.device("cpu"))

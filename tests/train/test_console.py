@@ -11,9 +11,11 @@ from click.testing import CliRunner
 import train.loop
 from tests.helpers.train import read_records, tiny_cache, tiny_cli_args
 from train.cli import main
-from train.config import TrainConfig, resolve_run
+from train.config import TrainConfig
+from train.drafter.config import DrafterOptions
 from train.drafter.model import count_parameters
 from train.metrics.flops import drafter_step_flops
+from train.resolve import resolve_run
 
 
 def test_console_lines_carry_every_figure(tmp_path, caplog, monkeypatch):
@@ -42,7 +44,10 @@ def test_console_lines_carry_every_figure(tmp_path, caplog, monkeypatch):
     assert res.exit_code == 0, res.output
     messages = [r.getMessage() for r in caplog.records]
 
-    run = resolve_run(TrainConfig(cache=str(cache), out_dir=str(out), num_blocks=8, block_size=4, num_layers=1))
+    cfg = TrainConfig(
+        cache=str(cache), out_dir=str(out), num_blocks=8, block_size=4, drafter=DrafterOptions(num_layers=1)
+    )
+    run = resolve_run(cfg)
     flops = drafter_step_flops(run.drafter, run.cache_config.token_budget, run.num_blocks)
     assert any(f"drafter: {count_parameters(run.drafter):,} parameters" in m for m in messages), messages
     assert any(m.startswith(f"FLOPs per step: {flops:.4g}") and "MFU against 1 TFLOP/s" in m for m in messages)

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from shards import ShardReader, epoch_shard_order
 from tests.helpers.process import child_env, torchrun_command
 from tests.helpers.train import hand_step_loss, tiny_cache, tiny_cli_args, tiny_config
-from train.config import resolve_run
 from train.drafter.model import DFlashDrafter
+from train.resolve import resolve_run
 
 
 @pytest.mark.slow
@@ -43,7 +43,7 @@ def test_two_gloo_ranks_equal_one_process_averaging_both_batches(tmp_path):
     norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))
     for p in params:
         p.grad *= min(1.0, 0.05 / (float(norm) + 1e-6))
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=False)
+    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=False)
     opt.step()
 
     assert record["loss/total"] == pytest.approx(sum(losses) / 2, abs=1e-6)

@@ -7,12 +7,13 @@ CAP on and off, with and without activation checkpointing); step level on tiny c
 import pytest
 import torch
 
-import train.loop
+import train.step
 from tests.helpers.drafter import blocks_and_layout, forward_blocks, make_batch, tiny_config, tiny_model_and_head
 from tests.helpers.train import run_steps, tiny_cache
 from train.drafter.model import Linear, rms_norm
 from train.drafter.pointwise import compile_pointwise_
-from train.loss.chunked import LossConfig, block_loss
+from train.loss.chunked import block_loss
+from train.loss.config import LossConfig
 from train.precision import WorkingWeights
 
 KT = 5
@@ -90,7 +91,7 @@ def test_weight_copies_give_the_autocast_step_bit_for_bit(tmp_path):
 
 @pytest.mark.parametrize("lambdas", [(0.0, 0.0), (0.0, 0.7)])
 def test_step_with_the_cuts_equals_the_plain_step_to_fp32_rounding(tmp_path, monkeypatch, lambdas):
-    monkeypatch.setattr(train.loop, "compile_pointwise_", compile_for_cpu_tests)
+    monkeypatch.setattr(train.step, "compile_pointwise_", compile_for_cpu_tests)
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
     common = dict(num_layers=2, compute_dtype="float32", cap_lambda=lambdas[1], checkpoint_layers=True)
     plain = run_steps(cache, tmp_path / "a", 2, fused_loss=False, compile_pointwise=False, **common)

@@ -16,9 +16,9 @@ from tests.helpers.drafter import drafter_for_target
 from tests.helpers.train import hand_step_loss, read_records, tiny_cache, tiny_cli_args, tiny_config
 from train.checkpoint.export import export_drafter, load_exported_drafter
 from train.cli import main as train_cli
-from train.config import resolve_run
 from train.drafter.model import DFlashDrafter
 from train.loop import run_training
+from train.resolve import resolve_run
 
 SLIDING = dict(num_layers=2, layer_types=["sliding", "full"], sliding_window=6)
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from train.step import WarmupCosine, make_optimizer
+from train.optim import WarmupCosine, make_optimizer
 
 
 def naive_lr(s: int, peak: float, warmup: int, total: int, floor: float) -> float:
@@ -58,9 +58,8 @@ def test_checkpoint_layers_gives_the_plain_steps_loss_and_gradients(tmp_path):
     (captured just before the optimizer step) as the plain step, from the same state and anchors."""
     from shards import LoadedShard, ShardReader, load_target_head
     from tests.helpers.train import tiny_cache, tiny_config
-    from train.config import resolve_run
-    from train.loop import build_step_state
-    from train.step import train_step
+    from train.resolve import resolve_run
+    from train.step import build_step_state, train_step
 
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
     reader = ShardReader(cache)

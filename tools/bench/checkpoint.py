@@ -1,7 +1,7 @@
 """Benchmark of the training checkpoint: how long the step loop is blocked per save, and the write behind it.
 
 Builds the drafter (train.drafter.model.DFlashDrafter, fp32 master weights) and its fused AdamW state
-(train.step.make_optimizer, moments filled with random values) on --device at the shape of a target of
+(train.optim.make_optimizer, moments filled with random values) on --device at the shape of a target of
 width --hidden (5120: the published 27B drafter, 1.73B parameters, 20.8 GB of weights + moments), then
 saves it through train.checkpoint.async_save.CheckpointWriter, the object dflash-train uses:
   async  --saves saves; each: a few timed stand-in steps, the save (stall = snapshot into the reused
@@ -35,7 +35,7 @@ from train.checkpoint.store import checkpoint_name
 from train.distributed import FlatGrads
 from train.drafter.config import DrafterConfig
 from train.drafter.model import DFlashDrafter
-from train.step import WarmupCosine, make_optimizer
+from train.optim import WarmupCosine, make_optimizer
 
 log = logging.getLogger("bench_checkpoint")
 

@@ -69,7 +69,8 @@ def bench_drafter(cache: str | None) -> DrafterConfig:
     """The drafter dflash-train builds by default on `cache` (its width, taps, vocab, MASK id), or the
     published 27B-width drafter without one."""
     if cache is not None:
-        from train.config import TrainConfig, resolve_run
+        from train.config import TrainConfig
+        from train.resolve import resolve_run
 
         # out_dir is never created: resolve_run only reads the cache.
         return resolve_run(TrainConfig(cache=cache, out_dir=f"{cache}/bench-eval-unused")).drafter

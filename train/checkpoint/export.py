@@ -50,6 +50,7 @@ from shards.common.durable import (
 )
 from shards.container import read_header, write_container
 from shards.format import CacheFormatError
+from train.checkpoint.store import Checkpoint, CheckpointError, load_model_state, resolve_checkpoint
 from train.drafter.config import DrafterConfig
 from train.drafter.model import DFlashDrafter
 
@@ -277,6 +278,30 @@ def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path
         ) from e
     log.info("exported drafter (%d tensors) to %s", len(state), out)
     return out
+
+
+def drafter_from_checkpoint(ckpt: Checkpoint) -> tuple[DFlashDrafter, DrafterConfig]:
+    """The drafter a training checkpoint holds, built from its recorded config, every weight loaded (strict)."""
+    cfg = DrafterConfig(**ckpt.state["drafter"])
+    model = DFlashDrafter(cfg)
+    model.load_state_dict(load_model_state(ckpt), strict=True)
+    return model, cfg
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, overwrite: bool = False) -> Checkpoint:
+    """`dflash-train export CHECKPOINT OUT`: the checkpoint a step-NNNNNNNN folder names (verified: refused
+    when damaged, never replaced by another) or a run directory's newest valid one, exported to OUT;
+    returns the checkpoint exported. OUT is checked before any work."""
+    check_export_target(Path(out), overwrite)
+    ckpt = resolve_checkpoint(checkpoint)
+    if ckpt is None:
+        raise CheckpointError(
+            f"{checkpoint}: not a valid checkpoint (step-NNNNNNNN with train_state.json, "
+            "model.safetensors, optimizer.pt) nor a run directory holding one"
+        )
+    model, cfg = drafter_from_checkpoint(ckpt)
+    export_drafter(model, cfg, out, overwrite=overwrite)
+    return ckpt
 
 
 def read_drafter_config(path: str | Path, mask_token_id: int | None = None) -> DrafterConfig:

@@ -7,7 +7,8 @@ three files, train_state.json parses and (when verified: resume, export) both ch
 damaged or partial newest checkpoint is skipped with a warning naming the file, and the previous
 valid one wins. Valid ones older than the newest keep_checkpoints are deleted (Retention: never the
 one just written or resumed from, never a damaged or later one), and temporaries of a killed save are
-removed at the next start (remove_stale_temporaries). Checkpoints are resume sources only.
+removed at the next start (remove_stale_temporaries). Checkpoints are resume sources only; whether
+one may be resumed by a run is train/resume.py.
 
 train_state.json: step, epoch, data cursor (index of the next shard in this epoch's per-rank
 order), tokens seen, skipped shards, world size, config hash and identity, drafter config, cache
@@ -17,7 +18,6 @@ target fingerprint, and per-rank RNG states (torch CPU, CUDA, the block-sampling
 from __future__ import annotations
 
 import base64
-import dataclasses
 import errno
 import json
 import logging
@@ -43,6 +43,7 @@ from shards.common.durable import (
     fsync_dir,
     fsync_file,
 )
+from shards.common.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def decode_rng(s: str | None) -> torch.Tensor | None:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint file is damaged, partial or cannot be written; the message names the file."""
 
 
@@ -187,6 +188,21 @@ def latest_checkpoint(out_dir: str | Path, verify: bool = True) -> Checkpoint | 
     return None
 
 
+def resolve_checkpoint(path: str | Path, files: tuple[str, ...] = (MODEL_FILE, OPTIMIZER_FILE)) -> Checkpoint | None:
+    """The checkpoint `path` names (a step-NNNNNNNN folder), its `files` verified; or, for a run
+    directory, its newest valid checkpoint; None when `path` is neither.
+
+    A named checkpoint that is damaged is refused (CheckpointError), never replaced by an older one:
+    the user asked for that step. A run directory's damaged newest one is skipped (latest_checkpoint).
+    """
+    path = Path(path)
+    named = next((c for c in list_checkpoints(path.parent) if c.path.resolve() == path.resolve()), None)
+    if named is None:
+        return latest_checkpoint(path)
+    verify_checkpoint(named, files)
+    return named
+
+
 @dataclass
 class Retention:
     """Which checkpoints a run keeps after each save: the newest `keep` *valid* ones up to the step just
@@ -268,66 +284,3 @@ def load_optimizer_state(ckpt: Checkpoint) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         raise CheckpointError(f"{path}: unreadable ({e}); use an earlier checkpoint") from e
-
-
-def check_resume_compatible(
-    ckpt: Checkpoint,
-    identity: dict[str, Any],
-    world_size: int,
-    target_config_hash: str,
-    cache_identity: dict[str, Any] | None = None,
-    *,
-    legacy_identity: dict[str, Any] | None = None,
-    drafter: dict[str, Any] | None = None,
-) -> None:
-    """Refuse to resume under different settings or another cache, naming the flag of every setting that
-    differs.
-
-    identity: the run's settings as resolved against the cache (train_config.resolved_identity),
-    compared with the checkpoint's "resolved_identity"; a checkpoint written before that was recorded is
-    compared on its raw "config_identity" with legacy_identity (cfg.identity()). drafter: the resolved
-    DrafterConfig now (as a dict), compared field by field with the checkpoint's. cache_identity: target
-    head checksum, dataset fingerprint, shard count and cache id of the cache now (loop.cache_identity);
-    checkpoints written before it was recorded are checked without it."""
-    from shards.common.cli_options import flag_name, shown
-    from train.config import TrainConfig
-
-    options = {f.name for f in dataclasses.fields(TrainConfig)}
-
-    def named(key: str) -> str:  # the flag that sets it, else the setting's own name
-        return flag_name(TrainConfig, key) if key in options else key
-
-    recorded, now = ckpt.state.get("resolved_identity"), identity
-    if not isinstance(recorded, dict):
-        recorded, now = ckpt.state.get("config_identity", {}), legacy_identity or identity
-    differ = [k for k in sorted(set(recorded) | set(now)) if recorded.get(k) != now.get(k)]
-    diffs = [f"{named(k)}: checkpoint {shown(recorded.get(k))}, now {shown(now.get(k))}" for k in differ]
-    recorded_drafter = ckpt.state.get("drafter")
-    if drafter is not None and isinstance(recorded_drafter, dict):
-        drafter = json.loads(json.dumps(drafter))
-        diffs += [
-            f"drafter {k}{f' ({named(k)})' if k in options else ''}: checkpoint {shown(recorded_drafter.get(k))}, "
-            f"now {shown(drafter.get(k))}"
-            for k in sorted(set(recorded_drafter) | set(drafter))
-            if k not in differ and recorded_drafter.get(k) != drafter.get(k)
-        ]
-    if ckpt.state.get("world_size") != world_size:
-        diffs.append(
-            f"world_size: checkpoint {ckpt.state.get('world_size')}, now {world_size} (the data cursor is per rank)"
-        )
-    if ckpt.state.get("target_config_hash") != target_config_hash:
-        diffs.append(
-            f"cache target config_hash: checkpoint {ckpt.state.get('target_config_hash')!r}, now {target_config_hash!r}"
-        )
-    recorded_cache = ckpt.state.get("cache_identity")
-    if cache_identity is not None and isinstance(recorded_cache, dict):
-        diffs += [
-            f"cache {k}: checkpoint {recorded_cache.get(k)!r}, now {cache_identity.get(k)!r}"
-            for k in sorted(cache_identity)
-            if recorded_cache.get(k) != cache_identity.get(k)
-        ]
-    if diffs:
-        raise ValueError(
-            f"cannot resume from {ckpt.path}: settings differ ({'; '.join(diffs)}); "
-            "use the original settings or a new --out directory"
-        )

@@ -1,13 +1,18 @@
 """Typed configuration of the DFlash drafter (its shape and the constants it shares with the target).
 
 `DrafterConfig.for_target(...)` derives a drafter from the target's dimensions: the published
-Qwen3.5-27B drafter shape for a 5120-wide target, a scaled shape otherwise.
+Qwen3.5-27B drafter shape for a 5120-wide target, a scaled shape otherwise. `DrafterOptions` is what a
+training run pins of that shape (dflash-train's drafter options, nested in TrainConfig); what it leaves
+unset train/resolve.py derives from the cache or the --init-from drafter.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from shards.common.cli_options import at_least, cli_field, config_error, flag_name, shown
 
 # The published Qwen3.5-27B drafter (z-lab): 5 layers at width 5120, MLP 17408, 32 q / 8 kv heads of dim 128.
 _PUBLISHED_27B_WIDTH = 5120
@@ -173,15 +178,10 @@ class DrafterConfig:
         num_target_layers: int,
         tap_layer_ids: list[int],
         mask_token_id: int,
-        num_layers: int = 5,
-        block_size: int = 16,
-        rms_norm_eps: float = 1e-6,
-        rope_theta: float = 1e7,
-        max_position_embeddings: int = 262144,
-        layer_types: list[str] | None = None,
-        sliding_window: int | None = None,
+        **options,
     ) -> DrafterConfig:
-        """Drafter at the target's width.
+        """Drafter at the target's width; `options` are other DrafterConfig fields (num_layers, block_size,
+        rope_theta, layer_types, ...), its defaults for the rest.
 
         A 5120-wide target gets the published 27B drafter heads (32 q, 8 kv, dim 128: ~1.73B parameters
         with 5 layers and MLP 17408). Other widths use head_dim 128 from hidden 1024 up (hidden/8 below,
@@ -201,20 +201,120 @@ class DrafterConfig:
             while num_heads % num_kv_heads:
                 num_kv_heads -= 1
         return cls(
-            num_layers=num_layers,
             hidden_size=hidden_size,
             intermediate_size=intermediate_size,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=rms_norm_eps,
-            rope_theta=rope_theta,
-            max_position_embeddings=max_position_embeddings,
-            block_size=block_size,
             mask_token_id=mask_token_id,
             tap_layer_ids=list(tap_layer_ids),
             num_target_layers=num_target_layers,
             vocab_size=vocab_size,
-            layer_types=layer_types,
-            sliding_window=sliding_window,
+            **options,
         )
+
+
+@dataclass(kw_only=True)
+class DrafterOptions:
+    """What a training run pins of the drafter; each field is a dflash-train option (the docstring is its
+    --help) and unset (None) means derived: from the cache, the target's width or the --init-from drafter."""
+
+    mask_token_id: int | None = None
+    """MASK token id of the drafter. Default: the cache's (cache.json mask_token_id; 248070 for
+    Qwen3.5)."""
+    tap_layer_ids: list[int] | None = cli_field(None, flag="--taps")
+    """Expected tapped target layers, e.g. 1,16,31,46,61; refused if the cache differs. Default: whatever
+    the cache holds."""
+    num_layers: int | None = None
+    """Drafter decoder layers. Default: 5, or as many as --layer-types names (or the --init-from
+    drafter's)."""
+    intermediate_size: int | None = None
+    """Drafter MLP width. Default: the target's, from cache.json (17408 for Qwen3.5-27B), as DFlash
+    drafters copy it."""
+    num_attention_heads: int | None = None
+    """Drafter query heads (give with --num-key-value-heads and --head-dim). Default: derived from the
+    width (32 for a 5120-wide target, else width / head dim)."""
+    num_key_value_heads: int | None = None
+    """Drafter key/value heads. Default: derived from the width (8 at 5120, else a quarter of the query
+    heads)."""
+    head_dim: int | None = None
+    """Drafter head dim. Default: derived from the width (128 from width 1024 up, width / 8 below)."""
+    rope_theta: float | None = None
+    """RoPE base of the drafter. Default: 1e7, as Qwen3.5 targets (or the --init-from drafter's)."""
+    layer_types: list[str] | None = None
+    """Per drafter layer full or sliding (e.g. sliding,sliding,sliding,sliding,full: the published
+    Qwen3.6-27B layout). Sliding layers are causal with a window (train/drafter/attention.py). Default: all full
+    (or the --init-from drafter's)."""
+    sliding_window: int | None = None
+    """Tokens a sliding layer's query sees, itself included (published 27B: 2048); needed iff a layer
+    slides. Default: none (or the --init-from drafter's)."""
+    init_from: str | None = cli_field(None, path="existing_dir")
+    """Start from this exported or published DFlashDraftModel directory (config.json + safetensors) instead
+    of random weights; its shape is used (shape options may stay unset or must agree) and it must fit the
+    cache (hidden size, taps, target layers, vocab, mask id) and --block-size. Default: random init."""
+
+    def __post_init__(self) -> None:
+        if self.tap_layer_ids is not None:
+            self.tap_layer_ids = [int(t) for t in self.tap_layer_ids]
+        if self.num_layers is not None:
+            at_least(self, 1, "num_layers")
+        if self.rope_theta is not None and not self.rope_theta > 1:
+            raise config_error(self, "rope_theta", "must be > 1; omit it for 1e7")
+        for name in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "mask_token_id"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < (0 if name == "mask_token_id" else 1)):
+                raise config_error(self, name, "must be a positive integer; omit it for the default")
+        heads = ("num_attention_heads", "num_key_value_heads", "head_dim")
+        given = [getattr(self, h) is not None for h in heads]
+        if any(given) and not all(given):
+            flags = ", ".join(f"{flag_name(DrafterOptions, h)} {shown(getattr(self, h))}" for h in heads)
+            raise ValueError(
+                f"{flags}: give the three together or none of them (then they are derived from the target's width)"
+            )
+        self._check_layers()
+        if self.init_from is not None and not Path(self.init_from).is_dir():
+            raise config_error(
+                self,
+                "init_from",
+                "is not a directory (an exported or published DFlashDraftModel: config.json + safetensors)",
+            )
+
+    def _check_layers(self) -> None:
+        """--layer-types names a known kind per layer (full / sliding taken too), one per --num-layers, and
+        --sliding-window is given exactly when a layer slides (unless the --init-from drafter has one)."""
+        # Messages quote --layer-types as the user typed it (sliding,full), not as normalised below (here and
+        # in train/resolve.py's --init-from refusal): kept beside the fields, not one of them.
+        self.layer_types_typed = shown(self.layer_types)
+        layer_types_given = f"--layer-types {self.layer_types_typed}"
+        if self.layer_types is not None:
+            aliases = {"full": FULL_ATTENTION, "sliding": SLIDING_ATTENTION}
+            self.layer_types = [aliases.get(str(t).strip(), str(t).strip()) for t in self.layer_types]
+            unknown = [t for t in self.layer_types if t not in LAYER_TYPES]
+            if not self.layer_types or unknown:
+                what = f"{', '.join(map(repr, unknown))} is not a layer type" if unknown else "names no layer"
+                raise ValueError(
+                    f"{layer_types_given}: {what}; give full or sliding (or {' / '.join(LAYER_TYPES)}) per "
+                    "layer, e.g. --layer-types sliding,sliding,sliding,sliding,full"
+                )
+            if self.num_layers is not None and len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"{layer_types_given}: {len(self.layer_types)} entries for --num-layers {self.num_layers}; "
+                    f"give one per layer (or --num-layers {len(self.layer_types)})"
+                )
+        sliding = self.layer_types is not None and SLIDING_ATTENTION in self.layer_types
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or self.sliding_window < 1
+        ):
+            raise config_error(self, "sliding_window", "must be a positive number of tokens; omit it for none")
+        if sliding and self.sliding_window is None and self.init_from is None:
+            raise ValueError(
+                f"{layer_types_given}: has sliding layers but --sliding-window is not set; pass "
+                "--sliding-window TOKENS (the published 27B drafter uses 2048)"
+            )
+        if self.sliding_window is not None and self.layer_types is not None and not sliding:
+            raise config_error(
+                self,
+                "sliding_window",
+                f"would be ignored: {layer_types_given} has no sliding layer; drop --sliding-window "
+                "or make a layer sliding",
+            )

@@ -1,11 +1,14 @@
-"""Typed settings of `dflash-train eval` (no torch import: the CLI builds its options from them)."""
+"""Typed settings of evaluation on held-out shards: `dflash-train eval`'s (EvalConfig) and the evaluation
+inside a training run (TrainEvalConfig, nested in TrainConfig). No torch import: the CLI builds its
+options from them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shards.common.cli_options import cli_field
+from shards.common.cli_options import at_least, cli_field, config_error
 from shards.format import canonical_precision
 
 
@@ -78,3 +81,27 @@ class EvalConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+@dataclass(kw_only=True)
+class TrainEvalConfig:
+    """The held-out evaluation of a training run (dflash-train train's --eval-* options). Only which shards
+    are held out decides the trajectory; when and how much is evaluated a resumed run may change."""
+
+    shards: int = cli_field(0, name="eval_shards")
+    """Hold out the last N shards of the cache (highest batch ids) for evaluation; never trained on."""
+    every: int = cli_field(0, name="eval_every", identity=False)
+    """Evaluate on the held-out shards every N steps; 0 = at the end of every epoch (with --eval-shards > 0; also before training and at the end)."""
+    max_shards: int = cli_field(8, name="eval_max_shards", identity=False)
+    """Evaluate on at most this many held-out shards each time."""
+    tree_budgets: list[int] = cli_field(name="eval_tree_budgets", identity=False, default_factory=list)
+    """DDTree node budgets the in-training evaluation also walks, e.g. 16,32,64 (each costs about one
+    more chain walk per shard). Default: none, the chain walk only (dflash-train eval walks 16,32,64
+    by default)."""
+
+    def __post_init__(self) -> None:
+        at_least(self, 1, "max_shards")
+        at_least(self, 0, "shards", "every")
+        self.tree_budgets = [int(b) for b in self.tree_budgets or ()]  # the CLI passes None for []
+        if any(b < 1 for b in self.tree_budgets):
+            raise config_error(self, "tree_budgets", "must be positive node counts")

@@ -41,13 +41,12 @@ from train.drafter.attention import BlockAttentionLayout
 from train.drafter.model import DFlashDrafter, TargetHead
 from train.eval.tree import tree_acceptance  # noqa: F401  (re-exported: the DDTree rule lives in train/eval/tree.py)
 from train.eval.walk import WalkCounts, response_spans, walk_shard
-from train.loss.chunked import LossConfig, block_loss
+from train.loss.chunked import block_loss
+from train.loss.config import LossConfig
 from train.metrics.block_metrics import accepted_prefix_length
 from train.metrics.sums import COUNT, Sums
 
 log = logging.getLogger(__name__)
-
-DEFAULT_BUDGETS = (16, 32, 64)
 
 
 @dataclass
@@ -181,15 +180,16 @@ def evaluate_drafter(
     seed: int = 0,
     device: torch.device | str = "cpu",
     attention: str = "sdpa",
-    chunk_blocks: int = 32,
-    budgets: Sequence[int] = DEFAULT_BUDGETS,
-    gamma: float = 7.0,
+    budgets: Sequence[int],
+    loss: LossConfig | None = None,
     lanes: int | None = None,
     rank: int = 0,
     world_size: int = 1,
 ) -> EvalResult:
     """Evaluate on `batch_ids` (this rank takes every world_size-th); every rank gets the same result.
-    model and head must already be in the evaluation dtype (see eval_copy). num_blocks (random-anchor
+    model and head must already be in the evaluation dtype (see eval_copy). budgets: the DDTree node
+    budgets walked besides the chain. loss: the run's loss settings (None: LossConfig's defaults); its
+    gamma weights the held-out CE, its chunk bounds the logits held at once. num_blocks (random-anchor
     blocks per shard) and seed default to fixed values, not the run's, so every evaluation of the same
     weights draws the same blocks."""
     device = torch.device(device)
@@ -223,7 +223,9 @@ def evaluate_drafter(
         },
         device,
     )
-    loss_cfg = LossConfig(chunk_blocks=chunk_blocks)
+    loss = loss or LossConfig()
+    chunk_blocks = loss.chunk_blocks
+    loss_cfg = LossConfig(gamma=loss.gamma, chunk_blocks=chunk_blocks)  # the CE alone: no KL or CAP term
     for batch_id in batch_ids[rank::world_size]:
         tensors, _ = reader.read(batch_id, verify_checksum=True)
         hidden_TKH = decode_hidden(tensors["hidden"], tensors.get("hidden_scale")).to(device, dtype)
@@ -239,7 +241,12 @@ def evaluate_drafter(
             sums.add(_walk_key(rule), torch.tensor(counts.as_vector(), dtype=torch.float64))
         gen = torch.Generator().manual_seed(anchor_seed(seed, batch_id=batch_id))
         blocks = sample_shard_blocks(
-            tensors, num_blocks=num_blocks, block_size=B, mask_token_id=cfg.mask_token_id, gamma=gamma, generator=gen
+            tensors,
+            num_blocks=num_blocks,
+            block_size=B,
+            mask_token_id=cfg.mask_token_id,
+            gamma=loss.gamma,
+            generator=gen,
         )
         blocks = type(blocks)(**{k: v.to(device) for k, v in vars(blocks).items()})
         random_layout.update(blocks.seq_start_N, blocks.anchor_N)

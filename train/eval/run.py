@@ -12,7 +12,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from train.drafter.model import DFlashDrafter, TargetHead
 from train.eval.config import EvalConfig
 from train.eval.evaluate import EvalResult, eval_copy, evaluate_drafter
 from train.precision import DTYPES
+
+if TYPE_CHECKING:  # speculative decoding is imported only when --target asks for it
+    from train.eval.speculative import VerifierFactory
 
 log = logging.getLogger(__name__)
 
@@ -93,15 +96,8 @@ def _trained_on(state: dict[str, Any]) -> tuple[str, list[int]] | None:
 def load_drafter(path: str | Path) -> LoadedDrafter:
     """An exported drafter (config.json + model.safetensors), a checkpoint step-NNNNNNNN/, or a run
     directory (its newest valid checkpoint), as `dflash-train export` takes them."""
-    from train.checkpoint.export import CONFIG_FILE, load_exported_drafter
-    from train.checkpoint.store import (
-        MODEL_FILE,
-        STATE_FILE,
-        latest_checkpoint,
-        list_checkpoints,
-        load_model_state,
-        verify_checkpoint,
-    )
+    from train.checkpoint.export import CONFIG_FILE, drafter_from_checkpoint, load_exported_drafter
+    from train.checkpoint.store import MODEL_FILE, STATE_FILE, resolve_checkpoint
 
     path = Path(path)
     if (path / CONFIG_FILE).is_file() and not (path / STATE_FILE).is_file():
@@ -109,20 +105,15 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
         model, cfg = load_exported_drafter(path, dtype=torch.float32)
         dtype = hf.get("dtype", "bfloat16")  # our exports record the training default
         return LoadedDrafter(model, cfg, dtype if dtype in DTYPES else "bfloat16", f"export {path}")
-    ckpt = next((c for c in list_checkpoints(path.parent) if c.path.resolve() == path.resolve()), None)
-    if ckpt is not None:
-        verify_checkpoint(ckpt, files=(MODEL_FILE,))  # as export does, the weights only: eval never reads the optimizer
-    else:
-        ckpt = latest_checkpoint(path)  # a run dir: its newest valid checkpoint
+    # A named checkpoint is verified as export verifies it, the weights only: eval never reads the optimizer.
+    ckpt = resolve_checkpoint(path, files=(MODEL_FILE,))
     if ckpt is None:
         raise ValueError(
             f"--drafter {path}: neither an exported drafter (config.json + model.safetensors), a "
             "checkpoint step-NNNNNNNN/ (train_state.json, model.safetensors) nor a run directory "
             "holding one"
         )
-    cfg = DrafterConfig(**ckpt.state["drafter"])
-    model = DFlashDrafter(cfg)
-    model.load_state_dict(load_model_state(ckpt), strict=True)
+    model, cfg = drafter_from_checkpoint(ckpt)
     identity = ckpt.state.get("config_identity") or {}
     dtype = identity.get("compute_dtype", "bfloat16")
     return LoadedDrafter(model, cfg, dtype, f"checkpoint {ckpt.path}", _trained_on(ckpt.state))
@@ -160,11 +151,14 @@ def _trained_on_warning(ids: list[int]) -> str:
     )
 
 
-def run_eval(cfg: EvalConfig) -> EvalOutput:
-    """Everything `dflash-train eval` does; raises ValueError naming flag and value."""
+def run_eval(cfg: EvalConfig, verifier_factory: VerifierFactory | None = None) -> EvalOutput:
+    """Everything `dflash-train eval` does; raises ValueError naming flag and value.
+
+    verifier_factory builds the target for --target (speculative.build_verifier); the `dflash-train`
+    console script passes it in, as train/ cannot import extract/'s model itself."""
     from shards import load_target_head
     from shards.common.runtime import resolve_device
-    from train.config import planned_batch_ids
+    from train.resolve import planned_batch_ids
 
     reader = ShardReader(cfg.cache) if cfg.cache is not None else None
     ids, trained_on = None, []
@@ -223,7 +217,7 @@ def run_eval(cfg: EvalConfig) -> EvalOutput:
         prompts = read_prompts(
             cfg.prompts, loaded.config.vocab_size, cfg.max_prompts
         )  # user input checked before the target loads
-        verifier = build_verifier(cfg.target, loaded.config.tap_layer_ids, device, dtype)
+        verifier = build_verifier(verifier_factory, cfg.target, loaded.config.tap_layer_ids, device, dtype)
         if verifier.lm_head_VH.shape != (loaded.config.vocab_size, loaded.config.hidden_size):
             raise ValueError(
                 f"--target {cfg.target}: its LM head {tuple(verifier.lm_head_VH.shape)} does not fit "

@@ -14,10 +14,10 @@ does the same steps on data, and on the target's own greedy data it gives the sa
 The target is any `Verifier`: given token ids it returns the target's greedy next token after every
 position and the tapped hidden states (recomputing the whole prefix each call is acceptable: this
 measures acceptance and relative speed, not a serving engine). train/ never imports extract/ (house
-rule), so the target verifier is built in tools/ (tools/cli/verifier.py) and handed over through one
-seam: `register_verifier_factory`. The `dflash-train` console script is tools/cli/dflash_train.py, which
-registers extract's target model as the factory and then runs this package's CLI; `--target` without
-a registered factory (e.g. `python -m train.cli`) is refused, naming the entry point to use.
+rule), so the target verifier is built in tools/ (tools/cli/verifier.py) and handed in as an argument:
+the `dflash-train` console script (tools/cli/dflash_train.py) gives train/cli.py's commands a factory
+for extract's target model (train.cli.EntryPoint), and `eval` passes it to run_eval and on to
+build_verifier. `--target` without one (e.g. `python -m train.cli`) is refused, naming the entry point.
 
 Legend: L tokens so far, K taps, H hidden, B block size, S = B-1 drafts, V vocab.
 """
@@ -49,23 +49,19 @@ class Verifier(Protocol):
 
 
 VerifierFactory = Callable[..., Verifier]  # (target_dir, tap_layer_ids, device, dtype) -> Verifier
-_factory: VerifierFactory | None = None
 
 
-def register_verifier_factory(factory: VerifierFactory | None) -> None:
-    """Called by tools/cli/dflash_train.py (the console script) before the CLI runs; None unregisters."""
-    global _factory
-    _factory = factory
-
-
-def build_verifier(target_dir: str, tap_layer_ids: list[int], device: torch.device, dtype: torch.dtype) -> Verifier:
-    if _factory is None:
+def build_verifier(
+    factory: VerifierFactory | None, target_dir: str, tap_layer_ids: list[int], device: torch.device, dtype: torch.dtype
+) -> Verifier:
+    """The target at `target_dir` as a verifier, built by the factory the console script handed in."""
+    if factory is None:
         raise ValueError(
             "--target needs the target model, which the `dflash-train` console script provides "
             "(tools/cli/dflash_train.py); run `dflash-train eval ...` or `python -m tools.cli.dflash_train eval ...`"
             " rather than `python -m train.cli`"
         )
-    return _factory(target_dir, tap_layer_ids, device, dtype)
+    return factory(target_dir, tap_layer_ids, device, dtype)
 
 
 @dataclass

@@ -43,6 +43,7 @@ import torch
 from train.drafter.attention import BlockAttentionLayout
 from train.drafter.model import ContextKV, DFlashDrafter, TargetHead
 from train.eval.tree import tree_acceptance
+from train.loss.config import LossConfig
 from train.metrics.block_metrics import accepted_prefix_length
 
 
@@ -162,7 +163,7 @@ def draft_accepted(
     labels_NS: torch.Tensor,
     valid_NS: torch.Tensor,
     budget: int | None,
-    chunk_blocks: int = 32,
+    chunk_blocks: int,
 ) -> list[int]:
     """Accepted drafts per block: chain (budget None) or DDTree at `budget` nodes; labels [NB, S]."""
     NB, B, H = hidden_NBH.shape
@@ -194,7 +195,7 @@ def walk_shard(
     layout: BlockAttentionLayout,
     *,
     budget: int | None = None,
-    chunk_blocks: int = 32,
+    chunk_blocks: int = LossConfig.chunk_blocks,  # the loss's chunking: the same bound on logits memory
 ) -> WalkCounts:
     """Walk every response of one packed batch (all tensors on the model's device; `layout` sized for
     T context tokens and NB lanes). context = model.context(hidden_TKH, position_ids_T, dtype): the

@@ -24,41 +24,14 @@ T packed tokens, Kt stored target top-k.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from train.blocks import TrainingBlocks
 from train.drafter.model import lm_head_weight
+from train.loss.config import LossConfig
 from train.loss.fused import ChunkTargets, compiled_loss_and_logit_grad, loss_and_logit_grad
-
-
-@dataclass(kw_only=True)
-class LossConfig:
-    """Loss weights and chunking: the one owner of every loss setting of a run."""
-
-    gamma: float = 7.0
-    """Decay of the slot weights: slot k >= 1 is weighted exp(-(k-1)/gamma) (recipe: 7 for block 16)."""
-    kl_lambda: float = 0.0
-    """Weight of KL(target || drafter) on the stored target top-k; 0 disables it (no top-k needed)."""
-    cap_lambda: float = 0.0
-    """Weight of the CAP term (minus the expected accepted length / (B-1)); 0 disables it."""
-    chunk_blocks: int = 32
-    """Blocks per LM-head chunk: the chunk's float32 logits take chunk_blocks*B*V*4 bytes (x~3 live)."""
-    fused: bool = False
-    """Training chunks take fused_loss.py's hand-written gradient (compiled on CUDA) instead of
-    autograd over float32 log-softmax; evaluation (no gradient) always takes the reference path."""
-
-    def __post_init__(self) -> None:
-        if not self.gamma > 0:
-            raise ValueError(f"LossConfig.gamma must be > 0, got {self.gamma}")
-        if self.kl_lambda < 0:
-            raise ValueError(f"LossConfig.kl_lambda must be >= 0, got {self.kl_lambda}")
-        if self.cap_lambda < 0:
-            raise ValueError(f"LossConfig.cap_lambda must be >= 0, got {self.cap_lambda}")
-        if self.chunk_blocks < 1:
-            raise ValueError(f"LossConfig.chunk_blocks must be >= 1, got {self.chunk_blocks}")
 
 
 class LossParts(NamedTuple):

@@ -42,7 +42,7 @@ def accepted_prefix_length(ok_CS: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def block_metrics(
-    hidden_NBH: torch.Tensor, lm_head, blocks: TrainingBlocks, *, topk: int = 4, chunk_blocks: int = 32
+    hidden_NBH: torch.Tensor, lm_head, blocks: TrainingBlocks, *, topk: int, chunk_blocks: int
 ) -> dict[str, Counted]:
     """(sum, count) float32 tensors per metric: [B-1] vectors for *_slot, scalars for the rest."""
     if topk < 1:

@@ -21,6 +21,7 @@ from typing import IO, Any
 
 import torch
 
+from shards.common.errors import UserError
 from shards.common.progress import format_duration
 from train.distributed import all_reduce_sum_
 from train.metrics.block_metrics import metric_sizes
@@ -48,7 +49,7 @@ _PER_STEP = (
 _BAD = ("loss_step", "loss_batch", "input_step", "input_batch")  # first_bad's slots
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError, RuntimeError):
     """A batch produced non-finite hidden states or loss; the message names the step and batch id."""
 
 

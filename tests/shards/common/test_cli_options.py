@@ -20,7 +20,10 @@ from shards.common.cli_options import (
     config_options,
     field_docs,
     flag_name,
+    from_options,
+    option_fields,
     parse_number_list,
+    to_options,
 )
 from tests.helpers.train import tiny_cache, tiny_cli_args
 from tools.cli.dflash_shards import main as shards_cli
@@ -119,6 +122,61 @@ def test_bad_values_are_usage_errors_naming_the_flag(tmp_path):
     assert res.exit_code == 2 and "--mode" in res.output
 
 
+@dataclass(kw_only=True)
+class Inner:
+    steps: int = cli_field(2, name="inner_steps")
+    """Steps of the inner part."""
+    cadence: int = cli_field(5, identity=False)
+    """How often (a resume may change it)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise config_error(self, "steps", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class Outer:
+    size: int = 3
+    """How many."""
+    inner: Inner = dataclasses.field(default_factory=Inner)
+    """The inner part."""
+    last: bool = False
+    """Last option."""
+
+
+@click.command()
+@config_options(Outer)
+def outer(**options):
+    cfg = build_config(Outer, options)
+    click.echo(json.dumps({"nested": dataclasses.asdict(cfg), "flat": to_options(cfg)}))
+
+
+def test_nested_config_fields_are_top_level_options_in_place():
+    assert [p.name for p in outer.params] == ["size", "inner_steps", "cadence", "last"]
+    res = CliRunner().invoke(outer, ["--inner-steps", "4", "--cadence", "1"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["nested"] == {"size": 3, "inner": {"steps": 4, "cadence": 1}, "last": False}
+    assert list(out["flat"].items()) == [("size", 3), ("inner_steps", 4), ("cadence", 1), ("last", False)]
+    res = CliRunner().invoke(outer, ["--inner-steps", "0"])
+    assert res.exit_code == 2 and "--inner-steps 0: must be >= 1" in res.output
+    assert "Steps of the inner part.  [default: 2]" in CliRunner().invoke(outer, ["--help"], terminal_width=200).output
+    assert flag_name(Outer, "inner_steps") == flag_name(Inner, "steps") == "--inner-steps"
+
+
+def test_flat_options_round_trip_and_identity_is_declared_on_the_field(tmp_path):
+    cfg = from_options(Outer, {"size": 7, "inner_steps": 3, "last": True})
+    assert cfg == Outer(size=7, inner=Inner(steps=3), last=True)
+    assert from_options(Outer, to_options(cfg)) == cfg
+    assert to_options(cfg, identity_only=True) == {"size": 7, "inner_steps": 3, "last": True}
+    with pytest.raises(TypeError, match="no option named steps"):
+        from_options(Outer, {"steps": 3})
+    train = TrainConfig(cache=str(tmp_path), out_dir=str(tmp_path / "r"))
+    assert from_options(TrainConfig, train.to_dict()) == train
+    assert {"gamma", "loss_chunk_blocks", "lr", "eval_shards", "tap_layer_ids"} <= set(train.identity())
+    assert not {"fused_loss", "eval_every", "log_every", "cache", "out_dir"} & set(train.identity())
+
+
 def test_number_list_parser():
     assert parse_number_list("1,16, 31 46") == [1, 16, 31, 46]
     assert parse_number_list("0.9,0.999", float) == [0.9, 0.999]
@@ -129,11 +187,10 @@ def test_number_list_parser():
 @pytest.mark.parametrize("cls, command", [(TrainConfig, train_cli.commands["train"]), (ExtractConfig, extract_cli)])
 def test_every_config_field_is_an_option_with_help(cls, command):
     params = {p.name: p for p in command.params}
-    docs = field_docs(cls)
-    for f in dataclasses.fields(cls):
-        assert f.name in params, f"{cls.__name__}.{f.name} has no option"
-        assert flag_name(cls, f.name) in params[f.name].opts
-        assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring (its --help)"
+    for o in option_fields(cls):  # every leaf field, nested configs' included
+        assert o.name in params, f"{cls.__name__}.{o.name} has no option"
+        assert flag_name(cls, o.name) in params[o.name].opts
+        assert field_docs(o.owner).get(o.field.name), f"{cls.__name__}.{o.name} has no docstring (its --help)"
 
 
 def test_cli_defaults_are_the_config_defaults(tmp_path):

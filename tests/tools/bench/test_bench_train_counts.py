@@ -1,11 +1,11 @@
-"""tools/bench/train's analytic counts (keys per query per layer, kv tiles visited) against the masks."""
+"""tools/bench/train_workload's analytic counts (keys per query per layer, kv tiles visited) against the masks."""
 
 from types import SimpleNamespace
 
 import torch
 
 from tests.helpers.drafter import ranges_at_sequence_starts
-from tools.bench.train import SIZES, drafter_config, mean_keys_per_layer, parse_layer_types, visited_kv_tiles
+from tools.bench.train_workload import SIZES, drafter_config, mean_keys_per_layer, parse_layer_types, visited_kv_tiles
 from train.drafter.attention import BlockAttentionLayout, block_mask_dense
 
 

@@ -18,7 +18,8 @@ from train.drafter.attention import BlockAttentionLayout
 from train.drafter.config import DrafterConfig
 from train.drafter.model import DFlashDrafter, Linear, TargetHead
 from train.drafter.pointwise import compile_pointwise_
-from train.loss.chunked import LossConfig, block_loss
+from train.loss.chunked import block_loss
+from train.loss.config import LossConfig
 from train.precision import WorkingWeights
 
 pytestmark = pytest.mark.gpu
@@ -81,7 +82,7 @@ def test_flex_matches_sdpa_at_27b_width(param_dtype, layers):
     batch = cuda_batch(cfg, [700, 900, 300, 100], 2048, 8)
     num_blocks = 64
     blocks = seeded_blocks(cfg, batch, num_blocks)
-    loss_cfg = LossConfig(chunk_blocks=16)
+    loss_cfg = LossConfig(chunk_blocks=16, fused=False)
     results = []
     for backend in ("flex", "sdpa"):
         model.zero_grad(set_to_none=True)
@@ -111,7 +112,7 @@ def test_training_step_captures_into_cuda_graph_and_replays(layers):
     reference = copy.deepcopy(model)
     batch = cuda_batch(cfg, [300, 400, 200], 1024, 4)
     num_blocks = 32
-    loss_cfg = LossConfig(kl_lambda=0.0, cap_lambda=0.5, chunk_blocks=8)
+    loss_cfg = LossConfig(kl_lambda=0.0, cap_lambda=0.5, chunk_blocks=8, fused=False)
     layout = BlockAttentionLayout.for_drafter(cfg, num_ctx=1024, num_blocks=num_blocks, backend="flex", device=DEVICE)
 
     def step():

@@ -5,6 +5,7 @@ same figures (fp32). Also the whose-tokens check (data == target top-1 on such a
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -15,12 +16,11 @@ from extract.runner import run_extract
 from shards import ShardReader
 from tests.helpers.extract import extract_cfg
 from tests.helpers.train import tiny_config
-from tools.cli.dflash_train import _target_verifier
+from tools.cli.dflash_train import main as dflash_train
 from tools.cli.verifier import TargetVerifier
 from tools.fixtures.demo_data import greedy_continuations
 from tools.fixtures.tiny_target import write_random_checkpoint
 from train.cli import main as train_cli
-from train.config import TrainConfig
 from train.drafter.model import TargetHead
 from train.eval.evaluate import evaluate_drafter
 from train.eval.run import load_drafter
@@ -28,10 +28,10 @@ from train.eval.speculative import (
     decode_prompts,
     greedy_generate,
     read_prompts,
-    register_verifier_factory,
     speculative_generate,
 )
 from train.loop import run_training
+from train.optim import OptimConfig
 
 NEW_TOKENS = 20
 
@@ -45,7 +45,7 @@ def setup(tmp_path_factory):
     write_jsonl(root / "data.jsonl", samples)
     run_extract(extract_cfg(target, root / "data.jsonl", root / "cache", target_topk=1))
     # The default warmup share, and no logging or metrics to speak of: only the trained drafter matters.
-    quiet = dict(warmup_ratio=TrainConfig.warmup_ratio, log_every=1000, metrics_every=1000)
+    quiet = dict(warmup_ratio=OptimConfig.warmup_ratio, log_every=1000, metrics_every=1000)
     run_training(tiny_config(root / "cache", root / "run", epochs=30, num_blocks=32, lr=3e-3, **quiet))
     return root, target, samples
 
@@ -102,7 +102,7 @@ def test_walk_equals_real_speculative_decoding_on_target_greedy_data(setup):
     assert sum(want.accepted_histogram[1:]) >= 10, f"the test needs accepted drafts to mean anything ({want})"
 
 
-def test_eval_cli_with_target_and_prompts(setup, tmp_path):
+def test_eval_cli_with_target_and_prompts(setup, tmp_path, monkeypatch, capsys):
     root, target, samples = setup
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
@@ -127,16 +127,14 @@ def test_eval_cli_with_target_and_prompts(setup, tmp_path):
         "--out",
         str(tmp_path / "e.json"),
     ]
-    register_verifier_factory(None)
-    res = CliRunner().invoke(train_cli, args)
+    res = CliRunner().invoke(train_cli, args)  # train.cli alone (`python -m train.cli`): no target model
     assert res.exit_code == 1 and "dflash-train eval" in res.output, res.output  # no factory: named refusal
-    register_verifier_factory(_target_verifier)
-    try:
-        res = CliRunner().invoke(train_cli, args, catch_exceptions=False)
-    finally:
-        register_verifier_factory(None)
-    assert res.exit_code == 0, res.output
-    assert "identical to plain greedy decoding" in res.output and "tokens/s" in res.output
+    monkeypatch.setattr(sys, "argv", ["dflash-train", *args])  # the console script, as installed
+    with pytest.raises(SystemExit) as done:
+        dflash_train()
+    shown = capsys.readouterr()
+    assert done.value.code == 0, shown.err
+    assert "identical to plain greedy decoding" in shown.out and "tokens/s" in shown.out
     out = json.loads((tmp_path / "e.json").read_text())["speculative_decoding"]
     assert out["identical_to_greedy"] == 3 and out["acceptance_length"] >= 1.0 and out["greedy_tokens_per_s"] > 0
     bad = tmp_path / "bad.jsonl"

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tests.helpers.drafter import MASK_ID, VOCAB, batch_blocks, make_batch
-from train.loss.chunked import LossConfig, block_loss, block_loss_unchunked
+from train.loss.chunked import block_loss, block_loss_unchunked
+from train.loss.config import LossConfig
 from train.metrics.block_metrics import block_metrics
 
 B, H, KT, BUDGET = 5, 8, 6, 40
@@ -188,7 +189,7 @@ def test_metrics_match_naive_loop(topk):
 
 def test_no_grad_call_gives_same_values():
     blocks, hidden, lm_head, ids, lp = setup()
-    cfg = LossConfig(kl_lambda=0.2, cap_lambda=0.4, chunk_blocks=4)
+    cfg = LossConfig(kl_lambda=0.2, cap_lambda=0.4, chunk_blocks=4, fused=False)
     h = hidden.clone().requires_grad_()
     with_grad = block_loss(h, lm_head, blocks, cfg, ids, lp)
     with torch.no_grad():

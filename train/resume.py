@@ -1,0 +1,100 @@
+"""Whether a checkpoint may be resumed by this run: one comparison (shards.common.identity) of what the
+checkpoint recorded with what the run has now, naming the flag of every setting that differs.
+
+Compared, in this order (a refusal lists every difference, in this order):
+  settings   the run's identity resolved against the cache (train/resolve.py: resolved_identity) with
+             the checkpoint's "resolved_identity"; a checkpoint written before that was recorded: the
+             raw cfg.identity() with its "config_identity"
+  drafter    the resolved DrafterConfig with the checkpoint's, field by field (what the settings left out)
+  world size the data cursor is per rank
+  cache      the target's config hash, then the cache identity (target head checksum, dataset
+             fingerprint, shard count, cache id; checked only when the checkpoint recorded it)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from shards.common.cli_options import flag_name, option_fields, shown
+from shards.common.identity import differences
+from train.checkpoint.store import Checkpoint
+from train.config import TrainConfig
+from train.resolve import ResolvedRun, resolved_identity
+
+
+def cache_identity(run: ResolvedRun) -> dict[str, Any]:
+    """What a resumed run must find again in its cache: the same target weights, data and shards."""
+    cc = run.cache_config
+    return {
+        "target_head_checksum": cc.target_head_checksum,
+        "dataset_fingerprint": cc.dataset.fingerprint if cc.dataset is not None else None,
+        "num_shards": len(run.train_ids) + len(run.eval_ids),
+        "cache_id": cc.cache_id(),
+    }
+
+
+def check_resume(ckpt: Checkpoint, cfg: TrainConfig, run: ResolvedRun, world_size: int) -> None:
+    """Refuse (ValueError naming each flag) to resume `ckpt` under other resolved settings or another cache."""
+    state = ckpt.state
+    recorded, now = state.get("resolved_identity"), resolved_identity(cfg, run)
+    if not isinstance(recorded, dict):  # written before the resolved identity was recorded
+        recorded, now = state.get("config_identity", {}), cfg.identity()
+    elif _same_directory(recorded.get("init_from"), cfg.drafter.init_from):  # before --init-from was hashed
+        now["init_from"] = recorded["init_from"]
+    settings = differences(recorded, now)
+    diffs = [d.describe("checkpoint", "now", _setting, shown) for d in settings]
+    recorded_drafter = state.get("drafter")
+    if isinstance(recorded_drafter, dict):
+        drafter_now = json.loads(json.dumps(dataclasses.asdict(run.drafter)))  # as the checkpoint holds it
+        differ = {d.key for d in settings}  # named once, as a setting
+        diffs += [
+            d.describe("checkpoint", "now", _drafter_field, shown)
+            for d in differences(recorded_drafter, drafter_now)
+            if d.key not in differ
+        ]
+    diffs += [
+        d.describe("checkpoint", "now", show=str) + " (the data cursor is per rank)"
+        for d in differences({"world_size": state.get("world_size")}, {"world_size": world_size})
+    ]
+    target_hash = run.cache_config.target.config_hash
+    diffs += [
+        d.describe("checkpoint", "now", lambda key: f"cache target {key}")
+        for d in differences({"config_hash": state.get("target_config_hash")}, {"config_hash": target_hash})
+    ]
+    recorded_cache, cache_now = state.get("cache_identity"), cache_identity(run)
+    if isinstance(recorded_cache, dict):  # checkpoints written before it was recorded are checked without it
+        diffs += [
+            d.describe("checkpoint", "now", lambda key: f"cache {key}")
+            for d in differences({k: recorded_cache.get(k) for k in cache_now}, cache_now)
+        ]
+    if diffs:
+        raise ValueError(
+            f"cannot resume from {ckpt.path}: settings differ ({'; '.join(diffs)}); "
+            "use the original settings or a new --out directory"
+        )
+
+
+def _is_option(key: str) -> bool:
+    return any(o.name == key for o in option_fields(TrainConfig))
+
+
+def _setting(key: str) -> str:
+    """The flag that sets a recorded setting, else the setting's own name."""
+    return flag_name(TrainConfig, key) if _is_option(key) else key
+
+
+def _drafter_field(key: str) -> str:
+    return f"drafter {key} ({flag_name(TrainConfig, key)})" if _is_option(key) else f"drafter {key}"
+
+
+def _same_directory(recorded: Any, now: str | None) -> bool:
+    """A checkpoint's --init-from recorded as a path (before its content was recorded) names `now`."""
+    if not isinstance(recorded, str) or now is None or recorded.startswith("content crc32"):
+        return False
+    try:
+        return recorded == now or os.path.samefile(recorded, now)
+    except OSError:
+        return False
