@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-import sys
 
 import click
 
 from extract.config import ExtractConfig
 from shards.common.cli_options import CONTEXT_SETTINGS, build_config, config_options, gpus_option, relaunch_if_asked
+from shards.common.errors import user_errors
+from shards.common.logs import setup_logging
 
 log = logging.getLogger("extract")
 
@@ -16,6 +17,7 @@ log = logging.getLogger("extract")
 @click.command(context_settings=CONTEXT_SETTINGS)
 @config_options(ExtractConfig)
 @gpus_option
+@user_errors(ValueError, OSError)  # the family (a pre-empted run: `stopped: ...`, exit 143), bad inputs, disk
 def main(gpus: str | None, **options) -> None:
     """Run the frozen target over a dataset and write its hidden states as a DFlash training cache.
 
@@ -27,22 +29,13 @@ def main(gpus: str | None, **options) -> None:
       torchrun --nnodes 2 --nproc-per-node 8 ... -m extract.cli --target ... --out /shared/cache
     Disk: taps x hidden x 2 bytes per token in bf16 (5 x 5120: 51 KB), half with --storage fp8.
     """
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
-    )
+    setup_logging()
     if relaunch_if_asked("extract.cli", gpus):
         return
     cfg = build_config(ExtractConfig, options)
-    from extract.runner import CacheMismatchError, ExtractionStopped, run_extract  # heavy imports after argument checks
-    from extract.writer import NonFiniteHiddenError
+    from extract.runner import run_extract  # heavy imports after argument checks
 
-    try:
-        summary = run_extract(cfg)
-    except (CacheMismatchError, NonFiniteHiddenError, ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from e
-    except ExtractionStopped as e:  # pre-empted: a clean stop, reported as 128 + SIGTERM like a killed job
-        click.echo(f"stopped: {e}", err=True)
-        sys.exit(143)
+    summary = run_extract(cfg)
     if summary.rank == 0:  # the job's summary (every rank's counts); the other ranks' are in their logs
         click.echo(summary.report())
 

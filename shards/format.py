@@ -39,6 +39,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from shards.common.crc import crc32
+from shards.common.errors import UserError
 
 FORMAT_VERSION = 2
 CACHE_CONFIG_FILE = "cache.json"
@@ -76,7 +77,7 @@ def canonical_precision(name: Any, choices: Sequence[str]) -> Any:
     return other if other in choices else name
 
 
-class CacheFormatError(ValueError):
+class CacheFormatError(UserError, ValueError):
     """A cache file is missing, malformed or inconsistent; the message names the file."""
 
 

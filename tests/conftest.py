@@ -61,7 +61,7 @@ def no_work(monkeypatch):
     """Each stage's first work (dflash-extract's dataset scan, dflash-train's trainer, the checkpoint an
     export loads, the drafter eval loads) fails the test if it starts: for refusals that must come before any work."""
     import extract.runner
-    import train.cli
+    import train.checkpoint.export
     import train.eval.run
     import train.loop
 
@@ -70,5 +70,5 @@ def no_work(monkeypatch):
 
     monkeypatch.setattr(extract.runner, "scan_dataset", started)
     monkeypatch.setattr(train.loop, "Trainer", started)
-    monkeypatch.setattr(train.cli, "_model_from_checkpoint", started)
+    monkeypatch.setattr(train.checkpoint.export, "drafter_from_checkpoint", started)
     monkeypatch.setattr(train.eval.run, "load_drafter", started)

@@ -11,25 +11,33 @@ import difflib
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from shards.common.cli_options import CONTEXT_SETTINGS, build_config, config_options, gpus_option, relaunch_if_asked
+from shards.common.errors import user_errors
+from shards.common.logs import setup_logging
 from train.config import TrainConfig
 from train.eval.config import EvalConfig
+
+if TYPE_CHECKING:  # the eval stack imports torch and the drafter: only when a command runs
+    from train.eval.speculative import VerifierFactory
 
 log = logging.getLogger("train")
 
 
-def _setup_logging() -> None:
-    rank = os.environ.get("RANK", "0")
-    fmt = (
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"
-        if rank == "0"
-        else f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
-    )
-    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING, format=fmt, datefmt="%H:%M:%S")
+@dataclass(frozen=True, kw_only=True)
+class EntryPoint:
+    """What the console script hands the commands, as click's context object: `main(obj=EntryPoint(...))`."""
+
+    verifier_factory: VerifierFactory | None = None
+    """Builds the target as a speculative-decoding verifier for `eval --target`. train/ never imports
+    extract/, so only the `dflash-train` console script (tools/cli/dflash_train.py, which may import
+    both) gives one; `python -m train.cli` runs without, and `eval --target` is then refused, naming
+    the console script."""
 
 
 class _DefaultToTrain(click.Group):
@@ -58,6 +66,7 @@ def main() -> None:
 @main.command(context_settings=CONTEXT_SETTINGS)
 @config_options(TrainConfig)
 @gpus_option
+@user_errors(ValueError)  # config/cache mismatches, bad shards (ShardError), resume refusals, non-finite loss
 def train(gpus: str | None, **options) -> None:
     """Train a DFlash drafter on a hidden-state cache.
 
@@ -68,22 +77,13 @@ def train(gpus: str | None, **options) -> None:
     Writes OUT/metrics.jsonl (one JSON record per log), OUT/run.json (config, git sha, versions, argv)
     and OUT/step-NNNNNNNN/ checkpoints; export one with `dflash-train export`.
     """
-    _setup_logging()
+    setup_logging(other_ranks_level=logging.WARNING)
     if relaunch_if_asked("train.cli", gpus):
         return
     cfg = build_config(TrainConfig, options)
     from train.loop import run_training  # heavy imports after argument checks
 
-    try:
-        summary = run_training(cfg)
-    except ValueError as e:  # config/cache mismatches, bad shards (ShardError), resume refusals
-        raise click.ClickException(str(e)) from e
-    except RuntimeError as e:
-        from train.metrics.logger import NonFiniteError
-
-        if isinstance(e, NonFiniteError):
-            raise click.ClickException(str(e)) from e
-        raise
+    summary = run_training(cfg)
     main_rank = os.environ.get("RANK", "0") == "0"
     if summary.already_complete:
         if main_rank:
@@ -125,41 +125,14 @@ def train(gpus: str | None, **options) -> None:
 @click.option(
     "--overwrite", is_flag=True, help="Replace an earlier export in OUT (any other non-empty OUT is refused)."
 )
+@user_errors(ValueError, OSError)  # a damaged or missing checkpoint (CheckpointError), an OUT that is not ours
 def export(checkpoint: str, out: str, overwrite: bool) -> None:
     """Export CHECKPOINT (a step-NNNNNNNN dir, or a run dir: its newest) to OUT as a DFlashDraftModel."""
-    _setup_logging()
-    from train.checkpoint.export import check_export_target, export_drafter
-    from train.checkpoint.store import latest_checkpoint, list_checkpoints, verify_checkpoint
+    setup_logging(other_ranks_level=logging.WARNING)
+    from train.checkpoint.export import export_checkpoint
 
-    path = Path(checkpoint)
-    try:
-        check_export_target(Path(out), overwrite)  # before any work
-        ckpt = next((c for c in list_checkpoints(path.parent) if c.path.resolve() == path.resolve()), None)
-        if ckpt is not None:
-            verify_checkpoint(ckpt)  # the one asked for: refused when damaged, never replaced by another
-        else:
-            ckpt = latest_checkpoint(path)  # a run dir: its newest valid checkpoint
-        if ckpt is None:
-            raise click.ClickException(
-                f"{checkpoint}: not a valid checkpoint (step-NNNNNNNN with train_state.json, "
-                "model.safetensors, optimizer.pt) nor a run directory holding one"
-            )
-        model, cfg = _model_from_checkpoint(ckpt)
-        export_drafter(model, cfg, out, overwrite=overwrite)
-    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
-        raise click.ClickException(str(e)) from e
+    ckpt = export_checkpoint(checkpoint, out, overwrite)
     click.echo(f"exported {ckpt.path} (step {ckpt.step}) -> {out}")
-
-
-def _model_from_checkpoint(ckpt):
-    from train.checkpoint.store import load_model_state
-    from train.drafter.config import DrafterConfig
-    from train.drafter.model import DFlashDrafter
-
-    cfg = DrafterConfig(**ckpt.state["drafter"])
-    model = DFlashDrafter(cfg)
-    model.load_state_dict(load_model_state(ckpt), strict=True)
-    return model, cfg
 
 
 @main.command(name="eval", context_settings=CONTEXT_SETTINGS)
@@ -171,7 +144,9 @@ def _model_from_checkpoint(ckpt):
     default=None,
     help="Write the results as JSON here (acceptance_length, acceptance_length_pooled, batch_ids, ...). Default: the table on stdout only.",
 )
-def eval_cmd(out_json, **options) -> None:
+@click.pass_obj
+@user_errors(ValueError, FileNotFoundError)  # bad settings or drafter, a cache or file that is not there
+def eval_cmd(entry: EntryPoint | None, out_json, **options) -> None:
     """Evaluate a drafter on held-out shards by walking them as greedy speculative decoding does.
 
     \b
@@ -181,18 +156,15 @@ def eval_cmd(out_json, **options) -> None:
       dflash-train eval --drafter drafter/ --cache cache --eval-shards 8 --out eval.json
       dflash-train eval --drafter runs/a --cache cache --eval-shards 8 --dtype float32
     """
-    _setup_logging()
+    setup_logging(other_ranks_level=logging.WARNING)
     cfg = build_config(EvalConfig, options)
     from train.outputs import check_output_file, is_eval_record, write_eval_json
 
-    try:
-        if out_json:  # before any work: never a user's file, never a missing directory
-            check_output_file(out_json, "--out", is_eval_record, "dflash-train eval")
-        from train.eval.run import run_eval  # heavy imports after argument checks
+    if out_json:  # before any work: never a user's file, never a missing directory
+        check_output_file(out_json, "--out", is_eval_record, "dflash-train eval")
+    from train.eval.run import run_eval  # heavy imports after argument checks
 
-        result = run_eval(cfg)
-    except (ValueError, FileNotFoundError) as e:
-        raise click.ClickException(str(e)) from e
+    result = run_eval(cfg, verifier_factory=(entry or EntryPoint()).verifier_factory)
     click.echo(result.table())
     if out_json:
         write_eval_json(out_json, result.to_dict())
@@ -203,6 +175,7 @@ def eval_cmd(out_json, **options) -> None:
 @click.option(
     "--out", "out_png", type=click.Path(dir_okay=False), default=None, help="PNG to write. Default: RUN/run.png."
 )
+@user_errors(OSError, ValueError, RuntimeError)  # an unreadable run, no metrics yet, matplotlib missing
 def plot(run: str, out_png: str | None) -> None:
     """Draw RUN's loss terms, learning rate, tokens/s and held-out acceptance against steps (a PNG).
 
@@ -213,11 +186,8 @@ def plot(run: str, out_png: str | None) -> None:
     from train.metrics.plot import PLOT_FILE, plot_run, read_run_metrics
 
     out = Path(out_png) if out_png else Path(run) / PLOT_FILE
-    try:
-        drawn = plot_run(run, out)
-        metrics = read_run_metrics(run)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise click.ClickException(str(e)) from e
+    drawn = plot_run(run, out)
+    metrics = read_run_metrics(run)
     evals = len(metrics.evals)
     click.echo(
         f"wrote {out}: {len(drawn)} curves over steps {metrics.records[0]['step']}..{metrics.records[-1]['step']}"

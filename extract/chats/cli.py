@@ -15,8 +15,9 @@ import click
 
 from extract.chats.prepare import PrepareConfig, prepare_dataset
 from extract.chats.regenerate import RegenerateConfig
-from extract.dataset.rows import DataError
 from shards.common.cli_options import CONTEXT_SETTINGS, build_config, config_options
+from shards.common.errors import user_errors
+from shards.common.logs import setup_logging
 
 _NUM_FAILURES_SHOWN = 20
 
@@ -30,15 +31,14 @@ def main() -> None:
     "reasoning_content", "tool_calls"}]}) or ShareGPT ({"conversations": [{"from", "value"}]}),
     as JSON Lines, JSON or Parquet; a file, a directory or a glob.
     """
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
-    )
+    setup_logging()
     for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
 @config_options(PrepareConfig)
+@user_errors(OSError)  # the family (DataError, ChatTemplateError), an unreadable input, an existing --out
 def prepare(**options) -> None:
     """Render conversations with the target's chat template and mask what the model generates.
 
@@ -46,13 +46,8 @@ def prepare(**options) -> None:
     content, tool calls and the end-of-turn token), computed on the final rendering, so templates
     that rewrite earlier turns (Qwen3.5 drops earlier reasoning) are handled.
     """
-    from extract.chats.template import ChatTemplateError
-
     cfg = build_config(PrepareConfig, options)
-    try:
-        summary = prepare_dataset(cfg)
-    except (DataError, ChatTemplateError, FileExistsError, OSError) as e:
-        raise click.ClickException(str(e)) from e
+    summary = prepare_dataset(cfg)
     for item in summary.skipped[:_NUM_FAILURES_SHOWN]:
         click.echo(f"skipped {item['row']}: {item['reason']}", err=True)
     click.echo(f"done: {summary.line()} (summary in {cfg.out}.summary.json)")
@@ -60,6 +55,7 @@ def prepare(**options) -> None:
 
 @main.command(context_settings=CONTEXT_SETTINGS)
 @config_options(RegenerateConfig)
+@user_errors(ValueError, OSError)  # the family, bad settings or rows, an unreachable server (ConnectionError)
 def regenerate(**options) -> None:
     """Replace assistant turns with the target's own replies from an OpenAI-compatible server.
 
@@ -71,10 +67,7 @@ def regenerate(**options) -> None:
     from extract.chats.regenerate import regenerate_dataset
 
     cfg = build_config(RegenerateConfig, options)
-    try:
-        summary = regenerate_dataset(cfg)
-    except (DataError, ValueError, ConnectionError, FileExistsError, OSError) as e:
-        raise click.ClickException(str(e)) from e
+    summary = regenerate_dataset(cfg)
     click.echo(f"done: {summary.line()}")
     if summary.failures:
         for failure in summary.failures[:_NUM_FAILURES_SHOWN]:

@@ -18,10 +18,12 @@ import sys
 import time
 from pathlib import Path
 
+from shards.common.errors import UserError
+
 LOCK_FILE = ".dflash.lock"
 
 
-class DirectoryLockedError(ValueError):
+class DirectoryLockedError(UserError, ValueError):
     """Another process holds the directory's lock; the message names its host and pid."""
 
 

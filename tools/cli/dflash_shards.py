@@ -9,9 +9,11 @@ import sys
 
 import click
 
-from shards import CacheFormatError, ShardError, ShardReader, rebuild_manifest
+from shards import ShardError, ShardReader, rebuild_manifest
 from shards.common.cli_options import CONTEXT_SETTINGS
-from shards.common.lock import DirectoryLock, DirectoryLockedError, lock_holder
+from shards.common.errors import user_errors
+from shards.common.lock import DirectoryLock, lock_holder
+from shards.common.logs import setup_logging
 from shards.common.progress import format_bytes, plural
 from shards.inspect import QUARANTINE_DIR, find_sample, summarize_cache, verify_cache
 
@@ -30,11 +32,13 @@ def main() -> None:
       dflash-shards verify runs/cache          read every shard; exit 1 listing bad files
       dflash-shards show runs/cache doc-17     one sample's tokens and hidden-state stats
     """
+    setup_logging()
 
 
 @main.command()
 @click.argument("cache", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@user_errors()  # a damaged or foreign cache (CacheFormatError)
 def info(cache: str, as_json: bool) -> None:
     """Config, counts, tokens, padding efficiency and bytes on disk (headers only: fast)."""
     s = _guard(summarize_cache, cache)
@@ -68,6 +72,7 @@ def info(cache: str, as_json: bool) -> None:
 @main.command(name="ls")
 @click.argument("cache", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@user_errors()
 def ls_(cache: str, as_json: bool) -> None:
     """One line per shard: batch id, samples, real tokens, fill, size."""
     reader = _guard(ShardReader, cache)
@@ -105,6 +110,7 @@ def ls_(cache: str, as_json: bool) -> None:
     "--quarantine", is_flag=True, help="Move bad shards to CACHE/quarantine/ so a resumed dflash-extract rewrites them."
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@user_errors()  # and a cache locked by a running job (DirectoryLockedError) under --quarantine
 def verify(cache: str, quarantine: bool, as_json: bool) -> None:
     """Read every shard in full: header, shapes, dtypes, checksum, packing; then the manifest.
 
@@ -157,14 +163,13 @@ def verify(cache: str, quarantine: bool, as_json: bool) -> None:
     help="Also print the target's stored top-k next tokens at this position of the sample (0-based). Default: none.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@user_errors(ValueError)  # and a --position past the sample
 def show(cache: str, sample_id: str, max_tokens: int, position: int | None, as_json: bool) -> None:
     """A sample's tokens, loss mask, per-tap hidden-state statistics and, with --position, the target's top-k."""
     try:
         s = find_sample(cache, sample_id, position=position)
-    except KeyError as e:
+    except KeyError as e:  # no such sample: its message, not KeyError's quoted repr
         raise click.ClickException(str(e.args[0])) from e
-    except (CacheFormatError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
     n = s["length"] if max_tokens == 0 else min(max_tokens, s["length"])
     more = f" ... ({s['length'] - n} more; --max-tokens 0 shows all)" if n < s["length"] else ""
     lines = [
@@ -210,6 +215,7 @@ def _topk_lines(t: dict) -> list[str]:
 @main.command()
 @click.argument("cache", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@user_errors()
 def index(cache: str, as_json: bool) -> None:
     """Rebuild manifest.parquet from the shard headers."""
     with _locked(cache):  # the manifest is the running job's to write
@@ -220,12 +226,10 @@ def index(cache: str, as_json: bool) -> None:
 @contextlib.contextmanager
 def _locked(cache: str):
     """Hold the cache's lock (as dflash-extract does) for a command that changes it; refused, naming the
-    holder, while a job writes the cache."""
+    holder, while a job writes the cache (DirectoryLockedError, a user error)."""
     lock = DirectoryLock(cache, "dflash-shards")
     try:
         lock.acquire()
-    except DirectoryLockedError as e:
-        raise click.ClickException(str(e)) from e
     except OSError as e:
         raise click.ClickException(f"{e.filename}: {e.strerror or e}; is the cache read-only?") from e
     try:
@@ -235,10 +239,9 @@ def _locked(cache: str):
 
 
 def _guard(fn, *args, **kwargs):
+    """fn's OSError as one line with what to check; a damaged cache (CacheFormatError) is a user error."""
     try:
         return fn(*args, **kwargs)
-    except CacheFormatError as e:
-        raise click.ClickException(str(e)) from e
     except OSError as e:  # e.g. --quarantine or index on a read-only cache
         where = f"{e.filename}: " if e.filename else ""
         raise click.ClickException(

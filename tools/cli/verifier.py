@@ -43,5 +43,5 @@ class TargetVerifier:
 def target_verifier(
     target_dir: str, tap_layer_ids: list[int], device: torch.device, dtype: torch.dtype
 ) -> TargetVerifier:
-    """The factory tools/cli/dflash_train.py registers with train.eval.speculative."""
+    """The verifier factory tools/cli/dflash_train.py hands train.cli's `eval --target` (train.eval.speculative)."""
     return TargetVerifier(target_dir, tap_layer_ids, device, dtype)

@@ -1,0 +1,27 @@
+"""One logging set-up for the four CLIs: `HH:MM:SS LEVEL logger: message` on stderr, and under
+torchrun every rank but 0 prefixed `[rank N]`, so the interleaved lines of a job's processes say
+whose they are. Rank 0 keeps the plain format: a single process and a job's rank 0 read the same.
+
+dflash-train passes `other_ranks_level=logging.WARNING`: its ranks run the same steps and rank 0
+reports them, so the others speak only to warn. Extraction ranks each work on their own shards and
+keep INFO. The rank comes from torchrun's RANK variable, read here rather than through
+shards.common.runtime so that setting up logging does not import torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+DATE_FORMAT = "%H:%M:%S"
+
+
+def setup_logging(*, other_ranks_level: int = logging.INFO) -> None:
+    """Configure the root logger (as logging.basicConfig does: a no-op once it has a handler)."""
+    rank = os.environ.get("RANK", "0")
+    if rank == "0":
+        logging.basicConfig(level=logging.INFO, format=FORMAT, datefmt=DATE_FORMAT)
+    else:
+        ranked = f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
+        logging.basicConfig(level=other_ranks_level, format=ranked, datefmt=DATE_FORMAT)
