@@ -17,11 +17,28 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DATE_FORMAT = "%H:%M:%S"
 
 
+class RankFormatter(logging.Formatter):
+    """FORMAT with `[rank N] ` before the level, except on a message that already opens with that tag
+    (extraction's progress lines name their rank on every rank, rank 0 included): never said twice."""
+
+    def __init__(self, rank: str):
+        super().__init__(FORMAT, DATE_FORMAT)
+        self.tag = f"[rank {rank}] "
+        self.tagged = logging.Formatter(f"%(asctime)s {self.tag}%(levelname)s %(name)s: %(message)s", DATE_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.getMessage().startswith(self.tag):
+            return super().format(record)
+        return self.tagged.format(record)
+
+
 def setup_logging(*, other_ranks_level: int = logging.INFO) -> None:
     """Configure the root logger (as logging.basicConfig does: a no-op once it has a handler)."""
     rank = os.environ.get("RANK", "0")
     if rank == "0":
         logging.basicConfig(level=logging.INFO, format=FORMAT, datefmt=DATE_FORMAT)
-    else:
-        ranked = f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
-        logging.basicConfig(level=other_ranks_level, format=ranked, datefmt=DATE_FORMAT)
+        return
+    logging.basicConfig(level=other_ranks_level)
+    root = logging.getLogger()
+    for handler in root.handlers:
+        handler.setFormatter(RankFormatter(rank))

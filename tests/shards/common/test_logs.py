@@ -54,3 +54,15 @@ def test_ranks_other_than_0_are_prefixed(monkeypatch, rank, other_ranks_level, p
         found_level, line = root.level, _line(root)
     assert found_level == level
     assert re.fullmatch(rf"\d\d:\d\d:\d\d {re.escape(prefix)}INFO extract.runner: batch 3/10", line), line
+
+
+def test_a_message_that_names_its_rank_is_not_tagged_twice(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    with bare_root() as root:
+        setup_logging()
+        (handler,) = root.handlers
+        args = ("extract.runner", logging.INFO, __file__, 1)
+        own = handler.format(logging.LogRecord(*args, "[rank 1] batch %d/%d", (3, 10), None))
+        other = handler.format(logging.LogRecord(*args, "[rank 2] batch %d/%d", (3, 10), None))
+    assert re.fullmatch(r"\d\d:\d\d:\d\d INFO extract.runner: \[rank 1\] batch 3/10", own), own
+    assert re.fullmatch(r"\d\d:\d\d:\d\d \[rank 1\] INFO extract.runner: \[rank 2\] batch 3/10", other), other
