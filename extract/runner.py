@@ -146,7 +146,13 @@ def job_summary(summaries: list[ExtractSummary]) -> ExtractSummary:
 def run_extract(cfg: ExtractConfig) -> ExtractSummary:
     dist_info = init_distributed()
     try:
-        return _run(cfg, dist_info)
+        summary = _run(cfg, dist_info)
+        # Every rank past the last collective before any tears gloo down: a rank whose send to a peer is
+        # still in flight when it destroys the group can abort at exit ("terminate called without an
+        # active exception", seen once on 2 CPU ranks). Only on success: after a failure a barrier could
+        # wait for a rank that will never come.
+        barrier()
+        return summary
     finally:
         shutdown()
 
