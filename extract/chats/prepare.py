@@ -35,7 +35,7 @@ from extract.chats.conversations import (
 )
 from extract.chats.template import ChatRenderer, load_tokenizer
 from extract.dataset.files import data_would_read
-from extract.dataset.index import Sample
+from extract.dataset.index import LONG_SEQ_POLICIES, LongSeqPolicy, Sample
 from extract.dataset.rows import DataError
 from extract.target.config import TargetConfig
 from shards.common.cli_options import cli_field, config_error
@@ -43,7 +43,6 @@ from shards.common.durable import atomic_write_text, check_writable
 
 logger = logging.getLogger(__name__)
 
-LongPolicy = Literal["truncate", "skip", "error"]
 Thinking = Literal["on", "off"]  # enable_thinking in the chat template
 _NUM_ERRORS_SHOWN = 20
 
@@ -64,7 +63,7 @@ class PrepareConfig:
     (reasoning removed). Must match how the target will be served."""
     max_length: int | None = None
     """Tokens per sample at most. Default: no limit."""
-    long_seqs: LongPolicy = "truncate"
+    long_seqs: LongSeqPolicy = "truncate"
     """Samples past --max-length: cut (truncate), drop and list in the summary (skip) or refuse (error)."""
     skip_bad_rows: bool = False
     """Write the good rows and list the bad ones in the summary, instead of refusing."""
@@ -74,8 +73,8 @@ class PrepareConfig:
     def __post_init__(self) -> None:
         if self.max_length is not None and self.max_length <= 0:
             raise config_error(self, "max_length", "must be positive")
-        if self.long_seqs not in get_args(LongPolicy):
-            raise config_error(self, "long_seqs", f"must be one of {get_args(LongPolicy)}")
+        if self.long_seqs not in LONG_SEQ_POLICIES:
+            raise config_error(self, "long_seqs", f"must be one of {LONG_SEQ_POLICIES}")
         if self.thinking not in get_args(Thinking):
             raise config_error(self, "thinking", f"must be one of {get_args(Thinking)}")
         if not self.out.endswith(".parquet"):
