@@ -34,10 +34,19 @@ def sequence_bounds(cu_seqlens_S1: torch.Tensor, num_tokens: int) -> tuple[torch
 
 
 def valid_anchors(loss_mask_T: torch.Tensor, cu_seqlens_S1: torch.Tensor) -> torch.Tensor:
-    """[T] bool: supervised positions whose next token is supervised and in the same sequence."""
+    """[T] bool: supervised positions whose next token is supervised and in the same sequence.
+
+    t + 1 lies in t's sequence iff t is inside the packed sequences (t < total) and is not a sequence's
+    last token. Last tokens are scattered from cu_seqlens (O(T), no search, no host sync): an empty
+    sequence's "last token" is the previous sequence's, already marked, and one at the very start
+    (end 0) goes to a spare slot T."""
     num_tokens = loss_mask_T.shape[0]
-    _, end_T = sequence_bounds(cu_seqlens_S1, num_tokens)
     supervised_T = loss_mask_T.bool()
     next_supervised_T = torch.cat([supervised_T[1:], supervised_T.new_zeros(1)])
+    ends_S = cu_seqlens_S1[1:].long()
+    last_index_S = torch.where(ends_S > 0, ends_S - 1, num_tokens).clamp(max=num_tokens)
+    is_last_T1 = torch.zeros(num_tokens + 1, dtype=torch.bool, device=loss_mask_T.device)
+    is_last_T1[last_index_S] = True
     token_T = torch.arange(num_tokens, device=loss_mask_T.device)
-    return supervised_T & next_supervised_T & (token_T + 1 < end_T)
+    inside_T = token_T < cu_seqlens_S1[-1]
+    return supervised_T & next_supervised_T & inside_T & ~is_last_T1[:num_tokens]

@@ -229,8 +229,9 @@ def anchor_positions(
         kept = np.where(lengths > token_budget, 0, kept)
     ends = np.cumsum(lengths)
     # A token packing drops counts as unsupervised: no anchor at it, and none before it (its successor).
-    offsets = np.arange(mask.size) - np.repeat(ends - lengths, lengths)
-    supervised = (mask != 0) & (offsets < np.repeat(kept, lengths))
+    supervised = mask != 0
+    for start, end in zip((ends - lengths + kept)[kept < lengths].tolist(), ends[kept < lengths].tolist()):
+        supervised[start:end] = False  # only the samples packing cuts: few, so a loop beats a per-token map
     cu_seqlens = np.concatenate([[0], ends])
     return int(valid_anchors(torch.from_numpy(supervised), torch.from_numpy(cu_seqlens)).sum())
 
