@@ -46,7 +46,7 @@ def valid_anchors(loss_mask_T: torch.Tensor, cu_seqlens_S1: torch.Tensor) -> tor
     ends_S = cu_seqlens_S1[1:].long()
     last_index_S = torch.where(ends_S > 0, ends_S - 1, num_tokens).clamp(max=num_tokens)
     is_last_T1 = torch.zeros(num_tokens + 1, dtype=torch.bool, device=loss_mask_T.device)
-    is_last_T1[last_index_S] = True
+    is_last_T1.index_fill_(0, last_index_S, True)  # a scalar fill: no host tensor, so CUDA graphs capture it
     token_T = torch.arange(num_tokens, device=loss_mask_T.device)
     inside_T = token_T < cu_seqlens_S1[-1]
     return supervised_T & next_supervised_T & inside_T & ~is_last_T1[:num_tokens]
