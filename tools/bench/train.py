@@ -5,7 +5,10 @@ dflash-train (train.step's build_step_state and StepRunner), no metrics steps. T
   27b     the Qwen3.5-27B drafter: 5 layers, hidden 5120, MLP 17408, 32/8 heads of 128, vocab 248320,
           block 16, token budget 49152, num_blocks default (halved on out-of-memory, reported)
   4b      a launch-bound size: 4B-target width 2560 (MLP 9216, 32/8 heads of 128), budget 8192
-Also measures the bf16 matmul peak of this GPU, the MFU denominator.
+MFU divides by the datasheet dense bf16 peak (train/metrics/flops.py, as the training CLI does: 989 TFLOP/s
+on H100/H200, the PaLM/torchtitan definition). The bf16 matmul rate this GPU actually reaches (8192^3)
+is measured too, and the step's share of it is printed as its own figure ("of matmul"): how much a
+faster kernel could still win, not MFU.
 
 FLOPs per step: tools/bench/train_workload.py (step_flops).
 
@@ -62,6 +65,7 @@ from tools.bench.train_workload import (
 from train.blocks import default_num_blocks, sample_blocks
 from train.config import TrainConfig
 from train.drafter.model import count_parameters
+from train.metrics.flops import peak_flops
 from train.resolve import ResolvedRun
 from train.step import StepRunner, build_step_state
 
@@ -93,9 +97,15 @@ class RunOptions:
     step_options: dict = dataclasses.field(default_factory=dict)  # STEP_FIELDS -> TrainConfig values
 
 
-def bench_one(
-    size: Size, mode: str, num_blocks: int, options: RunOptions, device: torch.device, peak: float | None
-) -> dict:
+@dataclass(frozen=True)
+class Peaks:
+    """The two denominators: MFU's (datasheet) and the measured matmul rate's (None where unknown)."""
+
+    datasheet: float | None  # dense bf16 FLOP/s from the vendor's data sheet (train/metrics/flops.py)
+    matmul: float | None  # bf16 8192^3 matmul FLOP/s measured on this GPU
+
+
+def bench_one(size: Size, mode: str, num_blocks: int, options: RunOptions, device: torch.device, peaks: Peaks) -> dict:
     """One configuration: set-up, warm-up, `options.steps` timed steps, then the optional profile."""
     steps, cuda = options.steps, device.type == "cuda"
     dcfg = drafter_config(size, options.layer_types, options.sliding_window)
@@ -184,7 +194,8 @@ def bench_one(
         "context_tokens_per_s": size.token_budget / step_s,
         "ms_per_query_token": step_s * 1e3 / (num_blocks * size.block_size),
         "tflops": total / step_s / 1e12,
-        "mfu": total / step_s / peak if peak else None,
+        "mfu": total / step_s / peaks.datasheet if peaks.datasheet else None,
+        "matmul_peak_share": total / step_s / peaks.matmul if peaks.matmul else None,
         "flops_per_step": flops,
         "layer_types": list(dcfg.layer_types),
         "sliding_window": dcfg.attention_window,
@@ -214,16 +225,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_size(
-    size: Size, modes: list[str], options: RunOptions, device: torch.device, peak: float | None
-) -> list[dict]:
+def bench_size(size: Size, modes: list[str], options: RunOptions, device: torch.device, peaks: Peaks) -> list[dict]:
     """Every mode of one size; out of memory halves the blocks and retries (the failure is a result too)."""
     num_blocks = options.num_blocks or size.num_blocks or default_num_blocks(size.token_budget, size.block_size)
     results = []
     for mode in modes:
         while True:
             try:
-                results.append(bench_one(size, mode, num_blocks, options, device, peak))
+                results.append(bench_one(size, mode, num_blocks, options, device, peaks))
                 log.info("%s %s: %s", size.name, mode, _row(results[-1]))
                 break
             except torch.cuda.OutOfMemoryError:
@@ -273,11 +282,13 @@ def _row(r: dict) -> str:
     tiles = r.get("kv_tiles_per_q_tile") or {}
     tile_text = "/".join(f"{tiles[k]:.0f}" for k in ("full", "sliding") if k in tiles)
     mfu = f"{100 * r['mfu']:>6.1f}%" if r["mfu"] is not None else f"{'-':>7}"
+    share = r.get("matmul_peak_share")
+    of_matmul = f"{100 * share:>8.1f}%" if share is not None else f"{'-':>9}"
     mem = f"{r['peak_mem_gib']:>7.1f}" if r["peak_mem_gib"] is not None else f"{'-':>7}"
     return (
         f"{r['size']:<5} {r['mode']:<7} {_step_name(r):<22} {_layout_name(r):<12} {r['seq_len']:>7} {r['num_blocks']:>6} "
         f"{r['query_tokens_per_s']:>12,.0f} {r['context_tokens_per_s']:>10,.0f} {r['step_ms']:>9.1f} "
-        f"{1e3 * r['ms_per_query_token']:>8.2f} {r['tflops']:>8.1f} {mfu} {mem} {r['mean_keys_per_query']:>8.0f} "
+        f"{1e3 * r['ms_per_query_token']:>8.2f} {r['tflops']:>8.1f} {mfu} {of_matmul} {mem} {r['mean_keys_per_query']:>8.0f} "
         f"{tile_text:>9}"
     )
 
@@ -351,14 +362,19 @@ def main(
     if device_name == "cpu":
         if "graphs" in mode_list:
             raise click.BadParameter("--modes graphs needs CUDA; pass --modes eager with --device cpu")
-        device, peak = torch.device("cpu"), None
+        device, peaks = torch.device("cpu"), Peaks(None, None)
     elif device_name == "cuda":
         if not torch.cuda.is_available():
             raise click.ClickException("bench_train needs a CUDA GPU (or --device cpu --sizes tiny)")
         device = torch.device("cuda:0")
         torch.cuda.set_device(device)
-        peak = bf16_matmul_peak(device)
-        log.info("bf16 matmul peak (8192^3): %.1f TFLOP/s on %s", peak / 1e12, torch.cuda.get_device_name(device))
+        datasheet, why = peak_flops(device, torch.bfloat16)
+        peaks = Peaks(datasheet, bf16_matmul_peak(device))
+        log.info(
+            "MFU against the datasheet bf16 dense peak: %s; measured bf16 matmul (8192^3): %.1f TFLOP/s",
+            f"{datasheet / 1e12:.1f} TFLOP/s ({why})" if datasheet else f"none ({why})",
+            peaks.matmul / 1e12,
+        )
     else:
         raise click.BadParameter(f"--device {device_name}: must be cuda or cpu")
     if num_blocks is not None and num_blocks < 1:
@@ -388,10 +404,10 @@ def main(
                         num_blocks=num_blocks,
                         step_options=chosen,
                     )
-                    results += bench_size(size, mode_list, options, device, peak)
+                    results += bench_size(size, mode_list, options, device, peaks)
     header = (
         f"{'size':<5} {'mode':<7} {'step':<22} {'layout':<12} {'seq len':>7} {'blocks':>6} {'query tok/s':>12} "
-        f"{'ctx tok/s':>10} {'step ms':>9} {'us/q tok':>8} {'TFLOP/s':>8} {'MFU':>7} {'mem GiB':>7} {'keys/q':>8} "
+        f"{'ctx tok/s':>10} {'step ms':>9} {'us/q tok':>8} {'TFLOP/s':>8} {'MFU':>7} {'of matmul':>9} {'mem GiB':>7} {'keys/q':>8} "
         f"{'kv tiles':>9}"
     )
     click.echo(header)
@@ -407,7 +423,8 @@ def main(
         json.dump(
             {
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "bf16_peak_flops": peak,
+                "datasheet_bf16_peak_flops": peaks.datasheet,
+                "measured_bf16_matmul_flops": peaks.matmul,
                 "torch": torch.__version__,
                 "results": results,
             },

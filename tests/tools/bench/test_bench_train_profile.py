@@ -110,4 +110,25 @@ def test_profile_runs_end_to_end_on_a_tiny_cpu_shape(tmp_path):
     assert sum(c["percent"] for c in profile["categories"].values()) == pytest.approx(100.0)
     assert profile["categories"]["gemm"]["ms_per_step"] > 0 and profile["categories"]["optimizer"]["kernels_per_step"]
     assert r["ms_per_query_token"] == pytest.approx(r["step_ms"] / r["query_tokens"])
-    assert r["mfu"] is None and r["peak_mem_gib"] is None  # no peak on CPU: not made up
+    assert r["mfu"] is None and r["matmul_peak_share"] is None  # no peak on CPU: not made up
+    assert r["peak_mem_gib"] is None
+
+
+@pytest.mark.gpu
+def test_mfu_is_against_the_datasheet_peak_and_the_matmul_share_is_apart(tmp_path):
+    """One MFU across the project: the bench divides by the same datasheet peak as the training CLI."""
+    import torch
+
+    from train.metrics.flops import peak_flops
+
+    out = tmp_path / "bench.json"
+    args = ["--device", "cuda", "--sizes", "launch", "--modes", "eager", "--steps", "2", "--out", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    (r,) = report["results"]
+    datasheet, _ = peak_flops(torch.device("cuda:0"), torch.bfloat16)
+    assert report["datasheet_bf16_peak_flops"] == datasheet
+    if datasheet is not None:
+        assert r["mfu"] == pytest.approx(r["tflops"] * 1e12 / datasheet)
+    assert r["matmul_peak_share"] == pytest.approx(r["tflops"] * 1e12 / report["measured_bf16_matmul_flops"])
