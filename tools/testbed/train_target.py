@@ -23,7 +23,8 @@ figures are those of the weights as stored (rounded to bf16 before the final eva
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -72,24 +73,37 @@ def resolve_device(cfg: TrainTargetConfig) -> torch.device:
 
 
 def announce_kernels(device: torch.device, allow_slow: bool) -> dict[str, str]:
-    """Which GatedDeltaNet and conv implementations HF's qwen3_5 will pick (it imports fla-core and
-    causal-conv1d when they are importable); a torch fallback on CUDA is refused unless allowed."""
-    found = {
-        name: importlib.util.find_spec(module) is not None
-        for name, module in (("fla-core", "fla"), ("causal-conv1d", "causal_conv1d"))
-    }
+    """Which GatedDeltaNet and conv implementations HF's qwen3_5 will pick: it binds fla-core's and
+    causal-conv1d's when their modules import, else its torch code, silently. The same imports are
+    tried here; a torch GatedDeltaNet on CUDA is refused unless allowed."""
+    fla, conv = _imports("fla.ops.gated_delta_rule"), _imports("causal_conv1d")
     kernels = {
-        "gated_delta_rule": "fla-core" if found["fla-core"] else "torch (HF's reference loop)",
-        "causal_conv1d": "causal-conv1d" if found["causal-conv1d"] else "torch",
+        "gated_delta_rule": f"fla-core ({_version('fla-core')})" if fla else "torch (HF's reference loop)",
+        "causal_conv1d": f"causal-conv1d ({_version('causal-conv1d')})" if conv else "torch",
     }
     for op, backend in kernels.items():
         logger.info("kernel %s: %s", op, backend)
-    if device.type == "cuda" and not found["fla-core"] and not allow_slow:
+    if device.type == "cuda" and not fla and not allow_slow:
         raise UserError(
-            "fla-core is not importable: HF's qwen3_5 would run its GatedDeltaNet in a slow torch loop on the GPU; "
+            "fla-core does not import: HF's qwen3_5 would run its GatedDeltaNet in a slow torch loop on the GPU; "
             "put fla-core on PYTHONPATH (../shared/device/stage-wheels) or pass --allow-slow-kernels"
         )
     return kernels
+
+
+def _imports(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except Exception:  # ImportError, or a kernel package that fails on this machine: HF falls back alike
+        return False
+    return True
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "version unknown"
 
 
 def check_out_dir(cfg: TrainTargetConfig) -> None:
