@@ -1,5 +1,6 @@
 """Shared test setup: one rule for GPU tests (marked `gpu`, skipped where CUDA is absent), one torch
-thread, and the module-scoped extraction fixtures of the fault tests (each module gets its own)."""
+thread, the module-scoped extraction fixtures of the fault tests (each module gets its own), and the
+proxy target's smoke run (once per session)."""
 
 import os
 
@@ -12,6 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.helpers.extract import dataset_file, extract_reference, tiny_target_dir  # noqa: E402
+from tests.helpers.testbed import proxy_smoke_dir  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -54,6 +56,13 @@ def data(tmp_path_factory):
 def reference(target, data, tmp_path_factory):
     """The uninterrupted extraction of `data` by `target`, which faulted runs must reproduce."""
     return extract_reference(target, data, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def proxy_smoke(tmp_path_factory):
+    """The proxy target's training script run once in --smoke mode (tools/testbed/train_target.py): its
+    output directory (checkpoint, tokenizer, metrics.json, README.md), shared by the tests that read it."""
+    return proxy_smoke_dir(tmp_path_factory)
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""The acceptance testbed: the proxy target, its corpus and tokenizer (README.md)."""
