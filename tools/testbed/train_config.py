@@ -22,7 +22,7 @@ class TrainTargetConfig:
     """Directory holding the tokenizer files to ship with the checkpoint (trained by tools.testbed.tokenizer)."""
     seed: int = 0
     """Seed of the initial weights and of the batch order."""
-    epochs: float = 10.0
+    epochs: float = 6.0
     """Passes over the train split; the steps they take are the plan (see --max-steps, --time-limit)."""
     max_steps: int | None = None
     """Stop after this many optimizer steps. Default: the steps of --epochs."""

@@ -12,8 +12,11 @@ then cosine to min_lr_ratio over steps or --time-limit, whichever ends first, bf
 (tools/testbed/target_data.py). Settings: tools/testbed/train_config.py. Loss on every token by default (--loss-on all): the prompts are real corpus text too, and with ~2M
 train tokens dropping them would cost a third of the training signal; the reply-token loss is
 reported beside it, as it is what a drafter learns to predict.
-On CUDA the GatedDeltaNet must run on fla-core's kernels (HF falls back to a slow torch loop
-without it): a missing fla-core is refused unless --allow-slow-kernels.
+On CUDA the GatedDeltaNet runs on fla-core's kernels when they import (HF falls back to its torch
+loop without them, silently): a missing fla-core is refused unless --allow-slow-kernels, and so is
+an fla-core whose gated-delta backward refuses this Triton on Hopper (fla-core 0.6.0 raises only at
+the first backward, after the data is prepared). At this model's size the torch loop is not slow:
+223K tokens/s on the H200, the run that trained the committed weights.
 
 Outputs in OUT_DIR (refused unless empty or new): the checkpoint, metrics.json (tools/testbed/card.py
 says what is in it), README.md (the model card), train_log.jsonl (one record per log line). The
@@ -83,12 +86,29 @@ def announce_kernels(device: torch.device, allow_slow: bool) -> dict[str, str]:
     }
     for op, backend in kernels.items():
         logger.info("kernel %s: %s", op, backend)
+    if device.type == "cuda" and fla and _fla_backward_refused():
+        import triton
+
+        raise UserError(
+            f"fla-core {_version('fla-core')} refuses its gated-delta backward with Triton {triton.__version__} on "
+            "Hopper (wrong gradients, fla issue #640): leave fla-core off PYTHONPATH and pass --allow-slow-kernels "
+            "(HF's torch loop; fast enough at this size), or install Triton >= 3.7.1"
+        )
     if device.type == "cuda" and not fla and not allow_slow:
         raise UserError(
             "fla-core does not import: HF's qwen3_5 would run its GatedDeltaNet in a slow torch loop on the GPU; "
             "put fla-core on PYTHONPATH (../shared/device/stage-wheels) or pass --allow-slow-kernels"
         )
     return kernels
+
+
+def _fla_backward_refused() -> bool:
+    """fla-core's own condition for refusing chunk_bwd_dqkwg with a gate (fla/ops/common/chunk_o.py)."""
+    flags = importlib.import_module("fla.utils")
+    above_3_7_1 = getattr(flags, "TRITON_ABOVE_3_7_1", True)  # versions without the flag do not refuse
+    return bool(getattr(flags, "IS_NVIDIA_HOPPER", False) and getattr(flags, "TRITON_ABOVE_3_4_0", False)) and (
+        not above_3_7_1
+    )
 
 
 def _imports(module: str) -> bool:

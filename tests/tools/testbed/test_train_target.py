@@ -147,3 +147,19 @@ def test_refusals_before_any_work(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="fla-core does not import"):
         announce_kernels(torch.device("cuda"), allow_slow=False)
     assert announce_kernels(torch.device("cuda"), allow_slow=True)["gated_delta_rule"].startswith("torch")
+
+
+def test_an_fla_whose_gated_backward_refuses_this_triton_is_refused_before_any_work(monkeypatch):
+    """fla-core 0.6.0 raises only at the first backward on Hopper with Triton in [3.4, 3.7.1): say so first."""
+    import sys
+    import types
+
+    import tools.testbed.train_target as train_target
+
+    monkeypatch.setattr(train_target, "_imports", lambda module: True)
+    flags = types.SimpleNamespace(IS_NVIDIA_HOPPER=True, TRITON_ABOVE_3_4_0=True, TRITON_ABOVE_3_7_1=False)
+    monkeypatch.setitem(sys.modules, "fla.utils", flags)
+    with pytest.raises(UserError, match="refuses its gated-delta backward.*--allow-slow-kernels"):
+        announce_kernels(torch.device("cuda"), allow_slow=True)
+    flags.TRITON_ABOVE_3_7_1 = True
+    assert announce_kernels(torch.device("cuda"), allow_slow=False)["gated_delta_rule"].startswith("fla-core")
