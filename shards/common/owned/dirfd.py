@@ -11,7 +11,8 @@ The rules for a file of the program's own:
                is never written through;
   open         only a regular file: lstat first, so a FIFO (whose open blocks) or a device (whose open can
                act) is never opened, then O_NOFOLLOW | O_NONBLOCK and fstat again (a swap in between is
-               caught), then back to blocking;
+               caught), then back to blocking; for an in-place write (append, truncate) only a file with one
+               name, as a hard link's other name (a `cp -al` copy) would change too;
   replace      an atomic write renames a temporary created exclusively over the name, and only over a
                regular file (a link, FIFO or folder there is the user's and is refused);
   delete       unlink / rmdir / rmtree by name relative to the descriptor (they never follow a link).
@@ -94,6 +95,16 @@ def not_own_file(path: Path, st: os.stat_result | None, what: str = "file") -> O
     return OwnershipError(
         f"{path} is {describe_kind(st)}{target} where the program keeps a {what} of its own; it is never "
         "followed, opened or replaced: move it away (or choose another directory) and run again"
+    )
+
+
+def shared_file(path: Path, num_links: int) -> OwnershipError:
+    """The refusal for a file of ours whose bytes another name shares (a hard link: a `cp -al` copy of a
+    run or cache), which an in-place write (append, truncate) would change under that other name too."""
+    return OwnershipError(
+        f"{path} has {num_links} hard links: another name shares its bytes (a `cp -al` copy?), and writing it "
+        f"in place would change that one too; give it bytes of its own (cp {path} {path}.own && mv {path}.own "
+        f"{path}) and run again"
     )
 
 
@@ -204,6 +215,8 @@ class Dir:
             st = os.fstat(fd)  # what was opened, had the name changed since the lstat
             if not stat.S_ISREG(st.st_mode):
                 raise not_own_file(self.path / name, st)
+            if flags & (os.O_WRONLY | os.O_RDWR) and st.st_nlink > 1:
+                raise shared_file(self.path / name, st.st_nlink)
             os.set_blocking(fd, True)
         except BaseException:
             os.close(fd)

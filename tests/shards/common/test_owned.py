@@ -263,3 +263,13 @@ def test_check_output_file_refuses_what_is_not_ours(tmp_path, outside, planted):
     assert isinstance(outcome.get("error"), OwnershipError), outcome
     assert str(out) in str(outcome["error"]) and "--out" in str(outcome["error"])
     assert outside.read_text() == "precious\n"
+
+
+def test_an_in_place_write_refuses_a_file_whose_bytes_another_name_shares(owned, outside):
+    os.link(outside, owned / "metrics.jsonl")  # a `cp -al` copy of a run shares its files' bytes
+    with Dir.open(owned) as d:
+        with pytest.raises(OwnershipError, match=re.escape(f"{owned / 'metrics.jsonl'} has 2 hard links")):
+            d.open_append("metrics.jsonl")
+        assert d.read_bytes("metrics.jsonl") == outside.read_bytes(), "reading it is fine"
+        d.write_atomic("metrics.jsonl", lambda f: f.write(b"new\n"))  # a rename gives the name bytes of its own
+    assert outside.read_text() == "precious\n" and (owned / "metrics.jsonl").read_text() == "new\n"
