@@ -36,7 +36,7 @@ from shards import (
 from shards.common.errors import UserError
 from shards.common.identity import differences
 from shards.common.lock import DirectoryLock
-from shards.common.owned import LOCK_FILE, Dir, OwnershipError, describe, nested
+from shards.common.owned import LOCK_FILE, Dir, OwnershipError, describe, nested, not_own_file
 from shards.common.provenance import provenance
 from shards.format import (
     CACHE_CONFIG_FILE,
@@ -51,6 +51,7 @@ from shards.format import (
 from shards.ownership import (
     is_our_file,
     is_our_shard,
+    planted_at_our_names,
     remove_cache_files,
     remove_stale_cache_temporaries,
     survey_cache,
@@ -180,6 +181,8 @@ def prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig, lock: DirectoryLoc
         _check_resumable(out, cache_cfg)
         with Dir.opened(out, SHARDS_DIR, create=True):
             pass  # a real folder, before any work: one swapped for a link is refused, never written through
+        for entry in planted_at_our_names(out):
+            raise not_own_file(entry.path, entry.st)
         _repair_target_head(out, cache_cfg, head)
         removed = remove_stale_cache_temporaries(out)
         if removed:

@@ -129,6 +129,16 @@ def survey_cache(cache_dir: str | Path) -> Survey:
         return survey(d, CACHE_LAYOUT)
 
 
+def planted_at_our_names(cache_dir: str | Path) -> list[Entry]:
+    """Links, FIFOs and devices under a name the cache's writers write (cache.json, the head, the
+    manifest, a rank's log): a resume refuses them before any work, not when it gets there."""
+    return [
+        e
+        for e in survey_cache(cache_dir).foreign
+        if not (e.is_file or e.is_dir) and (e.name in _TOP_FILES if e.folder is None else e.folder == LOGS_DIR)
+    ]
+
+
 def is_our_file(cache_dir: str | Path, name: str) -> bool:
     """One top-level file of cache_dir (cache.json, the head, the manifest), judged as survey_cache would."""
     with Dir.open(cache_dir) as d:

@@ -8,7 +8,7 @@ byte for byte as it was, with nothing created where a dangling link points. A FI
 a child process with a time limit: a command that opens the FIFO blocks forever, which fails the test
 instead of hanging the suite.
 
-  dflash-extract       resume with .dflash.lock, logs/extract-rank0.jsonl or shards/ a link; cache.json a
+  dflash-extract       resume with .dflash.lock, logs/extract-rank0.jsonl, manifest.parquet or shards/ a link; cache.json a
                        FIFO; a new --out holding only a lock link or a dangling one
   dflash-train train   a new --out holding only a lock link or a dangling one; --resume with metrics.jsonl
                        or tb/ a link, run.json or a checkpoint's train_state.json a FIFO
@@ -120,6 +120,7 @@ EXTRACT_RESUME_PLANTS = {
     "progress log link": lambda cache, outside: plant_link(
         cache / "logs" / "extract-rank0.jsonl", outside / "victim.txt"
     ),
+    "manifest link": lambda cache, outside: plant_link(cache / "manifest.parquet", outside / "victim.txt"),
     "shards folder link": lambda cache, outside: plant_link(
         cache / "shards", shutil.copytree(cache / "shards", outside / "shards")
     ),
