@@ -11,7 +11,8 @@ instead of hanging the suite.
   dflash-extract       resume with .dflash.lock, logs/extract-rank0.jsonl, manifest.parquet or shards/ a link; cache.json a
                        FIFO; a new --out holding only a lock link or a dangling one
   dflash-train train   a new --out holding only a lock link or a dangling one; --resume with metrics.jsonl
-                       or tb/ a link, run.json or a checkpoint's train_state.json a FIFO
+                       or tb/ a link, run.json or a checkpoint's train_state.json a FIFO; --resume of a
+                       hard-linked copy (`cp -al`), whose lock shares the original's bytes
   dflash-train export  --overwrite of an export whose config.json is a link
   dflash-train eval    --out a FIFO; --out a link to an eval.json of ours
   dflash-train plot    --out a link to a PNG of ours
@@ -228,6 +229,17 @@ def test_train_resume_does_not_hang_on_a_fifo_train_state(trained, tmp_path, out
     code, output = child("train.cli", *run_args(trained[0], run, "--resume"))
     assert f"{planted} is a FIFO" in output, "the warning names the FIFO:\n" + output
     assert_refused(code, output, planted.parent, outside, before)  # "none is valid", naming the folder
+
+
+def test_train_resume_of_a_hard_linked_copy_leaves_the_original_untouched(trained, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(trained[1], copy, copy_function=os.link)  # `cp -al`: every file shares the original's bytes
+    shutil.rmtree(checkpoint_folders(copy)[-1])
+    before, lock_record = state(trained[1]), (trained[1] / LOCK).read_bytes()  # state() leaves the lock out
+    code, output = invoke(train_cli, run_args(trained[0], copy, "--resume"))
+    assert f"{copy / LOCK} has 2 hard links" in output, output
+    assert_refused(code, output, copy / LOCK, trained[1], before)
+    assert (trained[1] / LOCK).read_bytes() == lock_record, "the original's lock record was rewritten"
 
 
 def test_export_overwrite_refuses_an_export_whose_config_is_a_link(trained, tmp_path, outside):
