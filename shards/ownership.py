@@ -33,6 +33,7 @@ from shards.common.owned import (
     OwnershipError,
     Survey,
     describe,
+    judge,
     remove_empty_folders,
     remove_entries,
     survey,
@@ -131,18 +132,25 @@ def survey_cache(cache_dir: str | Path) -> Survey:
 
 def planted_at_our_names(cache_dir: str | Path) -> list[Entry]:
     """Links, FIFOs and devices under a name the cache's writers write (cache.json, the head, the
-    manifest, a rank's log): a resume refuses them before any work, not when it gets there."""
-    return [
-        e
-        for e in survey_cache(cache_dir).foreign
-        if not (e.is_file or e.is_dir) and (e.name in _TOP_FILES if e.folder is None else e.folder == LOGS_DIR)
-    ]
+    manifest, a rank's log): a resume refuses them before any work, not when it gets there. Looks at
+    those names only (a full survey would read every shard's header)."""
+    with Dir.open(cache_dir) as d:
+        found = [_entry(d, None, name) for name in _TOP_FILES]
+        if d.is_dir(LOGS_DIR):
+            with d.child(LOGS_DIR) as logs:
+                found += [_entry(logs, LOGS_DIR, name) for name in logs.names() if _LOG.fullmatch(name)]
+    return [e for e in found if e is not None and not (e.is_file or e.is_dir)]
+
+
+def _entry(d: Dir, folder: str | None, name: str) -> Entry | None:
+    st = d.lstat(name)
+    return None if st is None else Entry(folder, name, st, d.path / name)
 
 
 def is_our_file(cache_dir: str | Path, name: str) -> bool:
     """One top-level file of cache_dir (cache.json, the head, the manifest), judged as survey_cache would."""
     with Dir.open(cache_dir) as d:
-        return d.is_file(name) and _top_claim(d, Entry(None, name, d.lstat(name), d.path / name), _is_our_cache(d))
+        return judge(d, name, CACHE_LAYOUT)
 
 
 def remove_stale_cache_temporaries(cache_dir: str | Path) -> int:
