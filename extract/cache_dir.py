@@ -7,7 +7,7 @@ Before any work: --out must lie outside --target and --data, and be new, empty o
 one was made with the same settings and repairs its target head (`prepare_cache`); each rank keeps its
 shards that verify and redoes the rest (`pending_batches`). A run that created the cache and failed
 before its first shard takes it away again (`remove_if_no_shard`). Which files are ours:
-shards/ownership.py.
+shards/ownership.py; every refusal of that kind is OwnershipError (shards/common/owned).
 """
 
 from __future__ import annotations
@@ -33,14 +33,15 @@ from shards import (
     read_cache_config,
     write_target_head,
 )
-from shards.common.durable import TMP_PREFIX
 from shards.common.errors import UserError
 from shards.common.identity import differences
-from shards.common.lock import LOCK_FILE, DirectoryLock
+from shards.common.lock import DirectoryLock
+from shards.common.owned import LOCK_FILE, Dir, OwnershipError, describe, nested, not_own_file
 from shards.common.provenance import provenance
 from shards.format import (
     CACHE_CONFIG_FILE,
     MANIFEST_FILE,
+    SHARDS_DIR,
     TARGET_HEAD_FILE,
     DatasetRecord,
     PackingRecord,
@@ -48,16 +49,14 @@ from shards.format import (
     shard_path,
 )
 from shards.ownership import (
-    describe,
-    foreign_entries,
     is_our_file,
     is_our_shard,
-    nested,
-    our_entries,
+    planted_at_our_names,
     remove_cache_files,
     remove_stale_cache_temporaries,
+    survey_cache,
 )
-from shards.reader import list_shards
+from shards.reader import ForeignShardError, list_shards
 from shards.reader import load_target_head as read_cache_head
 
 log = logging.getLogger(__name__)
@@ -143,17 +142,25 @@ def refuse_nesting(cfg: ExtractConfig) -> None:
         elif read_back:
             problem = f"--data {cfg.data!r} would match the files --out {out} gets (e.g. {read_back[0]})"
     if problem:
-        raise CacheMismatchError(f"{problem}; choose an --out outside both the target checkpoint and the dataset")
+        raise OwnershipError(f"{problem}; choose an --out outside both the target checkpoint and the dataset")
+
+
+def _has_cache_config(out: Path) -> bool:
+    """cache.json is there as a regular file (a link or FIFO of that name is foreign, never a cache's)."""
+    if not out.is_dir():
+        return False
+    with Dir.open(out) as d:
+        return d.is_file(CACHE_CONFIG_FILE)
 
 
 def refuse_foreign_out(out: Path) -> None:
     """--out is a file, or a directory that is neither empty nor a cache of ours."""
     if out.exists() and not out.is_dir():
-        raise CacheMismatchError(f"--out {out} is a file, not a directory; choose another --out")
-    if out.is_dir() and not (out / CACHE_CONFIG_FILE).exists():
-        foreign = foreign_entries(out)
+        raise OwnershipError(f"--out {out} is a file, not a directory; choose another --out")
+    if out.is_dir() and not _has_cache_config(out):
+        foreign = survey_cache(out).foreign
         if foreign:
-            raise CacheMismatchError(
+            raise OwnershipError(
                 f"{out} is not a dflash-extract cache and is not empty ({describe(foreign)}); "
                 "choose another (new or empty) --out"
             )
@@ -164,31 +171,39 @@ def prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig, lock: DirectoryLoc
     delete our files in it and create it again. Nothing that is not ours is ever deleted."""
     out = Path(cfg.out_dir)
     refuse_foreign_out(out)  # again under the lock's creation: a foreign directory stays untouched
-    out.mkdir(parents=True, exist_ok=True)
+    Dir.open(out, create=True).close()
     lock.acquire()
     raw = load_target_head(cfg.target)
     head = {"embed_tokens": raw["embed_tokens"], "lm_head": raw["lm_head"], "final_norm": raw["norm"]}
     # Part of the cache's identity: the same architecture with other weights must not resume into it.
     cache_cfg.target_head_checksum = checksum({k: v.contiguous() for k, v in head.items()})
-    if (out / CACHE_CONFIG_FILE).exists() and not cfg.overwrite:  # a resume: no file is deleted
+    if _has_cache_config(out) and not cfg.overwrite:  # a resume: no file is deleted
         _check_resumable(out, cache_cfg)
+        with Dir.opened(out, SHARDS_DIR, create=True):
+            pass  # a real folder, before any work: one swapped for a link is refused, never written through
+        for entry in planted_at_our_names(out):
+            raise not_own_file(entry.path, entry.st)
         _repair_target_head(out, cache_cfg, head)
         removed = remove_stale_cache_temporaries(out)
         if removed:
             log.info("removed %d partial file(s) left by a killed run", removed)
         return
-    ours, foreign = our_entries(out)
-    if (out / CACHE_CONFIG_FILE).exists():
-        if foreign:
-            raise CacheMismatchError(
+    found = survey_cache(out)
+    if _has_cache_config(out):
+        if found.foreign:
+            raise OwnershipError(
                 f"--overwrite: {out} also holds files dflash-extract did not write "
-                f"({describe(foreign)}); nothing was deleted: move them away first"
+                f"({describe(found.foreign)}); nothing was deleted: move them away first"
             )
-        log.warning("--overwrite: deleting the existing cache at %s (%d files of ours)", out, len(ours))
+        log.warning(
+            "--overwrite: deleting the existing cache at %s (%d files of ours)",
+            out,
+            len(found.ours) + len(found.scaffolding),
+        )
         remove_cache_files(out)
-    elif not _is_unfinished_creation(ours):
+    elif not _is_unfinished_creation(found.ours):
         if not cfg.overwrite:
-            raise CacheMismatchError(
+            raise OwnershipError(
                 f"{out} holds shards of a dflash-extract cache but no cache.json; pass "
                 "--overwrite to delete them and start over, or choose another --out"
             )
@@ -199,21 +214,22 @@ def prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig, lock: DirectoryLoc
     create_cache(out, cache_cfg, head)
 
 
-def _is_unfinished_creation(ours: list[Path]) -> bool:
-    """Only what create_cache writes before cache.json: the target head, temporaries, the lock."""
-    return all(p.name in (TARGET_HEAD_FILE, LOCK_FILE) or p.name.startswith(TMP_PREFIX) for p in ours)
+def _is_unfinished_creation(ours: list) -> bool:
+    """Only what create_cache writes before cache.json: the target head (besides temporaries, the lock)."""
+    return all(e.folder is None and e.name == TARGET_HEAD_FILE for e in ours)
 
 
 def _repair_target_head(out: Path, cache_cfg: CacheConfig, head: dict) -> None:
     """Resume: a missing or damaged target head of ours is written again from the target (the cache's
     settings, target weights included, matched already); a file of that name we did not write stays."""
-    path = out / TARGET_HEAD_FILE
     try:
         read_cache_head(out)
         return
     except CacheFormatError as e:
-        if path.exists() and not is_our_file(out, path):
-            raise CacheMismatchError(
+        with Dir.open(out) as d:
+            present = d.lstat(TARGET_HEAD_FILE) is not None
+        if present and not is_our_file(out, TARGET_HEAD_FILE):
+            raise OwnershipError(
                 f"{e}; dflash-extract did not write this file, so it is not replaced: move it away and re-run"
             ) from e
         log.warning("%s: writing it again from --target", e)
@@ -252,11 +268,13 @@ def pending_batches(cfg: ExtractConfig, mine: list[PackedBatch]) -> tuple[list[P
                     kept += 1
                     continue
                 log.warning("%s holds other samples than the plan: extracting it again", info.path)
+            except ForeignShardError as e:  # not ours to overwrite: the user decides
+                raise OwnershipError(str(e)) from e
             except ShardError as e:
-                if "belongs to another cache" in e.reason:  # not ours to overwrite: the user decides
-                    raise CacheMismatchError(str(e)) from e
-                if not is_our_shard(e.path):
-                    raise CacheMismatchError(
+                with Dir.opened(cfg.out_dir, SHARDS_DIR) as shards:
+                    ours = is_our_shard(shards, e.path.name)
+                if not ours:
+                    raise OwnershipError(
                         f"{e}; it is not recognisably a shard dflash-extract wrote, so it is not replaced: "
                         "move it away and re-run the same command"
                     ) from e
@@ -270,12 +288,14 @@ def remove_if_no_shard(out: Path, remove_dir: bool) -> None:
     loading it, out of memory) takes its empty cache away again: otherwise the corrected command would
     be refused as a resume with other settings."""
     try:
-        if not (out / CACHE_CONFIG_FILE).exists() or list_shards(out):
+        if not _has_cache_config(out) or list_shards(out):
             return
         remove_cache_files(out)
         if remove_dir:  # the lock too (held by this run, released right after): --out is as before the run
-            (out / LOCK_FILE).unlink(missing_ok=True)
-            if not any(out.iterdir()):
+            with Dir.open(out) as d:
+                d.unlink(LOCK_FILE, missing_ok=True)
+                emptied = not d.names()
+            if emptied:
                 out.rmdir()
     except (ValueError, OSError) as e:  # a file of the user's appeared, or the disk went away: leave it all
         log.warning("could not remove the empty cache this run created at %s: %s", out, e)

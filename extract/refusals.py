@@ -15,7 +15,7 @@ from extract.target.config import TargetConfig
 from shards import CacheConfig
 from shards.common.progress import format_bytes, plural
 from shards.format import bytes_per_shard
-from shards.ownership import our_entries
+from shards.ownership import survey_cache
 from shards.reader import list_shards
 
 
@@ -95,7 +95,7 @@ def refuse_what_cannot_fit(cfg: ExtractConfig, cache_cfg: CacheConfig, plan) -> 
         where = where.parent
     free = shutil.disk_usage(where).free
     if cfg.overwrite and out.is_dir():  # the old cache's files go first: their space is free for the new one
-        free += sum(p.stat().st_size for p in our_entries(out)[0])
+        free += sum(e.st.st_size for e in survey_cache(out).ours)
     if todo * shard_bytes > free:
         raise ValueError(
             f"--out {out}: {plural(todo, 'shard')} of {format_bytes(shard_bytes)} still to write "

@@ -50,10 +50,12 @@ from shards import CacheConfig, SampleEntry, ShardReader, read_cache_config, wri
 from shards.common.durable import check_writable
 from shards.common.errors import Stopped
 from shards.common.lock import DirectoryLock
+from shards.common.owned import Dir
 from shards.common.progress import ProgressLog, format_bytes, format_duration, is_interactive, plural
 from shards.common.runtime import DistInfo, all_gather_objects, barrier, resolve_device, shutdown
 from shards.common.sigterm import SigtermFlag
 from shards.format import CACHE_CONFIG_FILE, MANIFEST_FILE, bytes_per_shard
+from shards.ownership import LOGS_DIR
 
 log = logging.getLogger(__name__)
 
@@ -296,12 +298,14 @@ def extract_batches(
     """
     taps = cache_cfg.tap_layer_ids
     loader = SampleLoader(index)
-    jsonl = Path(cfg.out_dir) / "logs" / f"extract-rank{rank}.jsonl"
+    jsonl = Path(cfg.out_dir) / LOGS_DIR / f"extract-rank{rank}.jsonl"
     # One bar, rank 0's, on a terminal; other ranks there print only their final line (eight bars
     # redrawn over each other are unreadable). Into a file every rank writes plain lines.
     interactive = is_interactive()
     interval_s = float("inf") if interactive and rank != 0 else cfg.progress_interval_s
-    progress = ProgressLog(log, jsonl, len(todo), interval_s, bar=interactive and rank == 0, desc=f"rank {rank}")
+    with Dir.opened(cfg.out_dir, LOGS_DIR, create=True) as logs:
+        records = logs.open_append(jsonl.name)
+    progress = ProgressLog(log, records, len(todo), interval_s, bar=interactive and rank == 0, desc=f"rank {rank}")
     real_tokens = 0
     try:
         started = 0

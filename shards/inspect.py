@@ -5,19 +5,24 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from shards.codec import decode_hidden
-from shards.format import MANIFEST_FILE, TARGET_HEAD_FILE, CacheFormatError, bytes_per_shard, shard_path
+from shards.common.owned import Dir
+from shards.format import (
+    MANIFEST_FILE,
+    SHARDS_DIR,
+    TARGET_HEAD_FILE,
+    CacheFormatError,
+    bytes_per_shard,
+    shard_path,
+)
 from shards.manifest import manifest_table, read_manifest
-from shards.ownership import is_our_shard
+from shards.ownership import QUARANTINE_DIR, is_our_shard
 from shards.reader import ShardError, ShardInfo, ShardReader, load_target_head
-
-QUARANTINE_DIR = "quarantine"
 
 
 def expected_batch_ids(reader: ShardReader) -> list[int] | None:
@@ -228,13 +233,13 @@ def _portable(words: list[str], cache_dir: str, cwd: str | None) -> list[str]:
 def _quarantine(cache_dir: Path, path: Path) -> Path | None:
     """Move a bad shard to quarantine/ (replacing only an earlier quarantined copy of ours); None, and
     nothing moved, when a file there under its name is not ours."""
-    dest_dir = cache_dir / QUARANTINE_DIR
-    dest_dir.mkdir(exist_ok=True)
-    dest = dest_dir / path.name
-    if (dest.exists() or dest.is_symlink()) and not is_our_shard(dest):
-        return None
-    shutil.move(str(path), dest)
-    return dest
+    with Dir.opened(cache_dir, SHARDS_DIR) as shards, Dir.opened(cache_dir, QUARANTINE_DIR, create=True) as held:
+        if held.lstat(path.name) is not None and not is_our_shard(held, path.name):
+            return None
+        shards.replace(path.name, held, path.name)  # the entry itself moves: a link is never followed
+        held.fsync()
+        shards.fsync()
+    return cache_dir / QUARANTINE_DIR / path.name
 
 
 def find_sample(cache_dir: str | Path, sample_id: str, position: int | None = None) -> dict:

@@ -38,6 +38,10 @@ class ShardError(CacheFormatError):
         self.reason = reason
 
 
+class ForeignShardError(ShardError):
+    """A shard whose header names another cache: never this cache's to replace (the user decides)."""
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     """A shard's metadata, from its header alone."""
@@ -140,7 +144,7 @@ class ShardReader:
         if meta.get("batch_id") != str(batch_id):
             raise ShardError(path, f"holds batch {meta.get('batch_id')!r}, its name says {batch_id}")
         if meta.get("cache_id") != self.cache_id:
-            raise ShardError(
+            raise ForeignShardError(
                 path,
                 f"belongs to another cache (its header names cache {meta.get('cache_id')!r}, "
                 f"{self.cache_dir / CACHE_CONFIG_FILE} is cache {self.cache_id!r}: other target weights, data "

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from shards.common.durable import atomic_write, atomic_write_text
+from shards.common.owned import Dir
 from shards.container import write_container
 from shards.format import (
     CACHE_CONFIG_FILE,
@@ -41,8 +42,8 @@ def create_cache(cache_dir: str | Path, cfg: CacheConfig, target_head: Mapping[s
     cache.json is written last, so a directory with a cache.json always has its target head. Fills in
     cfg.target_head_checksum (the shards' cache_id depends on it) and returns cfg.
     """
-    cache_dir = Path(cache_dir)
-    (cache_dir / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+    with Dir.opened(cache_dir, SHARDS_DIR, create=True):
+        pass  # made now, not by the first shard's writer thread: a link there is refused before any work
     cfg.target_head_checksum = write_target_head(cache_dir, cfg, target_head)
     write_cache_config(cache_dir, cfg)
     return cfg
@@ -105,5 +106,6 @@ def write_shard(
         "checksum": checksum(host),
     }
     path = shard_path(cache_dir, batch_id)
-    atomic_write(path, lambda f: write_container(f, host, metadata))
+    with Dir.opened(cache_dir, SHARDS_DIR) as d:
+        d.write_atomic(path.name, lambda f: write_container(f, host, metadata))
     return path

@@ -158,7 +158,8 @@ def eval_cmd(entry: EntryPoint | None, out_json, **options) -> None:
     """
     setup_logging(other_ranks_level=logging.WARNING)
     cfg = build_config(EvalConfig, options)
-    from train.outputs import check_output_file, is_eval_record, write_eval_json
+    from shards.common.owned import check_output_file
+    from train.outputs import is_eval_record, write_eval_json
 
     if out_json:  # before any work: never a user's file, never a missing directory
         check_output_file(out_json, "--out", is_eval_record, "dflash-train eval")

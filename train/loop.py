@@ -28,9 +28,9 @@ import torch
 from shards import ShardReader, load_target_head
 from shards.common.durable import atomic_write_text, check_writable
 from shards.common.lock import DirectoryLock
+from shards.common.owned import Dir, describe
 from shards.common.provenance import provenance
 from shards.common.runtime import DistInfo, all_gather_objects, barrier, rank_info, resolve_device
-from shards.ownership import describe
 from train.checkpoint.async_save import CheckpointWriter
 from train.checkpoint.store import (
     checkpoint_folders,
@@ -78,7 +78,7 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
     lock = DirectoryLock(cfg.out_dir, "dflash-train")
     try:
         if rank_info().is_main:
-            Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+            Dir.open(cfg.out_dir, create=True).close()
             lock.acquire()
             clean_stale_temporaries(cfg.out_dir)
         newest = latest_checkpoint(cfg.out_dir)
@@ -125,7 +125,7 @@ class Trainer:
             log.warning("--cuda-graphs ignored: running on %s, the step runs eagerly", device)
         self.out_dir = Path(cfg.out_dir)
         if dist_info.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
+            Dir.open(self.out_dir, create=True).close()
         compute_dtype = torch_dtype(cfg.compute_dtype)
         self.loss_terms = tuple(t for t, w in (("kl", cfg.loss.kl_lambda), ("cap", cfg.loss.cap_lambda)) if w > 0)
         self.flops_per_step = drafter_step_flops(run.drafter, run.cache_config.token_budget, run.num_blocks)

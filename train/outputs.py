@@ -1,20 +1,21 @@
 """Result files written where the user says (`eval --out`, `plot --out`, a run's OUT/eval.json).
 
-Checked before any work: the parent directory must exist (never created silently: a typo in it
-would scatter results) and an existing file is replaced only when its content shows that
-dflash-train wrote it (never a user's file of the same name). eval.json is strict JSON (a NaN
-figure is written as null) and replaced atomically.
+Checked before any work (shards.common.owned.check_output_file): the parent directory must exist
+(never created silently: a typo in it would scatter results) and an existing file is replaced only
+when it is a regular file whose content shows that dflash-train wrote it (never a user's file of the
+same name, a link or a FIFO). eval.json is strict JSON (a NaN figure is written as null) and replaced
+atomically.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from shards.common.durable import atomic_write_text
+from shards.common.owned import Dir
 
 # Keys every eval.json of dflash-train holds (EvalResult.to_dict; EvalOutput.to_dict without a walk
 # holds batch_ids and speculative_decoding).
@@ -22,24 +23,11 @@ _EVAL_KEYS = ("batch_ids",)
 _EVAL_ANY_OF = ("acceptance_length", "speculative_decoding")
 
 
-def check_output_file(path: str | Path, flag: str, is_ours: Callable[[Path], bool], what: str) -> None:
-    """Refuse (ValueError naming the flag) an output whose parent directory is missing or that exists
-    and is not ours (`is_ours(path)`: written by `what`)."""
-    path = Path(path)
-    parent = path.parent
-    if not parent.is_dir():
-        raise ValueError(f"{flag} {path}: directory {parent} does not exist; create it first or choose another {flag}")
-    if path.is_dir():
-        raise ValueError(f"{flag} {path} is a directory; name a file")
-    if path.exists() and not is_ours(path):
-        raise ValueError(f"{flag} {path} exists and was not written by {what}; choose another {flag}")
-
-
-def is_eval_record(path: Path) -> bool:
-    """Whether `path` is an eval.json that dflash-train wrote (eval --out or a run's OUT/eval.json)."""
+def is_eval_record(d: Dir, name: str) -> bool:
+    """Whether `name` in `d` is an eval.json that dflash-train wrote (eval --out or a run's OUT/eval.json)."""
     try:
-        record = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+        record = json.loads(d.read_bytes(name))
+    except (OSError, ValueError):  # absent, not a regular file, not JSON
         return False
     return isinstance(record, dict) and all(k in record for k in _EVAL_KEYS) and any(k in record for k in _EVAL_ANY_OF)
 

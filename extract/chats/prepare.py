@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import BinaryIO, Literal, get_args
 
 import numpy as np
 import pyarrow as pa
@@ -40,6 +40,7 @@ from extract.dataset.rows import DataError
 from extract.target.config import TargetConfig
 from shards.common.cli_options import cli_field, config_error
 from shards.common.durable import atomic_write_text, check_writable
+from shards.common.owned import Dir, OwnershipError
 
 logger = logging.getLogger(__name__)
 
@@ -183,11 +184,10 @@ def prepare_dataset(cfg: PrepareConfig, skip_hint: str = SKIP_BAD_ROWS_HINT) -> 
     renderer = ChatRenderer(cfg.target, thinking=cfg.thinking == "on", vocab_size=vocab_size)
     summary = PrepareSummary(out=str(out))
     errors: list[str] = []
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
+
+    def write_rows(f: BinaryIO) -> None:
         # Streamed, ROW_GROUP rows at a time: memory stays flat however large the dataset.
-        with pq.ParquetWriter(tmp, _SCHEMA) as writer:
+        with pq.ParquetWriter(f, _SCHEMA) as writer:
             pending: list[Sample] = []
             for sample in _encoded(cfg, renderer, summary, errors):
                 pending.append(sample)
@@ -205,9 +205,11 @@ def prepare_dataset(cfg: PrepareConfig, skip_hint: str = SKIP_BAD_ROWS_HINT) -> 
         if not summary.num_supervised:  # a drafter learns nothing from it: refused, as dflash-extract would
             cut = f" (--max-length {cfg.max_length} cut every reply away: raise it)" if cfg.max_length else ""
             raise DataError(f"{cfg.data}: no token of the {summary.num_samples} samples is supervised{cut}")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)  # ours: the partial output of a refused or failed run
+
+    # pyarrow writes into our own temporary (created exclusively, never through a link); a refused or
+    # failed run leaves nothing, and OUT appears only complete.
+    with Dir.open(out.parent, create=True) as d:
+        d.write_atomic(out.name, write_rows)
     summary.skipped.extend({"row": e.split(": ", 1)[0], "reason": e.split(": ", 1)[-1]} for e in errors)
     record = {
         **dataclasses.asdict(summary),
@@ -241,50 +243,56 @@ def _summary_path(out: Path) -> Path:
     return Path(f"{out}{PREPARE_SUMMARY_SUFFIX}")
 
 
-def _read_summary(out: Path) -> dict | None:
-    """The summary a prepare run wrote beside OUT, None when there is none of ours."""
+def _read_summary(d: Dir, out: Path) -> dict | None:
+    """The summary a prepare run wrote beside OUT (in `d`), None when there is none of ours."""
     try:
-        summary = json.loads(_summary_path(out).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        summary = json.loads(d.read_bytes(_summary_path(out).name))
+    except (OSError, ValueError):  # absent, not a regular file, not JSON
         return None
     return summary if isinstance(summary, dict) and "config" in summary and "num_samples" in summary else None
 
 
-def _written_by_prepare(out: Path) -> bool:
+def _written_by_prepare(d: Dir, out: Path) -> bool:
     """OUT is a token dataset beside a summary that records a prepare run."""
     try:
-        names = pq.read_schema(out).names
+        with os.fdopen(d.open_own(out.name, os.O_RDONLY), "rb") as f:
+            names = pq.read_schema(f).names
     except Exception:  # not Parquet: pyarrow raises several types
         return False
-    return _read_summary(out) is not None and names == _SCHEMA.names
+    return _read_summary(d, out) is not None and names == _SCHEMA.names
 
 
 def check_output_file(out: Path, sidecar: Path, data: str) -> None:
-    """Before any work: --out and its sidecar are not what --data reads, and their directory is writable."""
+    """Before any work: --out and its sidecar are not what --data reads, nor a link, FIFO or folder (the
+    user's, never written through), and their directory is writable."""
     for path in (out, sidecar):
         if data_would_read(data, path):
-            raise FileExistsError(
+            raise OwnershipError(
                 f"--out {out}: {path} is --data {data} or would be read by it; choose an --out outside the data"
             )
-    try:
-        check_writable(out.parent, f"--out {out}")
-    except ValueError as e:
-        raise FileExistsError(str(e)) from e
+    check_writable(out.parent, f"--out {out}")
+    if out.parent.is_dir():
+        with Dir.open(out.parent) as d:
+            for path in (out, sidecar):
+                d.refuse_other_than_file(path.name)
 
 
 def _check_out(cfg: PrepareConfig, out: Path) -> None:
     """Replace only an output of ours, and only with --overwrite; never a summary we did not write."""
     check_output_file(out, _summary_path(out), cfg.data)
-    if out.exists():
-        if not cfg.overwrite:
-            raise FileExistsError(f"{out} exists; choose another --out or pass --overwrite")
-        if not _written_by_prepare(out):
-            raise FileExistsError(
-                f"--overwrite: {out} was not written by dflash-data prepare (no {_summary_path(out).name} of "
-                "ours beside it); nothing was replaced: choose another --out"
-            )
-    elif _summary_path(out).exists() and _read_summary(out) is None:
-        raise FileExistsError(f"{_summary_path(out)} exists and is not a prepare summary; choose another --out")
+    if not out.parent.is_dir():
+        return  # made by the run: nothing in it yet
+    with Dir.open(out.parent) as d:
+        if d.lstat(out.name) is not None:
+            if not cfg.overwrite:
+                raise OwnershipError(f"{out} exists; choose another --out or pass --overwrite")
+            if not _written_by_prepare(d, out):
+                raise OwnershipError(
+                    f"--overwrite: {out} was not written by dflash-data prepare (no {_summary_path(out).name} of "
+                    "ours beside it); nothing was replaced: choose another --out"
+                )
+        elif d.lstat(_summary_path(out).name) is not None and _read_summary(d, out) is None:
+            raise OwnershipError(f"{_summary_path(out)} exists and is not a prepare summary; choose another --out")
 
 
 @contextmanager

@@ -42,6 +42,7 @@ from extract.chats.wire import Retryable, completion, completion_tokens, excerpt
 from extract.dataset.rows import DataError
 from shards.common.cli_options import cli_field, config_error
 from shards.common.durable import atomic_write_bytes, atomic_write_text
+from shards.common.owned import Dir
 from shards.common.progress import ProgressLog, format_duration
 
 logger = logging.getLogger(__name__)
@@ -161,15 +162,19 @@ def _read_done(out: Path) -> tuple[dict[str, str | None], int]:
     off. Returns (done, bytes removed)."""
     if not out.exists():
         return {}, 0
-    raw = out.read_bytes()
-    cut = 0
-    if raw and not raw.endswith(b"\n"):
-        keep = raw.rfind(b"\n") + 1
-        cut = len(raw) - keep
-        with open(out, "r+b") as f:
-            f.truncate(keep)
-        raw = raw[:keep]
-        logger.warning("%s: removed a partial last line (%d bytes) left by an interrupted run", out, cut)
+    with Dir.open(out.parent) as d:
+        raw = d.read_bytes(out.name)
+        cut = 0
+        if raw and not raw.endswith(b"\n"):
+            keep = raw.rfind(b"\n") + 1
+            cut = len(raw) - keep
+            fd = d.open_own(out.name, os.O_WRONLY)
+            try:
+                os.ftruncate(fd, keep)
+            finally:
+                os.close(fd)
+            raw = raw[:keep]
+            logger.warning("%s: removed a partial last line (%d bytes) left by an interrupted run", out, cut)
     done = {}
     for number, line in enumerate(raw.splitlines(), 1):
         try:
@@ -246,7 +251,8 @@ def _start_out(cfg: RegenerateConfig, out: Path) -> None:
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(_meta_path(out), json.dumps(_meta(cfg), indent=2) + "\n")
-    out.touch()
+    with Dir.open(out.parent) as d:
+        os.close(d.create(out.name))
 
 
 class _Client:
@@ -360,7 +366,9 @@ async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: Regener
     cond = asyncio.Condition()
     # A bar on a terminal, plain lines (at most one per 10 s, and the last) in a log file.
     progress = ProgressLog(logger, None, len(todo), desc="regenerate", unit="conv") if cfg.progress else None
-    with open(out, "a", encoding="utf-8") as f:
+    with Dir.open(out.parent) as d:
+        f = d.open_append(out.name)  # never through a link planted as OUT
+    with f:
 
         def flush_in_order() -> None:
             while state["written"] in results:

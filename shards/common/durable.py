@@ -1,52 +1,31 @@
 """Durable writes: a file appears under its final name only when complete.
 
-Unique temporary name in the same directory, write, flush, fsync, os.replace, fsync the directory.
-A writer killed at any point leaves at most a `.tmp-*` file, which readers never look at.
-Files get mode 0o644 (mkstemp's 0o600 would hide a cache or an exported drafter from a serving
-process that runs as another user).
+Unique temporary name in the same directory, created exclusively, write, flush, fsync, rename, fsync
+the directory (Dir.write_atomic, shards/common/owned). A writer killed at any point leaves at most a
+`.tmp-*` file, which readers never look at. Files get mode 0o644 (mkstemp's 0o600 would hide a cache or
+an exported drafter from a serving process that runs as another user).
+
+The path functions here open the file's directory as the caller names it; writes inside a cache, run or
+export directory go through Dir.opened(root, folder) instead, so no link inside it is followed.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
 from shards.common.crc import crc32
-
-TMP_PREFIX = ".tmp-"
-# What tempfile.mkstemp names our temporaries: the prefix, the final name and a dot, then 8 random
-# characters. A user's `.tmp-backup/` folder or `.tmp-notes.txt` has another shape and stays theirs.
-PROBE = "probe"  # check_writable's temporaries: .tmp-probe.xxxxxxxx
-_TEMPORARY = re.compile(re.escape(TMP_PREFIX) + r"(?P<final>.+)\.[a-z0-9_]{8}")
-
-
-FILE_MODE = 0o644  # owner writes, everyone reads
-DIR_MODE = 0o755
+from shards.common.owned import FILE_MODE, PROBE, TMP_PREFIX, Dir, not_own_file
 
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None], mode: int = FILE_MODE) -> None:
     """Call write(f) on a temporary file, then make it appear as `path` in one step."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        # Covers disk-full and KeyboardInterrupt alike: the final name never holds a partial file.
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(path.parent)
+    with Dir.open(path.parent) as d:
+        d.write_atomic(path.name, write, mode)
 
 
 def check_writable(path: str | Path, what: str) -> None:
@@ -59,6 +38,8 @@ def check_writable(path: str | Path, what: str) -> None:
     directory, the reason and the fix.
     """
     target = Path(path)
+    if target.is_symlink() and not target.exists():  # making it would make it where the link points
+        raise not_own_file(target, os.lstat(target), "folder")
     where = target
     try:
         while not where.exists() and where.parent != where:
@@ -90,38 +71,11 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
-def fsync_dir(path: str | Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def temporary_final_name(path: str | Path) -> str | None:
-    """The final name an atomic_write temporary of ours was for, None for anything else (a folder, a
-    link, another name)."""
-    path = Path(path)
-    match = _TEMPORARY.fullmatch(path.name)
-    if match is None or path.is_symlink() or not path.is_file():
-        return None
-    return match["final"]
-
-
-def remove_stale_temporaries(directory: str | Path, finals: Callable[[str], bool] | None = None) -> list[Path]:
+def remove_stale_temporaries(directory: str | Path, finals: Callable[[str], bool] | None = None) -> list[str]:
     """Delete the temporary files killed writers of ours left in `directory` (with `finals`: only those
-    whose final name it accepts, the names written there); returns what was removed."""
-    removed = []
-    for p in Path(directory).glob(TMP_PREFIX + "*"):
-        final = temporary_final_name(p)
-        if final is None or (finals is not None and not finals(final)):
-            continue
-        try:
-            p.unlink()
-            removed.append(p)
-        except FileNotFoundError:
-            pass
-    return removed
+    whose final name it accepts, the names written there); returns their names."""
+    with Dir.open(directory) as d:
+        return d.remove_temporaries(finals)
 
 
 def file_checksum(path: str | Path, chunk_bytes: int = 16 << 20) -> str:

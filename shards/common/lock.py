@@ -5,6 +5,10 @@ however it exits (SIGKILL included), so a lock left by a killed run never blocks
 file itself stays (deleting it while another process waits on it would let two holders in). The
 holder writes its host, pid, start time and argv into the file, so the refusal can name it.
 
+The file is opened through shards/common/owned (Dir.open_own): a link, FIFO or device planted under its
+name is refused, naming it, never truncated through or blocked on. flock's mode is the caller's
+(LOCK_EX here; a reader's shared lock opens the same way).
+
 Ranks of one torchrun job share a lock by having rank 0 take it for the whole job.
 """
 
@@ -19,8 +23,7 @@ import time
 from pathlib import Path
 
 from shards.common.errors import UserError
-
-LOCK_FILE = ".dflash.lock"
+from shards.common.owned import LOCK_FILE, Dir
 
 
 class DirectoryLockedError(UserError, ValueError):
@@ -43,7 +46,8 @@ class DirectoryLock:
     def acquire(self) -> DirectoryLock:
         if self._fd is not None:
             return self
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        with Dir.open(self.directory) as d:
+            fd = d.open_own(LOCK_FILE, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -87,10 +91,10 @@ class DirectoryLock:
 def lock_holder(directory: str | Path) -> str | None:
     """Who holds `directory`'s lock right now ("dflash-extract, host H, pid P, ..."), None when nobody
     does; reads only (no lock file is made), so it works on a read-only cache."""
-    path = Path(directory) / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+        with Dir.open(directory) as d:
+            fd = d.open_own(LOCK_FILE, os.O_RDONLY)
+    except OSError:  # no lock file (nobody ever wrote here), or a directory we may not read
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

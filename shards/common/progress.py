@@ -11,7 +11,6 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
 from typing import IO, TextIO
 
 _BYTE_UNITS = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
@@ -58,7 +57,9 @@ def _terminal_columns() -> int:
 
 class ProgressLog:
     """Progress over `total_units`: a JSONL record per `report` (at most every `interval_s` seconds)
-    and, for people, either a tqdm bar (`bar=True`) or one plain log line per record.
+    into `jsonl` (an open text file the log then owns and closes; the caller opens it, inside a cache
+    through shards/common/owned so that no planted link gets the records) and, for people, either a
+    tqdm bar (`bar=True`) or one plain log line per record.
 
     bar=None: a bar when stderr is an interactive terminal. The bar advances on every report; the
     record and, without a bar, the line are emitted at most every `interval_s` seconds or when forced.
@@ -68,7 +69,7 @@ class ProgressLog:
     def __init__(
         self,
         logger: logging.Logger,
-        jsonl_path: str | Path | None,
+        jsonl: IO[str] | None,
         total_units: int,
         interval_s: float = 10.0,
         *,
@@ -81,10 +82,7 @@ class ProgressLog:
         self.interval_s = interval_s
         self.start = time.monotonic()
         self._last = -float("inf")
-        self._file: IO[str] | None = None
-        if jsonl_path is not None:
-            Path(jsonl_path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(jsonl_path, "a", buffering=1)
+        self._file = jsonl
         self._bar = None
         if bar if bar is not None else is_interactive():
             from tqdm import tqdm

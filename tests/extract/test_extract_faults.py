@@ -46,6 +46,7 @@ from extract.runner import run_extract
 from extract.target.model import TargetModel
 from extract.writer import NonFiniteHiddenError
 from shards import ShardReader, shard_path
+from shards.common.owned import OwnershipError
 from shards.inspect import verify_cache
 from tests.helpers.extract import (
     REPO,
@@ -85,8 +86,10 @@ KILL_SCRIPT = textwrap.dedent("""
             f.write(f"{point} {k}")
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def in_shards_dir(path):
-        return os.path.basename(os.path.dirname(str(path))) == "shards"
+    def in_shards_dir(path, dir_fd=None):
+        # Durable writes rename relative to their directory's descriptor (shards/common/owned).
+        where = os.readlink(f"/proc/self/fd/{dir_fd}") if dir_fd is not None else os.path.dirname(str(path))
+        return os.path.basename(where) == "shards"
 
     if point == "cache_config":  # after target_head.safetensors, before cache.json
         def dying_config(cache_dir, cfg):
@@ -110,11 +113,11 @@ KILL_SCRIPT = textwrap.dedent("""
         shards.writer.write_container = dying_container
     elif point in ("before_rename", "after_rename"):  # shard k complete and fsynced, (not) yet renamed
         real_replace = os.replace
-        def dying_replace(src, dst):
-            hit = in_shards_dir(dst) and nth()
+        def dying_replace(src, dst, **kw):
+            hit = in_shards_dir(dst, kw.get("dst_dir_fd")) and nth()
             if hit and point == "before_rename":
                 die()
-            real_replace(src, dst)
+            real_replace(src, dst, **kw)
             if hit:
                 die()
         os.replace = dying_replace
@@ -209,27 +212,25 @@ def test_sigkill_at_random_point_then_resume_gives_identical_cache(target, data,
 def inject_disk_full(monkeypatch, file_name):
     """The durable write of `file_name` runs out of space after 4 KB, as a real full disk fails a write.
 
-    Every durable file (shards, target head, cache.json, manifest) is written by shards.common.durable.atomic_write,
-    so the fault enters below the library's own cleanup, which is part of what is tested.
+    Every durable file (shards, target head, cache.json, manifest) is written by Dir.write_atomic
+    (shards/common/owned), so the fault enters below the library's own cleanup, which is part of what is tested.
     """
-    import shards.common.durable as durable
-    import shards.writer as writer
+    from shards.common.owned import Dir
 
-    real = durable.atomic_write
+    real = Dir.write_atomic
     failed = []
 
-    def atomic_write(path, write):
+    def write_atomic(self, name, write, *args):
         def fill_disk(f):
-            if os.path.basename(str(path)) == file_name:
-                failed.append(str(path))
+            if name == file_name:
+                failed.append(str(self.path / name))
                 f.write(b"\0" * 4096)
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             write(f)
 
-        real(path, fill_disk)
+        real(self, name, fill_disk, *args)
 
-    monkeypatch.setattr(durable, "atomic_write", atomic_write)  # behind atomic_write_text / _bytes
-    monkeypatch.setattr(writer, "atomic_write", atomic_write)  # shards and the target head
+    monkeypatch.setattr(Dir, "write_atomic", write_atomic)
     return failed
 
 
@@ -398,6 +399,6 @@ def test_a_shard_of_another_dataset_is_refused_on_resume_and_by_verify(target, d
     bad = verify_cache(cache).bad
     assert [b["file"] for b in bad if b["batch_id"] == 3] == [str(shard_path(cache, 3))], bad
     assert "belongs to another cache" in next(b["reason"] for b in bad if b["batch_id"] == 3)
-    with pytest.raises(CacheMismatchError, match="b00000003.safetensors: belongs to another cache"):
+    with pytest.raises(OwnershipError, match="b00000003.safetensors: belongs to another cache"):
         run_extract(extract_cfg(target, data, cache))
     assert shard_path(cache, 3).read_bytes() == foreign, "a shard that is not this cache's is left for the user"

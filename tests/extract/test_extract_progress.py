@@ -41,7 +41,7 @@ def test_format_bytes_picks_the_unit_by_magnitude():
 
 def test_progress_log_plain_lines_without_a_bar(tmp_path, caplog):
     logger = logging.getLogger("test.progress")
-    progress = ProgressLog(logger, tmp_path / "p.jsonl", 3, interval_s=1e9, bar=False)
+    progress = ProgressLog(logger, open(tmp_path / "p.jsonl", "a"), 3, interval_s=1e9, bar=False)
     with caplog.at_level(logging.INFO, logger="test.progress"):
         for i in (1, 2, 3):
             progress.report({"i": i}, f"line {i}", force=i == 3, done_units=i)

@@ -145,7 +145,7 @@ def test_a_read_only_cache_gives_one_line_not_a_traceback(cache, monkeypatch, co
     def read_only(path, *args, **kwargs):
         raise OSError(30, "Read-only file system", str(path))
 
-    monkeypatch.setattr("shards.inspect.shutil.move", read_only)
+    monkeypatch.setattr("shards.common.owned.Dir.replace", read_only)  # the quarantine's move
     monkeypatch.setattr("shards.manifest.atomic_write_bytes", read_only)
     result = CliRunner().invoke(shards_cli, [command[0], str(cache_dir), *command[1:]])
     assert result.exit_code == 1 and "Read-only file system" in result.output, result.output

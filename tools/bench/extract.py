@@ -56,7 +56,7 @@ from extract.target.options import ForwardOptions
 from extract.writer import AsyncShardWriter
 from shards import create_cache
 from shards.codec import decode_hidden, encode_hidden
-from shards.ownership import foreign_entries
+from shards.ownership import survey_cache
 from tools.bench.hf_padded import hf_padded_tokens_per_s
 from tools.fixtures.tiny_target import qwen35_27b_config_dict, random_weights, tiny_config_dict
 
@@ -220,7 +220,7 @@ def kernel_profile(
 def _refuse_foreign(cache_dir: Path, work: Path) -> None:
     """The benchmark deletes --cache-dir between configurations and rewrites its data folder: both must
     be new, or hold only what an earlier benchmark run wrote there."""
-    if cache_dir.exists() and (not cache_dir.is_dir() or foreign_entries(cache_dir)):
+    if cache_dir.exists() and (not cache_dir.is_dir() or survey_cache(cache_dir).foreign):
         raise click.UsageError(f"--cache-dir {cache_dir} holds files that are not a cache's; name a new directory")
     ours = {"mix.parquet", "target"}
     if work.exists() and (not work.is_dir() or {p.name for p in work.iterdir()} - ours):

@@ -31,7 +31,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -39,15 +38,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from shards.common.crc import crc32
-from shards.common.durable import (
-    DIR_MODE,
-    PROBE,
-    atomic_write,
-    atomic_write_text,
-    check_writable,
-    remove_stale_temporaries,
-    temporary_final_name,
-)
+from shards.common.durable import check_writable
+from shards.common.owned import DIR_MODE, Dir, Entry, Layout, OwnershipError, survey
 from shards.container import read_header, write_container
 from shards.format import CacheFormatError
 from train.checkpoint.store import Checkpoint, CheckpointError, load_model_state, resolve_checkpoint
@@ -212,35 +204,42 @@ def _derived_layer_types(hf: dict) -> list[str] | None:
 PRODUCER = "dflash-pipeline"
 
 
-def export_status(out: Path) -> tuple[bool, list[Path]]:
-    """(is an earlier export of ours, entries that are neither ours nor temporaries) for an existing out."""
-    ours = {CONFIG_FILE, WEIGHTS_FILE}
-    temporaries = ours | {PROBE}  # check_writable's probe too: another rank's, a moment ahead
-    foreign = [p for p in sorted(out.iterdir()) if p.name not in ours and temporary_final_name(p) not in temporaries]
-    weights = out / WEIGHTS_FILE
-    produced = False
-    if weights.is_file():
-        try:
-            produced = read_header(weights).metadata.get("producer") == PRODUCER
-        except CacheFormatError:
-            produced = False
-    return produced and not foreign, foreign
+_EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+
+
+def _produced_by_us(d: Dir) -> bool:
+    """model.safetensors is a regular file whose header names this program as its producer."""
+    if not d.is_file(WEIGHTS_FILE):
+        return False
+    try:
+        return read_header(d.pinned_path(WEIGHTS_FILE)).metadata.get("producer") == PRODUCER
+    except CacheFormatError:
+        return False
+
+
+def _ours(d: Dir, e: Entry, marked: bool) -> bool:
+    return e.is_file and e.name in _EXPORT_FILES
+
+
+EXPORT_LAYOUT = Layout(claim=_ours, temporaries=_EXPORT_FILES.__contains__, marked=_produced_by_us)
 
 
 def check_export_target(out: Path, overwrite: bool) -> None:
     """Refuse a non-empty directory that is not an earlier export of ours; replacing ours needs overwrite."""
     if out.exists() and not out.is_dir():
-        raise ValueError(f"export directory {out} is a file; choose a new or empty directory")
-    if out.is_dir() and any(out.iterdir()):
-        ours, foreign = export_status(out)
-        if not ours:
-            shown = ", ".join(str(p) for p in (foreign or sorted(out.iterdir()))[:5])
-            raise ValueError(
+        raise OwnershipError(f"export directory {out} is a file; choose a new or empty directory")
+    if out.is_dir():
+        with Dir.open(out) as d:
+            found = survey(d, EXPORT_LAYOUT)
+        entries = sorted(found.ours + found.scaffolding + found.foreign, key=lambda e: e.name)
+        if entries and (found.foreign or not found.marked):
+            shown = ", ".join(str(e) for e in (found.foreign or entries)[:5])
+            raise OwnershipError(
                 f"export directory {out} is not empty and is not a drafter exported by dflash-train "
                 f"(found {shown}); nothing was written: choose a new or empty directory"
             )
-        if not overwrite:
-            raise ValueError(
+        if entries and not overwrite:
+            raise OwnershipError(
                 f"export directory {out} holds an earlier export; pass --overwrite to replace it, or choose a new "
                 "directory"
             )
@@ -255,10 +254,6 @@ def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path
     process often runs as another user)."""
     out = Path(out_dir)
     check_export_target(out, overwrite)
-    if not out.is_dir():
-        out.mkdir(parents=True)
-        os.chmod(out, DIR_MODE)  # mkdir applies the umask
-    remove_stale_temporaries(out, {CONFIG_FILE, WEIGHTS_FILE}.__contains__)  # ours only: never a user's .tmp-x
     state = {name: t.detach().to("cpu", torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
     expected = zlab_parameter_names(cfg)
     if sorted(state) != sorted(expected):
@@ -267,9 +262,15 @@ def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path
             f"missing {sorted(set(expected) - set(state))}"
         )
     meta = {"format": "pt", "producer": PRODUCER}
+    config = json.dumps(drafter_config_to_hf(cfg), indent=2) + "\n"
     try:
-        atomic_write(out / WEIGHTS_FILE, lambda f: write_container(f, state, meta))
-        atomic_write_text(out / CONFIG_FILE, json.dumps(drafter_config_to_hf(cfg), indent=2) + "\n")
+        created = not out.is_dir()
+        with Dir.open(out, create=True) as d:
+            if created:
+                d.chmod(DIR_MODE)  # mkdir applies the umask
+            d.remove_temporaries(_EXPORT_FILES.__contains__)  # ours only: never a user's .tmp-x
+            d.write_atomic(WEIGHTS_FILE, lambda f: write_container(f, state, meta))
+            d.write_atomic(CONFIG_FILE, lambda f: f.write(config.encode()))
     except OSError as e:
         raise OSError(
             e.errno,

@@ -24,8 +24,6 @@ import logging
 import os
 import pickle
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,16 +32,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from shards.common.durable import (
-    DIR_MODE,
-    FILE_MODE,
-    TMP_PREFIX,
-    atomic_write_text,
-    file_checksum,
-    fsync_dir,
-    fsync_file,
-)
+from shards.common.durable import file_checksum, fsync_file
 from shards.common.errors import UserError
+from shards.common.owned import DIR_MODE, FILE_MODE, TMP_PREFIX, Dir
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +42,8 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "train_state.json"
 _NAME = re.compile(r"^step-(\d{8})$")
-_TMP_NAME = re.compile(rf"^{re.escape(TMP_PREFIX)}step-\d{{8}}-\w+$")  # tempfile.mkdtemp's suffix: [a-z0-9_]
+# The folder save_checkpoint builds a checkpoint in: .tmp-step-NNNNNNNN-xxxxxxxx (Dir.make_temp_dir's suffix).
+TEMPORARY_FOLDER = re.compile(rf"{re.escape(TMP_PREFIX)}step-\d{{8}}-\w+")
 
 
 def checkpoint_name(step: int) -> str:
@@ -89,37 +81,46 @@ def save_checkpoint(
 ) -> Path:
     """Write step-{step:08d}/ durably (called on rank 0 only); then prune as `retention` says."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / checkpoint_name(step)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=out_dir))
-    current = tmp / MODEL_FILE
-    try:
-        os.chmod(tmp, DIR_MODE)
-        save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(current))
-        current = tmp / OPTIMIZER_FILE
-        torch.save(optimizer_state, current)
-        checksums = {}
-        for name in (MODEL_FILE, OPTIMIZER_FILE):
-            current = tmp / name
-            os.chmod(current, FILE_MODE)
-            fsync_file(current)
-            checksums[name] = file_checksum(current)
-        current = tmp / STATE_FILE
-        atomic_write_text(current, json.dumps({**train_state, "checksums": checksums}, indent=1, sort_keys=True) + "\n")
-        if final.exists():  # a checkpoint of the same step from a run that died after writing it
-            shutil.rmtree(final)
-        current = final
-        os.replace(tmp, final)
-        fsync_dir(out_dir)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            what = "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-            raise CheckpointError(
-                f"checkpoint of step {step}: writing {current} failed ({what}); nothing partial was kept. "
-                f"Free space (or fix {out_dir}) and re-run with --resume to continue from the last checkpoint"
-            ) from e
-        raise
+    with Dir.open(out_dir, create=True) as run_dir:
+        tmp_name, tmp = run_dir.make_temp_dir(f"{TMP_PREFIX}{final.name}-")
+        current = out_dir / tmp_name / MODEL_FILE  # named in the error, as the user sees it
+        try:
+            with tmp:
+                tmp.chmod(DIR_MODE)
+                # safetensors and torch.save take paths: they write only in the folder just made exclusively,
+                # through its descriptor (pinned_path), so nothing planted can redirect them.
+                save_file(
+                    {k: v.detach().cpu().contiguous() for k, v in model_state.items()}, tmp.pinned_path(MODEL_FILE)
+                )
+                current = current.with_name(OPTIMIZER_FILE)
+                torch.save(optimizer_state, tmp.pinned_path(OPTIMIZER_FILE))
+                checksums = {}
+                for name in (MODEL_FILE, OPTIMIZER_FILE):
+                    current = current.with_name(name)
+                    os.chmod(tmp.pinned_path(name), FILE_MODE)
+                    fsync_file(tmp.pinned_path(name))
+                    checksums[name] = file_checksum(tmp.pinned_path(name))
+                current = current.with_name(STATE_FILE)
+                state = json.dumps({**train_state, "checksums": checksums}, indent=1, sort_keys=True) + "\n"
+                tmp.write_atomic(STATE_FILE, lambda f: f.write(state.encode()))
+            if run_dir.lstat(final.name) is not None:  # a checkpoint of this step from a run that died after it
+                run_dir.rmtree(final.name)  # a link of that name is refused, never followed
+            current = final
+            run_dir.replace(tmp_name, run_dir, final.name)
+            run_dir.fsync()
+        except BaseException as e:
+            try:
+                run_dir.rmtree(tmp_name)
+            except OSError:
+                pass
+            if isinstance(e, OSError):
+                what = "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+                raise CheckpointError(
+                    f"checkpoint of step {step}: writing {current} failed ({what}); nothing partial was kept. "
+                    f"Free space (or fix {out_dir}) and re-run with --resume to continue from the last checkpoint"
+                ) from e
+            raise
     log.info("checkpoint: saved %s", final)
     retention.verified.add(step)  # its checksums were just computed from the bytes written
     retention.prune(out_dir, written_step=step)
@@ -150,19 +151,25 @@ def list_checkpoints(out_dir: str | Path) -> list[Checkpoint]:
     found = []
     if not out_dir.is_dir():
         return found
-    for p in out_dir.iterdir():
-        m = _NAME.match(p.name)
-        if not m or not p.is_dir():
-            continue
-        try:
-            state = json.loads((p / STATE_FILE).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            log.warning("checkpoint %s ignored: %s unreadable (%s)", p, STATE_FILE, e)
-            continue
-        if not all((p / n).is_file() for n in (MODEL_FILE, OPTIMIZER_FILE)):
-            log.warning("checkpoint %s ignored: missing %s or %s", p, MODEL_FILE, OPTIMIZER_FILE)
-            continue
-        found.append(Checkpoint(p, int(m.group(1)), state))
+    with Dir.open(out_dir) as run_dir:
+        for name in run_dir.names():
+            m = _NAME.match(name)
+            if not m or not run_dir.is_dir(name):  # a link of a checkpoint's name is never one of ours
+                continue
+            p = out_dir / name
+            # Seen without following links and never opening a FIFO or device: one planted there would
+            # hang every command that lists checkpoints.
+            try:
+                with run_dir.child(name) as d:
+                    state = json.loads(d.read_bytes(STATE_FILE))
+                    complete = all(d.is_file(n) for n in (MODEL_FILE, OPTIMIZER_FILE))
+            except (OSError, ValueError) as e:
+                log.warning("checkpoint %s ignored: %s unreadable (%s)", p, STATE_FILE, e)
+                continue
+            if not complete:
+                log.warning("checkpoint %s ignored: missing %s or %s", p, MODEL_FILE, OPTIMIZER_FILE)
+                continue
+            found.append(Checkpoint(p, int(m.group(1)), state))
     return sorted(found, key=lambda c: c.step)
 
 
@@ -235,7 +242,7 @@ class Retention:
                 )
                 continue
             if kept >= self.keep and ckpt.step != written_step and ckpt.step not in self.protected:
-                shutil.rmtree(ckpt.path, ignore_errors=True)
+                _remove_folder(out_dir, ckpt.path.name)
                 log.info("checkpoint: removed %s (keeping the newest %d)", ckpt.path, self.keep)
                 continue
             if ckpt.step not in self.verified:
@@ -257,16 +264,21 @@ class Retention:
             log.warning("checkpoint %s %s", path, why)
 
 
-def is_checkpoint_temporary(path: Path) -> bool:
-    """Whether `path` is the folder save_checkpoint builds a checkpoint in (.tmp-step-NNNNNNNN-XXXX, a directory)."""
-    return bool(_TMP_NAME.match(path.name)) and path.is_dir() and not path.is_symlink()
+def _remove_folder(out_dir: str | Path, name: str) -> None:
+    """Delete a folder of ours in the run directory, never through a link; a failure leaves it (as before)."""
+    try:
+        with Dir.open(out_dir) as run_dir:
+            run_dir.rmtree(name)
+    except (OSError, ValueError) as e:
+        log.warning("could not remove %s: %s", Path(out_dir) / name, e)
 
 
 def remove_stale_temporaries(out_dir: str | Path) -> int:
     """Delete the .tmp-step-* folders of saves that were killed; returns how many (call with the run's lock)."""
-    stale = [p for p in Path(out_dir).glob(f"{TMP_PREFIX}step-*") if is_checkpoint_temporary(p)]
-    for p in stale:
-        shutil.rmtree(p, ignore_errors=True)
+    with Dir.open(out_dir) as run_dir:
+        stale = [n for n in run_dir.names() if TEMPORARY_FOLDER.fullmatch(n) and run_dir.is_dir(n)]
+    for name in stale:
+        _remove_folder(out_dir, name)
     return len(stale)
 
 

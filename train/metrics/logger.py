@@ -22,6 +22,8 @@ from typing import IO, Any
 import torch
 
 from shards.common.errors import UserError
+from shards.common.owned import Dir
+from shards.common.owned.dirfd import random_suffix
 from shards.common.progress import format_duration
 from train.distributed import all_reduce_sum_
 from train.metrics.block_metrics import metric_sizes
@@ -146,12 +148,13 @@ class MetricsLogger:
         self._pending_eval: dict[str, Any] | None = None  # an evaluation since the last console line
         self._file: IO[str] | None = None
         self._tb = None
+        self._tb_dir: Dir | None = None  # tb/'s descriptor, which the writer's path goes through
         self._tb_used = False  # a writer existed (it is None again after close)
         if is_main:
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-            self._file = open(Path(out_dir) / "metrics.jsonl", "a", buffering=1)
-            if tensorboard:
-                self._tb = _tensorboard_writer(Path(out_dir) / "tb")
+            with Dir.open(out_dir, create=True) as run_dir:
+                self._file = run_dir.open_append("metrics.jsonl")  # a link or FIFO there is refused
+                if tensorboard:
+                    self._tb, self._tb_dir = _tensorboard_writer(run_dir)
 
     # ---- cadence: host-side decisions from the step number alone -------------------------------
     def should_compute_metrics(self, step: int) -> bool:
@@ -286,6 +289,9 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb, self._tb_used = None, True
+        if self._tb_dir is not None:
+            self._tb_dir.close()
+            self._tb_dir = None
 
 
 def _raise_if_bad(host: HostSums, step: int) -> None:
@@ -305,13 +311,17 @@ def _raise_if_bad(host: HostSums, step: int) -> None:
     raise NonFiniteError(f"another rank met a non-finite loss or batch before step {step}; see its log")
 
 
-def _tensorboard_writer(path: Path):
+def _tensorboard_writer(run_dir: Dir):
+    """(SummaryWriter, tb/ held open) for run_dir/tb, or (None, None) without tensorboard. The writer
+    opens its events file by path: through tb/'s descriptor (a link planted as tb/ is refused), under
+    a name with a random suffix, so no link can be planted where it writes."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         log.warning("--tensorboard: the tensorboard package is not installed; writing metrics.jsonl only")
-        return None
-    return SummaryWriter(str(path))
+        return None, None
+    tb = run_dir.child("tb", create=True)
+    return SummaryWriter(tb.pinned_path(""), filename_suffix=f".{random_suffix()}"), tb
 
 
 def eval_figures(record: dict) -> str:

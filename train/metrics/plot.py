@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shards.common.durable import atomic_write
-from train.outputs import check_output_file
+from shards.common.owned import Dir, check_output_file
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "run.png"
@@ -135,7 +135,7 @@ def plot_run(run_dir: str | Path, out_path: str | Path | None = None) -> dict[st
     return drawn
 
 
-def _is_our_png(path: Path) -> bool:
+def _is_our_png(d: Dir, name: str) -> bool:
     """A PNG this command wrote (its metadata says so): the only file it overwrites."""
-    head = path.read_bytes()[:4096] if path.is_file() else b""
+    head = d.read_bytes(name)[:4096]
     return head.startswith(b"\x89PNG") and _SOFTWARE.encode() in head

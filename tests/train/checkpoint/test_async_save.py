@@ -151,7 +151,7 @@ def test_async_checkpoints_equal_sync_ones_byte_for_byte_and_never_overlap(tmp_p
 # inside optimizer.pt: partial bytes on disk, a marker file, then it blocks for good. The loop trains on
 # to step 9, whose save waits for that write forever; the parent kills it there.
 _CHILD = """
-import sys, threading
+import os, sys, threading
 from pathlib import Path
 sys.path.insert(0, {repo!r})
 import torch
@@ -161,7 +161,7 @@ from train.loop import run_training
 cache, out, marker = sys.argv[1:4]
 real_save = torch.save
 def blocking_save(obj, f, *args, **kwargs):
-    if "step-00000006" in str(f):
+    if "step-00000006" in os.path.realpath(f):  # f reaches the folder through its descriptor (/proc/self/fd/N)
         with open(f, "wb") as partial:
             partial.write(b"PK partial")
         Path(marker).write_text("blocked")

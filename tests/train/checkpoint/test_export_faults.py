@@ -277,7 +277,7 @@ TRAIN_KILL_SCRIPT = textwrap.dedent("""
             with open(f, "wb") as out:
                 out.write(b"partial optimizer state")
             with open(marker, "w") as m:
-                m.write(str(f))
+                m.write(os.path.realpath(f))  # f reaches the folder through its descriptor (/proc/self/fd/N)
             os.kill(os.getpid(), signal.SIGKILL)
         return real_save(obj, f, *a, **kw)
 
