@@ -28,7 +28,6 @@ Export is for serving and evaluation, never a resume source (checkpoints are the
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -39,6 +38,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from shards.common.crc import crc32
+from shards.common.diskfull import DiskFullError, refusing_when_full
 from shards.common.durable import (
     DIR_MODE,
     PROBE,
@@ -267,15 +267,17 @@ def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path
             f"missing {sorted(set(expected) - set(state))}"
         )
     meta = {"format": "pt", "producer": PRODUCER}
+    weights_bytes = sum(t.nbytes for t in state.values())
     try:
-        atomic_write(out / WEIGHTS_FILE, lambda f: write_container(f, state, meta))
-        atomic_write_text(out / CONFIG_FILE, json.dumps(drafter_config_to_hf(cfg), indent=2) + "\n")
+        nothing = "nothing of this export was written; free space and export again"
+        with refusing_when_full(out / WEIGHTS_FILE, nothing, weights_bytes):
+            atomic_write(out / WEIGHTS_FILE, lambda f: write_container(f, state, meta))
+        with refusing_when_full(out / CONFIG_FILE, f"{WEIGHTS_FILE} was; free space and export again with --overwrite"):
+            atomic_write_text(out / CONFIG_FILE, json.dumps(drafter_config_to_hf(cfg), indent=2) + "\n")
+    except DiskFullError:
+        raise
     except OSError as e:
-        raise OSError(
-            e.errno,
-            f"exporting to {out} failed: {e.strerror or e}"
-            + ("; free space and export again" if e.errno == errno.ENOSPC else ""),
-        ) from e
+        raise OSError(e.errno, f"exporting to {out} failed: {e.strerror or e}") from e
     log.info("exported drafter (%d tensors) to %s", len(state), out)
     return out
 
