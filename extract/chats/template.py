@@ -65,7 +65,7 @@ def refuse_shipped_code(target_dir: Path) -> None:
             fields = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError):
             continue  # absent or unreadable: what loads it says so
-        if isinstance(fields, dict) and "auto_map" in fields:
+        if isinstance(fields, dict) and fields.get("auto_map"):
             raise ChatTemplateError(
                 f"{path}: auto_map {json.dumps(fields['auto_map'])[:200]} names code shipped with the checkpoint, "
                 "and dflash-data never runs code from a checkpoint (it would run with all of this user's rights); "

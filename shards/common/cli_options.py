@@ -80,6 +80,7 @@ def cli_field(
     return dataclasses.field(
         default=default,
         default_factory=default_factory,
+        repr=envvar is None,  # a secret's value stays out of the config's repr (and so of any message with it)
         metadata={"flag": flag, "path": path, "name": name, "identity": identity, "envvar": envvar},
     )
 

@@ -241,6 +241,13 @@ def test_the_api_key_reaches_the_server_and_nothing_else(tmp_path, monkeypatch, 
         assert _KEY not in text, f"the API key is in the {where}"
 
 
+def test_the_key_is_not_in_the_config_repr():
+    from extract.chats.regenerate import RegenerateConfig
+
+    cfg = RegenerateConfig(server="http://x:1/v1", model="m", data="d.jsonl", out="o.jsonl", api_key=_KEY)
+    assert cfg.api_key == _KEY and _KEY not in repr(cfg) and "api_key" not in repr(cfg)
+
+
 def test_the_help_names_the_variable_and_never_shows_its_value(monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", _KEY)
     shown = CliRunner().invoke(data_cli, ["regenerate", "--help"], terminal_width=200).output
