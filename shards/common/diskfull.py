@@ -2,7 +2,8 @@
 
 Each write boundary (a checkpoint, an export, a shard, the manifest, dflash-data's outputs, the metrics
 log) runs inside `refusing_when_full(path, then=..., needed=...)`, which turns a write that failed for want
-of space (ENOSPC) or quota (EDQUOT) into DiskFullError (a UserError, exit 1):
+of space (ENOSPC) or quota (EDQUOT) into DiskFullError (exit 1 and its one line, as the CLIs' user_errors
+reports the user-error family: shards.common.errors imports this module, so this one cannot import it):
 
     writing runs/a/.tmp-step-00000002-x1/optimizer.pt failed: No space left on device (needs 20.80 GB,
     3.10 GB free there); nothing partial was kept, ...
@@ -10,9 +11,9 @@ of space (ENOSPC) or quota (EDQUOT) into DiskFullError (a UserError, exit 1):
 Libraries lose the errno (measured on a 2 MB tmpfs): safetensors raises SafetensorError("... No space left on
 device (os error 28)"); torch.save to a path raises RuntimeError("... unexpected pos 576 vs 534") with no
 errno anywhere; pyarrow and Python's own files raise OSError(28). So a failure counts as disk full when an
-OSError with either errno is in its chain (__cause__, __context__), when its text or a chained one's carries
-the OS's words for them, or, for a writer that says how much it needed, when the file system now has less
-free than that. The CLIs' user_errors catches what no boundary named (one line, the path when the error
+OSError with either errno is in its chain (__cause__, __context__), when a library's error (not an OSError,
+whose text may be a server's or a peer's) carries the OS's words for them, or, for a writer that says how
+much it needed, when the file system now has less free than that. The CLIs' user_errors catches what no boundary named (one line, the path when the error
 has one). `refuse_short_space` refuses before a write whose size is known (a checkpoint).
 """
 
@@ -25,7 +26,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from shards.common.errors import UserError
 from shards.common.progress import format_bytes
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -33,9 +33,11 @@ NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _NO_SPACE_WORDS = [(code, words) for code in NO_SPACE_ERRNOS for words in (os.strerror(code), f"os error {code}")]
 
 
-class DiskFullError(UserError, OSError):
+class DiskFullError(OSError):
     """A write failed for want of space or quota; the message names the path, the sizes and what to do.
     Its errno is ENOSPC or EDQUOT (set after construction: OSError's own "[Errno N]" prefix stays out)."""
+
+    exit_code = 1  # user_errors: one line, exit 1, as for the user-error family
 
     def __init__(self, message: str, code: int = errno.ENOSPC):
         super().__init__(message)
@@ -64,8 +66,10 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
 def no_space_errno(error: BaseException) -> int | None:
     """ENOSPC or EDQUOT when the chain of `error` says so (by errno or by the OS's words), else None."""
     for e in _chain(error):
-        if isinstance(e, OSError) and e.errno in NO_SPACE_ERRNOS:
-            return e.errno
+        if isinstance(e, OSError):
+            if e.errno in NO_SPACE_ERRNOS:
+                return e.errno
+            continue
         text = str(e)
         for code, words in _NO_SPACE_WORDS:
             if words in text:
@@ -76,8 +80,8 @@ def no_space_errno(error: BaseException) -> int | None:
 def is_disk_full(error: BaseException, path: str | Path | None = None, needed: int | None = None) -> bool:
     """Whether `error` is a write failing for want of space or quota (see the module docstring); with `needed`,
     also a failure that lost its errno while `path`'s file system has less than `needed` bytes free."""
-    if not isinstance(error, Exception) or isinstance(error, UserError):
-        return False  # Ctrl-C, exits, and refusals that already say what happened
+    if not isinstance(error, Exception) or isinstance(error, DiskFullError):
+        return False  # Ctrl-C and exits; an inner boundary's refusal already says it all
     if no_space_errno(error) is not None:
         return True
     free = free_bytes(path) if path is not None and needed else None
@@ -112,7 +116,10 @@ def refusing_when_full(path: str | Path, then: str, needed: int | None = None) -
 
 
 def disk_full_line(error: BaseException) -> str | None:
-    """For a CLI's last resort (user_errors): the one line of a disk-full error no boundary named, else None."""
+    """For the CLIs' user_errors: the one line of a disk-full error (a boundary's, or one no boundary
+    named), else None."""
+    if isinstance(error, DiskFullError):
+        return str(error)
     code = no_space_errno(error) if is_disk_full(error) else None
     if code is None:
         return None

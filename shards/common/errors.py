@@ -4,7 +4,8 @@ A user error is one the user acts on (a damaged file, a refused setting, a cache
 run's): the CLIs print its message as one line and exit with its code, never a traceback.
 
     UserError   exit 1, stderr `Error: <message>` (click's ClickException); so is a full disk anywhere
-                (ENOSPC / EDQUOT, whatever the command lists: shards.common.diskfull)
+                (ENOSPC / EDQUOT, whatever the command lists: DiskFullError and the rest of
+                shards.common.diskfull, which this module imports)
     Stopped     exit 143 (128 + SIGTERM, as a killed job reports), stderr `stopped: <message>`: a
                 pre-empted job that stopped cleanly, nothing lost, resumable
     (click)     a bad flag or value stays click's usage error, exit 2 (build_config turns a config's
@@ -27,6 +28,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
+
+from shards.common.diskfull import disk_full_line
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -63,7 +66,7 @@ def user_errors(*also: type[Exception]) -> Callable[[F], F]:
                 click.echo(f"stopped: {e}", err=True)
                 sys.exit(e.exit_code)
             except Exception as e:
-                message = _disk_full_line(e) or (str(e) if isinstance(e, (UserError, *also)) else None)
+                message = disk_full_line(e) or (str(e) if isinstance(e, (UserError, *also)) else None)
                 if message is None:
                     raise
                 failure = click.ClickException(message)
@@ -73,11 +76,3 @@ def user_errors(*also: type[Exception]) -> Callable[[F], F]:
         return run  # type: ignore[return-value]
 
     return decorate
-
-
-def _disk_full_line(error: Exception) -> str | None:
-    # A disk-full error no write boundary named (shards.common.diskfull) is still one line, whatever the
-    # command lists in `also`; imported here as diskfull imports this module.
-    from shards.common.diskfull import disk_full_line
-
-    return disk_full_line(error)
