@@ -8,6 +8,7 @@ import click
 
 from extract.config import ExtractConfig
 from shards.common.cli_options import CONTEXT_SETTINGS, build_config, config_options, gpus_option, relaunch_if_asked
+from shards.common.diskfull import refusing_when_full
 from shards.common.errors import user_errors
 from shards.common.logs import setup_logging
 
@@ -35,7 +36,8 @@ def main(gpus: str | None, **options) -> None:
     cfg = build_config(ExtractConfig, options)
     from extract.runner import run_extract  # heavy imports after argument checks
 
-    summary = run_extract(cfg)
+    with refusing_when_full(cfg.out_dir, "the complete shards are kept: free space and re-run the same command"):
+        summary = run_extract(cfg)
     if summary.rank == 0:  # the job's summary (every rank's counts); the other ranks' are in their logs
         click.echo(summary.report())
 

@@ -11,14 +11,14 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from shards.common.runtime import DistInfo, rank_info
+from shards.common.runtime import DistInfo, init_process_group, rank_info
 
 
 def init_distributed() -> DistInfo:
     info = rank_info()
     if info.world_size > 1 and not dist.is_initialized():
         # Extraction ranks can differ in work by a batch or two of a long run: a generous timeout.
-        dist.init_process_group("gloo", timeout=timedelta(hours=6))
+        init_process_group("gloo", timeout=timedelta(hours=6))
     return info
 
 

@@ -52,7 +52,7 @@ from shards.common.errors import Stopped
 from shards.common.lock import DirectoryLock
 from shards.common.owned import Dir
 from shards.common.progress import ProgressLog, format_bytes, format_duration, is_interactive, plural
-from shards.common.runtime import DistInfo, all_gather_objects, barrier, resolve_device, shutdown
+from shards.common.runtime import DistInfo, all_gather_objects, barrier, process_group_scope, resolve_device
 from shards.common.sigterm import SigtermFlag
 from shards.format import CACHE_CONFIG_FILE, MANIFEST_FILE, bytes_per_shard
 from shards.ownership import LOGS_DIR
@@ -147,16 +147,8 @@ def job_summary(summaries: list[ExtractSummary]) -> ExtractSummary:
 
 def run_extract(cfg: ExtractConfig) -> ExtractSummary:
     dist_info = init_distributed()
-    try:
-        summary = _run(cfg, dist_info)
-        # Every rank past the last collective before any tears gloo down: a rank whose send to a peer is
-        # still in flight when it destroys the group can abort at exit ("terminate called without an
-        # active exception", seen once on 2 CPU ranks). Only on success: after a failure a barrier could
-        # wait for a rank that will never come.
-        barrier()
-        return summary
-    finally:
-        shutdown()
+    with process_group_scope():  # the group ends here on every rank, its threads with it
+        return _run(cfg, dist_info)
 
 
 def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:

@@ -21,7 +21,9 @@ import numpy as np
 import torch
 
 from shards import CacheConfig, SampleEntry, allocate_shard_buffers, encode_hidden, shard_path, write_shard
+from shards.common.diskfull import DiskFullError, refusing_when_full
 from shards.common.errors import UserError
+from shards.format import bytes_per_shard
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class AsyncShardWriter:
         self.bytes_written = 0
         self.shards_written = 0
         self.wait_s = 0.0  # time the forward loop waited for a free buffer (the disk being slower)
+        self.shard_bytes = bytes_per_shard(cfg)  # what a full disk's message says one shard needs
         self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
         self._thread.start()
 
@@ -136,10 +139,16 @@ class AsyncShardWriter:
         for name in ("hidden", "hidden_scale", "target_topk_ids", "target_topk_logprobs"):
             if name in job.buffers:
                 job.buffers[name][n:].zero_()  # padding rows: zeros, not a previous batch's data
+        target = shard_path(self.cache_dir, job.batch_id)
+        kept = f"batch {job.batch_id} was not written, the shards before it are kept"
         try:
-            path = write_shard(self.cache_dir, self.cfg, job.batch_id, job.buffers, job.samples)
+            with refusing_when_full(
+                target, f"{kept}: free space and re-run the same command to resume", self.shard_bytes
+            ):
+                path = write_shard(self.cache_dir, self.cfg, job.batch_id, job.buffers, job.samples)
+        except DiskFullError:
+            raise
         except OSError as e:
-            target = shard_path(self.cache_dir, job.batch_id)
             raise OSError(
                 e.errno,
                 f"batch {job.batch_id}: writing {target} failed: {e.strerror or e}; "

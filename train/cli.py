@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import click
 
 from shards.common.cli_options import CONTEXT_SETTINGS, build_config, config_options, gpus_option, relaunch_if_asked
+from shards.common.diskfull import refusing_when_full
 from shards.common.errors import user_errors
 from shards.common.logs import setup_logging
 from train.config import TrainConfig
@@ -83,7 +84,9 @@ def train(gpus: str | None, **options) -> None:
     cfg = build_config(TrainConfig, options)
     from train.loop import run_training  # heavy imports after argument checks
 
-    summary = run_training(cfg)
+    # metrics.jsonl, run.json, eval.json, TensorBoard: a checkpoint's own full disk names the checkpoint
+    with refusing_when_full(cfg.out_dir, "the checkpoints written are intact: free space and re-run with --resume"):
+        summary = run_training(cfg)
     main_rank = os.environ.get("RANK", "0") == "0"
     if summary.already_complete:
         if main_rank:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shards.common.runtime import DistInfo, rank_info
+from shards.common.runtime import DistInfo, init_process_group, rank_info
 
 
 def init_distributed(device_type: str) -> DistInfo:
@@ -26,7 +26,7 @@ def init_distributed(device_type: str) -> DistInfo:
         kwargs: dict[str, Any] = {"timeout": timedelta(minutes=30)}
         if backend == "nccl":
             kwargs["device_id"] = torch.device("cuda", info.local_rank)
-        dist.init_process_group(backend, **kwargs)
+        init_process_group(backend, **kwargs)
     return info
 
 

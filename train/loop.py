@@ -30,7 +30,14 @@ from shards.common.durable import atomic_write_text, check_writable
 from shards.common.lock import DirectoryLock
 from shards.common.owned import Dir, describe
 from shards.common.provenance import provenance
-from shards.common.runtime import DistInfo, all_gather_objects, barrier, rank_info, resolve_device
+from shards.common.runtime import (
+    DistInfo,
+    all_gather_objects,
+    barrier,
+    process_group_scope,
+    rank_info,
+    resolve_device,
+)
 from train.checkpoint.async_save import CheckpointWriter
 from train.checkpoint.store import (
     checkpoint_folders,
@@ -99,12 +106,13 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
                 newest.step, newest.state.get("tokens_seen", 0), None, newest.path, None, [], already_complete=True
             )
         dist_info = init_distributed(device.type)
-        device = resolve_device(cfg.device, dist_info.local_rank)
-        trainer = Trainer(cfg, run, dist_info, device)
-        try:
-            summary = trainer.train()
-        finally:
-            trainer.close()
+        with process_group_scope():  # the group ends here on every rank, its threads with it
+            device = resolve_device(cfg.device, dist_info.local_rank)
+            trainer = Trainer(cfg, run, dist_info, device)
+            try:
+                summary = trainer.train()
+            finally:
+                trainer.close()
         summary.wall_s, summary.out_dir = time.monotonic() - start, Path(cfg.out_dir)
         summary.tokens_this_run = summary.tokens_seen - trainer.tokens_at_start
         summary.start_step = trainer.step_at_start

@@ -16,6 +16,7 @@ import click
 from extract.chats.prepare import PrepareConfig, prepare_dataset
 from extract.chats.regenerate import RegenerateConfig
 from shards.common.cli_options import CONTEXT_SETTINGS, build_config, config_options
+from shards.common.diskfull import refusing_when_full
 from shards.common.errors import user_errors
 from shards.common.logs import setup_logging
 
@@ -47,7 +48,8 @@ def prepare(**options) -> None:
     that rewrite earlier turns (Qwen3.5 drops earlier reasoning) are handled.
     """
     cfg = build_config(PrepareConfig, options)
-    summary = prepare_dataset(cfg)
+    with refusing_when_full(cfg.out, "nothing was written (the output appears complete or not at all): free space"):
+        summary = prepare_dataset(cfg)
     for item in summary.skipped[:_NUM_FAILURES_SHOWN]:
         click.echo(f"skipped {item['row']}: {item['reason']}", err=True)
     click.echo(f"done: {summary.line()} (summary in {cfg.out}.summary.json)")
@@ -67,7 +69,9 @@ def regenerate(**options) -> None:
     from extract.chats.regenerate import regenerate_dataset
 
     cfg = build_config(RegenerateConfig, options)
-    summary = regenerate_dataset(cfg)
+    kept = "the conversations written are kept: free space and re-run the same command to do the rest"
+    with refusing_when_full(cfg.out, kept):
+        summary = regenerate_dataset(cfg)
     click.echo(f"done: {summary.line()}")
     if summary.failures:
         for failure in summary.failures[:_NUM_FAILURES_SHOWN]:

@@ -39,6 +39,7 @@ from extract.dataset.index import LONG_SEQ_POLICIES, LongSeqPolicy, Sample
 from extract.dataset.rows import DataError
 from extract.target.config import TargetConfig
 from shards.common.cli_options import cli_field, config_error
+from shards.common.diskfull import refusing_when_full
 from shards.common.durable import atomic_write_text, check_writable
 from shards.common.owned import Dir, OwnershipError
 
@@ -319,7 +320,8 @@ def tokens_for_extraction(data: str, target: str, thinking: Thinking | None) -> 
             target,
             cfg.thinking,
         )
-        summary = prepare_dataset(cfg, EXTRACT_SKIP_HINT)
+        with refusing_when_full(tmp, "the conversations are prepared there first: free space, or set TMPDIR"):
+            summary = prepare_dataset(cfg, EXTRACT_SKIP_HINT)
         template = load_tokenizer(target).chat_template
         record = {
             "from": "conversations",

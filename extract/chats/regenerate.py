@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 SOURCE_KEY = "regenerated_from_sha256"
 _META_KEYS = ("model", "temperature", "max_tokens", "thinking", "seed")  # settings a resume must share
 _MAX_BACKOFF_S = 60.0
+_NO_KEY = "EMPTY"  # --api-key's default: what the OpenAI client needs to send when the server wants none
 
 
 @dataclass(kw_only=True)
@@ -81,8 +82,10 @@ class RegenerateConfig:
     """Retries per request after timeouts, HTTP 5xx / 429 and connection errors."""
     retry_backoff_s: float = cli_field(2.0, flag="--retry-backoff")
     """Seconds before the first retry, doubled for each further one (at most 60)."""
-    api_key: str = "EMPTY"
-    """Bearer token, for servers started with an API key (vLLM and SGLang ignore it otherwise)."""
+    api_key: str = cli_field(_NO_KEY, envvar="OPENAI_API_KEY")
+    """Bearer token, for servers started with an API key (vLLM and SGLang ignore it otherwise). Prefer setting
+    OPENAI_API_KEY (the OpenAI client's convention) to the flag: a flag's value shows in `ps` and stays in the
+    shell history. Never logged nor recorded, and blanked out of what the server answers."""
     progress: bool = True
     """Progress with conversations/s, generated tokens/s and ETA: a bar on a terminal, plain lines in a log."""
 
@@ -265,7 +268,18 @@ class _Client:
         # Retries are ours (max_retries=0 here): counted, reported, and with the configured backoff.
         self.api = AsyncOpenAI(base_url=cfg.base_url, api_key=cfg.api_key, max_retries=0, timeout=cfg.request_timeout_s)
 
+    def without_key(self, text: str) -> str:
+        """Server text as we show it: some gateways echo the key they refused in their HTTP 401 answer."""
+        key = self.cfg.api_key
+        return text.replace(key, "<api key>") if key and key != _NO_KEY else text
+
     async def check_server(self) -> None:
+        try:
+            await self._check_server()
+        except (ConnectionError, ValueError) as e:
+            raise type(e)(self.without_key(str(e))) from None  # the chain holds the server's own words
+
+    async def _check_server(self) -> None:
         import openai
 
         try:
@@ -391,7 +405,7 @@ async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: Regener
                 try:
                     row = await client.regenerate(conv)
                 except Retryable as e:
-                    summary.failures.append(Failure(conv.sample_id, conv.where, str(e)))
+                    summary.failures.append(Failure(conv.sample_id, conv.where, client.without_key(str(e))))
                     row = None
                 async with cond:
                     results[i] = row

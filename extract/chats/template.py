@@ -2,9 +2,11 @@
 
 The tokenizer and template come from the target checkpoint directory, as official releases ship
 them (tokenizer.json, tokenizer_config.json, chat_template.jinja), through transformers'
-AutoTokenizer and apply_chat_template. Qwen templates have no {% generation %} markers, and they
-rewrite earlier turns (Qwen3.5 drops the reasoning of assistant turns before the last user query),
-so the loss mask cannot come from per-turn renderings: it is computed on the final rendering.
+AutoTokenizer and apply_chat_template; a directory whose auto_map names code of its own is refused
+(refuse_shipped_code), never imported and never asked about on stdin. Qwen templates have no
+{% generation %} markers, and they rewrite earlier turns (Qwen3.5 drops the reasoning of assistant
+turns before the last user query), so the loss mask cannot come from per-turn renderings: it is
+computed on the final rendering.
 
 How: three probe renderings give the template's own markers, nothing is hard-coded:
     header   text that opens an assistant turn      "<|im_start|>assistant\\n"
@@ -53,6 +55,25 @@ class ChatTemplateError(UserError, ValueError):
     """The target directory has no usable tokenizer or chat template; the message says which."""
 
 
+def refuse_shipped_code(target_dir: Path) -> None:
+    """Refuse a checkpoint whose config.json or tokenizer_config.json has `auto_map`: it names Python code
+    shipped in the directory, which transformers would import (or ask on stdin whether to). We never run
+    code from a checkpoint: it runs with all of this user's rights."""
+    for name in ("config.json", "tokenizer_config.json"):  # AutoTokenizer reads config.json for the model type
+        path = target_dir / name
+        try:
+            fields = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue  # absent or unreadable: what loads it says so
+        if isinstance(fields, dict) and fields.get("auto_map"):
+            raise ChatTemplateError(
+                f"{path}: auto_map {json.dumps(fields['auto_map'])[:200]} names code shipped with the checkpoint, "
+                "and dflash-data never runs code from a checkpoint (it would run with all of this user's rights); "
+                "use a release whose tokenizer needs no custom code, or remove auto_map if transformers' own "
+                "classes load it"
+            )
+
+
 @dataclass(frozen=True)
 class TurnMarkers:
     header: str  # opens every assistant turn in the rendering
@@ -69,6 +90,7 @@ def load_tokenizer(target_dir: str | Path):
             f"{target_dir}: no tokenizer ({' or '.join(TOKENIZER_FILES)} missing); copy the tokenizer files "
             f"of the release into the checkpoint directory"
         )
+    refuse_shipped_code(target_dir)
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
@@ -81,7 +103,9 @@ def load_tokenizer(target_dir: str | Path):
             else None
         )
         loader = PreTrainedTokenizerFast if declared in _GENERIC_FAST_CLASSES else AutoTokenizer
-        tokenizer = loader.from_pretrained(str(target_dir))
+        # Never code from the directory, and never a question on stdin: refuse_shipped_code has refused
+        # what would need it; nothing from the Hub either.
+        tokenizer = loader.from_pretrained(str(target_dir), trust_remote_code=False, local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise ChatTemplateError(f"{target_dir}: the tokenizer does not load ({type(e).__name__}: {e})") from e
     if not getattr(tokenizer, "is_fast", False):

@@ -18,6 +18,9 @@ fields. For each leaf field:
              comma-separated value (parse_number_list); `cli_field(path=...)` -> click.Path
     identity `cli_field(identity=False)` marks a setting a resumed run may change (cadence, paths, kernels):
              `to_options(cfg, identity_only=True)` leaves it out
+    envvar   `cli_field(envvar=...)`: the variable that gives the value when the flag is not on the command
+             line, named in --help. For secrets only (dflash-data's --api-key from OPENAI_API_KEY), so they
+             need not sit in `ps` and shell history; no other setting comes from the environment
 A field without a default is a required option. `from_options` builds the config (nested ones first)
 from flat options; `build_config` does so for a command and turns a ValueError from a __post_init__ into
 a usage error (exit 2, no traceback). The configs' own messages speak in flags (`config_error`), so
@@ -66,17 +69,19 @@ def cli_field(
     path: str | None = None,
     name: str | None = None,
     identity: bool = True,
+    envvar: str | None = None,
     default_factory: Any = dataclasses.MISSING,
 ) -> Any:
     """A dataclass field with CLI metadata: `flag` replaces the derived flag, `path` is a PATH_KINDS key,
     `name` replaces the field name as the option's name, `identity=False` keeps it out of the run's
-    identity (to_options(identity_only=True))."""
+    identity (to_options(identity_only=True)), `envvar` names the variable a secret may come from."""
     if path is not None and path not in PATH_KINDS:
         raise ValueError(f"cli_field path must be one of {sorted(PATH_KINDS)}, got {path!r}")
     return dataclasses.field(
         default=default,
         default_factory=default_factory,
-        metadata={"flag": flag, "path": path, "name": name, "identity": identity},
+        repr=envvar is None,  # a secret's value stays out of the config's repr (and so of any message with it)
+        metadata={"flag": flag, "path": path, "name": name, "identity": identity, "envvar": envvar},
     )
 
 
@@ -256,6 +261,8 @@ def _option(o: Option, help_text: str) -> Callable[[F], F]:
     )
     base, optional = _strip_optional(o.hint)
     kwargs: dict[str, Any] = dict(help=help_text, required=not has_default)
+    if f.metadata.get("envvar"):
+        kwargs |= dict(envvar=f.metadata["envvar"], show_envvar=True)
     if base is bool:
         if default is False:
             return click.option(flag, o.name, is_flag=True, default=False, **kwargs)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +74,34 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def shutdown() -> None:
+def init_process_group(backend: str, **kwargs: Any) -> None:
+    """dist.init_process_group, with torch.distributed.nn imported first.
+
+    Its functions take `group=group.WORLD` as a default argument, evaluated when the module is imported:
+    imported after the group exists (torch._dynamo imports it, and the target model and the drafter's
+    attention import torch._dynamo), they hold the group past destroy_process_group, so gloo's threads
+    run on into interpreter exit, where a rank aborted with "terminate called without an active
+    exception" (a gloo thread taking the GIL to free a collective's tensor while the interpreter
+    finalizes). Imported before, the defaults are None. tests/test_process_teardown.py checks it.
+    """
+    import torch.distributed.nn  # noqa: F401
+
+    dist.init_process_group(backend, **kwargs)
+
+
+@contextmanager
+def process_group_scope() -> Iterator[None]:
+    """Around the part of a run that uses the process group: on success every rank passes a barrier (each
+    is past its last collective) and destroys the group, which joins gloo's threads before exit; after a
+    failure only a gloo group is destroyed (its teardown is local). An NCCL group is then left to the
+    process's exit: its teardown may wait on ranks still inside a collective, for good (torchtitan#1342)."""
+    try:
+        yield
+    except BaseException:
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+        raise
+    barrier()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -1,5 +1,5 @@
-"""Helpers shared by the fault tests of several components (no tests here): a flipped byte, and output
-directories whose writes really fail.
+"""Helpers shared by the fault tests of several components (no tests here): a flipped byte, output
+directories whose writes really fail, and writers that fail as on a full disk (fill_disk, at the end).
 
 The tests run as root, whom permission bits do not stop (chmod 0o500 changes nothing, and os.access says
 yes), so the code tries to write (a probe temporary of its own, created and removed) and the tests make
@@ -78,3 +78,79 @@ def expect_refusal(result, flag: str, out: Path, where: Path, how: str) -> None:
     else:
         assert f"{flag} {out}: cannot write in {where} (" in shown, shown
         assert "choose a directory on a writable file system, or one this user may write to" in shown, shown
+
+
+# ---- a full disk ----------------------------------------------------------------------------------------------
+# How each writer fails when the disk fills under it, as measured on a 2 MB tmpfs: safetensors keeps only the
+# OS's words, torch.save to a path keeps nothing of the errno, Python's own file writes (shards.container's
+# write_container, the durable writes) and pyarrow raise OSError(ENOSPC).
+_WRITERS = {  # name: (module, attribute) of the writer as the code under test calls it
+    "safetensors": ("train.checkpoint.store", "save_file"),  # save_file(tensors, path): model.safetensors
+    "torch.save": ("torch", "save"),  # torch.save(obj, path): optimizer.pt
+    "container": ("train.checkpoint.export", "write_container"),  # write_container(f, ...): the export
+}
+
+
+def _no_space(writer: str) -> Exception:
+    if writer == "safetensors":
+        from safetensors import SafetensorError
+
+        return SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    if writer == "torch.save":
+        return RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def fill_disk(monkeypatch, writer: str, when=lambda path: True, free_after: int = 4096) -> list[str]:
+    """`writer` (a _WRITERS key) fails as on a full disk for the paths `when` accepts: it writes 100 bytes
+    of the file, then raises what that writer raises there; from then on the file system reports at most
+    `free_after` bytes free (shutil.disk_usage as shards.common.diskfull reads it). Returns the paths it
+    failed on."""
+    import importlib
+
+    import shards.common.diskfull as diskfull
+
+    module_name, attribute = _WRITERS[writer]
+    module = importlib.import_module(module_name)
+    real_write, real_usage = getattr(module, attribute), diskfull.shutil.disk_usage
+    failed: list[str] = []
+
+    def usage(path):
+        found = real_usage(path)
+        return found._replace(free=min(found.free, free_after)) if failed else found
+
+    def full(first, second, *args, **kwargs):
+        f = first if writer == "container" else None  # write_container(f, ...) writes into an open file
+        path = _open_path(f) if f is not None else _real_path(os.fsdecode(second))
+        if not when(path):
+            return real_write(first, second, *args, **kwargs)
+        failed.append(path)
+        if f is not None:
+            f.write(b"\0" * 100)
+        else:
+            with open(path, "wb") as out:
+                out.write(b"\0" * 100)
+        raise _no_space(writer)
+
+    monkeypatch.setattr(module, attribute, full)
+    monkeypatch.setattr(diskfull.shutil, "disk_usage", usage)
+    return failed
+
+
+def _real_path(path: str) -> str:
+    """The path as the user sees it: writers get /proc/self/fd/N/name (shards.common.owned's pinned paths)."""
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+
+
+def _open_path(f) -> str:
+    """The path of an open file, also of one os.fdopen made (whose name is its descriptor)."""
+    return f.name if isinstance(f.name, str) else os.readlink(f"/proc/self/fd/{f.fileno()}")
+
+
+def one_error_line(result) -> str:
+    """A CliRunner result's one `Error:` line: exit 1, exactly one such line, no traceback."""
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    lines = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    return lines[0]

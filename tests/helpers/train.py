@@ -3,9 +3,7 @@ trainer's first step computed by hand (no tests here)."""
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -121,17 +119,6 @@ def make_learnable(cache: Path, stride: int = 1) -> None:
 
         rewrite_shard(cache, batch_id, edit)
     write_manifest(cache, [reader.info(b) for b in reader.batch_ids()])
-
-
-def fill_disk_on_torch_save(monkeypatch) -> None:
-    """Every torch.save (the checkpoint's optimizer.pt) writes 100 bytes, then fails as a full disk does."""
-
-    def full(obj, f, *args, **kwargs):
-        with open(f, "wb") as out:
-            out.write(b"\0" * 100)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(torch, "save", full)
 
 
 def run_steps(cache: Path, out: Path, num_steps: int, **overrides) -> dict:

@@ -11,6 +11,7 @@ import click
 
 from shards import ShardError, ShardReader, rebuild_manifest
 from shards.common.cli_options import CONTEXT_SETTINGS
+from shards.common.diskfull import DiskFullError, refusing_when_full
 from shards.common.errors import user_errors
 from shards.common.lock import DirectoryLock, lock_holder
 from shards.common.logs import setup_logging
@@ -238,10 +239,14 @@ def _locked(cache: str):
         lock.release()
 
 
-def _guard(fn, *args, **kwargs):
-    """fn's OSError as one line with what to check; a damaged cache (CacheFormatError) is a user error."""
+def _guard(fn, cache: str, **kwargs):
+    """fn(cache)'s OSError as one line with what to check, a full disk (index's manifest, the quarantine
+    folder) with the space free; a damaged cache (CacheFormatError) is a user error."""
     try:
-        return fn(*args, **kwargs)
+        with refusing_when_full(cache, "free space and run the command again"):
+            return fn(cache, **kwargs)
+    except DiskFullError:
+        raise
     except OSError as e:  # e.g. --quarantine or index on a read-only cache
         where = f"{e.filename}: " if e.filename else ""
         raise click.ClickException(

@@ -16,9 +16,15 @@ The loop is blocked for 1 + 2 (and the RNG states and provenance it gathers firs
 the console and as a "checkpoint" event in metrics.jsonl (stall_s in all, of which snapshot_s copying
 and wait_s waiting for the previous write). poll() (every step) and wait() (end of training, SIGTERM)
 report a finished write ("checkpoint_durable": background write time, bytes) or raise a failed one
-(CheckpointError naming the file: "no space left on the device"). A kill mid-write leaves only
-.tmp-step-* (ignored by readers, removed at the next start): the previous checkpoint stays the
-newest valid one. Mode "sync" writes in the calling thread (stall = the whole write), no buffers.
+(CheckpointError naming the file). A kill mid-write leaves only .tmp-step-* (ignored by readers, removed
+at the next start): the previous checkpoint stays the newest valid one. Mode "sync" writes in the
+calling thread (stall = the whole write), no buffers.
+
+Disk space: a checkpoint is the state's tensor bytes (checkpoint_bytes, known at start-up). The start
+says how many fit under OUT, and warns when the next one does not; a save with less free space than that
+is refused before it writes anything, and a write that fills the disk anyway (another writer, a quota) is
+refused as it fails; both as DiskFullError, one line naming the checkpoint, the sizes and the --resume to
+run once space is freed. The previous checkpoint stays intact either way.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from typing import Any, Literal
 
 import torch
 
+from shards.common.diskfull import free_bytes, refuse_short_space, refusing_when_full
+from shards.common.progress import format_bytes
 from train.checkpoint.store import Retention, checkpoint_name, save_checkpoint
 
 log = logging.getLogger(__name__)
@@ -45,6 +53,22 @@ _REGISTER_MIN_BYTES = 64 << 20
 
 def _gb(nbytes: int) -> str:
     return f"{nbytes / 1e9:.3g} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.3g} MB"
+
+
+def state_nbytes(state: Any) -> int:
+    """Bytes of the tensors in nested state (dicts, lists, tuples), each tensor once: what a checkpoint
+    of it writes, file headers aside (12 bytes a parameter for fp32 weights and AdamW's two moments)."""
+    seen: dict[int, int] = {}
+    pending = [state]
+    while pending:
+        obj = pending.pop()
+        if isinstance(obj, torch.Tensor):
+            seen[id(obj)] = obj.nbytes
+        elif isinstance(obj, dict):
+            pending.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            pending.extend(obj)
+    return sum(seen.values())
 
 
 class HostSnapshot:
@@ -139,9 +163,15 @@ class CheckpointWriter:
         self.snapshot = HostSnapshot(pin=device.type == "cuda") if mode == "async" and active else None
         self._thread: threading.Thread | None = None
         self._job: dict[str, Any] = {}  # the save in flight: step, start time, then path or error
+        self.checkpoint_bytes: int | None = None  # one checkpoint's tensor bytes (allocate, else the first save)
 
     def allocate(self, model_state: dict[str, torch.Tensor], optimizer_state: dict) -> None:
-        """Allocate the host buffers now (start-up) rather than inside the first save's stall."""
+        """At start-up: size a checkpoint and say whether the next one fits under OUT, then allocate the
+        host buffers now rather than inside the first save's stall."""
+        if not self.active:
+            return
+        self.checkpoint_bytes = state_nbytes((model_state, optimizer_state))
+        self._announce_space()
         if self.snapshot is None:
             return
         started = time.monotonic()
@@ -152,6 +182,33 @@ class CheckpointWriter:
             _gb(self.snapshot.nbytes),
             "page-locked" if self.snapshot.pin else "ordinary",
             time.monotonic() - started,
+        )
+
+    def _announce_space(self) -> None:
+        free, needed = free_bytes(self.out_dir), self.checkpoint_bytes
+        if free is None or not needed:
+            return
+        if free < needed:
+            log.warning(
+                "checkpoints: the next checkpoint needs %s under %s, and %s is free there: free space before it "
+                "is due, or training stops at it (nothing lost: --resume continues from the last checkpoint)",
+                format_bytes(needed),
+                self.out_dir,
+                format_bytes(free),
+            )
+        else:
+            log.info(
+                "checkpoints: %s each under %s, %s free there (room for %d)",
+                format_bytes(needed),
+                self.out_dir,
+                format_bytes(free),
+                free // needed,
+            )
+
+    def _then(self, step: int) -> str:
+        return (
+            f"checkpoint {checkpoint_name(step)} was not kept, the checkpoints written before it are intact: free "
+            f"space under {self.out_dir} (older step-* folders can go) and re-run with --resume to continue"
         )
 
     def save(
@@ -173,6 +230,10 @@ class CheckpointWriter:
         self.wait()
         waited = time.monotonic()
         record: dict[str, Any] = {"event": "checkpoint", "step": step, "checkpoint/mode": self.mode}
+        if self.checkpoint_bytes is None:
+            self.checkpoint_bytes = state_nbytes((model_state, optimizer_state))
+        # After the previous write: what it took is taken. Nothing started, so nothing to clean up.
+        refuse_short_space(self.out_dir, self.checkpoint_bytes, self._then(step))
         if self.snapshot is None:
             self._job = {"step": step, "started": waited}
             self._write(model_state, optimizer_state, train_state)
@@ -212,10 +273,10 @@ class CheckpointWriter:
 
     def _write(self, model_state: dict[str, torch.Tensor], optimizer_state: dict, train_state: dict) -> None:
         # The writer thread's body (or the loop's, in sync mode): every outcome lands in self._job.
+        step = self._job["step"]
         try:
-            path = save_checkpoint(
-                self.out_dir, self._job["step"], model_state, optimizer_state, train_state, self.retention
-            )
+            with refusing_when_full(self.out_dir / checkpoint_name(step), self._then(step), self.checkpoint_bytes):
+                path = save_checkpoint(self.out_dir, step, model_state, optimizer_state, train_state, self.retention)
             self._job["bytes"] = sum(f.stat().st_size for f in path.iterdir())
             self._job["path"] = path
         except BaseException as e:  # re-raised in the loop's thread by _report_done
@@ -233,7 +294,8 @@ class CheckpointWriter:
             self.wait()
 
     def wait(self) -> None:
-        """Block until no write is in flight; raise the error of a failed one (CheckpointError names the file)."""
+        """Block until no write is in flight; raise the error of a failed one (CheckpointError names the file,
+        DiskFullError the checkpoint)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None

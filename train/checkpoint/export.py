@@ -28,7 +28,6 @@ Export is for serving and evaluation, never a resume source (checkpoints are the
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 from pathlib import Path
@@ -38,6 +37,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from shards.common.crc import crc32
+from shards.common.diskfull import DiskFullError, refusing_when_full
 from shards.common.durable import check_writable
 from shards.common.owned import DIR_MODE, Dir, Entry, Layout, OwnershipError, survey
 from shards.container import read_header, write_container
@@ -263,20 +263,23 @@ def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path
         )
     meta = {"format": "pt", "producer": PRODUCER}
     config = json.dumps(drafter_config_to_hf(cfg), indent=2) + "\n"
+    weights_bytes = sum(t.nbytes for t in state.values())
     try:
         created = not out.is_dir()
         with Dir.open(out, create=True) as d:
             if created:
                 d.chmod(DIR_MODE)  # mkdir applies the umask
             d.remove_temporaries(_EXPORT_FILES.__contains__)  # ours only: never a user's .tmp-x
-            d.write_atomic(WEIGHTS_FILE, lambda f: write_container(f, state, meta))
-            d.write_atomic(CONFIG_FILE, lambda f: f.write(config.encode()))
+            nothing = "nothing of this export was written; free space and export again"
+            with refusing_when_full(out / WEIGHTS_FILE, nothing, weights_bytes):
+                d.write_atomic(WEIGHTS_FILE, lambda f: write_container(f, state, meta))
+            then = f"{WEIGHTS_FILE} was; free space and export again with --overwrite"
+            with refusing_when_full(out / CONFIG_FILE, then):
+                d.write_atomic(CONFIG_FILE, lambda f: f.write(config.encode()))
+    except DiskFullError:
+        raise
     except OSError as e:
-        raise OSError(
-            e.errno,
-            f"exporting to {out} failed: {e.strerror or e}"
-            + ("; free space and export again" if e.errno == errno.ENOSPC else ""),
-        ) from e
+        raise OSError(e.errno, f"exporting to {out} failed: {e.strerror or e}") from e
     log.info("exported drafter (%d tensors) to %s", len(state), out)
     return out
 

@@ -18,7 +18,6 @@ target fingerprint, and per-rank RNG states (torch CPU, CUDA, the block-sampling
 from __future__ import annotations
 
 import base64
-import errno
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from shards.common.diskfull import no_space_errno
 from shards.common.durable import file_checksum, fsync_file
 from shards.common.errors import UserError
 from shards.common.owned import DIR_MODE, FILE_MODE, TMP_PREFIX, Dir
@@ -114,11 +114,10 @@ def save_checkpoint(
                 run_dir.rmtree(tmp_name)
             except OSError:
                 pass
-            if isinstance(e, OSError):
-                what = "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+            if isinstance(e, OSError) and no_space_errno(e) is None:  # a full disk: the caller's one line
                 raise CheckpointError(
-                    f"checkpoint of step {step}: writing {current} failed ({what}); nothing partial was kept. "
-                    f"Free space (or fix {out_dir}) and re-run with --resume to continue from the last checkpoint"
+                    f"checkpoint of step {step}: writing {current} failed ({e.strerror or e}); nothing partial was "
+                    f"kept. Fix {out_dir} and re-run with --resume to continue from the last checkpoint"
                 ) from e
             raise
     log.info("checkpoint: saved %s", final)

@@ -1,5 +1,6 @@
 """dflash-data prepare on hostile inputs: Parquet's struct merging, replies cut inside their reasoning,
-a tokenizer whose ids pass the model's vocabulary, same-named files, errors of on-the-fly preparation.
+a tokenizer whose ids pass the model's vocabulary, same-named files, errors of on-the-fly preparation, code
+shipped in the target directory (auto_map: refused, never run, never asked about on stdin).
 
 Each test names what went wrong before it was fixed; the tiny target and helpers are tests/helpers/chats.py's.
 """
@@ -13,13 +14,17 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
 
+from extract.chats.cli import main as data_cli
 from extract.chats.conversations import conversation_from_row, iter_conversations
 from extract.chats.prepare import tokens_for_extraction
 from extract.chats.template import ChatRenderer
+from extract.cli import main as extract_cli
 from extract.dataset.index import scan_dataset
 from extract.dataset.rows import DataError
 from tests.helpers.chats import CHAIN, chat_target, prepare, write_rows
+from tests.helpers.extract import cli_args
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +170,56 @@ def test_errors_on_prepared_rows_name_the_chat_file_and_row(target, tmp_path):
     message = str(err.value)
     assert "dflash-extract-prepared" not in message, message
     assert f"{data}, row 0 (line 1) (id 'c0')" in message and f"{data}, row 2 (line 3) (id 'c2')" in message
+
+
+# Code a checkpoint may ship: auto_map naming a module of the directory, as transformers reads it (file ->
+# fields set in it). The module writes a marker when imported. "config": a model type transformers does not
+# know and a tokenizer class that sends AutoTokenizer to config.json (before: "run the custom code? [y/N]",
+# and the code ran on "y").
+_SHIPPED_CODE = {
+    "tokenizer": {
+        "tokenizer_config.json": {
+            "auto_map": {"AutoTokenizer": [None, "shipped.EvilTokenizer"]},
+            "tokenizer_class": "EvilTokenizer",
+        }
+    },
+    "config": {
+        "config.json": {"auto_map": {"AutoConfig": "shipped.EvilConfig"}, "model_type": "evil"},
+        "tokenizer_config.json": {"tokenizer_class": "Qwen2Tokenizer"},
+    },
+}
+
+
+def _with_shipped_code(target: Path, out: Path, which: str, marker: Path) -> Path:
+    """A copy of `target` whose files name a module of its own (shipped.py) that writes `marker` when imported."""
+    shutil.copytree(target, out)
+    (out / "shipped.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
+        "from transformers import PretrainedConfig, PreTrainedTokenizerFast\n"
+        "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n"
+        "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    for file_name, fields in _SHIPPED_CODE[which].items():
+        (out / file_name).write_text(json.dumps({**json.loads((out / file_name).read_text()), **fields}))
+    return out
+
+
+@pytest.mark.parametrize(
+    "which, command", [("tokenizer", "prepare"), ("config", "prepare"), ("tokenizer", "dflash-extract")]
+)
+def test_code_shipped_in_the_target_is_refused_never_run(target, tmp_path, which, command):
+    marker = tmp_path / "the shipped code ran"
+    shipped = _with_shipped_code(target, tmp_path / "target", which, marker)
+    data = write_rows(tmp_path / "chats.jsonl", [{"id": "a", "messages": CHAIN}])
+    if command == "prepare":
+        cli, args = data_cli, ["prepare", "--target", shipped, "--data", data, "--out", tmp_path / "out.parquet"]
+    else:  # conversations prepared on the fly load the same tokenizer
+        cli, args = extract_cli, cli_args(shipped, data, tmp_path / "cache", "--device", "cpu")
+    # "y" waiting on stdin: what a user answering the prompt would type.
+    result = CliRunner().invoke(cli, [str(a) for a in args], input="y\n")
+    assert not marker.exists(), "the code shipped in the checkpoint ran"
+    assert result.exit_code == 1 and (result.exception is None or isinstance(result.exception, SystemExit))
+    named = "tokenizer_config.json" if which == "tokenizer" else "config.json"
+    assert f"Error: {shipped / named}: auto_map " in result.output, result.output
+    assert "never runs code from a checkpoint" in result.output and "[y/N]" not in result.output, result.output
+    assert not (tmp_path / "out.parquet").exists() and not (tmp_path / "cache").exists()

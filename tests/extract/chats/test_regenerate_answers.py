@@ -1,11 +1,14 @@
 """dflash-data regenerate against a canned HTTP server, for answers the tiny server never gives: an HTTP 200
 that is no chat completion fails its conversation only, a /models answer that is no model list is one clear
 error, missing or invalid usage never becomes token figures, tool-call arguments that are not a JSON object
-fail the conversation, and a lone surrogate in an input row is refused naming file and row."""
+fail the conversation, a lone surrogate in an input row is refused naming file and row, and the API key
+(from OPENAI_API_KEY or --api-key) reaches the server but never the output, the logs or the files, even when
+the server echoes it back."""
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -37,9 +40,16 @@ _MODELS = json.dumps({"object": "list", "data": [{"id": "tiny", "object": "model
 
 
 @contextmanager
-def canned(answers: dict[int, bytes], default: bytes = _completion(), models: bytes = _MODELS):
-    """A server answering HTTP 200 with canned bodies: request n (from 1) gets answers[n], others `default`;
-    GET /models gets `models`. For answers the tiny server never gives (HTML pages, empty bodies...)."""
+def canned(
+    answers: dict[int, bytes],
+    default: bytes = _completion(),
+    models: bytes = _MODELS,
+    status: tuple[int, int] = (200, 200),
+    keys: list[str] | None = None,
+):
+    """A server answering with canned bodies: request n (from 1) gets answers[n], others `default`; GET
+    /models gets `models`. For answers the tiny server never gives (HTML pages, empty bodies...). `status`:
+    the HTTP status of /models and of the replies; `keys` collects the Authorization header of every request."""
     count = {"n": 0}
     lock = threading.Lock()
 
@@ -47,22 +57,24 @@ def canned(answers: dict[int, bytes], default: bytes = _completion(), models: by
         def log_message(self, fmt, *args):
             pass
 
-        def _send(self, body: bytes) -> None:
-            self.send_response(200)
+        def _send(self, body: bytes, code: int) -> None:
+            if keys is not None:
+                keys.append(self.headers.get("Authorization", ""))
+            self.send_response(code)
             self.send_header("Content-Type", "text/html" if body.startswith(b"<") else "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
 
         def do_GET(self):
-            self._send(models)
+            self._send(models, status[0])
 
         def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
             with lock:
                 count["n"] += 1
                 n = count["n"]
-            self._send(answers.get(n, default))
+            self._send(answers.get(n, default), status[1])
 
     with running(ThreadingHTTPServer(("127.0.0.1", 0), Handler)) as url:
         yield url
@@ -189,3 +201,55 @@ def test_a_lone_surrogate_in_a_row_is_refused_naming_the_file_and_row(tmp_path):
     assert result.exit_code == 1, result.output
     assert f"Error: {data}, row 1 (line 2): " in result.output and "surrogate" in result.output, result.output
     assert "codec can't encode" not in result.output
+
+
+_KEY = "sk-test-0a1b2c3d4e5f6a7b8c9d"
+
+
+def _refusing_the_key(key: str) -> bytes:
+    """An HTTP 401 body as some gateways write it: the rejected key in full."""
+    return json.dumps({"error": {"message": f"Incorrect API key provided: {key}", "code": "invalid_api_key"}}).encode()
+
+
+@pytest.mark.parametrize("given", ["OPENAI_API_KEY", "--api-key"])
+def test_the_api_key_reaches_the_server_and_nothing_else(tmp_path, monkeypatch, caplog, given):
+    data = write_conversations(tmp_path / "chats.jsonl", 2, multi_turn=False)
+    out = tmp_path / "regen.jsonl"
+    if given == "OPENAI_API_KEY":
+        monkeypatch.setenv("OPENAI_API_KEY", _KEY)
+        extra: tuple[str, ...] = ()
+    else:
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        extra = ("--api-key", _KEY)
+    caplog.set_level(logging.DEBUG)
+    keys: list[str] = []
+    with canned({}, keys=keys) as url:
+        result = CliRunner().invoke(data_cli, regenerate_args(url, data, out, *extra))
+    assert result.exit_code == 0, result.output
+    assert keys and set(keys) == {f"Bearer {_KEY}"}, f"the server got {set(keys)}"
+    # A server that refuses the key and echoes it, at the first request (/models) and at a reply.
+    refusal = _refusing_the_key(_KEY)
+    for models, default, status in ((refusal, _completion(), (401, 200)), (_MODELS, refusal, (200, 401))):
+        with canned({}, default, models=models, status=status) as url:
+            refused = CliRunner().invoke(data_cli, regenerate_args(url, data, tmp_path / "refused.jsonl", *extra))
+        _no_crash(refused)
+        assert refused.exit_code == 1, refused.output
+        assert "HTTP 401: Error code: 401 - Incorrect API key provided: <api key>" in refused.output, refused.output
+        assert _KEY not in refused.output, refused.output
+    written = "".join(p.read_text() for p in tmp_path.iterdir() if p.is_file())
+    for where, text in (("output", result.output), ("log", caplog.text), ("files", written)):
+        assert _KEY not in text, f"the API key is in the {where}"
+
+
+def test_the_key_is_not_in_the_config_repr():
+    from extract.chats.regenerate import RegenerateConfig
+
+    cfg = RegenerateConfig(server="http://x:1/v1", model="m", data="d.jsonl", out="o.jsonl", api_key=_KEY)
+    assert cfg.api_key == _KEY and _KEY not in repr(cfg) and "api_key" not in repr(cfg)
+
+
+def test_the_help_names_the_variable_and_never_shows_its_value(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", _KEY)
+    shown = CliRunner().invoke(data_cli, ["regenerate", "--help"], terminal_width=200).output
+    assert "env var: OPENAI_API_KEY" in shown and "Prefer setting OPENAI_API_KEY" in shown, shown
+    assert _KEY not in shown
