@@ -20,6 +20,7 @@ import click
 from shards.common.cli_options import CONTEXT_SETTINGS, build_config, config_options, gpus_option, relaunch_if_asked
 from shards.common.errors import user_errors
 from shards.common.logs import setup_logging
+from shards.common.progress import format_figure, plural
 from train.config import TrainConfig
 from train.eval.config import EvalConfig
 
@@ -78,7 +79,7 @@ def train(gpus: str | None, **options) -> None:
     and OUT/step-NNNNNNNN/ checkpoints; export one with `dflash-train export`.
     """
     setup_logging(other_ranks_level=logging.WARNING)
-    if relaunch_if_asked("train.cli", gpus):
+    if relaunch_if_asked("train.cli", gpus, options["device"]):
         return
     cfg = build_config(TrainConfig, options)
     from train.loop import run_training  # heavy imports after argument checks
@@ -112,10 +113,11 @@ def train(gpus: str | None, **options) -> None:
             click.echo(summary.eval.table())
         if summary.eval_before is not None and summary.eval is not None:
             before, after = summary.eval_before, summary.eval
+            start = "initial (--init-from)" if cfg.drafter.init_from else "untrained"
             click.echo(
-                f"acceptance length on held-out shards (decoding walk): {before.acceptance_length:.3f} untrained "
-                f"-> {after.acceptance_length:.3f} after {summary.steps} steps; held-out loss "
-                f"{before.heldout_loss:.4f} -> {after.heldout_loss:.4f}"
+                f"acceptance length on held-out shards (decoding walk): {format_figure(before.acceptance_length, '.3f')} "
+                f"{start} -> {format_figure(after.acceptance_length, '.3f')} after {plural(summary.steps, 'step')}; "
+                f"held-out loss {format_figure(before.heldout_loss, '.4f')} -> {format_figure(after.heldout_loss, '.4f')}"
             )
 
 

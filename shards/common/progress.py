@@ -26,6 +26,14 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+def format_figure(value: float | None, spec: str) -> str:
+    """A figure in a printed table or line: `-` where it is undefined (None, NaN or infinite: a draft
+    slot never reached, a walk with no response), as the JSON outputs write null; else format(value, spec)."""
+    if value is None or value != value or value in (float("inf"), float("-inf")):
+        return "-"
+    return format(value, spec)
+
+
 def format_bytes(num_bytes: float) -> str:
     """A size in the decimal unit that fits its magnitude: 649 B, 333.3 KB, 1.47 MB, 51.20 GB."""
     for unit, size in _BYTE_UNITS:

@@ -136,7 +136,9 @@ class EvalOutput:
         return out
 
     def table(self) -> str:
-        parts = [self.walk.table()] if self.walk is not None else []
+        """What `eval` prints; a warning that the shards include trained-on ones is said here, once, above
+        the figures it qualifies (and the loss is then not labelled held-out)."""
+        parts = [self.walk.table(held_out=not self.trained_on)] if self.walk is not None else []
         if self.trained_on:
             parts.insert(0, _trained_on_warning(self.trained_on))
         if self.decoding is not None:
@@ -181,8 +183,6 @@ def run_eval(cfg: EvalConfig, verifier_factory: VerifierFactory | None = None) -
         check_fits(loaded.config, reader.config, cfg.drafter, cfg.cache)
         if loaded.trained_on is not None and loaded.trained_on[0] == reader.config.cache_id():
             trained_on = sorted(set(ids) & set(loaded.trained_on[1]))
-            if trained_on:
-                log.warning("eval: %s", _trained_on_warning(trained_on))
     device = resolve_device(cfg.device, 0)
     dtype_name = loaded.training_dtype if cfg.dtype == "auto" else cfg.dtype
     dtype = DTYPES[dtype_name]

@@ -33,6 +33,7 @@ from typing import Protocol
 
 import torch
 
+from shards.common.progress import format_figure, plural
 from train.drafter.model import DFlashDrafter, TargetHead
 from train.eval.walk import WalkCounts
 
@@ -165,8 +166,10 @@ class DecodeReport:
         )
         return "\n".join(
             [
-                f"real speculative decoding with the target, {self.prompts} prompts, {w.steps} steps:",
-                f"  acceptance length {w.acceptance_length:.3f} (mean over prompts; pooled {w.acceptance_length_pooled:.3f})",
+                f"real speculative decoding with the target, {plural(self.prompts, 'prompt')}, "
+                f"{plural(w.steps, 'step')}:",
+                f"  acceptance length {format_figure(w.acceptance_length, '.3f')} (mean over prompts; pooled "
+                f"{format_figure(w.acceptance_length_pooled, '.3f')})",
                 f"  accepted drafts per step, 0..{len(w.accepted_histogram) - 1}: "
                 + " ".join(map(str, w.accepted_histogram)),
                 f"  output {lossless}",

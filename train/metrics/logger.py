@@ -22,7 +22,7 @@ from typing import IO, Any
 import torch
 
 from shards.common.errors import UserError
-from shards.common.progress import format_duration
+from shards.common.progress import format_duration, format_figure
 from train.distributed import all_reduce_sum_
 from train.metrics.block_metrics import metric_sizes
 from train.metrics.sums import COUNT, HostSums, Sums
@@ -318,7 +318,7 @@ def eval_figures(record: dict) -> str:
     """`held-out @ step 6: accept len 1.234, loss 2.3456`: the decoding-walk acceptance length and the
     held-out loss of an eval record, in words; every other figure of it is in metrics.jsonl."""
     figures = [
-        f"{name} {record[key]:{spec}}"
+        f"{name} {format_figure(record[key], spec)}"
         for name, key, spec in (("accept len", "eval/acceptance_length", ".3f"), ("loss", "eval/heldout_loss", ".4f"))
         if key in record
     ]
