@@ -28,6 +28,7 @@ import torch
 from shards import ShardReader, load_target_head
 from shards.common.durable import atomic_write_text, check_writable
 from shards.common.lock import DirectoryLock
+from shards.common.progress import format_duration
 from shards.common.provenance import provenance
 from shards.common.runtime import DistInfo, all_gather_objects, barrier, rank_info, resolve_device
 from shards.ownership import describe
@@ -256,7 +257,7 @@ class Trainer:
     def train(self) -> TrainSummary:
         run = self.run
         # A fresh run measures its starting point, so every run reports what training bought.
-        eval_before = self._evaluate(one_off=True) if run.eval_ids and self.step == 0 else None
+        eval_before = self._evaluate() if run.eval_ids and self.step == 0 else None
         batches = self._batches()
         stopped = False
         try:
@@ -403,7 +404,7 @@ class Trainer:
         self.last_checkpoint = self.out_dir / checkpoint_name(self.step)
         barrier()
 
-    def _evaluate(self, *, one_off: bool = False) -> EvalResult:
+    def _evaluate(self) -> EvalResult:
         cfg, run = self.cfg, self.run
         started = time.monotonic()
         ids = run.eval_ids[: cfg.eval.max_shards]
@@ -422,14 +423,21 @@ class Trainer:
             world_size=self.dist.world_size,
         )
         del model
+        seconds = time.monotonic() - started
         self.metrics.write_event(
-            {"event": "eval", "step": self.step, **result.to_record(), "eval/batch_ids": result.batch_ids}
+            {
+                "event": "eval",
+                "step": self.step,
+                **result.to_record(),
+                "eval/batch_ids": result.batch_ids,
+                "eval/seconds": seconds,
+            }
         )
         if self.dist.is_main:
-            log.info("eval at step %d: %s", self.step, result.summary_line())
+            log.info("eval at step %d (%s): %s", self.step, format_duration(seconds), result.summary_line())
             write_eval_json(self.out_dir / "eval.json", result.to_dict())
-        # An evaluation is not training: its time stays out of the next step line's rates.
-        self.metrics.exclude_time(time.monotonic() - started, from_eta=one_off)
+        # An evaluation is not training: its time stays out of the step line's rates and ETA, said apart.
+        self.metrics.add_eval_time(seconds)
         return result
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ Legend: L tokens so far, K taps, H hidden, B block size, S = B-1 drafts, V vocab
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from typing import Protocol
 
 import torch
 
-from shards.common.progress import format_figure, plural
+from shards.common.progress import ProgressLog, format_duration, format_figure, plural
 from train.drafter.model import DFlashDrafter, TargetHead
 from train.eval.walk import WalkCounts
 
@@ -48,6 +49,8 @@ class Verifier(Protocol):
         """(greedy next token after every position [L] int64, tapped hidden states [L, K, H])."""
         ...
 
+
+log = logging.getLogger(__name__)
 
 VerifierFactory = Callable[..., Verifier]  # (target_dir, tap_layer_ids, device, dtype) -> Verifier
 
@@ -189,13 +192,16 @@ def decode_prompts(
     *,
     context_dtype: torch.dtype | None = torch.bfloat16,
 ) -> DecodeReport:
-    """Speculative and plain greedy decoding of every prompt; acceptance figures as the walk's."""
+    """Speculative and plain greedy decoding of every prompt; acceptance figures as the walk's. Progress
+    (prompts done, tokens/s of each, ETA) as a bar on a terminal, else a log line at most every 10 s."""
     counts = WalkCounts(model.config.block_size)
     identical, mismatch, spec_s, greedy_s = 0, [], 0.0, 0.0
+    progress = ProgressLog(log, None, len(prompts), desc="decoding", unit="prompt")
     for i, prompt in enumerate(prompts):
         spec = speculative_generate(model, head, verifier, prompt, max_new_tokens, context_dtype=context_dtype)
         plain = greedy_generate(verifier, prompt, max_new_tokens)
         spec_s, greedy_s = spec_s + spec.seconds, greedy_s + plain.seconds
+        _report(progress, i + 1, max_new_tokens, spec_s, greedy_s)
         if spec.tokens == plain.tokens:
             identical += 1
         else:
@@ -204,8 +210,21 @@ def decode_prompts(
             counts.add_step(a, labels)
         if spec.step_tokens:
             counts.add_response(sum(spec.step_tokens), len(spec.step_tokens))
+    progress.close()
     total = len(prompts) * max_new_tokens
     return DecodeReport(counts, len(prompts), identical, mismatch, total / spec_s, total / greedy_s)
+
+
+def _report(progress: ProgressLog, done: int, max_new_tokens: int, spec_s: float, greedy_s: float) -> None:
+    rates = f"{done * max_new_tokens / spec_s:.1f} tokens/s speculative, {done * max_new_tokens / greedy_s:.1f} plain greedy"
+    eta = f"ETA {format_duration(progress.eta(done))}"
+    progress.report(
+        {},
+        f"eval --target: {done}/{progress.total_units} prompts | {rates} | {eta}",
+        force=done == progress.total_units,
+        done_units=done,
+        postfix=rates,
+    )
 
 
 def _rows(path: Path):
