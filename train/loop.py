@@ -185,6 +185,19 @@ class Trainer:
                     "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
                 }
             )
+        # The schedule as it runs, so that `dflash-train plot` draws every step's lr, not only the logged ones.
+        schedule = self.state.schedule
+        self.metrics.write_event(
+            {
+                "event": "schedule",
+                "step": self.step,
+                "schedule": "warmup_cosine",
+                "opt/peak_lr": schedule.peak_lr,
+                "opt/warmup_steps": schedule.warmup_steps,
+                "opt/total_steps": schedule.total_steps,
+                "opt/min_lr_ratio": self.cfg.optim.min_lr_ratio,
+            }
+        )
         self.tokens_at_start = tokens_seen  # a resumed run's earlier tokens, left out of its tokens/s
         self.step_at_start = self.step
         self.checkpoints = CheckpointWriter(
