@@ -129,12 +129,17 @@ def train(gpus: str | None, **options) -> None:
 )
 @user_errors(ValueError, OSError)  # a damaged or missing checkpoint (CheckpointError), an OUT that is not ours
 def export(checkpoint: str, out: str, overwrite: bool) -> None:
-    """Export CHECKPOINT (a step-NNNNNNNN dir, or a run dir: its newest) to OUT as a DFlashDraftModel."""
+    """Export CHECKPOINT (a step-NNNNNNNN dir, or a run dir: its newest) to OUT as a DFlashDraftModel,
+    and print the vLLM and SGLang commands that serve it on the block it was trained on."""
     setup_logging(other_ranks_level=logging.WARNING)
     from train.checkpoint.export import export_checkpoint
+    from train.checkpoint.serving import serve_commands
+    from train.drafter.config import DrafterConfig
 
     ckpt = export_checkpoint(checkpoint, out, overwrite)
     click.echo(f"exported {ckpt.path} (step {ckpt.step}) -> {out}")
+    for line in serve_commands(DrafterConfig(**ckpt.state["drafter"]), out, ckpt.state.get("target_name")):
+        click.echo(line)
 
 
 @main.command(name="eval", context_settings=CONTEXT_SETTINGS)

@@ -33,6 +33,7 @@ from shards.common.provenance import provenance
 from shards.common.runtime import DistInfo, all_gather_objects, barrier, rank_info, resolve_device
 from shards.ownership import describe
 from train.checkpoint.async_save import CheckpointWriter
+from train.checkpoint.serving import trained_for
 from train.checkpoint.store import (
     checkpoint_folders,
     checkpoint_name,
@@ -405,6 +406,7 @@ class Trainer:
                 "rng": rngs,
                 "cache_identity": cache_identity(self.run),
                 "train_ids": self.run.train_ids,  # what `eval` warns about as not held out
+                **trained_for(self.run.cache_config),  # what export tells serving and eval about it
                 "provenance": provenance(),
             }
             self.checkpoints.save(

@@ -170,6 +170,12 @@ def test_sliding_layer_flags_through_the_cli(tmp_path):
     assert result.exit_code == 0, result.output
     _, cfg = load_exported_drafter(tmp_path / "exported")
     assert cfg.layer_types == ["sliding_attention", "full_attention"] and cfg.sliding_window == 6
+    # What the engines need to hear: vLLM runs mixed sliding / full layers only on its V2 model runner, and
+    # llama.cpp (every layer non-causal, no window) is no target for this layout.
+    assert "  vLLM:   VLLM_USE_V2_MODEL_RUNNER=1 vllm serve synthetic --speculative-config " in result.output
+    assert "not llama.cpp: it runs every draft layer non-causally and its converter drops the sliding window" in (
+        result.output
+    )
     # Every refusal quotes --layer-types as typed (short names, the user's spelling), never normalised.
     for args, message in (
         (["--layer-types", "sliding,full"], r"--layer-types sliding,full: has sliding layers but --sliding-window"),

@@ -146,11 +146,21 @@ class DecodeReport:
     first_mismatch: list[tuple[int, int]]  # (prompt index, first differing token index)
     speculative_tokens_per_s: float
     greedy_tokens_per_s: float
+    max_new_tokens: int = 0  # tokens decoded per prompt
+    # The longest reply in the drafter's training cache (its export or checkpoint records it); None: unknown.
+    longest_trained_response: int | None = None
+
+    @property
+    def past_training(self) -> bool:
+        """Whether decoding ran past the longest reply the drafter was trained on."""
+        return self.longest_trained_response is not None and self.max_new_tokens > self.longest_trained_response
 
     def to_dict(self) -> dict:
         w = self.walk
         return {
             **w.figures(),
+            "max_new_tokens": self.max_new_tokens,
+            "longest_trained_response": self.longest_trained_response,
             "num_prompts": self.prompts,
             "identical_to_greedy": self.identical,
             "first_mismatch": self.first_mismatch,
@@ -167,8 +177,19 @@ class DecodeReport:
             else f"DIFFERS from plain greedy decoding on {self.prompts - self.identical} prompts "
             f"(prompt, token): {self.first_mismatch[:5]}"
         )
-        return "\n".join(
+        warning = (
             [
+                f"WARNING: decoded {self.max_new_tokens} tokens per prompt, past the longest reply the drafter "
+                f"was trained on ({self.longest_trained_response} tokens): the figures below include positions "
+                f"it never learned to draft; --max-new-tokens {self.longest_trained_response} measures what it "
+                "was trained for"
+            ]
+            if self.past_training
+            else []
+        )
+        return "\n".join(
+            warning
+            + [
                 f"real speculative decoding with the target, {plural(self.prompts, 'prompt')}, "
                 f"{plural(w.steps, 'step')}:",
                 f"  acceptance length {format_figure(w.acceptance_length, '.3f')} (mean over prompts; pooled "
@@ -212,7 +233,9 @@ def decode_prompts(
             counts.add_response(sum(spec.step_tokens), len(spec.step_tokens))
     progress.close()
     total = len(prompts) * max_new_tokens
-    return DecodeReport(counts, len(prompts), identical, mismatch, total / spec_s, total / greedy_s)
+    return DecodeReport(
+        counts, len(prompts), identical, mismatch, total / spec_s, total / greedy_s, max_new_tokens=max_new_tokens
+    )
 
 
 def _report(progress: ProgressLog, done: int, max_new_tokens: int, spec_s: float, greedy_s: float) -> None:
