@@ -73,7 +73,7 @@ def read_run_metrics(run_dir: str | Path) -> RunMetrics:
         elif event == "eval":
             out.evals = [e for e in out.evals if e["step"] != rec["step"]]
             out.evals.append(rec)
-        elif event == "schedule":
+        elif event == "schedule" and _is_schedule(rec):
             out.schedule = rec
     out.evals.sort(key=lambda e: e["step"])
     return out
@@ -164,6 +164,12 @@ def _draw_lr(ax, metrics: RunMetrics) -> None:
         ax.plot(range(1, last + 1), schedule.host_lrs(last), label="lr")
         ax.plot(*logged, "o", markersize=4, label="logged")
     ax.set(title="learning rate (each step's)", ylabel="lr")
+
+
+def _is_schedule(rec: dict[str, Any]) -> bool:
+    """A schedule record the plot can draw from (anything else is ignored: the logged lr is drawn alone)."""
+    numbers = [rec.get(k) for k in ("opt/peak_lr", "opt/warmup_steps", "opt/total_steps", "opt/min_lr_ratio")]
+    return all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in numbers)
 
 
 def _is_our_png(path: Path) -> bool:

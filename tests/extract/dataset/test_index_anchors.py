@@ -7,17 +7,23 @@ import pytest
 from extract.dataset.index import anchor_positions, longest_supervised_run
 
 
-def loop_count(lengths: list[int], mask: list[int], token_budget: int | None, long_seqs: str) -> int:
-    """Per sample: the part packing keeps (all; the first token_budget tokens under truncate; nothing
-    under the other policies when longer), and in it each t with mask[t] and mask[t + 1]."""
-    count, start = 0, 0
+def kept_spans(lengths: list[int], token_budget: int | None, long_seqs: str) -> list[range]:
+    """Per sample, the positions packing keeps: all; the first token_budget tokens under truncate;
+    nothing under the other policies when longer."""
+    spans, start = [], 0
     for length in lengths:
         kept = length
         if token_budget is not None and length > token_budget:
             kept = token_budget if long_seqs == "truncate" else 0
-        count += sum(1 for t in range(start, start + kept - 1) if mask[t] and mask[t + 1])
+        spans.append(range(start, start + kept))
         start += length
-    return count
+    return spans
+
+
+def loop_count(lengths: list[int], mask: list[int], token_budget: int | None, long_seqs: str) -> int:
+    """In the part of each sample packing keeps, each t with mask[t] and mask[t + 1]."""
+    spans = kept_spans(lengths, token_budget, long_seqs)
+    return sum(1 for span in spans for t in span[:-1] if mask[t] and mask[t + 1])
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -32,16 +38,12 @@ def test_extraction_counts_the_anchors_training_can_sample(seed, token_budget, l
 
 def loop_longest_run(lengths: list[int], mask: list[int], token_budget: int | None, long_seqs: str) -> int:
     """Per sample, in the part packing keeps: the longest stretch of consecutive mask == 1 tokens."""
-    longest, start = 0, 0
-    for length in lengths:
-        kept = length
-        if token_budget is not None and length > token_budget:
-            kept = token_budget if long_seqs == "truncate" else 0
+    longest = 0
+    for span in kept_spans(lengths, token_budget, long_seqs):
         run = 0
-        for t in range(start, start + kept):
+        for t in span:
             run = run + 1 if mask[t] else 0
             longest = max(longest, run)
-        start += length
     return longest
 
 
