@@ -20,7 +20,7 @@ from extract.config import ExtractConfig
 from extract.dataset.files import data_would_read, is_glob
 from extract.dataset.index import dataset_fingerprint
 from extract.dataset.packing import PACKING_ALGORITHM, PackedBatch, PackingPlan
-from extract.target.config import TargetConfig, special_token_ids
+from extract.target.config import TargetConfig, max_position_embeddings, special_token_ids
 from extract.target.fp8.quantization import checkpoint_quantization
 from extract.target.weights import load_target_head
 from shards import (
@@ -85,6 +85,7 @@ def build_cache_config(
             intermediate_size=target.intermediate_size,
             quantization=_quantization_record(cfg.target, cfg.compute),
             **special_token_ids(cfg.target),
+            max_position_embeddings=max_position_embeddings(cfg.target),
             compute=cfg.compute,
         ),
         tap_layer_ids=list(taps),
@@ -104,6 +105,7 @@ def build_cache_config(
             num_samples=len(index),
             num_tokens=int(index.lengths.sum()),
             prepared=prepared,
+            longest_response=index.report.longest_response,
         ),
         provenance={**provenance(), "extract_config": {k: v for k, v in vars(cfg).items()}},
     )

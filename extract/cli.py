@@ -31,7 +31,7 @@ def main(gpus: str | None, **options) -> None:
     Disk: taps x hidden x 2 bytes per token in bf16 (5 x 5120: 51 KB), half with --storage fp8.
     """
     setup_logging()
-    if relaunch_if_asked("extract.cli", gpus):
+    if relaunch_if_asked("extract.cli", gpus, options["device"]):
         return
     cfg = build_config(ExtractConfig, options)
     from extract.runner import run_extract  # heavy imports after argument checks

@@ -42,6 +42,13 @@ def refuse_impossible_settings(cfg: ExtractConfig, target: TargetConfig, taps: l
     bad = [t for t in taps if not 0 <= t < layers]
     if bad:
         raise ValueError(f"--taps {bad}: the target has layers 0..{layers - 1} ({Path(cfg.target) / 'config.json'})")
+    if layers - 1 in taps:
+        # Serving engines capture tap j as the input of layer j + 1: the last layer has none, and the
+        # drafter would fail only at serving time (vLLM on the feature size, SGLang with an index error).
+        raise ValueError(
+            f"--taps {','.join(map(str, taps))}: layer {layers - 1} is the target's last layer, which vLLM and "
+            f"SGLang cannot tap (they capture tap j as the input of layer j + 1); tap layers up to {layers - 2}"
+        )
 
 
 def _shorten(values: list, shown: int = 8) -> str:

@@ -398,4 +398,8 @@ def _finish(out: str, cache_cfg: CacheConfig, plan: PackingPlan) -> None:
         raise RuntimeError(
             f"{out}: shards {missing[:10]} are missing after every rank finished; re-run the same command to resume"
         )
-    log.info("cache complete: %d shards, %d samples, manifest written", len(infos), sum(len(i.samples) for i in infos))
+    log.info(
+        "cache complete: %s, %s, manifest written",
+        plural(len(infos), "shard"),
+        plural(sum(len(i.samples) for i in infos), "sample"),
+    )

@@ -61,8 +61,9 @@ STORAGE_DTYPES = get_args(StorageDtype)
 PRECISION_ALIASES = {"bf16": "bfloat16", "bfloat16": "bf16", "fp16": "float16", "fp32": "float32"}
 # Names inside target_head.safetensors. lm_head is always present (a copy of embed_tokens when tied).
 TARGET_HEAD_TENSORS = ("embed_tokens", "lm_head", "final_norm")
-# TargetInfo's special-token fields (what the drafter export copies; not part of a cache's identity).
-TARGET_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# TargetInfo's fields the drafter export copies (special tokens, context length); not part of a cache's
+# identity, so caches written before each was recorded resume.
+TARGET_EXPORT_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 # Largest finite float8 e4m3fn value; per-row scales map each row's amax onto it.
 FP8_E4M3_MAX = 448.0
 
@@ -101,6 +102,9 @@ class TargetInfo:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # The target's context length (config.json max_position_embeddings), which an exported drafter's
+    # config.json carries (vLLM sizes the drafter's RoPE table by it); None = an older cache.
+    max_position_embeddings: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -129,6 +133,15 @@ class DatasetRecord:
     # target's chat template: thinking mode, template and tokenizer digests); None = token rows as given.
     # Like the path, not part of cache_id: the shards equal those of the same tokens prepared beforehand.
     prepared: dict[str, Any] | None = None
+    # The longest run of consecutive supervised tokens in the shards (the longest reply a drafter trained
+    # on this cache has seen), which `dflash-train eval --target` warns about decoding past; None = a
+    # cache written before it was recorded. Derived from the data: not part of cache_id or the identity.
+    longest_response: int | None = None
+
+
+# DatasetRecord fields that describe the dataset without deciding which one it is (the fingerprint does):
+# older caches, which lack them, keep their cache_id and resume.
+_DATASET_DESCRIPTION = ("prepared", "longest_response")
 
 
 def _record(cls: type, value: Any, name: str) -> Any:
@@ -230,8 +243,9 @@ class CacheConfig:
         d = dataclasses.asdict(self)
         d.pop("provenance")
         if d["dataset"] is not None:
-            d["dataset"].pop("prepared")  # how the tokens were made, not which (the fingerprint says)
-        for name in TARGET_TOKEN_ID_FIELDS:  # metadata for export, not the hidden states: older caches resume
+            for name in _DATASET_DESCRIPTION:  # how the tokens were made and what they hold, not which
+                d["dataset"].pop(name)
+        for name in TARGET_EXPORT_FIELDS:  # metadata for export, not the hidden states: older caches resume
             d["target"].pop(name)
         return d
 
@@ -359,4 +373,4 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def _dataset_identity(dataset: DatasetRecord | None) -> dict[str, Any]:
     """The dataset fields that decide a shard's bytes: not where the data lie nor how they were tokenised."""
-    return {k: v for k, v in _plain(dataset).items() if k not in ("path", "prepared")}
+    return {k: v for k, v in _plain(dataset).items() if k not in ("path", *_DATASET_DESCRIPTION)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import shlex
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from shards.format import (
 from shards.manifest import manifest_table, read_manifest
 from shards.ownership import QUARANTINE_DIR, is_our_shard
 from shards.reader import ShardError, ShardInfo, ShardReader, load_target_head
+
+_NEAREST_IDS = 5  # sample ids `show` proposes for one that is not in the cache
 
 
 def expected_batch_ids(reader: ShardReader) -> list[int] | None:
@@ -317,7 +320,16 @@ def _locate(cache_dir: str | Path, reader: ShardReader, sample_id: str) -> int:
             return int(table.column("batch_id")[ids.index(sample_id)].as_py())
     except CacheFormatError:
         pass  # no usable manifest: fall back to the shard headers
+    known: list[str] = []
     for b in reader.batch_ids():
-        if any(s.sample_id == sample_id for s in reader.info(b).samples):
+        entries = reader.info(b).samples
+        if any(s.sample_id == sample_id for s in entries):
             return b
-    raise KeyError(f"sample {sample_id!r} is not in {cache_dir}")
+        known += [s.sample_id for s in entries]
+    # The nearest ids by spelling: `chats:17` finds `chat-17` (the derived `file:row` form vs the data's ids).
+    near = difflib.get_close_matches(sample_id, known, n=_NEAREST_IDS, cutoff=0.5)
+    hint = f"; nearest ids: {', '.join(near)}" if near else ""
+    raise KeyError(
+        f"sample {sample_id!r} is not in {cache_dir}{hint} (`dflash-shards ls {cache_dir} --samples` lists all "
+        f"{len(known)})"
+    )

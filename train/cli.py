@@ -21,6 +21,7 @@ from shards.common.cli_options import CONTEXT_SETTINGS, build_config, config_opt
 from shards.common.diskfull import refusing_when_full
 from shards.common.errors import user_errors
 from shards.common.logs import setup_logging
+from shards.common.progress import format_figure, plural
 from train.config import TrainConfig
 from train.eval.config import EvalConfig
 
@@ -79,7 +80,7 @@ def train(gpus: str | None, **options) -> None:
     and OUT/step-NNNNNNNN/ checkpoints; export one with `dflash-train export`.
     """
     setup_logging(other_ranks_level=logging.WARNING)
-    if relaunch_if_asked("train.cli", gpus):
+    if relaunch_if_asked("train.cli", gpus, options["device"]):
         return
     cfg = build_config(TrainConfig, options)
     from train.loop import run_training  # heavy imports after argument checks
@@ -115,10 +116,11 @@ def train(gpus: str | None, **options) -> None:
             click.echo(summary.eval.table())
         if summary.eval_before is not None and summary.eval is not None:
             before, after = summary.eval_before, summary.eval
+            start = "initial (--init-from)" if cfg.drafter.init_from else "untrained"
             click.echo(
-                f"acceptance length on held-out shards (decoding walk): {before.acceptance_length:.3f} untrained "
-                f"-> {after.acceptance_length:.3f} after {summary.steps} steps; held-out loss "
-                f"{before.heldout_loss:.4f} -> {after.heldout_loss:.4f}"
+                f"acceptance length on held-out shards (decoding walk): {format_figure(before.acceptance_length, '.3f')} "
+                f"{start} -> {format_figure(after.acceptance_length, '.3f')} after {plural(summary.steps, 'step')}; "
+                f"held-out loss {format_figure(before.heldout_loss, '.4f')} -> {format_figure(after.heldout_loss, '.4f')}"
             )
 
 
@@ -130,12 +132,17 @@ def train(gpus: str | None, **options) -> None:
 )
 @user_errors(ValueError, OSError)  # a damaged or missing checkpoint (CheckpointError), an OUT that is not ours
 def export(checkpoint: str, out: str, overwrite: bool) -> None:
-    """Export CHECKPOINT (a step-NNNNNNNN dir, or a run dir: its newest) to OUT as a DFlashDraftModel."""
+    """Export CHECKPOINT (a step-NNNNNNNN dir, or a run dir: its newest) to OUT as a DFlashDraftModel,
+    and print the vLLM and SGLang commands that serve it on the block it was trained on."""
     setup_logging(other_ranks_level=logging.WARNING)
     from train.checkpoint.export import export_checkpoint
+    from train.checkpoint.serving import serve_commands
+    from train.drafter.config import DrafterConfig
 
     ckpt = export_checkpoint(checkpoint, out, overwrite)
     click.echo(f"exported {ckpt.path} (step {ckpt.step}) -> {out}")
+    for line in serve_commands(DrafterConfig(**ckpt.state["drafter"]), out, ckpt.state.get("target_name")):
+        click.echo(line)
 
 
 @main.command(name="eval", context_settings=CONTEXT_SETTINGS)

@@ -28,7 +28,9 @@ class TrainSummary:
     last_checkpoint: Path | None
     eval: EvalResult | None
     skipped_shards: list[tuple[int, str]]
-    eval_before: EvalResult | None = None  # the untrained drafter, when a fresh run has held-out shards
+    eval_before: EvalResult | None = (
+        None  # before step 1 (untrained, or --init-from's weights), when a fresh run has held-out shards
+    )
     already_complete: bool = False  # --resume found the run finished: nothing was trained
     stopped: bool = False  # SIGTERM or SIGINT: checkpointed at `steps` and stopped early; --resume continues
     stop_signal: str = "SIGTERM"  # which of the two, when stopped
@@ -89,11 +91,11 @@ def announce_run(
     """The start-up lines (rank 0): the run's shards and steps, the drafter, FLOPs and MFU basis, the
     kernels and elementwise options chosen."""
     log.info(
-        "run: %d train shards, %d held out; %s; %d steps (%d per epoch), warmup %d",
-        len(run.train_ids),
+        "run: %s, %d held out; %s; %s (%d per epoch), warmup %d",
+        plural(len(run.train_ids), "train shard"),
         len(run.eval_ids),
         plural(world_size, "rank"),
-        run.total_steps,
+        plural(run.total_steps, "step"),
         run.steps_per_epoch,
         run.warmup_steps,
     )

@@ -29,6 +29,7 @@ from shards import ShardReader, load_target_head
 from shards.common.durable import atomic_write_text, check_writable
 from shards.common.lock import DirectoryLock
 from shards.common.owned import Dir, describe
+from shards.common.progress import format_duration
 from shards.common.provenance import provenance
 from shards.common.runtime import (
     DistInfo,
@@ -39,6 +40,7 @@ from shards.common.runtime import (
     resolve_device,
 )
 from train.checkpoint.async_save import CheckpointWriter
+from train.checkpoint.serving import trained_for
 from train.checkpoint.store import (
     checkpoint_folders,
     checkpoint_name,
@@ -192,6 +194,19 @@ class Trainer:
                     "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
                 }
             )
+        # The schedule as it runs, so that `dflash-train plot` draws every step's lr, not only the logged ones.
+        schedule = self.state.schedule
+        self.metrics.write_event(
+            {
+                "event": "schedule",
+                "step": self.step,
+                "schedule": "warmup_cosine",
+                "opt/peak_lr": schedule.peak_lr,
+                "opt/warmup_steps": schedule.warmup_steps,
+                "opt/total_steps": schedule.total_steps,
+                "opt/min_lr_ratio": self.cfg.optim.min_lr_ratio,
+            }
+        )
         self.tokens_at_start = tokens_seen  # a resumed run's earlier tokens, left out of its tokens/s
         self.step_at_start = self.step
         self.checkpoints = CheckpointWriter(
@@ -264,7 +279,7 @@ class Trainer:
     def train(self) -> TrainSummary:
         run = self.run
         # A fresh run measures its starting point, so every run reports what training bought.
-        eval_before = self._evaluate(one_off=True) if run.eval_ids and self.step == 0 else None
+        eval_before = self._evaluate() if run.eval_ids and self.step == 0 else None
         batches = self._batches()
         stopped = False
         try:
@@ -399,6 +414,7 @@ class Trainer:
                 "rng": rngs,
                 "cache_identity": cache_identity(self.run),
                 "train_ids": self.run.train_ids,  # what `eval` warns about as not held out
+                **trained_for(self.run.cache_config),  # what export tells serving and eval about it
                 "provenance": provenance(),
             }
             self.checkpoints.save(
@@ -411,7 +427,7 @@ class Trainer:
         self.last_checkpoint = self.out_dir / checkpoint_name(self.step)
         barrier()
 
-    def _evaluate(self, *, one_off: bool = False) -> EvalResult:
+    def _evaluate(self) -> EvalResult:
         cfg, run = self.cfg, self.run
         started = time.monotonic()
         ids = run.eval_ids[: cfg.eval.max_shards]
@@ -430,14 +446,21 @@ class Trainer:
             world_size=self.dist.world_size,
         )
         del model
+        seconds = time.monotonic() - started
         self.metrics.write_event(
-            {"event": "eval", "step": self.step, **result.to_record(), "eval/batch_ids": result.batch_ids}
+            {
+                "event": "eval",
+                "step": self.step,
+                **result.to_record(),
+                "eval/batch_ids": result.batch_ids,
+                "eval/seconds": seconds,
+            }
         )
         if self.dist.is_main:
-            log.info("eval at step %d: %s", self.step, result.summary_line())
+            log.info("eval at step %d (%s): %s", self.step, format_duration(seconds), result.summary_line())
             write_eval_json(self.out_dir / "eval.json", result.to_dict())
-        # An evaluation is not training: its time stays out of the next step line's rates.
-        self.metrics.exclude_time(time.monotonic() - started, from_eta=one_off)
+        # An evaluation is not training: its time stays out of the step line's rates and ETA, said apart.
+        self.metrics.add_eval_time(seconds)
         return result
 
     def close(self) -> None:

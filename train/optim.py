@@ -83,6 +83,10 @@ class WarmupCosine:
         """lr of 0-based step s, computed on the host (for logs)."""
         return float(self.lr_at(torch.tensor(float(s), dtype=torch.float64)))
 
+    def host_lrs(self, num_steps: int) -> list[float]:
+        """lr of every step 1..num_steps (0-based s = step - 1), as host_lr gives each: the schedule as it ran."""
+        return self.lr_at(torch.arange(num_steps, dtype=torch.float64)).tolist()
+
     def _refresh(self) -> None:
         self.lr_t.copy_(self.lr_at(self.step_t))
 

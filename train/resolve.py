@@ -94,10 +94,12 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
             f"target's MASK token (248070 for Qwen3.5)"
         )
     token_ids = {name: getattr(target, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    # The target's context length, which the export carries (None: a cache from before it was recorded).
+    positions = {"max_position_embeddings": target.max_position_embeddings} if target.max_position_embeddings else {}
     if pinned.init_from is not None:
         drafter = _drafter_from_init(cfg, cache_cfg, mask_token_id)
-        # The target's own ids win over whatever the published drafter recorded.
-        drafter = drafter.replace(**{k: v for k, v in token_ids.items() if v is not None})
+        # The target's own ids and context length win over whatever the published drafter recorded.
+        drafter = drafter.replace(**{k: v for k, v in token_ids.items() if v is not None}, **positions)
     else:
         if mask_token_id is None:
             raise ValueError(
@@ -131,7 +133,7 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
                         f"{pinned.num_key_value_heads} --head-dim {pinned.head_dim}: {e}; pick query heads "
                         "divisible by the kv heads and an even head dim, or omit all three"
                     ) from e
-            drafter = drafter.replace(**token_ids)
+            drafter = drafter.replace(**token_ids, **positions)
         except ValueError as e:
             raise ValueError(f"drafter shape for cache {cfg.cache}: {e}") from e
 

@@ -42,6 +42,7 @@ from shards.common.cli_options import cli_field, config_error
 from shards.common.diskfull import refusing_when_full
 from shards.common.durable import atomic_write_text, check_writable
 from shards.common.owned import Dir, OwnershipError
+from shards.common.progress import plural
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,8 @@ class PrepareSummary:
 
     def line(self) -> str:
         return (
-            f"{self.num_samples} samples, {self.num_tokens} tokens, {100 * self.supervised_fraction:.1f}% supervised, "
+            f"{plural(self.num_samples, 'sample')}, {plural(self.num_tokens, 'token')}, "
+            f"{100 * self.supervised_fraction:.1f}% supervised, "
             f"{self.num_truncated} truncated, {len(self.skipped)} skipped"
             + (
                 f", reasoning removed from {self.num_reasoning_dropped} turns (thinking off)"
@@ -218,8 +220,7 @@ def prepare_dataset(cfg: PrepareConfig, skip_hint: str = SKIP_BAD_ROWS_HINT) -> 
         "config": dataclasses.asdict(cfg),
     }
     atomic_write_text(_summary_path(out), json.dumps(record, indent=2))
-    logger.info("prepared %s", summary.line())
-    return summary
+    return summary  # the caller reports it: `dflash-data prepare` in one line, dflash-extract in its log
 
 
 def _warn_thinking_mismatch(cfg: PrepareConfig) -> None:
@@ -322,6 +323,7 @@ def tokens_for_extraction(data: str, target: str, thinking: Thinking | None) -> 
         )
         with refusing_when_full(tmp, "the conversations are prepared there first: free space, or set TMPDIR"):
             summary = prepare_dataset(cfg, EXTRACT_SKIP_HINT)
+        logger.info("prepared %s", summary.line())
         template = load_tokenizer(target).chat_template
         record = {
             "from": "conversations",

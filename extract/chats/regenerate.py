@@ -379,7 +379,12 @@ async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: Regener
     results: dict[int, dict | None] = {}
     cond = asyncio.Condition()
     # A bar on a terminal, plain lines (at most one per 10 s, and the last) in a log file.
-    progress = ProgressLog(logger, None, len(todo), desc="regenerate", unit="conv") if cfg.progress else None
+    # No ETA before one conversation per concurrent request has finished (ProgressLog: eta_after_units).
+    progress = (
+        ProgressLog(logger, None, len(todo), desc="regenerate", unit="conv", eta_after_units=cfg.concurrency)
+        if cfg.progress
+        else None
+    )
     with Dir.open(out.parent) as d:
         f = d.open_append(out.name)  # never through a link planted as OUT
     with f:
@@ -415,13 +420,14 @@ async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: Regener
                 if progress is not None:
                     done, elapsed = state["done"], max(progress.elapsed(), 1e-9)
                     tokens_s, failed = summary.gen_rate(elapsed), f"{len(summary.failures)} failed"
+                    eta = f"ETA {format_duration(progress.eta(done))}"
                     progress.report(
                         {},
                         f"regenerate: {done}/{len(todo)} conversations | {done / elapsed:.2f} conv/s | {tokens_s} | "
-                        f"{failed} | ETA {format_duration(progress.eta(done))}",
+                        f"{failed} | {eta}",
                         force=done == len(todo),
                         done_units=done,
-                        postfix=f"{tokens_s}, {failed}",
+                        postfix=f"{tokens_s}, {failed}, {eta}",
                     )
 
         try:

@@ -97,6 +97,9 @@ class ScanReport:
     # Of those, the ones packing keeps (--long-seqs truncate cuts a sample at token_budget, skip drops
     # it); equal to num_anchor_positions without token_budget.
     num_packed_anchor_positions: int = 0
+    # The longest run of consecutive supervised tokens packing keeps (a reply, as the drafter sees it in
+    # training): a drafter has never drafted past it (cache.json dataset.longest_response).
+    longest_response: int = 0
 
     def summary(self) -> str:
         long = "" if self.token_budget is None else f", {self.num_longer_than_budget} longer than {self.token_budget}"
@@ -156,7 +159,7 @@ def scan_dataset(
     ids: list[str] = []
     parts: dict[str, list[np.ndarray]] = {"lengths": [], "loss": [], "file": [], "rows": [], "offsets": [], "crc": []}
     token_hash, mask_hash = hashlib.sha256(), hashlib.sha256()
-    num_rows, empty, anchors, packed_anchors = 0, [], 0, 0
+    num_rows, empty, anchors, packed_anchors, longest_response = 0, [], 0, 0, 0
     problems = Problems()  # every bad row of every file, reported together at the end
     prefixes = derived_id_prefixes(files)
     for fi, file in enumerate(files):
@@ -177,6 +180,9 @@ def scan_dataset(
                 )
                 anchors += anchor_positions(chunk.lengths, chunk.mask)
                 packed_anchors += anchor_positions(chunk.lengths, chunk.mask, token_budget, long_seqs)
+                longest_response = max(
+                    longest_response, longest_supervised_run(chunk.lengths, chunk.mask, token_budget, long_seqs)
+                )
                 token_hash.update(chunk.tokens.astype("<i4").tobytes())
                 mask_hash.update(chunk.mask.tobytes())
         except DataError as e:  # the file itself (unreadable, wrong columns): its other rows are unknown
@@ -197,6 +203,7 @@ def scan_dataset(
         empty_examples=tuple(empty[:_NUM_EMPTY_EXAMPLES]),
         num_anchor_positions=anchors,
         num_packed_anchor_positions=packed_anchors,
+        longest_response=longest_response,
     )
     logger.info("scanned %s: %s", path, report.summary())
     return DatasetIndex(
@@ -224,6 +231,32 @@ def anchor_positions(
     (long_seqs "truncate"), nothing (any other policy: skipped, or refused by the scan)."""
     if mask.size == 0:
         return 0
+    supervised, cu_seqlens = _packed_supervision(lengths, mask, token_budget, long_seqs)
+    return int(valid_anchors(torch.from_numpy(supervised), torch.from_numpy(cu_seqlens)).sum())
+
+
+def longest_supervised_run(
+    lengths: np.ndarray, mask: np.ndarray, token_budget: int | None = None, long_seqs: str = "truncate"
+) -> int:
+    """The longest run of consecutive supervised tokens within one sample (a reply), of what packing keeps
+    (as anchor_positions counts); 0 when nothing is supervised."""
+    if mask.size == 0:
+        return 0
+    supervised, cu_seqlens = _packed_supervision(lengths, mask, token_budget, long_seqs)
+    # Run length at each position: supervised tokens so far minus those before the run's start, the
+    # start being the last unsupervised token or the sample's first position, whichever is later.
+    counted = np.cumsum(supervised, dtype=np.int64)
+    before_run = np.where(supervised, 0, counted)
+    starts = cu_seqlens[:-1][lengths > 0]
+    before_run[starts] = np.maximum(before_run[starts], counted[starts] - supervised[starts])
+    return int((counted - np.maximum.accumulate(before_run)).max())
+
+
+def _packed_supervision(
+    lengths: np.ndarray, mask: np.ndarray, token_budget: int | None, long_seqs: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """(supervised [total] bool, cu_seqlens [N + 1]) of samples back to back, a token packing drops
+    counted as unsupervised."""
     kept = lengths if token_budget is None else np.minimum(lengths, token_budget)
     if token_budget is not None and long_seqs != "truncate":
         kept = np.where(lengths > token_budget, 0, kept)
@@ -232,8 +265,7 @@ def anchor_positions(
     supervised = mask != 0
     for start, end in zip((ends - lengths + kept)[kept < lengths].tolist(), ends[kept < lengths].tolist()):
         supervised[start:end] = False  # only the samples packing cuts: few, so a loop beats a per-token map
-    cu_seqlens = np.concatenate([[0], ends])
-    return int(valid_anchors(torch.from_numpy(supervised), torch.from_numpy(cu_seqlens)).sum())
+    return supervised, np.concatenate([[0], ends])
 
 
 def _index_chunk(

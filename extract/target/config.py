@@ -171,6 +171,16 @@ def special_token_ids(path: str | Path) -> dict[str, Any]:
     return out
 
 
+def max_position_embeddings(path: str | Path) -> int | None:
+    """The context length a checkpoint's config.json declares (text_config first, then the top level;
+    None where undeclared or not a positive int). Not part of TargetConfig: RoPE is computed per position."""
+    with open(Path(path) / "config.json", encoding="utf-8") as f:
+        top = json.load(f)
+    text = top.get("text_config") if isinstance(top.get("text_config"), dict) else {}
+    value = text.get("max_position_embeddings", top.get("max_position_embeddings"))
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def default_tap_layer_ids(num_layers: int, num_taps: int) -> list[int]:
     """DFlash's `build_target_layer_ids`: [1, 16, 31, 46, 61] for 64 layers and 5 taps."""
     if num_taps <= 0:

@@ -97,10 +97,15 @@ class KernelChoice:
             ),
             f"kernel pointwise: {'torch.compile' if self.compile_pointwise else 'eager'} "
             f"({self.reasons.get('pointwise', '')})",
-            f"kernel fp8 feeds (--compute fp8): "
-            f"{'triton, norm/silu-mul and per-token e4m3 quantisation in one read' if self.fp8_feed_kernels else 'the pointwise functions'} "
-            f"({self.reasons.get('fp8_feeds', '')})",
         ]
+
+    def fp8_feeds_line(self) -> str:
+        """The kernels feeding FP8 matmuls: announced when --compute fp8 switches them on, never otherwise."""
+        return (
+            f"kernel fp8 feeds: "
+            f"{'triton, norm/silu-mul and per-token e4m3 quantisation in one read' if self.fp8_feed_kernels else 'the pointwise functions'} "
+            f"({self.reasons.get('fp8_feeds', '')})"
+        )
 
     # ---- per-batch preparation ---------------------------------------------------------
     def prepare(self, cu_seqlens_S1: torch.Tensor, num_tokens: int, device: torch.device) -> VarlenBatch:

@@ -351,6 +351,7 @@ class TargetModel(nn.Module):
         self.pw.fp8_group = 0 if block is None else block.block_k
         for level, line in fp8_kernel_report(done, block, device, self.pw.compiled, self.options.concat_linears):
             logger.log(level, line)
+        logger.info(self.kernels.fp8_feeds_line())
         return self
 
     def set_forward_options(self, options: ForwardOptions) -> TargetModel:

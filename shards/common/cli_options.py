@@ -318,23 +318,24 @@ def gpus_option(fn: F) -> F:
         "--gpus",
         default=None,
         metavar="N|all",
-        help="Start one process per GPU under torchrun: a number or 'all'. "
-        "Default: one process, or whatever torchrun you launched yourself.",
+        help="Start one process per GPU under torchrun: a number or 'all' (more than the machine's GPUs is "
+        "refused; with --device cpu, that many CPU processes). Default: one process, or whatever torchrun "
+        "you launched yourself.",
     )(fn)
 
 
-def relaunch_if_asked(module: str, gpus: str | None) -> bool:
+def relaunch_if_asked(module: str, gpus: str | None, device: str = "auto") -> bool:
     """With --gpus and not yet under torchrun, replace this process by torchrun over `module`.
 
     Returns False when nothing was relaunched (no --gpus, or already a torchrun rank); on a
-    relaunch it does not return (os.execv).
+    relaunch it does not return (os.execv). device: the command's --device (cpu: CPU processes).
     """
     if gpus is None or "LOCAL_RANK" in os.environ:
         return False
     from shards.common.runtime import relaunch_under_torchrun  # imports torch: only when relaunching
 
     try:
-        relaunch_under_torchrun(module, gpus, sys.argv[1:])
+        relaunch_under_torchrun(module, gpus, sys.argv[1:], device)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     return True

@@ -14,6 +14,7 @@ import time
 from typing import IO, TextIO
 
 _BYTE_UNITS = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
+_BAR_WITHOUT_ETA = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {rate_fmt}{postfix}]"
 
 
 def format_duration(seconds: float) -> str:
@@ -23,6 +24,14 @@ def format_duration(seconds: float) -> str:
     h, rem = divmod(s, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def format_figure(value: float | None, spec: str) -> str:
+    """A figure in a printed table or line: `-` where it is undefined (None, NaN or infinite: a draft
+    slot never reached, a walk with no response), as the JSON outputs write null; else format(value, spec)."""
+    if value is None or value != value or value in (float("inf"), float("-inf")):
+        return "-"
+    return format(value, spec)
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -63,7 +72,10 @@ class ProgressLog:
 
     bar=None: a bar when stderr is an interactive terminal. The bar advances on every report; the
     record and, without a bar, the line are emitted at most every `interval_s` seconds or when forced.
-    Rates are over the whole run (since start), which is what an ETA should use.
+    Rates are over the whole run (since start), which is what an ETA should use. eta_after_units: no
+    ETA (`?`) before that many units are done: work done `c` at a time finishes in waves, and the rate
+    of the first unit of the first wave (one unit in the time of a whole wave) would put the end c times
+    too far (`regenerate` at concurrency 64 said 23m19s for a job that ended 10 s later).
     """
 
     def __init__(
@@ -76,9 +88,11 @@ class ProgressLog:
         bar: bool | None = None,
         desc: str = "",
         unit: str = "batch",
+        eta_after_units: int = 1,
     ):
         self.logger = logger
         self.total_units = total_units
+        self.eta_after_units = min(eta_after_units, total_units)
         self.interval_s = interval_s
         self.start = time.monotonic()
         self._last = -float("inf")
@@ -98,6 +112,8 @@ class ProgressLog:
                 dynamic_ncols=sized,
                 ncols=None if sized else 100,
                 nrows=None if sized else 20,
+                # tqdm's own ETA knows nothing of waves: the caller's postfix carries eta() instead.
+                bar_format=_BAR_WITHOUT_ETA if self.eta_after_units > 1 else None,
             )
 
     @property
@@ -108,6 +124,9 @@ class ProgressLog:
         return time.monotonic() - self.start
 
     def eta(self, done_units: int) -> float:
+        """Seconds left at the run's average rate; NaN (printed `?`) before eta_after_units are done."""
+        if done_units < self.eta_after_units:
+            return float("nan")
         rate = done_units / max(self.elapsed(), 1e-9)
         return (self.total_units - done_units) / rate if rate > 0 else float("inf")
 

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shards.common.progress import plural
+
 log = logging.getLogger(__name__)
 
 
@@ -106,13 +108,26 @@ def process_group_scope() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def relaunch_under_torchrun(module: str, gpus: str, argv: list[str]) -> None:
-    """Replace this process with `torchrun --nproc-per-node N -m module argv-without---gpus`."""
+def relaunch_under_torchrun(module: str, gpus: str, argv: list[str], device: str = "auto") -> None:
+    """Replace this process with `torchrun --nproc-per-node N -m module argv-without---gpus`.
+
+    N processes need N GPUs: more than the machine has is refused, unless `--device cpu` asks for N
+    CPU processes (gloo), which is then said, so that a missing GPU never silently becomes CPU ranks."""
     if gpus != "all" and not gpus.isdigit():
         raise ValueError(f"--gpus {gpus}: expected a number of GPUs or 'all'")
-    n = torch.cuda.device_count() if gpus == "all" else int(gpus)
+    available = torch.cuda.device_count()
+    n = available if gpus == "all" else int(gpus)
     if n < 1:
         raise ValueError(f"--gpus {gpus}: no CUDA devices found" if gpus == "all" else f"--gpus {gpus}: must be >= 1")
+    if device == "cpu":
+        log.warning(
+            "--gpus %d --device cpu: starting %s on the CPU (gloo), no GPU used", n, plural(n, "process", "processes")
+        )
+    elif n > available:
+        raise ValueError(
+            f"--gpus {gpus}: this machine has {plural(available, 'CUDA device')}; pass --gpus {available} or fewer"
+            + (f", or add --device cpu to start {n} CPU processes instead" if available == 0 else "")
+        )
     cmd = [
         sys.executable,
         "-m",

@@ -245,6 +245,49 @@ def test_drafter_export_carries_the_target_token_ids_from_the_cache(target, data
     run_extract(extract_cfg(target, data, out))
 
 
+def test_the_export_carries_the_target_context_and_the_longest_reply_and_says_how_to_serve_it(target, tmp_path):
+    """Extraction records the target's max_position_embeddings and the longest supervised run of the data;
+    training keeps both, the export writes them (never the trainer's 262144 default) and prints the vLLM and
+    SGLang commands with the block it was trained on. A cache written before they were recorded resumes."""
+    from tests.helpers.train import TINY_DRAFTER
+    from train.cli import main as train_cli
+
+    samples = make_samples(n=12)
+    data = tmp_path / "data.jsonl"
+    write_jsonl(data, samples)
+    cache = tmp_path / "cache"
+    assert CliRunner().invoke(extract_cli, cli_args(target, data, cache)).exit_code == 0
+    context = json.loads((target / "config.json").read_text())
+    context = context.get("text_config", context)["max_position_embeddings"]
+    longest = max(int(s.loss_mask.sum()) for s in samples)  # make_samples: one supervised run per sample
+    cfg = ShardReader(cache).config
+    assert (cfg.target.max_position_embeddings, cfg.dataset.longest_response) == (context, longest) != (262144, None)
+
+    run, drafter = tmp_path / "run", tmp_path / "drafter"
+    train = ["train", "--cache", str(cache), "--out", str(run), "--max-steps", "1", "--device", "cpu"]
+    train += ["--block-size", str(TINY_DRAFTER["block_size"]), "--num-layers", "1", "--compute-dtype", "float32"]
+    assert CliRunner().invoke(train_cli, train).exit_code == 0
+    res = CliRunner().invoke(train_cli, ["export", str(run), str(drafter)])
+    assert res.exit_code == 0, res.output
+    hf = json.loads((drafter / "config.json").read_text())
+    assert hf["max_position_embeddings"] == context and hf["dflash_training"] == {"longest_response": longest}
+    block = TINY_DRAFTER["block_size"]
+    spec = json.dumps({"method": "dflash", "model": str(drafter), "num_speculative_tokens": block - 1})
+    assert f"vllm serve {target.resolve()} --speculative-config '{spec}' --attention-backend flash_attn" in res.output
+    assert (
+        f"python -m sglang.launch_server --model-path {target.resolve()} --speculative-algorithm DFLASH "
+        f"--speculative-draft-model-path {drafter} --speculative-num-draft-tokens {block}"
+    ) in res.output
+    assert "llama.cpp" not in res.output, "all layers full: nothing to say about llama.cpp"
+
+    path = cache / "cache.json"  # as written before these were recorded: the cache still resumes
+    old = json.loads(path.read_text())
+    old["target"].pop("max_position_embeddings"), old["dataset"].pop("longest_response")
+    path.write_text(json.dumps(old))
+    again = CliRunner().invoke(extract_cli, cli_args(target, data, cache))
+    assert again.exit_code == 0 and "nothing to extract" in again.output, again.output
+
+
 @pytest.mark.slow
 def test_a_refusal_on_rank_0_stops_every_rank(target, data, tmp_path):
     out = tmp_path / "cache"

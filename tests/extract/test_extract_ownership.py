@@ -298,6 +298,12 @@ IMPOSSIBLE = [
     ("pad id outside vocab", None, ["--pad-token-id", "-1"], "--pad-token-id -1 is outside"),
     ("top-k above vocab", None, ["--target-topk", str(VOCAB + 1)], f"--target-topk {VOCAB + 1} is more than"),
     ("more taps than layers", None, ["--num-taps", "20"], "--num-taps 20 asks for more taps than the target's 8"),
+    (
+        "a tap on the last layer",  # no engine can capture it: vLLM and SGLang would fail only at serving time
+        None,
+        ["--taps", "1,4,7"],
+        "--taps 1,4,7: layer 7 is the target's last layer, which vLLM and SGLang cannot tap",
+    ),
     ("all-zero masks", lambda t: _write(t, _samples(6, 20, 0)), [], "no supervised tokens in 6 samples"),
     ("1-token samples", lambda t: _write(t, _samples(5, 1, 1)), [], "no supervised tokens in 5 samples"),
     (

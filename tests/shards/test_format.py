@@ -332,7 +332,7 @@ def test_packing_and_dataset_are_typed_records_with_the_same_json_keys(tmp_path)
         num_skipped=1,
         num_empty=2,
     )
-    dataset = dict(path="d.jsonl", fingerprint="abc", num_samples=9, num_tokens=900, prepared=None)
+    dataset = dict(path="d.jsonl", fingerprint="abc", num_samples=9, num_tokens=900, prepared=None, longest_response=7)
     raw = json.loads(
         CacheConfig(
             target=TargetInfo(name="t", config_hash="h", hidden_size=8, num_layers=4, vocab_size=16, dtype="bfloat16"),
@@ -349,6 +349,12 @@ def test_packing_and_dataset_are_typed_records_with_the_same_json_keys(tmp_path)
     assert CacheConfig.from_json(json.dumps({**raw, "packing": {}})).planned_batches is None
     older = {k: v for k, v in dataset.items() if k != "prepared"}  # caches written before `prepared` existed
     assert CacheConfig.from_json(json.dumps({**raw, "packing": packing, "dataset": older})).dataset == cfg.dataset
+    # Nor before `longest_response`: it reads as unknown, and the cache keeps its identity and cache_id.
+    oldest = {k: v for k, v in older.items() if k != "longest_response"}
+    was = CacheConfig.from_json(json.dumps({**raw, "packing": packing, "dataset": oldest}))
+    assert was.dataset.longest_response is None and was.identity() == cfg.identity()
+    was.target_head_checksum = cfg.target_head_checksum = "crc32:00000000"
+    assert was.cache_id() == cfg.cache_id()
     with pytest.raises(CacheFormatError, match=r"packing has fields .*expected"):
         CacheConfig.from_json(json.dumps({**raw, "packing": {**packing, "extra": 1}}))
 

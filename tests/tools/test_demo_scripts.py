@@ -42,6 +42,8 @@ def test_an_earlier_run_is_remade_keeping_what_it_did_not_write(tmp_path):
     (run / "notes.txt").write_text("the user's, added after the run")
     proc = bash(f"fresh_work_dir {run}")
     assert proc.returncode == 0 and "kept what the earlier run did not write" in proc.stderr, proc.stderr
+    # The deletion is said on screen, naming what went (the user may have wanted it).
+    assert f"deleted what the earlier run of this script wrote in {run}: old-dir old-output" in proc.stderr
     assert sorted(p.name for p in run.iterdir()) == [".dflash-work-dir", "notes.txt"]
     (run / "new-output").write_text("x")
     assert bash(f"record_work_dir {run}").returncode == 0 and bash(f"fresh_work_dir {run}").returncode == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import torch
 from click.testing import CliRunner
@@ -220,7 +221,7 @@ def test_a_mistyped_command_is_named_with_suggestions(tmp_path):
     assert "--cache" not in res.output, "not taken for `train exprot ...`"
 
 
-def test_eval_splits_held_out_shards_as_training_does_and_warns_on_trained_ones(tmp_path):
+def test_eval_splits_held_out_shards_as_training_does_and_warns_on_trained_ones(tmp_path, caplog):
     cache = tiny_cache(tmp_path / "cache", num_batches=3, plan=True)  # planned ids 0..2, as extraction plans
     run = tmp_path / "run"
     assert invoke(tiny_cli_args(cache, run, "--max-steps", "1", "--eval-shards", "1")).exit_code == 0
@@ -232,12 +233,20 @@ def test_eval_splits_held_out_shards_as_training_does_and_warns_on_trained_ones(
 
     res = evaluate("--eval-shards", "1")  # its held-out shard: no warning
     assert res.exit_code == 0 and "WARNING" not in res.output, res.output
-    assert json.loads(report.read_text())["batch_ids"] == [2]
-    res = evaluate("--shards", "0")  # a shard it was trained on: said loudly, in the table and the JSON
+    assert "held-out loss" in res.output
+    record = json.loads(report.read_text())
+    assert record["batch_ids"] == [2]
+    # A slot the walk never reached is null in the JSON and a dash in the table, never "nan".
+    unreached = [k for k, a in enumerate(record["slot_acceptance"], start=1) if a is None]
+    assert unreached and "nan" not in res.output, res.output
+    for k in unreached:
+        assert re.search(rf"^slot {k} accepted \| reached +-$", res.output, re.M), res.output
+    caplog.clear()
+    res = evaluate("--shards", "0")  # a shard it was trained on: said loudly, once, in the table and the JSON
     assert res.exit_code == 0, res.output
-    assert "WARNING: the drafter was trained on shards [0] of this cache: the figures below are NOT held-out" in (
-        res.output
-    )
+    warning = "the drafter was trained on shards [0] of this cache: the figures below are NOT held-out"
+    assert f"WARNING: {warning}" in res.output and (res.output + caplog.text).count(warning) == 1
+    assert "held-out loss" not in res.output and "loss (trained-on shards)" in res.output
     assert json.loads(report.read_text())["trained_on_batch_ids"] == [0]
     shard_path(cache, 2).unlink()  # the held-out shard's file is gone: refused, never shard 1 instead
     res = evaluate("--eval-shards", "1")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
 from click.testing import CliRunner
 
 import train.loop
@@ -101,7 +102,7 @@ def test_off_terms_and_no_peak_are_not_printed(tmp_path, caplog):
     assert any("no MFU figure: no peak known for cpu" in m for m in messages)
 
 
-def test_evaluation_time_stays_out_of_the_step_rates(tmp_path, monkeypatch):
+def test_evaluation_time_stays_out_of_the_step_rates(tmp_path, monkeypatch, caplog):
     # Every evaluation takes 1000 s of a fake clock; the steps take 0.01 s per clock read. Before the fix
     # the evaluation before step 1 read as "4 tok/s ... ETA 27h" on the first step line.
     import time
@@ -122,6 +123,7 @@ def test_evaluation_time_stays_out_of_the_step_rates(tmp_path, monkeypatch):
     monkeypatch.setattr(train.loop, "evaluate_drafter", slow_eval)
     cache = tiny_cache(tmp_path / "cache", num_batches=4)
     out = tmp_path / "run"
+    caplog.set_level(logging.INFO)
     args = tiny_cli_args(cache, out, "--max-steps", "4", "--eval-shards", "1", "--eval-every", "2", "--log-every", "1")
     res = CliRunner().invoke(main, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
@@ -131,3 +133,9 @@ def test_evaluation_time_stays_out_of_the_step_rates(tmp_path, monkeypatch):
     for prev, rec in zip(records, records[1:]):
         interval_s = (rec["data/tokens_seen"] - prev["data/tokens_seen"]) / rec["perf/tokens_per_s"]
         assert interval_s < 100, (rec["step"], interval_s)  # the step-2 evaluation is not in step 3's rate
+    # Nor in the ETA (before: 1000 s of evaluation per 2 steps made it jump), but said apart.
+    assert records[2]["perf/eta_s"] < 100 and records[2]["perf/eval_s"] == pytest.approx(2000, abs=10), records[2]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 3/4")]
+    assert len(lines) == 1 and "(steps; evaluations took 33m" in lines[0], lines
+    evals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("eval at step 2 (16m4")]
+    assert len(evals) == 1, "each evaluation says how long it took"

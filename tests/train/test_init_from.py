@@ -49,6 +49,21 @@ def test_init_from_an_exported_drafter_continues_from_its_weights(tmp_path):
     assert abs(read_records(tmp_path / "fresh")[0]["loss/total"] - want) > 1e-3
 
 
+def test_the_first_evaluation_of_an_init_from_run_is_called_initial_not_untrained(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=4)
+    run_training(tiny_config(cache, tmp_path / "first", max_steps=2))
+    assert CliRunner().invoke(train_cli, ["export", str(tmp_path / "first"), str(tmp_path / "exported")]).exit_code == 0
+    args = tiny_cli_args(cache, tmp_path / "second", "--max-steps", "1", "--eval-shards", "1")
+    res = CliRunner().invoke(train_cli, [*args, "--init-from", str(tmp_path / "exported")])
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.output.splitlines() if x.startswith("acceptance length on held-out shards"))
+    assert " initial (--init-from) -> " in line and "untrained" not in line and "after 1 step;" in line, line
+    fresh = CliRunner().invoke(
+        train_cli, tiny_cli_args(cache, tmp_path / "fresh", "--max-steps", "2", "--eval-shards", "1")
+    )
+    assert fresh.exit_code == 0 and " untrained -> " in fresh.output and "after 2 steps;" in fresh.output
+
+
 def test_init_from_takes_the_drafter_shape_and_refuses_other_shape_options(tmp_path):
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
     cc = ShardReader(cache).config
@@ -155,6 +170,12 @@ def test_sliding_layer_flags_through_the_cli(tmp_path):
     assert result.exit_code == 0, result.output
     _, cfg = load_exported_drafter(tmp_path / "exported")
     assert cfg.layer_types == ["sliding_attention", "full_attention"] and cfg.sliding_window == 6
+    # What the engines need to hear: vLLM runs mixed sliding / full layers only on its V2 model runner, and
+    # llama.cpp (every layer non-causal, no window) is no target for this layout.
+    assert "  vLLM:   VLLM_USE_V2_MODEL_RUNNER=1 vllm serve synthetic --speculative-config " in result.output
+    assert "not llama.cpp: it runs every draft layer non-causally and its converter drops the sliding window" in (
+        result.output
+    )
     # Every refusal quotes --layer-types as typed (short names, the user's spelling), never normalised.
     for args, message in (
         (["--layer-types", "sliding,full"], r"--layer-types sliding,full: has sliding layers but --sliding-window"),

@@ -31,6 +31,7 @@ def main() -> None:
     Examples:
       dflash-shards info runs/cache            totals, padding efficiency, bytes on disk
       dflash-shards verify runs/cache          read every shard; exit 1 listing bad files
+      dflash-shards ls runs/cache --samples    every sample id, with its shard and length
       dflash-shards show runs/cache doc-17     one sample's tokens and hidden-state stats
     """
     setup_logging()
@@ -72,11 +73,19 @@ def info(cache: str, as_json: bool) -> None:
 
 @main.command(name="ls")
 @click.argument("cache", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--samples",
+    is_flag=True,
+    help="One line per sample instead (batch id, sample id, tokens, supervised): the ids `show` takes.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @user_errors()
-def ls_(cache: str, as_json: bool) -> None:
-    """One line per shard: batch id, samples, real tokens, fill, size."""
+def ls_(cache: str, samples: bool, as_json: bool) -> None:
+    """One line per shard: batch id, samples, real tokens, fill, size (--samples: one line per sample)."""
     reader = _guard(ShardReader, cache)
+    if samples:
+        _ls_samples(reader, as_json)
+        return
     rows = []
     for b in reader.batch_ids():
         try:
@@ -102,6 +111,23 @@ def ls_(cache: str, as_json: bool) -> None:
             lines.append(
                 f"{r['batch_id']:>8}  {r['samples']:>7}  {r['tokens']:>8}  {100 * r['fill']:>6.2f}%  {format_bytes(r['bytes']):>10}  {r['file']}"
             )
+    _emit(rows, as_json, "\n".join(lines))
+
+
+def _ls_samples(reader: ShardReader, as_json: bool) -> None:
+    """Every sample of the readable shards, in batch order, from the shard headers (the truth the
+    manifest is rebuilt from); a shard whose header cannot be read is one BAD line."""
+    rows, lines = [], [f"{'batch':>8}  {'tokens':>7}  {'supervised':>10}  sample id"]
+    for b in reader.batch_ids():
+        try:
+            entries = reader.info(b).samples
+        except ShardError as e:
+            rows.append({"batch_id": b, "file": e.path.name, "error": e.reason})
+            lines.append(f"{b:>8}  BAD: {e.reason}  {e.path.name}")
+            continue
+        for s in entries:
+            rows.append({"batch_id": b, "sample_id": s.sample_id, "length": s.length, "loss_tokens": s.loss_tokens})
+            lines.append(f"{b:>8}  {s.length:>7}  {s.loss_tokens:>10}  {s.sample_id}")
     _emit(rows, as_json, "\n".join(lines))
 
 

@@ -14,10 +14,18 @@ fresh_work_dir() {
                 "yourself, or pass another WORK_DIR" >&2
             return 1
         fi
+        local removed=""
         while IFS= read -r name; do
             case "$name" in "entry "*) name="${name#entry }" ;; *) continue ;; esac  # a recorded entry
-            case "$name" in "" | . | .. | */* | "$work_dir_marker") ;; *) rm -rf -- "${dir:?}/$name" ;; esac
+            case "$name" in
+                "" | . | .. | */* | "$work_dir_marker") ;;
+                *) if [ -e "$dir/$name" ] || [ -L "$dir/$name" ]; then
+                       rm -rf -- "${dir:?}/$name" && removed="$removed $name"
+                   fi ;;
+            esac
         done < "$marker"
+        # Said on screen: a re-run replaces the earlier run's outputs, which the user may have wanted.
+        [ -z "$removed" ] || echo "$0: deleted what the earlier run of this script wrote in $dir:$removed" >&2
         rm -f -- "$marker"
         if [ -n "$(ls -A "$dir")" ]; then
             echo "$0: kept what the earlier run did not write in $dir: $(ls -A "$dir" | tr '\n' ' ')" >&2

@@ -12,13 +12,14 @@ an inactive writer) in mode "async":
   3. starts a thread running train.checkpoint.store.save_checkpoint on the snapshot: the same temporary
      folder, fsync, rename, directory fsync and checksums as a synchronous save; older checkpoints
      are pruned only after the new one is durable.
-The loop is blocked for 1 + 2 (and the RNG states and provenance it gathers first): logged per save in
-the console and as a "checkpoint" event in metrics.jsonl (stall_s in all, of which snapshot_s copying
-and wait_s waiting for the previous write). poll() (every step) and wait() (end of training, SIGTERM)
-report a finished write ("checkpoint_durable": background write time, bytes) or raise a failed one
-(CheckpointError naming the file). A kill mid-write leaves only .tmp-step-* (ignored by readers, removed
-at the next start): the previous checkpoint stays the newest valid one. Mode "sync" writes in the
-calling thread (stall = the whole write), no buffers.
+The loop is blocked for 1 + 2 (and the RNG states and provenance it gathers first): recorded per save
+as a "checkpoint" event in metrics.jsonl (stall_s in all, of which snapshot_s copying and wait_s
+waiting for the previous write). poll() (every step) and wait() (end of training, SIGTERM) report a
+finished write (one console line with the stall, and a "checkpoint_durable" event: background write
+time, bytes) or raise a failed one (CheckpointError naming the file, DiskFullError for a full disk).
+A kill mid-write leaves only .tmp-step-* (ignored by readers, removed at the next start): the previous
+checkpoint stays the newest valid one. Mode "sync" writes in the calling thread (stall = the whole
+write), no buffers.
 
 Disk space: a checkpoint is the state's tensor bytes (checkpoint_bytes, known at start-up). The start
 says how many fit under OUT, and warns when the next one does not; a save with less free space than that
@@ -237,37 +238,31 @@ class CheckpointWriter:
         if self.snapshot is None:
             self._job = {"step": step, "started": waited}
             self._write(model_state, optimizer_state, train_state)
+            record["checkpoint/stall_s"] = self._job["stall_s"] = time.monotonic() - blocked_since
             self._report_done()
-            record["checkpoint/stall_s"] = time.monotonic() - blocked_since
-            log.info(
-                "checkpoint step %d: training blocked %.2f s (synchronous write)", step, record["checkpoint/stall_s"]
-            )
-        else:
-            model_host, optimizer_host = self.snapshot.capture((model_state, optimizer_state))
-            done = time.monotonic()
-            self._job = {"step": step, "started": done}
-            self._thread = threading.Thread(
-                target=self._write,
-                args=(model_host, optimizer_host, train_state),
-                name=f"checkpoint-writer-{step}",
-            )
-            self._thread.start()
-            record |= {
-                "checkpoint/stall_s": done - blocked_since,
-                "checkpoint/snapshot_s": done - waited,
-                "checkpoint/wait_s": waited - wait_start,
-            }
-            log.info(
-                "checkpoint step %d: training blocked %.2f s (snapshot of %s %.2f s, waiting for %s %.2f s); "
-                "writing %s in the background",
-                step,
-                record["checkpoint/stall_s"],
-                _gb(self.snapshot.nbytes),
-                record["checkpoint/snapshot_s"],
-                f"the step-{previous} write" if previous is not None else "no earlier write",
-                record["checkpoint/wait_s"],
-                checkpoint_name(step),
-            )
+            self.write_event(record)
+            return record
+        model_host, optimizer_host = self.snapshot.capture((model_state, optimizer_state))
+        done = time.monotonic()
+        # What the durable line reports: the stall, and what it waited for.
+        self._job = {
+            "step": step,
+            "started": done,
+            "stall_s": done - blocked_since,
+            "wait_s": waited - wait_start,
+            "previous": previous,
+        }
+        self._thread = threading.Thread(
+            target=self._write,
+            args=(model_host, optimizer_host, train_state),
+            name=f"checkpoint-writer-{step}",
+        )
+        self._thread.start()
+        record |= {
+            "checkpoint/stall_s": done - blocked_since,
+            "checkpoint/snapshot_s": done - waited,
+            "checkpoint/wait_s": waited - wait_start,
+        }
         self.write_event(record)
         return record
 
@@ -317,14 +312,21 @@ class CheckpointWriter:
                 "checkpoint/bytes": job["bytes"],
             }
         )
+        # One line per checkpoint, once it is durable: where, how big, and what it cost the loop.
         if self.mode == "async":
-            log.info(
-                "checkpoint step %d durable: %s (%s written in the background in %.1f s)",
-                job["step"],
-                path,
-                _gb(job["bytes"]),
-                job["write_s"],
+            waited = (
+                f", {job['wait_s']:.2f} s of it waiting for the step-{job['previous']} write"
+                if job.get("previous") is not None
+                else ""
             )
+            how = (
+                f"written in the background in {job['write_s']:.1f} s; training blocked {job['stall_s']:.2f} s{waited}"
+            )
+        else:
+            how = (
+                f"written in {job['write_s']:.1f} s, training blocked {job['stall_s']:.2f} s (--checkpoint-write sync)"
+            )
+        log.info("checkpoint step %d durable: %s (%s, %s)", job["step"], path, _gb(job["bytes"]), how)
 
     def close(self) -> None:
         """Wait for a write in flight (a run stopping on an error still finishes its checkpoint); log, never

@@ -4,9 +4,15 @@ OUT/config.json        architectures ["DFlashDraftModel"], model_type "qwen3", b
                        num_target_layers, dflash_config {mask_token_id, target_layer_ids}, Qwen3 fields
 OUT/model.safetensors  the drafter's parameters under z-lab's names, bf16
 
-config.json leaves nothing to an engine's defaults (what each engine reads, from their loaders):
-- RoPE: vLLM reads only rope_parameters.rope_theta (1e6 when absent, not our 1e7); SGLang reads
-  rope_parameters, else rope_theta. Both are written, equal.
+config.json leaves nothing to an engine's defaults (what each engine reads, from their newest loaders,
+December 2026):
+- RoPE: vLLM's DFlash layers read rope_parameters["rope_theta"] and, where it is absent, set 1e6
+  (set_default_rope_theta in qwen3_dflash.py), not the 1e7 of the Qwen3.5 targets; its config loader
+  first moves a top-level rope_theta there (patch_rope_parameters), so only a config with neither field
+  falls back. SGLang's DFlash attention (get_rope_config) reads rope_parameters["rope_theta"] when
+  rope_parameters exists, else rope_theta. Both are written, equal, so neither engine falls back.
+- max_position_embeddings: the target's, from the cache (vLLM sizes the RoPE table by it; SGLang takes
+  32768 when absent and runs the drafter at the target's context length).
 - Layer kinds: layer_types per layer; sliding layers need sliding_window and use_sliding_window true
   (HF Qwen3Config drops sliding_window when use_sliding_window is false, and vLLM / SGLang then refuse
   the sliding layers). vLLM makes a layer causal iff it is sliding unless is_causal or
@@ -15,8 +21,10 @@ config.json leaves nothing to an engine's defaults (what each engine reads, from
   for their "input of layer j+1" capture. eagle_aux_hidden_state_layer_ids is not written: vLLM would
   take it as-is in place of target_layer_ids + 1.
 - fc input: vLLM sizes it target_hidden_size (else hidden_size) x taps; written, equal to hidden_size.
-- block_size, num_target_layers, mask_token_id (SGLang reads them top-level or in dflash_config;
-  vLLM reads dflash_config.mask_token_id and takes the block size from --speculative-config).
+- block_size, num_target_layers, mask_token_id (SGLang reads them top-level or in dflash_config, its
+  --speculative-num-draft-tokens overriding block_size with a warning; vLLM reads
+  dflash_config.mask_token_id and never block_size: it drafts 1 + num_speculative_tokens from
+  --speculative-config, so `dflash-train export` prints both commands: train/checkpoint/serving.py).
 - The target's bos / eos / pad ids, as the published configs carry them.
 
 load_exported_drafter reads ours and published directories (model.safetensors, or shards listed in
@@ -31,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -42,6 +51,7 @@ from shards.common.durable import check_writable
 from shards.common.owned import DIR_MODE, Dir, Entry, Layout, OwnershipError, survey
 from shards.container import read_header, write_container
 from shards.format import CacheFormatError
+from train.checkpoint.serving import TRAINING_KEY
 from train.checkpoint.store import Checkpoint, CheckpointError, load_model_state, resolve_checkpoint
 from train.drafter.config import DrafterConfig
 from train.drafter.model import DFlashDrafter
@@ -246,12 +256,19 @@ def check_export_target(out: Path, overwrite: bool) -> None:
     check_writable(out, f"export directory {out}")
 
 
-def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path, overwrite: bool = False) -> Path:
+def export_drafter(
+    model: DFlashDrafter,
+    cfg: DrafterConfig,
+    out_dir: str | Path,
+    overwrite: bool = False,
+    training: dict[str, Any] | None = None,
+) -> Path:
     """Write config.json and model.safetensors (bf16, z-lab names) into out_dir; returns out_dir.
 
     out_dir must be new, empty, or (with overwrite) an earlier export of ours: never anyone else's
     files. Both files go through the durable-write path and are readable by every user (a serving
-    process often runs as another user)."""
+    process often runs as another user). training: what the drafter was trained on, kept in config.json
+    under serving.TRAINING_KEY (the engines ignore it; `eval --target` reads it)."""
     out = Path(out_dir)
     check_export_target(out, overwrite)
     state = {name: t.detach().to("cpu", torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
@@ -262,7 +279,8 @@ def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path
             f"missing {sorted(set(expected) - set(state))}"
         )
     meta = {"format": "pt", "producer": PRODUCER}
-    config = json.dumps(drafter_config_to_hf(cfg), indent=2) + "\n"
+    hf = drafter_config_to_hf(cfg) | ({TRAINING_KEY: training} if training else {})
+    config = json.dumps(hf, indent=2) + "\n"
     weights_bytes = sum(t.nbytes for t in state.values())
     try:
         created = not out.is_dir()
@@ -304,7 +322,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, overwrite: bool =
             "model.safetensors, optimizer.pt) nor a run directory holding one"
         )
     model, cfg = drafter_from_checkpoint(ckpt)
-    export_drafter(model, cfg, out, overwrite=overwrite)
+    longest = ckpt.state.get("longest_response")
+    export_drafter(model, cfg, out, overwrite=overwrite, training={"longest_response": longest} if longest else None)
     return ckpt
 
 

@@ -120,7 +120,7 @@ def save_checkpoint(
                     f"kept. Fix {out_dir} and re-run with --resume to continue from the last checkpoint"
                 ) from e
             raise
-    log.info("checkpoint: saved %s", final)
+    log.debug("checkpoint: saved %s", final)  # the writer reports it once durable (async_save.py)
     retention.verified.add(step)  # its checksums were just computed from the bytes written
     retention.prune(out_dir, written_step=step)
     return final

@@ -17,7 +17,8 @@ Blocks with weight 0 (padding) get seq_start == anchor: they see only their own 
 softmax row is ever empty (slot k always sees itself). Packed indices measure distance in positions
 because positions run contiguously inside a sequence.
 
-What the serving engines do (read from their loaders, December 2026), which the rule above follows:
+What the serving engines do today (read from their newest loaders, December 2026), which the rule above
+follows:
 - vLLM qwen3_dflash.py: a layer is causal iff layer_types[i] == "sliding_attention" (unless is_causal
   or dflash_config.causal override it); a sliding layer's window is dflash_config.swa_window_size or
   sliding_window, passed as vLLM's per-layer sliding window (the query and W-1 keys before it).
@@ -27,8 +28,11 @@ So a sliding query at position p sees every key at positions [p - (W-1), p], con
 - SpecForge's training mask (create_dflash_block_mask / create_dflash_sdpa_mask) has the same context
   bound (anchor + k - (W-1)) and causal block keys, but does not clip block keys by the window. The two
   differ only when W < block_size; we follow the engines, which is what serving runs.
-- z-lab's HF reference (dflash/model.py) keeps is_causal=False and hands sliding_window to the HF
-  attention function; it is not the reference for sliding layers (sdpa there ignores the window).
+- z-lab's HF reference (dflash/model.py, as of December 2026) still runs every layer with is_causal=False
+  and only hands sliding_window to HF's attention function (the sdpa and eager paths build no window from
+  it); it is not the reference for sliding layers.
+- llama.cpp runs every draft layer non-causally and its converter drops the window: a drafter with
+  sliding layers is for vLLM and SGLang only (`dflash-train export` says so).
 
 Two backends behind `block_attention`:
   "sdpa": a dense [Q, L] boolean mask and torch SDPA; the reference, for CPU and tests.

@@ -54,7 +54,9 @@ class DrafterConfig:
     rope_theta: float = 1e7
     """RoPE base; the Qwen3.5 targets use 1e7."""
     max_position_embeddings: int = 262144
-    """Longest position the drafter is meant for (recorded in config.json; RoPE is computed on the fly)."""
+    """Longest position the drafter is meant for: the target's (cache.json records it; this default, Qwen3.5's,
+    only for caches that do not). Recorded in config.json, where vLLM sizes the drafter's RoPE table by it;
+    training computes RoPE per position."""
     block_size: int = 16
     """Tokens per draft block: the anchor (last accepted token) plus block_size-1 MASK slots."""
     mask_token_id: int

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from shards import ShardReader, decode_hidden
+from shards.common.progress import format_figure
 from train.blocks import anchor_seed, default_num_blocks, sample_shard_blocks
 from train.drafter.attention import BlockAttentionLayout
 from train.drafter.model import DFlashDrafter, TargetHead
@@ -106,11 +107,12 @@ class EvalResult:
         return rec
 
     def summary_line(self) -> str:
-        trees = "".join(f", tree@{b} {v:.3f}" for b, v in self.tree_acceptance.items())
+        trees = "".join(f", tree@{b} {format_figure(v, '.3f')}" for b, v in self.tree_acceptance.items())
         return (
-            f"acceptance length {self.acceptance_length:.3f} (decoding walk, {self.walk.responses} responses, "
-            f"pooled {self.acceptance_length_pooled:.3f}{trees}), held-out loss {self.heldout_loss:.4f}, "
-            f"random-anchor chain {self.random_anchor_chain_length:.3f} (diagnostic)"
+            f"acceptance length {format_figure(self.acceptance_length, '.3f')} (decoding walk, "
+            f"{self.walk.responses} responses, pooled {format_figure(self.acceptance_length_pooled, '.3f')}{trees}), "
+            f"held-out loss {format_figure(self.heldout_loss, '.4f')}, "
+            f"random-anchor chain {format_figure(self.random_anchor_chain_length, '.3f')} (diagnostic)"
         )
 
     def whose_tokens(self) -> str:
@@ -128,19 +130,25 @@ class EvalResult:
         )
         return f"data == target greedy on {share:.1%} of supervised positions ({exact})"
 
-    def table(self) -> str:
+    def table(self, held_out: bool = True) -> str:
+        """The figures as printed (undefined ones as `-`). held_out=False: the shards include ones the
+        drafter was trained on, and the loss is labelled as such, not as held-out."""
         w = self.walk
         rows = [
-            ("acceptance length", f"{w.acceptance_length:.3f}"),
-            ("  pooled over steps", f"{w.acceptance_length_pooled:.3f}"),
+            ("acceptance length", format_figure(w.acceptance_length, ".3f")),
+            ("  pooled over steps", format_figure(w.acceptance_length_pooled, ".3f")),
             ("  responses / steps", f"{w.responses} / {w.steps}"),
         ]
-        rows += [(f"tree acceptance @{b}", f"{t.acceptance_length:.3f}") for b, t in self.tree_walks.items()]
         rows += [
-            ("held-out loss", f"{self.heldout_loss:.4f}"),
-            ("random-anchor chain (diag.)", f"{self.random_anchor_chain_length:.3f}"),
+            (f"tree acceptance @{b}", format_figure(t.acceptance_length, ".3f")) for b, t in self.tree_walks.items()
         ]
-        rows += [(f"slot {k} accepted | reached", f"{a:.3f}") for k, a in enumerate(w.slot_acceptance, start=1)]
+        rows += [
+            ("held-out loss" if held_out else "loss (trained-on shards)", format_figure(self.heldout_loss, ".4f")),
+            ("random-anchor chain (diag.)", format_figure(self.random_anchor_chain_length, ".3f")),
+        ]
+        rows += [
+            (f"slot {k} accepted | reached", format_figure(a, ".3f")) for k, a in enumerate(w.slot_acceptance, start=1)
+        ]
         hist = " ".join(str(c) for c in w.accepted_histogram)
         lines = [f"{'metric':<30}{'value':>12}", "-" * 42] + [f"{m:<30}{v:>12}" for m, v in rows]
         lines += [

@@ -76,6 +76,7 @@ class LoadedDrafter:
     training_dtype: str  # the compute dtype it was trained in (the default evaluation dtype)
     source: str  # what was loaded, for the output
     trained_on: tuple[str, list[int]] | None = None  # (cache id, batch ids) of a checkpoint's training
+    longest_response: int | None = None  # the longest reply in its training cache; None = not recorded
 
 
 def _trained_on(state: dict[str, Any]) -> tuple[str, list[int]] | None:
@@ -97,6 +98,7 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
     """An exported drafter (config.json + model.safetensors), a checkpoint step-NNNNNNNN/, or a run
     directory (its newest valid checkpoint), as `dflash-train export` takes them."""
     from train.checkpoint.export import CONFIG_FILE, drafter_from_checkpoint, load_exported_drafter
+    from train.checkpoint.serving import TRAINING_KEY
     from train.checkpoint.store import MODEL_FILE, STATE_FILE, resolve_checkpoint
 
     path = Path(path)
@@ -104,7 +106,14 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
         hf = json.loads((path / CONFIG_FILE).read_text())
         model, cfg = load_exported_drafter(path, dtype=torch.float32)
         dtype = hf.get("dtype", "bfloat16")  # our exports record the training default
-        return LoadedDrafter(model, cfg, dtype if dtype in DTYPES else "bfloat16", f"export {path}")
+        training = hf.get(TRAINING_KEY) if isinstance(hf.get(TRAINING_KEY), dict) else {}
+        return LoadedDrafter(
+            model,
+            cfg,
+            dtype if dtype in DTYPES else "bfloat16",
+            f"export {path}",
+            longest_response=_count(training.get("longest_response")),
+        )
     # A named checkpoint is verified as export verifies it, the weights only: eval never reads the optimizer.
     ckpt = resolve_checkpoint(path, files=(MODEL_FILE,))
     if ckpt is None:
@@ -116,7 +125,19 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
     model, cfg = drafter_from_checkpoint(ckpt)
     identity = ckpt.state.get("config_identity") or {}
     dtype = identity.get("compute_dtype", "bfloat16")
-    return LoadedDrafter(model, cfg, dtype, f"checkpoint {ckpt.path}", _trained_on(ckpt.state))
+    return LoadedDrafter(
+        model,
+        cfg,
+        dtype,
+        f"checkpoint {ckpt.path}",
+        _trained_on(ckpt.state),
+        longest_response=_count(ckpt.state.get("longest_response")),
+    )
+
+
+def _count(value: Any) -> int | None:
+    """A recorded token count, or None where absent or not a positive integer (older or edited files)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 @dataclass
@@ -136,7 +157,9 @@ class EvalOutput:
         return out
 
     def table(self) -> str:
-        parts = [self.walk.table()] if self.walk is not None else []
+        """What `eval` prints; a warning that the shards include trained-on ones is said here, once, above
+        the figures it qualifies (and the loss is then not labelled held-out)."""
+        parts = [self.walk.table(held_out=not self.trained_on)] if self.walk is not None else []
         if self.trained_on:
             parts.insert(0, _trained_on_warning(self.trained_on))
         if self.decoding is not None:
@@ -181,8 +204,6 @@ def run_eval(cfg: EvalConfig, verifier_factory: VerifierFactory | None = None) -
         check_fits(loaded.config, reader.config, cfg.drafter, cfg.cache)
         if loaded.trained_on is not None and loaded.trained_on[0] == reader.config.cache_id():
             trained_on = sorted(set(ids) & set(loaded.trained_on[1]))
-            if trained_on:
-                log.warning("eval: %s", _trained_on_warning(trained_on))
     device = resolve_device(cfg.device, 0)
     dtype_name = loaded.training_dtype if cfg.dtype == "auto" else cfg.dtype
     dtype = DTYPES[dtype_name]
@@ -232,4 +253,5 @@ def run_eval(cfg: EvalConfig, verifier_factory: VerifierFactory | None = None) -
             cfg.target,
         )
         decoding = decode_prompts(model, head, verifier, prompts, cfg.max_new_tokens, context_dtype=torch.bfloat16)
+        decoding.longest_trained_response = loaded.longest_response  # the table warns when decoding ran past it
     return EvalOutput(walk, decoding, trained_on)

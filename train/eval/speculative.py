@@ -25,6 +25,7 @@ Legend: L tokens so far, K taps, H hidden, B block size, S = B-1 drafts, V vocab
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from typing import Protocol
 
 import torch
 
+from shards.common.progress import ProgressLog, format_duration, format_figure, plural
 from train.drafter.model import DFlashDrafter, TargetHead
 from train.eval.walk import WalkCounts
 
@@ -47,6 +49,8 @@ class Verifier(Protocol):
         """(greedy next token after every position [L] int64, tapped hidden states [L, K, H])."""
         ...
 
+
+log = logging.getLogger(__name__)
 
 VerifierFactory = Callable[..., Verifier]  # (target_dir, tap_layer_ids, device, dtype) -> Verifier
 
@@ -142,11 +146,21 @@ class DecodeReport:
     first_mismatch: list[tuple[int, int]]  # (prompt index, first differing token index)
     speculative_tokens_per_s: float
     greedy_tokens_per_s: float
+    max_new_tokens: int = 0  # tokens decoded per prompt
+    # The longest reply in the drafter's training cache (its export or checkpoint records it); None: unknown.
+    longest_trained_response: int | None = None
+
+    @property
+    def past_training(self) -> bool:
+        """Whether decoding ran past the longest reply the drafter was trained on."""
+        return self.longest_trained_response is not None and self.max_new_tokens > self.longest_trained_response
 
     def to_dict(self) -> dict:
         w = self.walk
         return {
             **w.figures(),
+            "max_new_tokens": self.max_new_tokens,
+            "longest_trained_response": self.longest_trained_response,
             "num_prompts": self.prompts,
             "identical_to_greedy": self.identical,
             "first_mismatch": self.first_mismatch,
@@ -163,10 +177,23 @@ class DecodeReport:
             else f"DIFFERS from plain greedy decoding on {self.prompts - self.identical} prompts "
             f"(prompt, token): {self.first_mismatch[:5]}"
         )
-        return "\n".join(
+        warning = (
             [
-                f"real speculative decoding with the target, {self.prompts} prompts, {w.steps} steps:",
-                f"  acceptance length {w.acceptance_length:.3f} (mean over prompts; pooled {w.acceptance_length_pooled:.3f})",
+                f"WARNING: decoded {self.max_new_tokens} tokens per prompt, past the longest reply the drafter "
+                f"was trained on ({self.longest_trained_response} tokens): the figures below include positions "
+                f"it never learned to draft; --max-new-tokens {self.longest_trained_response} measures what it "
+                "was trained for"
+            ]
+            if self.past_training
+            else []
+        )
+        return "\n".join(
+            warning
+            + [
+                f"real speculative decoding with the target, {plural(self.prompts, 'prompt')}, "
+                f"{plural(w.steps, 'step')}:",
+                f"  acceptance length {format_figure(w.acceptance_length, '.3f')} (mean over prompts; pooled "
+                f"{format_figure(w.acceptance_length_pooled, '.3f')})",
                 f"  accepted drafts per step, 0..{len(w.accepted_histogram) - 1}: "
                 + " ".join(map(str, w.accepted_histogram)),
                 f"  output {lossless}",
@@ -186,13 +213,16 @@ def decode_prompts(
     *,
     context_dtype: torch.dtype | None = torch.bfloat16,
 ) -> DecodeReport:
-    """Speculative and plain greedy decoding of every prompt; acceptance figures as the walk's."""
+    """Speculative and plain greedy decoding of every prompt; acceptance figures as the walk's. Progress
+    (prompts done, tokens/s of each, ETA) as a bar on a terminal, else a log line at most every 10 s."""
     counts = WalkCounts(model.config.block_size)
     identical, mismatch, spec_s, greedy_s = 0, [], 0.0, 0.0
+    progress = ProgressLog(log, None, len(prompts), desc="decoding", unit="prompt")
     for i, prompt in enumerate(prompts):
         spec = speculative_generate(model, head, verifier, prompt, max_new_tokens, context_dtype=context_dtype)
         plain = greedy_generate(verifier, prompt, max_new_tokens)
         spec_s, greedy_s = spec_s + spec.seconds, greedy_s + plain.seconds
+        _report(progress, i + 1, max_new_tokens, spec_s, greedy_s)
         if spec.tokens == plain.tokens:
             identical += 1
         else:
@@ -201,8 +231,23 @@ def decode_prompts(
             counts.add_step(a, labels)
         if spec.step_tokens:
             counts.add_response(sum(spec.step_tokens), len(spec.step_tokens))
+    progress.close()
     total = len(prompts) * max_new_tokens
-    return DecodeReport(counts, len(prompts), identical, mismatch, total / spec_s, total / greedy_s)
+    return DecodeReport(
+        counts, len(prompts), identical, mismatch, total / spec_s, total / greedy_s, max_new_tokens=max_new_tokens
+    )
+
+
+def _report(progress: ProgressLog, done: int, max_new_tokens: int, spec_s: float, greedy_s: float) -> None:
+    rates = f"{done * max_new_tokens / spec_s:.1f} tokens/s speculative, {done * max_new_tokens / greedy_s:.1f} plain greedy"
+    eta = f"ETA {format_duration(progress.eta(done))}"
+    progress.report(
+        {},
+        f"eval --target: {done}/{progress.total_units} prompts | {rates} | {eta}",
+        force=done == progress.total_units,
+        done_units=done,
+        postfix=rates,
+    )
 
 
 def _rows(path: Path):

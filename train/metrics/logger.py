@@ -24,7 +24,7 @@ import torch
 from shards.common.errors import UserError
 from shards.common.owned import Dir
 from shards.common.owned.dirfd import random_suffix
-from shards.common.progress import format_duration
+from shards.common.progress import format_duration, format_figure
 from train.distributed import all_reduce_sum_
 from train.metrics.block_metrics import metric_sizes
 from train.metrics.sums import COUNT, HostSums, Sums
@@ -141,6 +141,7 @@ class MetricsLogger:
         self._interval_wait_s = 0.0
         self._interval_start = time.monotonic()
         self._run_start = time.monotonic()
+        self.eval_s = 0.0  # seconds in held-out evaluations (add_eval_time), shown apart from the rates
         self._start_step = start_step
         self._last_log_step = start_step
         self.loss_terms = tuple(loss_terms)
@@ -165,13 +166,14 @@ class MetricsLogger:
         return step == 1 or step % self.log_every == 0 or step == self.total_steps
 
     # ---- host counters -------------------------------------------------------------------------
-    def exclude_time(self, seconds: float, *, from_eta: bool = False) -> None:
-        """Time spent outside training steps (an evaluation) is not charged to the interval's tokens/s,
-        data-wait share and MFU; from_eta also takes it out of the ETA's time per step (a one-off, such
-        as the evaluation before the first step, which otherwise read as "4 tok/s ... ETA 27h")."""
+    def add_eval_time(self, seconds: float) -> None:
+        """Time spent in a held-out evaluation is not training: it stays out of the interval's tokens/s,
+        data-wait share and MFU and out of the ETA's time per step (before, the evaluation before step 1
+        read as "4 tok/s ... ETA 27h", and each later one made the ETA jump), and is reported apart
+        (perf/eval_s: every evaluation of this invocation so far)."""
         self._interval_start += seconds
-        if from_eta:
-            self._run_start += seconds
+        self._run_start += seconds
+        self.eval_s += seconds
 
     def add_data_wait(self, seconds: float) -> None:
         self._interval_wait_s += seconds
@@ -208,7 +210,8 @@ class MetricsLogger:
             "data/skipped_shards": self.skipped_shards,
             "perf/tokens_per_s": tokens_per_s,  # this rank's real (context) tokens per second
             "perf/data_wait_frac": self._interval_wait_s / interval_s,  # share of the interval spent waiting on shards
-            "perf/eta_s": eta_s,
+            "perf/eta_s": eta_s,  # the remaining steps at the average step time; evaluations not included
+            "perf/eval_s": self.eval_s,
         }
         record.update(self._monitoring(host))
         if self.device.type == "cuda":
@@ -257,6 +260,8 @@ class MetricsLogger:
         if "perf/mfu" in record:
             line += f", MFU {100 * record['perf/mfu']:.1f}%"
         line += f" | ETA {format_duration(record['perf/eta_s'])}"
+        if record.get("perf/eval_s"):
+            line += f" (steps; evaluations took {format_duration(record['perf/eval_s'])} so far)"
         if "accept/streak" in record:
             line += f" | acc1 {record.get('acc/slot_01', float('nan')):.3f} streak {record['accept/streak']:.2f}"
         if "mem/peak_gib" in record:
@@ -328,7 +333,7 @@ def eval_figures(record: dict) -> str:
     """`held-out @ step 6: accept len 1.234, loss 2.3456`: the decoding-walk acceptance length and the
     held-out loss of an eval record, in words; every other figure of it is in metrics.jsonl."""
     figures = [
-        f"{name} {record[key]:{spec}}"
+        f"{name} {format_figure(record[key], spec)}"
         for name, key, spec in (("accept len", "eval/acceptance_length", ".3f"), ("loss", "eval/heldout_loss", ".4f"))
         if key in record
     ]

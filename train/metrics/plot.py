@@ -1,7 +1,10 @@
 """A picture of a training run: loss terms, learning rate, tokens/s and held-out acceptance vs step.
 
 Input is OUT/metrics.jsonl: one record per log step (`step`, `loss/total`, `opt/lr`, ...) and event
-records (`"event": "eval"` with `eval/...` keys, `"event": "skipped_shard"`). A resumed run appends to
+records (`"event": "eval"` with `eval/...` keys, `"event": "schedule"` with the learning-rate schedule's
+parameters, `"event": "skipped_shard"`). The learning-rate panel draws the schedule's lr at every step
+(the step reads it from the same function, train/optim.py), the logged values as dots on it; a run
+written before the schedule was recorded gets the logged values alone. A resumed run appends to
 the same file from its checkpoint's step, so steps after that checkpoint can appear twice (the killed
 run's and the resumed run's): when a record's step is not past the last one kept, everything kept
 from that step on is dropped, and the later run wins (records and evaluations alike).
@@ -17,8 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from shards.common.durable import atomic_write
 from shards.common.owned import Dir, check_output_file
+from train.optim import WarmupCosine
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "run.png"
@@ -31,6 +37,7 @@ _ACCEPTANCE = "eval/acceptance_length"
 class RunMetrics:
     records: list[dict[str, Any]] = field(default_factory=list)  # step records, ascending step
     evals: list[dict[str, Any]] = field(default_factory=list)  # eval events, ascending step
+    schedule: dict[str, Any] | None = None  # the latest schedule event; None for runs that wrote none
 
     def series(self, key: str, evals: bool = False) -> tuple[list[int], list[float]]:
         rows = [r for r in (self.evals if evals else self.records) if isinstance(r.get(key), (int, float))]
@@ -66,6 +73,8 @@ def read_run_metrics(run_dir: str | Path) -> RunMetrics:
         elif event == "eval":
             out.evals = [e for e in out.evals if e["step"] != rec["step"]]
             out.evals.append(rec)
+        elif event == "schedule" and _is_schedule(rec):
+            out.schedule = rec
     out.evals.sort(key=lambda e: e["step"])
     return out
 
@@ -92,14 +101,16 @@ def plot_run(run_dir: str | Path, out_path: str | Path | None = None) -> dict[st
     for key in _LOSS_TERMS:
         steps, values = metrics.series(key)
         if key in ("loss/total", "loss/ce") or any(v != 0 for v in values):  # kl/cap only when switched on
-            loss_ax.plot(steps, values, label=key.split("/")[1])
+            # The total wide and pale underneath: with ce its only term the two are equal, and a line of the
+            # same width would hide it under ce's.
+            style = dict(linewidth=4, alpha=0.35) if key == "loss/total" else dict(linewidth=1.5, linestyle="--")
+            loss_ax.plot(steps, values, marker=".", label=key.split("/")[1], **style)
     steps, values = metrics.series("eval/heldout_loss", evals=True)
     if steps:
         loss_ax.plot(steps, values, "o--", label="held-out")
     loss_ax.set(title="loss (mean over each log interval)", ylabel="loss")
-    lr_ax.plot(*metrics.series("opt/lr"), label="lr")
-    lr_ax.set(title="learning rate", ylabel="lr")
-    speed_ax.plot(*metrics.series("perf/tokens_per_s"), label="tokens/s")
+    _draw_lr(lr_ax, metrics)
+    speed_ax.plot(*metrics.series("perf/tokens_per_s"), marker=".", label="tokens/s")
     speed_ax.set(title="context tokens per second (rank 0)", ylabel="tokens/s", xlabel="step")
     for key in sorted({k for e in metrics.evals for k in e if k.startswith(_ACCEPTANCE)}) or [_ACCEPTANCE]:
         steps, values = metrics.series(key, evals=True)
@@ -133,6 +144,32 @@ def plot_run(run_dir: str | Path, out_path: str | Path | None = None) -> dict[st
     atomic_write(out_path, lambda f: fig.savefig(f, format="png", dpi=100, metadata={"Software": _SOFTWARE}))
     plt.close(fig)
     return drawn
+
+
+def _draw_lr(ax, metrics: RunMetrics) -> None:
+    """Every step's lr from the recorded schedule (the logged values as dots on it), else the logged ones."""
+    logged = metrics.series("opt/lr")
+    sched = metrics.schedule
+    if sched is None or not metrics.records:
+        ax.plot(*logged, marker=".", label="lr")
+    else:
+        schedule = WarmupCosine(
+            peak_lr=sched["opt/peak_lr"],
+            warmup_steps=sched["opt/warmup_steps"],
+            total_steps=sched["opt/total_steps"],
+            min_lr_ratio=sched["opt/min_lr_ratio"],
+            device=torch.device("cpu"),
+        )
+        last = metrics.records[-1]["step"]
+        ax.plot(range(1, last + 1), schedule.host_lrs(last), label="lr")
+        ax.plot(*logged, "o", markersize=4, label="logged")
+    ax.set(title="learning rate (each step's)", ylabel="lr")
+
+
+def _is_schedule(rec: dict[str, Any]) -> bool:
+    """A schedule record the plot can draw from (anything else is ignored: the logged lr is drawn alone)."""
+    numbers = [rec.get(k) for k in ("opt/peak_lr", "opt/warmup_steps", "opt/total_steps", "opt/min_lr_ratio")]
+    return all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in numbers)
 
 
 def _is_our_png(d: Dir, name: str) -> bool:

@@ -7,6 +7,7 @@ Rendering and masks against independent references: test_template.py; hostile in
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -95,13 +96,16 @@ def test_prepare_never_replaces_its_input_or_a_file_it_did_not_write(target, tmp
     assert prepare([*args, "--data", str(path), "--out", str(ours)]).exit_code == 0, "its own output it replaces"
 
 
-def test_prepare_parquet_input(target, tmp_path):
+def test_prepare_parquet_input(target, tmp_path, caplog):
     rows = [{"id": "p0", "messages": CHAIN}]
     path = tmp_path / "c.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)  # nested structs, as datasets exports them
     out = tmp_path / "o.parquet"
+    caplog.set_level(logging.INFO)
     result = prepare(["--target", str(target), "--data", str(path), "--out", str(out), "--thinking", "off"])
     assert result.exit_code == 0, result.output
+    said = result.output + caplog.text  # the result is said once: the `done:` line, not also a log line
+    assert said.count("1 sample, ") == 1 and result.output.startswith("done: ") and "1 samples" not in said, said
     ids, mask, _ = ChatRenderer(target, thinking=False).encode(conversation_from_row({"messages": CHAIN}, "x", 0))
     assert pq.read_table(out).to_pylist() == [{"id": "p0", "input_ids": ids.tolist(), "loss_mask": mask.tolist()}]
 

@@ -374,3 +374,18 @@ def test_progress_in_a_log_file_is_plain_lines(chat_model, tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("regenerate: ")]
     assert lines and lines[-1].startswith("regenerate: 4/4 conversations | "), lines
     assert " conv/s | " in lines[-1] and " gen tok/s | 0 failed | ETA 0m00s" in lines[-1]
+
+
+def test_no_eta_before_one_conversation_per_concurrent_request_has_finished(chat_model, tmp_path, caplog):
+    """Requests run --concurrency at a time and finish in waves: the first finisher's rate (one conversation
+    in a whole wave's time) would put the end --concurrency times too far, so no ETA is said before then."""
+    data = write_conversations(tmp_path / "chats.jsonl", 6, multi_turn=False)
+    out = tmp_path / "regen.jsonl"
+    args = [a for a in regenerate_args("URL", data, out, "--concurrency", "3") if a != "--no-progress"]
+    with serving(chat_model) as url, caplog.at_level("INFO", logger="extract.chats.regenerate"):
+        result = CliRunner().invoke(data_cli, [url if a == "URL" else a for a in args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("regenerate: ")]
+    first = next(line for line in lines if line.startswith("regenerate: 1/6 conversations"))  # the first report
+    assert first.endswith("| ETA ?"), first
+    assert lines[-1].startswith("regenerate: 6/6 conversations") and lines[-1].endswith("| ETA 0m00s"), lines

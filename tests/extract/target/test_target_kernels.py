@@ -102,12 +102,12 @@ def test_cpu_selection_logs_one_line_per_op(caplog):
     with caplog.at_level(logging.INFO, logger="extract.target.kernels"):
         choice = select_kernels("cpu")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernel ")]
-    assert lines == choice.log_lines() and len(lines) == 5
+    assert lines == choice.log_lines() and len(lines) == 4
     assert lines[0].startswith("kernel gated_delta_rule: torch (device is not CUDA")
     assert lines[1].startswith("kernel causal_conv1d: torch (")
     assert lines[2].startswith("kernel attention: sdpa (")
     assert lines[3].startswith("kernel pointwise: eager (")
-    assert lines[4] == "kernel fp8 feeds (--compute fp8): the pointwise functions (default off the GPU)"
+    assert choice.fp8_feeds_line() == "kernel fp8 feeds: the pointwise functions (default off the GPU)"
     with pytest.raises(ValueError, match="CUDA"):
         select_kernels("cpu", gated_delta="fla")
     with pytest.raises(ValueError, match="attention backend"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
@@ -282,6 +283,34 @@ def test_gpus_takes_a_count_or_all(tmp_path, monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     res = CliRunner().invoke(train_cli, tiny_cli_args(tmp_path, tmp_path / "run", "--gpus", "two"))
     assert res.exit_code == 2 and "--gpus two: expected a number of GPUs or 'all'" in res.output
+
+
+@pytest.mark.parametrize("cli", ["train", "extract"])
+def test_gpus_beyond_the_machines_gpus_is_refused_unless_device_cpu_asks_for_cpu_processes(
+    tmp_path, monkeypatch, caplog, cli
+):
+    """`--gpus 2` on a machine without a GPU never silently starts two CPU ranks: refused, naming
+    --device cpu; with --device cpu the two CPU processes start, and that is said."""
+    import os
+
+    import torch
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    started = []
+    monkeypatch.setattr(os, "execv", lambda exe, cmd: started.append(cmd))
+    command, args = {
+        "train": (train_cli, ["train", "--cache", str(tmp_path), "--out", str(tmp_path / "run")]),
+        "extract": (extract_cli, ["--target", str(tmp_path), "--data", "d.jsonl", "--out", str(tmp_path / "c")]),
+    }[cli]
+    res = CliRunner().invoke(command, [*args, "--gpus", "2"])
+    assert res.exit_code == 2 and not started, res.output
+    assert "--gpus 2: this machine has 0 CUDA devices" in res.output and "--device cpu" in res.output, res.output
+    caplog.set_level(logging.INFO)
+    res = CliRunner().invoke(command, [*args, "--gpus", "2", "--device", "cpu"])
+    assert res.exit_code == 0 and len(started) == 1, res.output
+    assert "--nproc-per-node=2" in started[0] and "--gpus" not in started[0]
+    assert "--gpus 2 --device cpu: starting 2 processes on the CPU (gloo)" in caplog.text
 
 
 def test_bad_drafter_heads_name_the_three_flags(tmp_path):

@@ -137,6 +137,24 @@ def test_show_prints_a_whole_sample_and_the_stored_top_k(cache):
     assert outside.exit_code == 1 and f"--position {entry.length} is outside" in outside.output
 
 
+def test_ls_samples_lists_every_id_show_takes_and_show_proposes_the_nearest(cache):
+    reader = ShardReader(cache)
+    want = [(b, s.sample_id, s.length, s.loss_tokens) for b in reader.batch_ids() for s in reader.info(b).samples]
+    res = _invoke("ls", cache, "--samples")
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert lines[0].split() == ["batch", "tokens", "supervised", "sample", "id"]
+    assert [(int(b), i, int(n), int(k)) for b, n, k, i in (line.split() for line in lines[1:])] == want
+    as_json = json.loads(_invoke("ls", cache, "--samples", "--json").output)
+    assert [(r["batch_id"], r["sample_id"], r["length"], r["loss_tokens"]) for r in as_json] == want
+    assert _invoke("show", cache, want[-1][1]).exit_code == 0, "an id ls lists is one show takes"
+
+    typo = want[4][1].replace("synthetic-", "synthetic_")  # as `chats:17` is to the demo's `chat-17`
+    res = _invoke("show", cache, typo)
+    assert res.exit_code == 1 and f"sample {typo!r} is not in {cache}; nearest ids: {want[4][1]}, " in res.output
+    assert f"`dflash-shards ls {cache} --samples` lists all {len(want)})" in res.output, res.output
+
+
 def test_show_position_without_stored_top_k_says_how_to_get_it(tmp_path):
     write_synthetic_cache(tmp_path / "c", target_topk=0, num_batches=1)
     sample = ShardReader(tmp_path / "c").info(0).samples[0].sample_id

@@ -150,6 +150,35 @@ def test_async_checkpoints_equal_sync_ones_byte_for_byte_and_never_overlap(tmp_p
     assert [e["step"] for e in events(tmp_path / "sync", "checkpoint")] == saves
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_each_checkpoint_says_one_line_once_it_is_durable(tmp_path, caplog, mode):
+    """A save is one console line, printed when the checkpoint is durable, with its size and the loop's
+    stall: never a "saved" line before the "durable" one."""
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    caplog.set_level(logging.INFO)
+    res = CliRunner().invoke(
+        train_cli,
+        tiny_cli_args(
+            cache,
+            tmp_path / "run",
+            "--epochs",
+            "4",
+            "--checkpoint-every",
+            "2",
+            "--keep-checkpoints",
+            "9",
+            "--checkpoint-write",
+            mode,
+        ),
+    )
+    assert res.exit_code == 0, res.output
+    for step in (2, 4):
+        lines = [r.getMessage() for r in caplog.records if f"step-{step:08d}" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert lines[0].startswith(f"checkpoint step {step} durable: {tmp_path / 'run' / f'step-{step:08d}'} (")
+        assert "training blocked" in lines[0] and ("background" in lines[0]) == (mode == "async"), lines[0]
+
+
 # ---- 3. killed mid-write ----------------------------------------------------------------------------------------
 
 # The child trains as the parent's uninterrupted run does, but its second checkpoint write (step 6) stops

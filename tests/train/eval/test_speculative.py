@@ -5,6 +5,8 @@ same figures (fp32). Also the whose-tokens check (data == target top-1 on such a
 from __future__ import annotations
 
 import json
+import logging
+import re
 import sys
 
 import pytest
@@ -16,6 +18,7 @@ from extract.runner import run_extract
 from shards import ShardReader
 from tests.helpers.extract import extract_cfg
 from tests.helpers.train import tiny_config
+from tools.cli.dflash_train import entry_point
 from tools.cli.dflash_train import main as dflash_train
 from tools.cli.verifier import TargetVerifier
 from tools.fixtures.demo_data import greedy_continuations
@@ -102,7 +105,7 @@ def test_walk_equals_real_speculative_decoding_on_target_greedy_data(setup):
     assert sum(want.accepted_histogram[1:]) >= 10, f"the test needs accepted drafts to mean anything ({want})"
 
 
-def test_eval_cli_with_target_and_prompts(setup, tmp_path, monkeypatch, capsys):
+def test_eval_cli_with_target_and_prompts(setup, tmp_path, monkeypatch, capsys, caplog):
     root, target, samples = setup
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
@@ -130,13 +133,32 @@ def test_eval_cli_with_target_and_prompts(setup, tmp_path, monkeypatch, capsys):
     res = CliRunner().invoke(train_cli, args)  # train.cli alone (`python -m train.cli`): no target model
     assert res.exit_code == 1 and "dflash-train eval" in res.output, res.output  # no factory: named refusal
     monkeypatch.setattr(sys, "argv", ["dflash-train", *args])  # the console script, as installed
+    caplog.set_level(logging.INFO)
     with pytest.raises(SystemExit) as done:
         dflash_train()
     shown = capsys.readouterr()
     assert done.value.code == 0, shown.err
+    # Progress while it decodes (a log file gets lines): prompts done, both rates, an ETA; the last one final.
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("eval --target: ")]
+    assert lines[0].startswith("eval --target: 1/3 prompts | ") and " plain greedy | ETA " in lines[0], lines
+    assert re.fullmatch(
+        r"eval --target: 3/3 prompts \| [\d.]+ tokens/s speculative, [\d.]+ plain greedy \| ETA 0m00s", lines[-1]
+    )
     assert "identical to plain greedy decoding" in shown.out and "tokens/s" in shown.out
     out = json.loads((tmp_path / "e.json").read_text())["speculative_decoding"]
     assert out["identical_to_greedy"] == 3 and out["acceptance_length"] >= 1.0 and out["greedy_tokens_per_s"] > 0
+    # The replies it was trained on are NEW_TOKENS long: decoding that many is what it learned, no warning.
+    assert (out["max_new_tokens"], out["longest_trained_response"]) == (NEW_TOKENS, NEW_TOKENS)
+    assert "WARNING" not in shown.out
+    # Past them: said once, above the figures it qualifies (the demo's 64 vs 32 read as 1.926 vs 7.217).
+    longer = [*args[:8], str(NEW_TOKENS + 4), *args[9:11]]
+    res = CliRunner().invoke(train_cli, longer, obj=entry_point())
+    assert res.exit_code == 0, res.output
+    warning = (
+        f"WARNING: decoded {NEW_TOKENS + 4} tokens per prompt, past the longest reply the drafter was trained on "
+        f"({NEW_TOKENS} tokens)"
+    )
+    assert res.output.startswith(warning) and res.output.count("past the longest reply") == 1, res.output
     bad = tmp_path / "bad.jsonl"
     bad.write_text("[1, 2, 99999]\n")
     res = CliRunner().invoke(train_cli, args[:6] + [str(bad)])

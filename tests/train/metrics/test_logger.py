@@ -115,6 +115,7 @@ def test_exact_key_sets_of_training_and_eval_records(tmp_path):
         "perf/tokens_per_s",
         "perf/data_wait_frac",
         "perf/eta_s",
+        "perf/eval_s",
     }
     slots = {f"{prefix}{k:02d}" for prefix in ("acc/slot_", "acc/top4_slot_", "ce/slot_") for k in (1, 2, 3)}
     monitoring = slots | {"accept/streak", "accept/top4_streak", "accept/expected"}
@@ -131,6 +132,7 @@ def test_exact_key_sets_of_training_and_eval_records(tmp_path):
         "eval/heldout_loss",
         "eval/random_anchor_chain_length",
         "eval/batch_ids",
+        "eval/seconds",
         "eval/slot_acceptance_01",
         "eval/slot_acceptance_02",
         "eval/slot_acceptance_03",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from click.testing import CliRunner
@@ -10,6 +11,7 @@ from click.testing import CliRunner
 from tests.helpers.train import read_records, tiny_cache, tiny_cli_args
 from train.cli import main
 from train.metrics.plot import plot_run, read_run_metrics
+from train.optim import OptimConfig
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +44,22 @@ def test_plot_draws_the_records_of_metrics_jsonl(run, tmp_path):
     for label, key in (
         ("loss/total", "loss/total"),
         ("loss/ce", "loss/ce"),
-        ("lr/lr", "opt/lr"),
+        ("lr/logged", "opt/lr"),
         ("speed/tokens/s", "perf/tokens_per_s"),
     ):
         assert drawn[label] == (steps, [r[key] for r in records]), label
+    # The learning rate of every step as it ran (6 steps, warmup ceil(0.1 * 6) = 1, cosine to 0 at the
+    # last), written out here by hand; the logged values lie on it.
+    peak, warmup, total = OptimConfig.lr, 1, 6
+    want = [
+        peak * (s + 1) / warmup
+        if s < warmup
+        else peak * 0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - 1 - warmup)))
+        for s in range(total)
+    ]
+    xs, ys = drawn["lr/lr"]
+    assert xs == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and ys == pytest.approx(want, rel=1e-12, abs=1e-18)
+    assert [ys[int(x) - 1] for x in drawn["lr/logged"][0]] == pytest.approx(drawn["lr/logged"][1], rel=1e-12)
     assert "loss/kl" not in drawn and "loss/cap" not in drawn, "terms that are off are not drawn"
     evals = _events(run)
     assert [e["step"] for e in evals] == [0, 3, 6], "before training, every 3 steps (6 is also the end)"
@@ -53,6 +67,23 @@ def test_plot_draws_the_records_of_metrics_jsonl(run, tmp_path):
     want_x = [float(s) for s in sorted(last)]
     assert drawn["acceptance/acceptance_length"] == (want_x, [last[s]["eval/acceptance_length"] for s in sorted(last)])
     assert drawn["loss/held-out"] == (want_x, [last[s]["eval/heldout_loss"] for s in sorted(last)])
+
+
+def test_a_run_logged_every_few_steps_gets_its_schedule_drawn_as_it_ran(tmp_path):
+    """The demo's case: few log records (here steps 1, 4, 8), a warmup that peaks between them. The lr panel
+    still shows the peak at the step it ran at and the decay after it, not a line through the log points."""
+    cache = tiny_cache(tmp_path / "cache", num_batches=5)
+    out = tmp_path / "run"
+    flags = ["--max-steps", "8", "--log-every", "4", "--warmup-ratio", "0.25", "--lr", "3e-3"]
+    res = CliRunner().invoke(main, tiny_cli_args(cache, out, *flags), catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    drawn = plot_run(out)
+    assert drawn["lr/logged"][0] == [1.0, 4.0, 8.0]
+    xs, ys = drawn["lr/lr"]
+    assert xs == [float(s) for s in range(1, 9)] and ys[1] == max(ys) == pytest.approx(3e-3)  # steps 1-2 warm up
+    # the cosine starts at the peak (step 3) and falls to the floor at the last step
+    assert ys[2] == ys[1] and all(a > b for a, b in zip(ys[2:], ys[3:])) and ys[-1] == 0.0
+    assert 3e-3 not in drawn["lr/logged"][1], "the peak was never logged: only the schedule shows it"
 
 
 def test_plot_cli_writes_run_png_and_refuses_a_foreign_file(run, tmp_path):

@@ -3,6 +3,7 @@ feeds, the forward's memory-traffic cuts (ForwardOptions), and extraction end to
 CPU _scaled_mm runs the same code as the GPU)."""
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -195,14 +196,20 @@ def test_fp8_compute_refusals(tmp_path):
         fp32.use_fp8_compute()
 
 
-def test_extract_with_fp8_compute_records_it_and_refuses_a_dense_resume(tmp_path):
+def test_extract_with_fp8_compute_records_it_and_refuses_a_dense_resume(tmp_path, caplog):
     target = write_random_checkpoint(tmp_path / "t", seed=2, fp8_block=32)
     data = tmp_path / "d.jsonl"
     write_jsonl(data, [Sample(f"s{i}", np.arange(1, 30 + i), np.ones(29 + i, np.uint8)) for i in range(4)])
     out = tmp_path / "cache"
     args = ["--target", str(target), "--data", str(data), "--out", str(out), "--token-budget", "128", "--max-seqs", "4"]
+    caplog.set_level(logging.INFO)
+    dense = CliRunner().invoke(extract_cli, [*args[:5], str(tmp_path / "dense"), *args[6:]])
+    assert dense.exit_code == 0, dense.output
+    assert "kernel fp8 feeds" not in caplog.text, "FP8 compute is off: its feed kernels are not announced"
+    caplog.clear()
     result = CliRunner().invoke(extract_cli, args + ["--compute", "fp8", "--storage", "fp8"])
     assert result.exit_code == 0, result.output
+    assert caplog.text.count("kernel fp8 feeds:") == 1, caplog.text
     info = read_cache_config(out).target
     # an FP8 checkpoint under fp8 compute runs its own block scales: part of the cache's identity
     assert info.compute == "fp8" and info.quantization.startswith("fp8 e4m3, 32x32 blocks (kept as stored")
