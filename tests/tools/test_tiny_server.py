@@ -12,9 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.helpers.chats import running
+from tests.helpers.chats import chat_target, running
 from tools.fixtures.tiny_server import TinyChatModel, make_server
-from tools.fixtures.tiny_target import tiny_config_dict, write_random_checkpoint
 
 TEMPERATURE = 0.7
 MESSAGES = [{"role": "user", "content": "What does the weather do in spring?"}]
@@ -22,13 +21,7 @@ MESSAGES = [{"role": "user", "content": "What does the weather do in spring?"}]
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory) -> TinyChatModel:
-    target = write_random_checkpoint(
-        tmp_path_factory.mktemp("target"),
-        tiny_config_dict(vocab_size=512),
-        naming="text",
-        with_tokenizer=True,
-        mixer_scale=0.1,
-    )
+    target = chat_target(tmp_path_factory, mixer_scale=0.1)
     return TinyChatModel(target, max_batch=64)
 
 
