@@ -84,8 +84,13 @@ def _cache_of(work: Path, storage: str) -> Path:
 @pytest.mark.slow
 def test_reduced_table_end_to_end_then_resumed(target, tmp_path):
     cfg = _config(target, tmp_path)
-    first = run_table(cfg)
     work = Path(cfg.work)
+    prepared = run_table(dataclasses.replace(cfg, data_only=True))  # the data alone, as for another machine
+    assert prepared.computed == [] and not (work / "caches").exists() and len(list(work.glob("data/*/data.json"))) == 1
+    data_logs = sorted((work / "logs").glob("data-*.log"))
+    logged = [p.read_text() for p in data_logs]
+    first = run_table(cfg)
+    assert [p.read_text() for p in data_logs] == logged, "the data made by --data-only are reused"
     pairs = [(row, seed) for row in ("bf16-storage", "fp8-storage") for seed in (0, 1, 2)]
     assert sorted(first.computed) == pairs and first.reused == []
 
@@ -118,8 +123,6 @@ def test_reduced_table_end_to_end_then_resumed(target, tmp_path):
     assert (work / "table.md").read_text() == first.markdown
 
     # The same command again: nothing recomputed, not even the data.
-    data_logs = sorted((work / "logs").glob("data-*.log"))
-    logged = [p.read_text() for p in data_logs]
     again = run_table(cfg)
     assert again.computed == [] and sorted(again.reused) == pairs
     assert [p.read_text() for p in data_logs] == logged

@@ -54,7 +54,8 @@ def main(**options) -> None:
     from tools.testbed.table.run import run_table  # torch and the pipeline after the argument checks
 
     run = run_table(cfg, command=f"{PROGRAM} {shlex.join(sys.argv[1:])}")
-    click.echo(run.markdown)
+    if run.markdown:  # --data-only makes no table
+        click.echo(run.markdown)
 
 
 if __name__ == "__main__":

@@ -64,8 +64,11 @@ class TableConfig:
     """Tokens generated per held-out prompt by real speculative decoding (and by plain greedy decoding)."""
     device: str = "auto"
     """Where extraction, training and evaluation run: auto (cuda when there is one), cpu or cuda."""
+    data_only: bool = False
+    """Make the data (prompts -> replies -> token rows in WORK/data/) and stop: for a machine that has the
+    openai client, before the rest runs from a copy of WORK where there is none."""
     allow_slow_kernels: bool = False
-    """Let extraction and evaluation run the target's torch fallbacks on CUDA (no fla-core / causal-conv1d)."""
+    """Let dflash-extract run the target's torch fallbacks on CUDA (no fla-core / causal-conv1d)."""
 
     def __post_init__(self) -> None:
         self.rows = [str(r) for r in self.rows or ()]  # the CLI passes None for an unset list

@@ -84,11 +84,12 @@ def markdown(table: dict, caption: str) -> str:
         cells.append(f"{entry['stats'][BYTES.key]['mean']:.{BYTES.digits}f}")
         cells.append(",".join(str(s) for s in entry["seeds"]) + ("" if entry["status"] == "done" else " (partial)"))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "Each figure: mean over seeds [min, max]. " + _rule(table["baseline"])]
+    lines += ["", "Each figure: mean over seeds [min, max]. " + _rule(table["baseline"]), ""]
     lines += [f"- {entry['name']}: {_versus(entry)}" for entry in table["rows"] if "vs_baseline" in entry]
-    lines += [f"- {entry['name']}: {entry['what']}" for entry in table["rows"]]
-    if any(entry.get("real_lossless") is False for entry in table["rows"]):
-        lines.append("- WARNING: real decoding differed from plain greedy decoding in a row marked lossless=false")
+    lines += ["", "Rows:", ""] + [f"- {entry['name']}: {entry['what']}" for entry in table["rows"]]
+    lossy = [entry["name"] for entry in table["rows"] if entry.get("real_lossless") is False]
+    if lossy:
+        lines += ["", f"WARNING: real decoding gave other tokens than plain greedy decoding in {', '.join(lossy)}"]
     return "\n".join(lines) + "\n"
 
 
@@ -98,8 +99,8 @@ def _cell(stats: dict, digits: int) -> str:
 
 def _rule(baseline: str) -> str:
     return (
-        f"Against {baseline}, a difference of means no larger than the wider of the two rows' spreads "
-        "(max - min over seeds) is within the spread: no difference."
+        f"Against {baseline} (a difference of means no larger than the wider of the two rows' spreads, "
+        "max - min over seeds, is within the spread: no difference):"
     )
 
 

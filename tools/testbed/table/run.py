@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from shards.common.progress import format_duration
+from shards.common.provenance import provenance
 from tools.testbed.table.config import TableConfig
 from tools.testbed.table.data import make_dataset
 from tools.testbed.table.report import build_table, markdown
@@ -77,61 +77,76 @@ def run_table(cfg: TableConfig, rows: Sequence[Row] = ROWS, command: str = "a li
         runnable = [row for row in selected if device == "cuda" or not row.needs_cuda]
         clock = _Clock(len(runnable) * len(cfg.seeds))
         dataset = make_dataset(cfg, work, lambda what: log.info(clock.line(what)))
-        plan = Plan(cfg, dataset, device)
-        done: dict[str, list[dict]] = {row.name: [] for row in selected}
-        run = TableRun({}, "")
+        if cfg.data_only:
+            log.info(
+                "table: --data-only: the data are in %s; the same command without it does the rest",
+                dataset.train.parent,
+            )
+            return TableRun({}, "")
+        table = _Table(cfg, Plan(cfg, dataset, device), work, selected, command)
         for row in selected:
-            if row not in runnable:
+            if row in runnable:
+                table.run_row(row, clock)
+            else:
                 log.info("table: %s %s", row.name, SKIPPED_NO_CUDA)
+        table.write()
+        log.info(clock.line(f"done: {len(table.run.computed)} drafters trained, {len(table.run.reused)} reused"))
+    return table.run
+
+
+class _Table:
+    """The results of one call so far, row by row, and the table made of them."""
+
+    def __init__(self, cfg: TableConfig, plan: Plan, work: WorkDir, rows: list[Row], command: str):
+        self.cfg, self.plan, self.work, self.rows, self.command = cfg, plan, work, rows, command
+        self.done: dict[str, list[dict]] = {row.name: [] for row in rows}
+        self.run = TableRun({}, "")
+
+    def run_row(self, row: Row, clock: _Clock) -> None:
+        """Each seed of `row`: its stored result when the fingerprint matches, else trained and evaluated now."""
+        caches = None
+        for seed in self.cfg.seeds:
+            record = self.work.load_result(row.name, seed)
+            if record is not None and record.get("fingerprint") == self.plan.fingerprint(row, seed):
+                self.done[row.name].append(record)
+                self.run.reused.append((row.name, seed))
+                clock.num_units -= 1
                 continue
-            caches = None
-            for seed in cfg.seeds:
-                record = work.load_result(row.name, seed)
-                fingerprint = plan.fingerprint(row, seed)
-                if record is not None and record.get("fingerprint") == fingerprint:
-                    done[row.name].append(record)
-                    run.reused.append((row.name, seed))
-                    clock.num_units -= 1
-                    continue
-                if record is not None:
-                    log.info(
-                        "table: %s seed %d: its settings changed since its stored result: computed again",
-                        row.name,
-                        seed,
-                    )
-                started = time.monotonic()
-                if caches is None:
-                    log.info(clock.line(f"{row.name}: extracting its caches"))
-                    caches = make_caches(plan, work, row)
-                log.info(clock.line(f"{row.name} seed {seed}: training {cfg.steps} steps, then evaluating"))
-                record = train_and_evaluate(plan, work, row, seed, caches)
-                work.save_result(row.name, seed, record)
-                done[row.name].append(record)
-                run.computed.append((row.name, seed))
-                clock.unit_done(time.monotonic() - started)
-                _write_table(run, cfg, work, selected, done, device, command)
-        _write_table(run, cfg, work, selected, done, device, command)
-        log.info(clock.line(f"done: {len(run.computed)} drafters trained, {len(run.reused)} reused"))
-    return run
+            if record is not None:
+                log.info("table: %s seed %d: settings changed since its stored result: computed again", row.name, seed)
+            started = time.monotonic()
+            if caches is None:  # a row's caches only when one of its seeds needs computing
+                log.info(clock.line(f"{row.name}: extracting its caches"))
+                caches = make_caches(self.plan, self.work, row)
+            log.info(clock.line(f"{row.name} seed {seed}: training {self.cfg.steps} steps, then evaluating"))
+            record = train_and_evaluate(self.plan, self.work, row, seed, caches)
+            self.work.save_result(row.name, seed, record)
+            self.done[row.name].append(record)
+            self.run.computed.append((row.name, seed))
+            clock.unit_done(time.monotonic() - started)
+            self.write()
 
-
-def _write_table(
-    run: TableRun, cfg: TableConfig, work: WorkDir, rows: list[Row], done: dict, device: str, command: str
-) -> None:
-    entries = []
-    for row in rows:
-        results = sorted(done[row.name], key=lambda r: r["seed"])
-        if row.needs_cuda and device != "cuda":
-            status = SKIPPED_NO_CUDA
-        else:
-            status = "done" if len(results) == len(cfg.seeds) else f"{len(results)} of {len(cfg.seeds)} seeds"
-        entries.append({"name": row.name, "what": row.describe(vars(cfg)), "status": status, "results": results})
-    baseline = BASELINE if any(r.name == BASELINE for r in rows) else rows[0].name
-    table = build_table(entries, baseline)
-    table["run"] = _provenance(cfg, device, command)
-    run.table, run.markdown = table, markdown(table, _caption(table["run"]))
-    work.write_text("table.json", _json(table))
-    work.write_text("table.md", run.markdown)
+    def write(self) -> None:
+        """table.json and table.md of the results so far (also kept in self.run)."""
+        device = self.plan.device_type
+        entries = []
+        for row in self.rows:
+            results = sorted(self.done[row.name], key=lambda r: r["seed"])
+            if row.needs_cuda and device != "cuda":
+                status = SKIPPED_NO_CUDA
+            else:
+                status = (
+                    "done" if len(results) == len(self.cfg.seeds) else f"{len(results)} of {len(self.cfg.seeds)} seeds"
+                )
+            entries.append(
+                {"name": row.name, "what": row.describe(vars(self.cfg)), "status": status, "results": results}
+            )
+        baseline = BASELINE if any(r.name == BASELINE for r in self.rows) else self.rows[0].name
+        table = build_table(entries, baseline)
+        table["run"] = _provenance(self.cfg, device, self.command)
+        self.run.table, self.run.markdown = table, markdown(table, _caption(table["run"]))
+        self.work.write_text("table.json", json.dumps(table, indent=2, sort_keys=True) + "\n")
+        self.work.write_text("table.md", self.run.markdown)
 
 
 def _provenance(cfg: TableConfig, device: str, command: str) -> dict:
@@ -140,26 +155,21 @@ def _provenance(cfg: TableConfig, device: str, command: str) -> dict:
         "target": str(Path(cfg.target).resolve()),
         "prompts": str(Path(cfg.prompts).resolve()),
         "machine": machine,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
         "command": command,
-        "config": {k: v for k, v in vars(cfg).items()},
+        "config": dict(vars(cfg)),
+        "provenance": provenance(),  # git sha, package versions, argv, as caches and checkpoints record
     }
 
 
 def _caption(run: dict) -> str:
-    cfg = run["config"]
+    cfg, made = run["config"], run["provenance"]
     return (
         f"Target {Path(run['target']).name}; {cfg['steps']} steps per drafter, seeds "
-        f"{','.join(str(s) for s in cfg['seeds'])}; {run['machine']}, torch {run['torch']}, {run['date']}; "
-        f"command: `{run['command']}`"
+        f"{','.join(str(s) for s in cfg['seeds'])}; {run['machine']}, torch {made['versions']['torch']}, "
+        f"git {(made['git_sha'] or 'unknown')[:7]}, {run['date']}; command: `{run['command']}`"
     )
 
 
 def _cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
-
-
-def _json(table: dict) -> str:
-    return json.dumps(table, indent=2, sort_keys=True) + "\n"
