@@ -92,3 +92,19 @@ def test_sampled_first_tokens_follow_the_targets_softmax_at_the_temperature(chat
         p = by_text[text]
         share = replies.count(text) / num_draws
         assert abs(share - p) <= 4.5 * math.sqrt(p * (1 - p) / num_draws), (text, share, p)
+
+
+@pytest.mark.gpu
+def test_served_on_cuda_a_greedy_reply_is_the_cuda_targets_own(tmp_path_factory):
+    model = TinyChatModel(chat_target(tmp_path_factory, mixer_scale=0.1), device="cuda")
+    with running(make_server(model, 0)) as url:
+        reply = _ask(url, seed=0, max_tokens=12, temperature=0.0)
+    ids, out = _prompt_ids(model), []
+    for _ in range(12):  # one sequence at a time, greedy, on the same CUDA model (the server's batch of one)
+        seq = torch.tensor(ids + out, device="cuda")
+        cu = torch.tensor([0, len(seq)], dtype=torch.int32, device="cuda")
+        _, top, _ = model.model.topk_next_tokens(seq, torch.arange(len(seq), device="cuda"), cu, [0], k=1)
+        out.append(int(top[-1, 0]))
+        if out[-1] in model.stop_ids:
+            break
+    assert reply == model.tokenizer.decode(out, skip_special_tokens=True)

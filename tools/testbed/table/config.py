@@ -45,7 +45,8 @@ class TableConfig:
     thinking: Literal["on", "off"] = "off"
     """Chat template's enable_thinking when replying and preparing (as the target will be served)."""
     server_device: str = "cpu"
-    """Where the tiny OpenAI-compatible server runs the target while it answers: cpu or cuda."""
+    """Where the tiny OpenAI-compatible server runs the target while it answers: cpu (in float32) or cuda (in
+    bfloat16, on the fast kernels; the replies differ slightly, so the data are another set)."""
     concurrency: int = 64
     """Replies generated at once (regenerate --concurrency, and the server's batch)."""
     token_budget: int = 4096
