@@ -26,6 +26,7 @@ from tools.testbed.table.config import TableConfig
 from tools.testbed.table.report import compare, spread_stats
 from tools.testbed.table.rows import ROWS
 from tools.testbed.table.run import SKIPPED_NO_CUDA, run_table
+from tools.testbed.table.store import WorkDir, WorkDirError
 
 BLOCK_SIZE = 16  # dflash-train's default block size: acceptance counts at most this many tokens per step
 NUM_TAPS = 5  # dflash-extract's default number of taps
@@ -132,7 +133,7 @@ def test_reduced_table_end_to_end_then_resumed(target, tmp_path):
     (work / "results" / "fp8-storage" / "seed-1.json").unlink()
     cut = run_table(cfg)
     assert cut.computed == [("fp8-storage", 1)]
-    assert "already complete" in (work / "logs" / "fp8-storage-1-train.log").read_text()
+    assert "already complete" in (work / "logs" / "fp8-storage-seed1-train.log").read_text()
 
     # A changed row definition: that row's seeds are recomputed, the other row's results kept.
     fp8 = next(row for row in ROWS if row.name == "fp8-storage")
@@ -196,3 +197,21 @@ def test_prompts_that_leave_no_training_prompt_are_refused(target, tmp_path):
     ]
     result = CliRunner().invoke(table_cli, args)
     assert result.exit_code == 1 and "--heldout-prompts 4: leaves no training prompt of the 4" in result.output
+
+
+def test_links_where_the_tables_files_belong_are_refused_never_followed(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(elsewhere)
+    with pytest.raises(WorkDirError, match="not a directory"):
+        WorkDir.open(link)
+    work = WorkDir.open(tmp_path / "work")
+    (work.root / "results").symlink_to(elsewhere)
+    with pytest.raises(WorkDirError, match="is a link or a file"):
+        work.save_result("bf16-storage", 0, {"fingerprint": "x"})
+    (work.root / "logs").mkdir()
+    (work.root / "logs" / "data-prepare.log").symlink_to(elsewhere / "file")
+    with pytest.raises(WorkDirError, match="is a link"):
+        work.log("data-prepare")
+    assert list(elsewhere.iterdir()) == []

@@ -133,22 +133,21 @@ def make_dataset(cfg: TableConfig, work: WorkDir, say: Callable[[str], None]) ->
     train, heldout = split_prompts(read_prompts(Path(cfg.prompts), cfg.num_prompts), cfg.heldout_prompts)
     _write_jsonl(folder / "prompts-train.jsonl", train)
     _write_jsonl(folder / "prompts-heldout.jsonl", heldout)
-    logs = work.subdir("logs")
     replies = {}
     model = TinyChatModel(cfg.target, max_batch=cfg.concurrency, device=cfg.server_device)
     with running(make_server(model, 0, model_name=MODEL_NAME)) as url:
         for temperature in cfg.train_temperatures:
             say(f"data: the target answers {len(train)} training prompts at temperature {temperature:g}")
             replies[temperature] = folder / f"replies-train-t{temperature:g}.jsonl"
-            _regenerate(cfg, url, folder / "prompts-train.jsonl", replies[temperature], temperature, logs)
+            _regenerate(cfg, url, folder / "prompts-train.jsonl", replies[temperature], temperature, work)
         say(f"data: the target answers {len(heldout)} held-out prompts greedily")
-        _regenerate(cfg, url, folder / "prompts-heldout.jsonl", folder / "replies-heldout.jsonl", 0.0, logs)
+        _regenerate(cfg, url, folder / "prompts-heldout.jsonl", folder / "replies-heldout.jsonl", 0.0, work)
     merged = folder / "replies-train.jsonl"
     _write_jsonl(merged, [row for t, path in replies.items() for row in _tagged(path, t)])
     say("data: dflash-data prepare (the target's chat template and loss mask)")
     for source, out in ((merged, "train.parquet"), (folder / "replies-heldout.jsonl", "heldout.parquet")):
         args = ["prepare", "--target", cfg.target, "--data", str(source), "--out", str(folder / out)]
-        run_cli("dflash-data", data_cli, [*args, "--thinking", cfg.thinking, "--overwrite"], logs / "data-prepare.log")
+        run_cli("dflash-data", data_cli, [*args, "--thinking", cfg.thinking, "--overwrite"], work.log("data-prepare"))
     record = {
         "inputs": inputs,
         "train_sha256": file_sha256(folder / "train.parquet"),
@@ -160,13 +159,13 @@ def make_dataset(cfg: TableConfig, work: WorkDir, say: Callable[[str], None]) ->
     return Dataset(folder / "train.parquet", folder / "heldout.parquet", record)
 
 
-def _regenerate(cfg: TableConfig, url: str, prompts: Path, out: Path, temperature: float, logs: Path) -> None:
+def _regenerate(cfg: TableConfig, url: str, prompts: Path, out: Path, temperature: float, work: WorkDir) -> None:
     args = ["regenerate", "--server", url, "--model", MODEL_NAME, "--data", str(prompts), "--out", str(out)]
     args += ["--thinking", cfg.thinking, "--max-tokens", str(cfg.max_tokens), "--concurrency", str(cfg.concurrency)]
     args += ["--temperature", f"{temperature:g}"]
     if temperature > 0:
         args += ["--seed", str(cfg.sample_seed)]
-    run_cli("dflash-data", data_cli, args, logs / f"data-{out.stem}.log")
+    run_cli("dflash-data", data_cli, args, work.log(f"data-{out.stem}"))
 
 
 def _tagged(replies: Path, temperature: float) -> Iterator[dict]:

@@ -99,7 +99,7 @@ def make_caches(plan: Plan, work: WorkDir, row: Row) -> Caches:
             "dflash-extract",
             extract_cli,
             [*args, *words(plan.extract_options(row)), *device],
-            _log(work, folder.name, split),
+            work.log(f"extract-{folder.name}-{split}"),
         )
     return Caches(folder / "train", folder / "heldout")
 
@@ -116,7 +116,10 @@ def train_and_evaluate(plan: Plan, work: WorkDir, row: Row, seed: int, caches: C
     args = ["train", "--cache", str(caches.train), "--out", str(folder / "run"), *cadence]
     started = time.monotonic()
     run_cli(
-        "dflash-train", train_cli, [*args, *words(plan.train_options(row, seed))], _log(work, row.name, seed, "train")
+        "dflash-train",
+        train_cli,
+        [*args, *words(plan.train_options(row, seed))],
+        work.log(f"{row.name}-seed{seed}-train"),
     )
     trained = time.monotonic()
     out = folder / "eval.json"
@@ -126,7 +129,7 @@ def train_and_evaluate(plan: Plan, work: WorkDir, row: Row, seed: int, caches: C
         "dflash-train",
         train_cli,
         [*args, *words(plan.eval_options())],
-        _log(work, row.name, seed, "eval"),
+        work.log(f"{row.name}-seed{seed}-eval"),
         entry_point(),
     )
     figures = _figures(json.loads(out.read_text()), summary)
@@ -150,7 +153,3 @@ def _figures(evaluation: dict, train_cache: dict) -> dict:
         "bytes_per_token": train_cache["bytes_per_token"],
         "real_lossless": decoding["identical_to_greedy"] == decoding["num_prompts"],
     }
-
-
-def _log(work: WorkDir, *parts: object) -> Path:
-    return work.subdir("logs") / ("-".join(str(p) for p in parts) + ".log")

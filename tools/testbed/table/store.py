@@ -88,6 +88,10 @@ class WorkDir:
             raise WorkDirError(f"{path} should be a file of the table's and is a link: move it away")
         return path
 
+    def log(self, name: str) -> Path:
+        """WORK/logs/NAME.log, where one pipeline command's output goes."""
+        return self.file("logs", f"{name}.log")
+
     def result_path(self, row: str, seed: int) -> Path:
         return self.file("results", row, f"seed-{seed}.json")
 
