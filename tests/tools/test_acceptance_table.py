@@ -215,3 +215,20 @@ def test_links_where_the_tables_files_belong_are_refused_never_followed(tmp_path
     with pytest.raises(WorkDirError, match="is a link"):
         work.log("data-prepare")
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_prompt_line_of_another_shape_is_refused_naming_its_line(target, tmp_path):
+    prompts = _prompts(tmp_path / "prompts.jsonl", 4)
+    prompts.write_text(prompts.read_text() + '{"text": "no prompt field"}\n')
+    args = [
+        "--target",
+        str(target),
+        "--prompts",
+        str(prompts),
+        "--work",
+        str(tmp_path / "work"),
+        "--heldout-prompts",
+        "1",
+    ]
+    result = CliRunner().invoke(table_cli, args)
+    assert result.exit_code == 1 and f"--prompts {prompts} line 5: give a non-empty" in result.output, result.output

@@ -133,19 +133,9 @@ def make_dataset(cfg: TableConfig, work: WorkDir, say: Callable[[str], None]) ->
     train, heldout = split_prompts(read_prompts(Path(cfg.prompts), cfg.num_prompts), cfg.heldout_prompts)
     _write_jsonl(folder / "prompts-train.jsonl", train)
     _write_jsonl(folder / "prompts-heldout.jsonl", heldout)
-    replies = {}
-    model = TinyChatModel(cfg.target, max_batch=cfg.concurrency, device=cfg.server_device)
-    with running(make_server(model, 0, model_name=MODEL_NAME)) as url:
-        for temperature in cfg.train_temperatures:
-            say(f"data: the target answers {len(train)} training prompts at temperature {temperature:g}")
-            replies[temperature] = folder / f"replies-train-t{temperature:g}.jsonl"
-            _regenerate(cfg, url, folder / "prompts-train.jsonl", replies[temperature], temperature, work)
-        say(f"data: the target answers {len(heldout)} held-out prompts greedily")
-        _regenerate(cfg, url, folder / "prompts-heldout.jsonl", folder / "replies-heldout.jsonl", 0.0, work)
-    merged = folder / "replies-train.jsonl"
-    _write_jsonl(merged, [row for t, path in replies.items() for row in _tagged(path, t)])
+    merged, held = _answer(cfg, work, folder, (len(train), len(heldout)), say)
     say("data: dflash-data prepare (the target's chat template and loss mask)")
-    for source, out in ((merged, "train.parquet"), (folder / "replies-heldout.jsonl", "heldout.parquet")):
+    for source, out in ((merged, "train.parquet"), (held, "heldout.parquet")):
         args = ["prepare", "--target", cfg.target, "--data", str(source), "--out", str(folder / out)]
         run_cli("dflash-data", data_cli, [*args, "--thinking", cfg.thinking, "--overwrite"], work.log("data-prepare"))
     record = {
@@ -157,6 +147,25 @@ def make_dataset(cfg: TableConfig, work: WorkDir, say: Callable[[str], None]) ->
     }
     atomic_write_text(folder / RECORD, json.dumps(record, indent=2, sort_keys=True) + "\n")
     return Dataset(folder / "train.parquet", folder / "heldout.parquet", record)
+
+
+def _answer(
+    cfg: TableConfig, work: WorkDir, folder: Path, counts: tuple[int, int], say: Callable[[str], None]
+) -> tuple[Path, Path]:
+    """The target's replies (training replies at every temperature in one file, ids tagged; held-out
+    replies greedy), through dflash-data regenerate against the tiny server serving the target."""
+    replies = {}
+    model = TinyChatModel(cfg.target, max_batch=cfg.concurrency, device=cfg.server_device)
+    with running(make_server(model, 0, model_name=MODEL_NAME)) as url:
+        for temperature in cfg.train_temperatures:
+            say(f"data: the target answers {counts[0]} training prompts at temperature {temperature:g}")
+            replies[temperature] = folder / f"replies-train-t{temperature:g}.jsonl"
+            _regenerate(cfg, url, folder / "prompts-train.jsonl", replies[temperature], temperature, work)
+        say(f"data: the target answers {counts[1]} held-out prompts greedily")
+        _regenerate(cfg, url, folder / "prompts-heldout.jsonl", folder / "replies-heldout.jsonl", 0.0, work)
+    merged = folder / "replies-train.jsonl"
+    _write_jsonl(merged, [row for t, path in replies.items() for row in _tagged(path, t)])
+    return merged, folder / "replies-heldout.jsonl"
 
 
 def _regenerate(cfg: TableConfig, url: str, prompts: Path, out: Path, temperature: float, work: WorkDir) -> None:
