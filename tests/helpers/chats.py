@@ -4,23 +4,27 @@ conversations in each format, prepare and regenerate through the CLI, and a back
 from __future__ import annotations
 
 import json
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 from click.testing import CliRunner
 
 from extract.chats.cli import main as data_cli
+from tools.fixtures.tiny_server import running as running  # re-exported: the tests take it from here
 from tools.fixtures.tiny_target import tiny_config_dict, write_random_checkpoint
 
 VOCAB = 512
 MAX_TOKENS = 5  # regenerate's --max-tokens in these tests: each reply is at most this long
 
 
-def chat_target(tmp_path_factory) -> Path:
-    """A tiny random target with the tiny tokenizer and Qwen3.5's chat template."""
+def chat_target(tmp_path_factory, mixer_scale: float = 1.0) -> Path:
+    """A tiny random target with the tiny tokenizer and Qwen3.5's chat template (mixer_scale < 1: more
+    predictable greedy text, as the demo's)."""
     return write_random_checkpoint(
-        tmp_path_factory.mktemp("target"), tiny_config_dict(vocab_size=VOCAB), naming="text", with_tokenizer=True
+        tmp_path_factory.mktemp("target"),
+        tiny_config_dict(vocab_size=VOCAB),
+        naming="text",
+        with_tokenizer=True,
+        mixer_scale=mixer_scale,
     )
 
 
@@ -96,18 +100,6 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
 
 def prepare(args: list[str]):
     return CliRunner().invoke(data_cli, ["prepare", *args], catch_exceptions=False)
-
-
-@contextmanager
-def running(server):
-    """An HTTP server on a background thread while the block runs: its /v1 base URL."""
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def write_conversations(path: Path, n: int, multi_turn: bool = True) -> Path:

@@ -22,11 +22,10 @@ from click.testing import CliRunner
 from extract.chats.cli import main as data_cli
 from extract.cli import main as extract_cli
 from extract.target.model import TargetModel
-from tests.helpers.chats import MAX_TOKENS, read_rows, regenerate_args, running, write_conversations
+from tests.helpers.chats import MAX_TOKENS, chat_target, read_rows, regenerate_args, running, write_conversations
 from tests.helpers.extract import all_tensors, cli_args
 from tests.helpers.train import tiny_cli_args
 from tools.fixtures.tiny_server import Faults, TinyChatModel, make_server
-from tools.fixtures.tiny_target import tiny_config_dict, write_random_checkpoint
 from train.cli import main as train_cli
 
 REPO = Path(__file__).resolve().parents[3]
@@ -34,13 +33,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    return write_random_checkpoint(
-        tmp_path_factory.mktemp("target"),
-        tiny_config_dict(vocab_size=512),
-        naming="text",
-        with_tokenizer=True,
-        mixer_scale=0.1,
-    )
+    return chat_target(tmp_path_factory, mixer_scale=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,3 @@
+from tools.testbed.table.cli import main
+
+main()

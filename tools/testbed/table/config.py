@@ -1,0 +1,92 @@
+"""Settings of one acceptance-table run (flags map 1:1 to fields, as in every CLI here).
+
+The defaults size the run for a small trained target on one GPU (the proxy target of issue 27 on an
+H200 in about ten minutes); the reduced CPU run of docs/GUIDE.md gives smaller sizes by flag. Settings
+that decide a figure (data, steps, seeds, evaluation) are part of each result's fingerprint
+(tools/testbed/table/fingerprint.py); paths, the server's batch and kernel permissions are not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from shards.common.cli_options import at_least, cli_field, config_error
+
+
+@dataclass(kw_only=True)
+class TableConfig:
+    """One run of the acceptance table: prompts x target -> data -> per row and seed a drafter and its figures."""
+
+    target: str = cli_field(path="existing_dir")
+    """Target checkpoint directory (config.json, safetensors, tokenizer and chat template), as dflash-extract takes it."""
+    prompts: str = cli_field(path="existing_file")
+    """JSON Lines, one prompt a line: {"prompt": "text"} or a chat {"messages": [...]} as dflash-data regenerate
+    reads it; an "id" is kept (default: the line number). The target answers each one."""
+    work: str = cli_field(path="dir")
+    """Work directory: data, caches, runs, a result JSON per row and seed, table.md and table.json. The same
+    command again continues where the last run stopped; results of changed settings are recomputed."""
+    rows: list[str] = field(default_factory=list)
+    """Rows to run, comma-separated (bf16-storage, fp8-storage, fp8-compute, sliding-layers). Default: all."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """Training seeds, the same for every row; at least 3 (each figure is a mean and a spread over them)."""
+    num_prompts: int = 0
+    """Prompts read from --prompts, in file order; 0 = all of them."""
+    heldout_prompts: int = 32
+    """Of those, prompts held out (a fixed random choice): their greedy replies make the held-out cache of the
+    decoding walk and they are the prompts of real decoding; no drafter trains on them."""
+    max_tokens: int = 128
+    """Tokens per reply at most (dflash-data regenerate --max-tokens)."""
+    train_temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7])
+    """A reply per training prompt at each temperature (0 = greedy), all trained on; held-out replies are greedy."""
+    sample_seed: int = 0
+    """dflash-data regenerate --seed of the sampled replies."""
+    thinking: Literal["on", "off"] = "off"
+    """Chat template's enable_thinking when replying and preparing (as the target will be served)."""
+    server_device: str = "cpu"
+    """Where the tiny OpenAI-compatible server runs the target while it answers: cpu (in float32) or cuda (in
+    bfloat16, on the fast kernels; the replies differ slightly, so the data are another set)."""
+    concurrency: int = 64
+    """Replies generated at once (regenerate --concurrency, and the server's batch)."""
+    token_budget: int = 4096
+    """Tokens per packed batch and shard (dflash-extract --token-budget)."""
+    max_seqs: int = 64
+    """Most sequences per packed batch (dflash-extract --max-seqs)."""
+    mask_token_id: int | None = None
+    """The drafters' MASK token id. Default: the target's last vocabulary row (vocab_size - 1)."""
+    steps: int = 200
+    """Optimizer steps per drafter (one shard per step)."""
+    lr: float = 3e-3
+    """Peak learning rate (small drafters learn at 3e-3, as the demo's does; the 27B recipe is 6e-4)."""
+    sliding_window: int = 64
+    """Window of the sliding-layers row's sliding layers, in tokens: keep it below the data's lengths."""
+    max_new_tokens: int = 64
+    """Tokens generated per held-out prompt by real speculative decoding (and by plain greedy decoding)."""
+    device: str = "auto"
+    """Where extraction, training and evaluation run: auto (cuda when there is one), cpu or cuda."""
+    data_only: bool = False
+    """Make the data (prompts -> replies -> token rows in WORK/data/) and stop: for a machine that has the
+    openai client, before the rest runs from a copy of WORK where there is none."""
+    allow_slow_kernels: bool = False
+    """Let dflash-extract run the target's torch fallbacks on CUDA (no fla-core / causal-conv1d)."""
+
+    def __post_init__(self) -> None:
+        self.rows = [str(r) for r in self.rows or ()]  # the CLI passes None for an unset list
+        at_least(self, 0, "num_prompts", "sample_seed")
+        at_least(self, 1, "heldout_prompts", "max_tokens", "concurrency", "token_budget", "max_seqs")
+        at_least(self, 1, "steps", "sliding_window", "max_new_tokens")
+        if len(set(self.seeds)) < 3 or len(set(self.seeds)) != len(self.seeds):
+            raise config_error(self, "seeds", "give at least 3 different seeds: a spread needs them")
+        if any(s < 0 for s in self.seeds):
+            raise config_error(self, "seeds", "seeds are integers >= 0")
+        if not self.train_temperatures or any(not (0 <= t < math.inf) for t in self.train_temperatures):
+            raise config_error(self, "train_temperatures", "give one or more finite temperatures >= 0")
+        if len(set(self.train_temperatures)) != len(self.train_temperatures):
+            raise config_error(self, "train_temperatures", "each temperature once")
+        if not self.lr > 0:
+            raise config_error(self, "lr", "must be > 0")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise config_error(self, "mask_token_id", "must be a token id >= 0")
+        if self.thinking not in ("on", "off"):
+            raise config_error(self, "thinking", "must be on or off")

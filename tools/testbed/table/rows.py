@@ -1,0 +1,88 @@
+"""The rows of the acceptance table: one numerics choice each, declared as data.
+
+A row says only what differs from the baseline in how its drafters are made: dflash-extract options (how
+the cache is made: storage, FP8 compute; later compact caches) and dflash-train train options (how the
+drafter trains: sliding layers; later DFlash 2 objectives, FP8 training, window reuse). The table's own
+options come first and a row's replace them flag by flag (the baseline row is the table's options alone). Data, steps,
+seeds and evaluation belong to the table and are the same for every row, so a difference between two
+rows is the row's doing. The issue that adds a numerics choice adds an entry to ROWS.
+
+A value in braces names a table setting ("{sliding_window}"), filled in from the run's TableConfig: a
+window, say, has to fit the lengths of the data at hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    """One numerics choice: a row of the table."""
+
+    name: str
+    """Key of the row: --rows selects it, its results are stored under it."""
+    what: str
+    """What the row changes, in one line (the table's notes)."""
+    extract_options: Mapping[str, str | None] = field(default_factory=dict)
+    """dflash-extract flags and their values, over the table's own (rows with equal options share caches);
+    None: a flag that takes no value."""
+    train_options: Mapping[str, str | None] = field(default_factory=dict)
+    """dflash-train train flags and their values, over the table's own; None: a flag that takes no value."""
+    needs_cuda: bool = False
+    """Runs only on CUDA; elsewhere the row is reported as skipped, never run on a stand-in path."""
+
+    def extract_settings(self, settings: Mapping[str, Any]) -> dict[str, str | None]:
+        return _filled(self.extract_options, settings)
+
+    def train_settings(self, settings: Mapping[str, Any]) -> dict[str, str | None]:
+        return _filled(self.train_options, settings)
+
+    def describe(self, settings: Mapping[str, Any]) -> str:
+        return self.what.format(**settings)
+
+
+def _filled(options: Mapping[str, str | None], settings: Mapping[str, Any]) -> dict[str, str | None]:
+    return {flag: None if value is None else value.format(**settings) for flag, value in options.items()}
+
+
+def words(options: Mapping[str, str | None]) -> list[str]:
+    """Command-line words of {flag: value}: `--flag value`, or `--flag` alone for None."""
+    return [word for flag, value in options.items() for word in ((flag,) if value is None else (flag, value))]
+
+
+ROWS: tuple[Row, ...] = (
+    Row(
+        name="bf16-storage",
+        what="the baseline: hidden states stored in bf16, the target in bf16, 5 full-attention drafter layers",
+    ),
+    Row(
+        name="fp8-storage",
+        what="hidden states stored as fp8 e4m3 with a per-token-per-tap scale (half the bytes)",
+        extract_options={"--storage": "fp8"},
+    ),
+    Row(
+        name="fp8-compute",
+        what="the target's linear layers on FP8 e4m3 matmuls during extraction (bf16 storage)",
+        extract_options={"--compute": "fp8"},
+        needs_cuda=True,
+    ),
+    Row(
+        name="sliding-layers",
+        what="drafter layers 1-4 sliding-window ({sliding_window} tokens), layer 5 full (the published "
+        "Qwen3.6-27B layout) instead of 5 full layers",
+        train_options={"--layer-types": "sliding,sliding,sliding,sliding,full", "--sliding-window": "{sliding_window}"},
+    ),
+)
+BASELINE = ROWS[0].name  # the row every other one is compared with
+
+
+def select_rows(names: Sequence[str], rows: Sequence[Row] = ROWS) -> list[Row]:
+    """The rows named (all when none), in table order; an unknown name is refused, listing the known ones."""
+    known = {row.name: row for row in rows}
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"--rows {','.join(unknown)}: no such row; the rows are {', '.join(known)}")
+    return [row for row in rows if not names or row.name in names]

@@ -1,0 +1,155 @@
+"""One row and seed of the table through the real CLIs: the row's caches, a drafter, its figures.
+
+    dflash-extract  the training and the held-out prompts' data, with the table's options and the row's over
+                    them (WORK/caches/<digest>/train and heldout; rows with equal options share them)
+    dflash-train train   --max-steps steps on the training cache, the seed, the table's and the row's options;
+                    --resume, so a run cut by a time limit continues from its last checkpoint
+    dflash-train eval    the decoding walk on the held-out cache (acceptance, held-out loss) and real greedy
+                    speculative decoding with the target in the loop on the held-out prompts
+
+Figures of a result: walk_acceptance, real_acceptance (tokens per target forward, mean over responses),
+heldout_loss (random-anchor blocks of the held-out cache), bytes_per_token (the training cache's own
+figure, as `dflash-shards info` prints it) and real_lossless (real decoding gave plain greedy's tokens).
+
+Each result carries the fingerprint of everything it depends on (`result_identity`): the data's content,
+the cache options, the training and evaluation options, the seed and the device; nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from extract.cli import main as extract_cli
+from extract.target.config import TargetConfig
+from shards.inspect import summarize_cache
+from tools.cli.dflash_train import entry_point
+from tools.testbed.table.clis import run_cli
+from tools.testbed.table.config import TableConfig
+from tools.testbed.table.data import Dataset
+from tools.testbed.table.rows import Row, words
+from tools.testbed.table.store import WorkDir, digest
+from train.cli import main as train_cli
+
+EXTRACT_DTYPE = "bfloat16"  # the target runs in bf16, as for a real target (and as FP8 compute needs)
+RESULT_VERSION = 1  # bumped when a result's figures change meaning: older results are then recomputed
+
+
+@dataclass(frozen=True)
+class Caches:
+    train: Path
+    heldout: Path
+
+
+class Plan:
+    """The options and fingerprints of one table run: the same for every row but where a row says otherwise."""
+
+    def __init__(self, cfg: TableConfig, dataset: Dataset, device_type: str):
+        self.cfg, self.dataset, self.device_type = cfg, dataset, device_type
+        self.settings = vars(cfg)  # what a row's "{name}" values are filled from
+        mask = cfg.mask_token_id
+        self.mask_token_id = TargetConfig.from_dir(cfg.target).vocab_size - 1 if mask is None else mask
+
+    def extract_options(self, row: Row) -> dict[str, str | None]:
+        """dflash-extract's options that decide the cache: the table's, then the row's over them."""
+        table = {
+            "--storage": "bf16",
+            "--compute": "dense",
+            "--dtype": EXTRACT_DTYPE,
+            "--token-budget": str(self.cfg.token_budget),
+            "--max-seqs": str(self.cfg.max_seqs),
+            "--mask-token-id": str(self.mask_token_id),
+        }
+        return {**table, **row.extract_settings(self.settings)}
+
+    def train_options(self, row: Row, seed: int) -> dict[str, str | None]:
+        """dflash-train train's options that decide the drafter: the table's, then the row's over them."""
+        table = {"--max-steps": str(self.cfg.steps), "--lr": f"{self.cfg.lr:g}", "--seed": str(seed)}
+        return {**table, **row.train_settings(self.settings)}
+
+    def eval_options(self) -> dict[str, str | None]:
+        return {"--holdout-frac": "1", "--budgets": "", "--max-new-tokens": str(self.cfg.max_new_tokens)}
+
+    def cache_identity(self, row: Row) -> dict:
+        return {"data": self.dataset.identity, "extract": self.extract_options(row), "device": self.device_type}
+
+    def result_identity(self, row: Row, seed: int) -> dict:
+        return {
+            "version": RESULT_VERSION,
+            "cache": self.cache_identity(row),
+            "train": self.train_options(row, seed),
+            "eval": self.eval_options(),
+        }
+
+    def fingerprint(self, row: Row, seed: int) -> str:
+        return digest(self.result_identity(row, seed))
+
+
+def make_caches(plan: Plan, work: WorkDir, row: Row) -> Caches:
+    """The row's training and held-out caches: extracted, or resumed / checked by dflash-extract itself."""
+    folder = work.subdir("caches", digest(plan.cache_identity(row))[:16])
+    device = ["--device", plan.cfg.device, "--progress-interval", "10"]
+    device += ["--allow-slow-kernels"] if plan.cfg.allow_slow_kernels else []
+    for split, data in (("train", plan.dataset.train), ("heldout", plan.dataset.heldout)):
+        args = ["--target", plan.cfg.target, "--data", str(data), "--out", str(folder / split)]
+        run_cli(
+            "dflash-extract",
+            extract_cli,
+            [*args, *words(plan.extract_options(row)), *device],
+            work.log(f"extract-{folder.name}-{split}"),
+        )
+    return Caches(folder / "train", folder / "heldout")
+
+
+def train_and_evaluate(plan: Plan, work: WorkDir, row: Row, seed: int, caches: Caches) -> dict:
+    """Train the (row, seed) drafter, evaluate it, and return its result record (not yet stored)."""
+    fingerprint = plan.fingerprint(row, seed)
+    folder = work.subdir("runs", row.name, fingerprint[:16])
+    summary = summarize_cache(caches.train)
+    # --max-steps decides the run's length; the epochs only have to reach it.
+    epochs = math.ceil(plan.cfg.steps / summary["num_shards"])
+    cadence = ["--epochs", str(epochs), "--log-every", str(max(1, plan.cfg.steps // 10))]
+    cadence += ["--checkpoint-every", str(max(1, plan.cfg.steps // 4)), "--resume", "--device", plan.cfg.device]
+    args = ["train", "--cache", str(caches.train), "--out", str(folder / "run"), *cadence]
+    started = time.monotonic()
+    run_cli(
+        "dflash-train",
+        train_cli,
+        [*args, *words(plan.train_options(row, seed))],
+        work.log(f"{row.name}-seed{seed}-train"),
+    )
+    trained = time.monotonic()
+    out = folder / "eval.json"
+    args = ["eval", "--drafter", str(folder / "run"), "--cache", str(caches.heldout), "--target", plan.cfg.target]
+    args += ["--prompts", str(plan.dataset.heldout), "--device", plan.cfg.device, "--out", str(out)]
+    run_cli(
+        "dflash-train",
+        train_cli,
+        [*args, *words(plan.eval_options())],
+        work.log(f"{row.name}-seed{seed}-eval"),
+        entry_point(),
+    )
+    figures = _figures(json.loads(out.read_text()), summary)
+    return {
+        "row": row.name,
+        "seed": seed,
+        "fingerprint": fingerprint,
+        "identity": plan.result_identity(row, seed),
+        "figures": figures,
+        "seconds": {"train": round(trained - started, 1), "eval": round(time.monotonic() - trained, 1)},
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _figures(evaluation: dict, train_cache: dict) -> dict:
+    decoding = evaluation["speculative_decoding"]
+    return {
+        "walk_acceptance": evaluation["acceptance_length"],
+        "real_acceptance": decoding["acceptance_length"],
+        "heldout_loss": evaluation["heldout_loss"],
+        "bytes_per_token": train_cache["bytes_per_token"],
+        "real_lossless": decoding["identical_to_greedy"] == decoding["num_prompts"],
+    }
