@@ -19,8 +19,8 @@ from typing import Any
 
 from shards.common.durable import atomic_write
 from shards.common.owned import Dir, check_output_file
+from train.metrics import METRICS_FILE
 
-METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "run.png"
 _SOFTWARE = "dflash-train plot"  # PNG metadata: marks the files this command may overwrite
 _LOSS_TERMS = ("loss/total", "loss/ce", "loss/kl", "loss/cap")
