@@ -72,6 +72,13 @@ log = logging.getLogger(__name__)
 
 def run_training(cfg: TrainConfig) -> TrainSummary:
     """Train a drafter as configured; returns what happened. Raises ValueError on bad settings/data."""
+    # Every rank reads the cache from the first check to the last step: a job rewriting it meanwhile
+    # (dflash-extract --overwrite, dflash-shards index) is refused, as is this run while one writes it.
+    with DirectoryLock(cfg.cache, "dflash-train train", shared=True):
+        return _train(cfg)
+
+
+def _train(cfg: TrainConfig) -> TrainSummary:
     start = time.monotonic()
     # Every check that needs no model, GPU or process group comes first.
     run = resolve_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))

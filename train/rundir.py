@@ -21,10 +21,10 @@ from shards.common.durable import remove_stale_temporaries
 from shards.common.owned import PROBE, Dir, Entry, Layout, OwnershipError, describe, nested, survey
 from shards.format import CACHE_CONFIG_FILE
 from train.checkpoint import store as checkpoint
+from train.metrics import METRICS_FILE
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
 RUN_RECORD_FILE = "run.json"
 # Keys every run.json that dflash-train writes has (train/loop.py Trainer._write_run_record).
 RUN_RECORD_KEYS = ("config", "config_hash", "drafter", "total_steps", "world_size", "provenance")

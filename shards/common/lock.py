@@ -1,21 +1,36 @@
-"""One writer at a time: an exclusive OS lock on a cache or run directory.
+"""One writer or many readers: an OS lock on a cache or run directory.
 
-The lock is fcntl.flock on DIR/.dflash.lock. The kernel releases it when the holding process exits,
-however it exits (SIGKILL included), so a lock left by a killed run never blocks the next one; the
-file itself stays (deleting it while another process waits on it would let two holders in). The
-holder writes its host, pid, start time and argv into the file, so the refusal can name it.
+The lock is fcntl.flock on DIR/.dflash.lock: exclusive for a job that writes the directory
+(dflash-extract, dflash-train on its --out, dflash-shards index and verify --quarantine), shared for
+one that reads a cache (dflash-train train and eval on --cache). Readers go together; a writer is
+refused while one reads (an --overwrite once rewrote every shard under a running training, which died
+saying a shard was missing), and a reader while a writer writes. The kernel releases a flock when its
+process exits, however it exits (SIGKILL included), so a lock left by a killed job never blocks the
+next one; the file itself stays (deleting it while another process opens it would let two holders in).
 
-The file is opened through shards/common/owned (Dir.open_own): a link, FIFO or device planted under its
-name is refused, naming it, never truncated through or blocked on. flock's mode is the caller's
-(LOCK_EX here; a reader's shared lock opens the same way).
+Holders leave a record (host, pid, command, start time, argv) so that a refusal can name them: the
+writer in the lock file itself, each reader in a file of its own beside it (.dflash.reader-XXXXXXXX)
+on which it holds a flock of its own. The record says who; only the flock says whether it is still
+there: a reader killed with SIGKILL leaves its record but not its flock, so it is never named, and
+the next writer (under whose lock no reader can exist) deletes it.
 
-Ranks of one torchrun job share a lock by having rank 0 take it for the whole job.
+A reader opens the lock read-only (flock needs no write access), so a cache on a read-only mount or of
+another user is read as before; where the lock file is absent and cannot be created, it reads
+unlocked, with a warning, and where its record cannot be written, a refusal calls it unnamed.
+
+Files are opened through shards/common/owned (Dir.open_own, Dir.create): a link, FIFO or device
+planted under either name is refused, naming it, never truncated through or blocked on.
+
+Ranks of one torchrun job: rank 0 takes a writer's lock for the whole job; every rank takes a
+reader's (shared flocks do not conflict).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import sys
@@ -23,7 +38,12 @@ import time
 from pathlib import Path
 
 from shards.common.errors import UserError
-from shards.common.owned import LOCK_FILE, Dir
+from shards.common.owned import LOCK_FILE, READER_PREFIX, READER_RECORD, Dir, OwnershipError
+from shards.common.owned.dirfd import random_suffix
+
+log = logging.getLogger(__name__)
+
+_RECORD_BYTES = 4096  # what a refusal reads of a holder's record
 
 
 class DirectoryLockedError(UserError, ValueError):
@@ -31,13 +51,16 @@ class DirectoryLockedError(UserError, ValueError):
 
 
 class DirectoryLock:
-    """`with DirectoryLock(dir, "dflash-extract"):` holds dir's lock, or raises DirectoryLockedError."""
+    """`with DirectoryLock(dir, "dflash-extract"):` holds dir's lock (shared=True: a reader's), or
+    raises DirectoryLockedError naming the holders that exclude it."""
 
-    def __init__(self, directory: str | Path, program: str):
+    def __init__(self, directory: str | Path, program: str, *, shared: bool = False):
         self.directory = Path(directory)
         self.path = self.directory / LOCK_FILE
         self.program = program
+        self.shared = shared
         self._fd: int | None = None
+        self._reader: tuple[Dir, str, int] | None = None  # a reader's record: folder, name, descriptor
 
     @property
     def held(self) -> bool:
@@ -47,36 +70,109 @@ class DirectoryLock:
         if self._fd is not None:
             return self
         with Dir.open(self.directory) as d:
-            fd = d.open_own(LOCK_FILE, os.O_RDWR | os.O_CREAT)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            program, holder = _describe(os.pread(fd, 4096, 0))
-            os.close(fd)
-            raise DirectoryLockedError(
-                f"{self.directory} is in use by another {program or self.program} ({holder}; lock file {self.path}); "
-                "wait for it to finish or stop it, or choose another directory"
-            ) from None
-        except BaseException:
-            os.close(fd)
-            raise
-        record = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "program": self.program,
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "argv": sys.argv,
-        }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
-        self._fd = fd
+            fd = self._open(d)
+            if fd is None:
+                return self
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            except BlockingIOError:
+                refusal = self._refusal(d, fd)
+                os.close(fd)
+                raise refusal from None
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd = fd
+            try:
+                if self.shared:
+                    self._write_reader_record()
+                else:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, _record(self.program), 0)
+                    _remove_reader_records(d)  # all stale: no reader holds the lock with us
+            except BaseException:
+                self.release()
+                raise
         return self
+
+    def _open(self, d: Dir) -> int | None:
+        """The lock file's descriptor; None for a reader that can neither open nor create it."""
+        if not self.shared:
+            return d.open_own(LOCK_FILE, os.O_RDWR | os.O_CREAT)
+        try:
+            return d.open_own(LOCK_FILE, os.O_RDONLY)
+        except FileNotFoundError:
+            pass
+        try:  # a cache that no locking job wrote (copied without its dot files): a later writer must see us
+            return d.open_own(LOCK_FILE, os.O_RDONLY | os.O_CREAT)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            log.warning(
+                "%s: cannot create the lock file (%s): reading %s unlocked, so a job that rewrites it "
+                "meanwhile would not be refused",
+                self.path,
+                e.strerror,
+                self.directory,
+            )
+            return None
+
+    def _write_reader_record(self) -> None:
+        """This reader's record beside the lock, flocked for as long as it reads; left out (a refusal
+        then calls this reader unnamed) where the directory is read-only to it."""
+        d = Dir.open(self.directory)
+        while True:
+            name = READER_PREFIX + random_suffix()
+            try:
+                fd = d.create(name)
+                break
+            except FileExistsError:
+                continue
+            except OSError as e:
+                d.close()
+                log.debug("%s: no reader record (%s)", self.directory, e)
+                return
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        self._reader = (d, name, fd)
+        os.write(fd, _record(self.program))
+
+    def _refusal(self, d: Dir, fd: int) -> DirectoryLockedError:
+        """The refusal naming who holds the lock: a writer (its record in the lock file) or readers."""
+        where = f"lock file {self.path}"
+        if not self.shared and _try_flock(fd, fcntl.LOCK_SH):  # no writer, so readers hold it
+            readers = _live_readers(d)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            who = "; ".join(readers) if readers else "a job that could not record itself (a read-only cache?)"
+            return DirectoryLockedError(
+                f"{self.directory} is being read by {who} ({where}); wait for it to finish or stop it, "
+                "or choose another directory"
+            )
+        program, holder = _describe(os.pread(fd, _RECORD_BYTES, 0))
+        if self.shared:
+            return DirectoryLockedError(
+                f"{self.directory} is being written by {program or 'another job'} ({holder}; {where}); "
+                "wait for it to finish, then run again"
+            )
+        return DirectoryLockedError(
+            f"{self.directory} is in use by another {program or self.program} ({holder}; {where}); "
+            "wait for it to finish or stop it, or choose another directory"
+        )
 
     def release(self) -> None:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
         try:
+            if self._reader is not None:
+                d, name, record_fd = self._reader
+                self._reader = None
+                try:
+                    d.unlink(name, missing_ok=True)  # kept, it would only be stale: its flock goes below
+                except OSError:
+                    pass
+                finally:
+                    os.close(record_fd)
+                    d.close()
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
@@ -89,22 +185,65 @@ class DirectoryLock:
 
 
 def lock_holder(directory: str | Path) -> str | None:
-    """Who holds `directory`'s lock right now ("dflash-extract, host H, pid P, ..."), None when nobody
-    does; reads only (no lock file is made), so it works on a read-only cache."""
+    """Which job writes `directory` right now ("dflash-extract, host H, pid P, ..."), None when none
+    does (readers are no writers); reads only (no lock file is made), so it works on a read-only cache."""
     try:
         with Dir.open(directory) as d:
             fd = d.open_own(LOCK_FILE, os.O_RDONLY)
     except OSError:  # no lock file (nobody ever wrote here), or a directory we may not read
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    except BlockingIOError:
-        program, holder = _describe(os.pread(fd, 4096, 0))
+        if _try_flock(fd, fcntl.LOCK_SH):
+            return None
+        program, holder = _describe(os.pread(fd, _RECORD_BYTES, 0))
         return f"{program or 'another process'}, {holder}"
     finally:
         os.close(fd)
+
+
+def _try_flock(fd: int, operation: int) -> bool:
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _record(program: str) -> bytes:
+    record = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "program": program,
+        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "argv": sys.argv,
+    }
+    return (json.dumps(record) + "\n").encode()
+
+
+def _live_readers(d: Dir) -> list[str]:
+    """The readers whose records are still flocked, each as "program (host H, pid P, running since T)"."""
+    found = []
+    for name in d.names():
+        if not READER_RECORD.fullmatch(name):
+            continue
+        try:
+            fd = d.open_own(name, os.O_RDONLY)
+        except (OSError, OwnershipError):  # gone meanwhile, or not a file: no reader of ours
+            continue
+        try:
+            if _try_flock(fd, fcntl.LOCK_SH):  # its reader is gone (closing fd drops this probe's flock)
+                continue
+            program, holder = _describe(os.pread(fd, _RECORD_BYTES, 0))
+            found.append(f"{program or 'a reader'} ({holder})")
+        finally:
+            os.close(fd)
+    return found
+
+
+def _remove_reader_records(d: Dir) -> None:
+    for name in d.names():
+        if READER_RECORD.fullmatch(name) and d.is_file(name):
+            d.unlink(name, missing_ok=True)
 
 
 def _describe(raw: bytes) -> tuple[str | None, str]:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shards import ShardReader
+from shards.common.lock import DirectoryLock
 from train.drafter.attention import choose_backend
 from train.drafter.config import DrafterConfig
 from train.drafter.model import DFlashDrafter, TargetHead
@@ -179,6 +180,14 @@ def run_eval(cfg: EvalConfig, verifier_factory: VerifierFactory | None = None) -
 
     verifier_factory builds the target for --target (speculative.build_verifier); the `dflash-train`
     console script passes it in, as train/ cannot import extract/'s model itself."""
+    if cfg.cache is None:
+        return _evaluate(cfg, verifier_factory)
+    # Read from the shard selection to the last walk: a job rewriting the cache meanwhile is refused.
+    with DirectoryLock(cfg.cache, "dflash-train eval", shared=True):
+        return _evaluate(cfg, verifier_factory)
+
+
+def _evaluate(cfg: EvalConfig, verifier_factory: VerifierFactory | None) -> EvalOutput:
     from shards import load_target_head
     from shards.common.runtime import resolve_device
     from train.resolve import planned_batch_ids

@@ -26,6 +26,7 @@ from shards.common.owned import Dir
 from shards.common.owned.dirfd import random_suffix
 from shards.common.progress import format_duration, format_figure
 from train.distributed import all_reduce_sum_
+from train.metrics import METRICS_FILE
 from train.metrics.block_metrics import metric_sizes
 from train.metrics.sums import COUNT, HostSums, Sums
 
@@ -153,7 +154,7 @@ class MetricsLogger:
         self._tb_used = False  # a writer existed (it is None again after close)
         if is_main:
             with Dir.open(out_dir, create=True) as run_dir:
-                self._file = run_dir.open_append("metrics.jsonl")  # a link or FIFO there is refused
+                self._file = run_dir.open_append(METRICS_FILE)  # a link or FIFO there is refused
                 if tensorboard:
                     self._tb, self._tb_dir = _tensorboard_writer(run_dir)
 

@@ -24,9 +24,9 @@ import torch
 
 from shards.common.durable import atomic_write
 from shards.common.owned import Dir, check_output_file
+from train.metrics import METRICS_FILE
 from train.optim import WarmupCosine
 
-METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "run.png"
 _SOFTWARE = "dflash-train plot"  # PNG metadata: marks the files this command may overwrite
 _LOSS_TERMS = ("loss/total", "loss/ce", "loss/kl", "loss/cap")

@@ -4,6 +4,8 @@ which entries are the program's own (layout). OwnershipError is the one refusal 
 from shards.common.owned.dirfd import DIR_MODE, FILE_MODE, PROBE, TMP_PREFIX, Dir, OwnershipError, not_own_file
 from shards.common.owned.layout import (
     LOCK_FILE,
+    READER_PREFIX,
+    READER_RECORD,
     Entry,
     Layout,
     Survey,
@@ -21,6 +23,8 @@ __all__ = [
     "FILE_MODE",
     "LOCK_FILE",
     "PROBE",
+    "READER_PREFIX",
+    "READER_RECORD",
     "TMP_PREFIX",
     "Dir",
     "Entry",

@@ -8,7 +8,7 @@ recognisably one of its own (`marked`: a cache.json of ours, a run.json of ours,
 every entry, seen with lstat through the directory's descriptor (a link is judged as the link, never as
 its target), into
   ours         files and folders the program wrote: the only ones it replaces or deletes;
-  scaffolding  the lock file and temporaries of killed writers: never make a directory non-empty;
+  scaffolding  the lock file, its readers' records and temporaries of killed writers: never make a directory non-empty;
   foreign      everything else: a user's file, a link, a FIFO or device, a file of one of our names
                holding something else. Its presence makes a command refuse (OwnershipError).
 A link, FIFO or device is never ours, whatever its name: only a regular file or a real folder can be.
@@ -26,6 +26,9 @@ from pathlib import Path
 from shards.common.owned.dirfd import PROBE, Dir, OwnershipError, not_own_file
 
 LOCK_FILE = ".dflash.lock"  # shards/common/lock.py's DirectoryLock
+# A shared holder's record of itself beside the lock (shards/common/lock.py: one per reading process).
+READER_PREFIX = ".dflash.reader-"
+READER_RECORD = re.compile(re.escape(READER_PREFIX) + r"[a-z0-9_]{8}")  # the prefix and random_suffix()
 
 
 @dataclass(frozen=True)
@@ -110,8 +113,8 @@ def _is_scaffolding(d: Dir, entry: Entry, layout: Layout, top: bool) -> bool:
         return layout.temporary_folders is not None and layout.temporary_folders.fullmatch(entry.name) is not None
     if not entry.is_file:
         return False
-    if top and entry.name == LOCK_FILE:  # DirectoryLock's: its name is the only mark it has
-        return True
+    if top and (entry.name == LOCK_FILE or READER_RECORD.fullmatch(entry.name)):  # DirectoryLock's: the
+        return True  # name is their only mark
     final = d.temporary_final(entry.name)
     return final is not None and ((top and final == PROBE) or layout.temporaries(final))
 
