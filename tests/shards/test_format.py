@@ -349,7 +349,7 @@ def test_packing_and_dataset_are_typed_records_with_the_same_json_keys(tmp_path)
     assert CacheConfig.from_json(json.dumps({**raw, "packing": {}})).planned_batches is None
     older = {k: v for k, v in dataset.items() if k != "prepared"}  # caches written before `prepared` existed
     assert CacheConfig.from_json(json.dumps({**raw, "packing": packing, "dataset": older})).dataset == cfg.dataset
-    with pytest.raises(CacheFormatError, match=r"packing has fields .*expected"):
+    with pytest.raises(CacheFormatError, match=r"cache.json: unknown field packing.extra"):
         CacheConfig.from_json(json.dumps({**raw, "packing": {**packing, "extra": 1}}))
 
 
