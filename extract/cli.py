@@ -10,6 +10,7 @@ from extract.config import ExtractConfig
 from shards.common.cli_options import CONTEXT_SETTINGS, build_config, config_options, gpus_option, relaunch_if_asked
 from shards.common.errors import user_errors
 from shards.common.logs import setup_logging
+from shards.common.terminal import echo
 
 log = logging.getLogger("extract")
 
@@ -37,7 +38,7 @@ def main(gpus: str | None, **options) -> None:
 
     summary = run_extract(cfg)
     if summary.rank == 0:  # the job's summary (every rank's counts); the other ranks' are in their logs
-        click.echo(summary.report())
+        echo(summary.report())
 
 
 if __name__ == "__main__":

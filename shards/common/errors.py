@@ -3,7 +3,7 @@
 A user error is one the user acts on (a damaged file, a refused setting, a cache that is not this
 run's): the CLIs print its message as one line and exit with its code, never a traceback.
 
-    UserError   exit 1, stderr `Error: <message>` (click's ClickException)
+    UserError   exit 1, stderr `Error: <message>` (click's ClickException), terminal controls escaped
     Stopped     exit 143 (128 + SIGTERM, as a killed job reports), stderr `stopped: <message>`: a
                 pre-empted job that stopped cleanly, nothing lost, resumable
     (click)     a bad flag or value stays click's usage error, exit 2 (build_config turns a config's
@@ -26,6 +26,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
+
+from shards.common.terminal import echo, escaped
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -59,10 +61,10 @@ def user_errors(*also: type[Exception]) -> Callable[[F], F]:
             except _CLICK_EXITS:
                 raise
             except Stopped as e:
-                click.echo(f"stopped: {e}", err=True)
+                echo(f"stopped: {e}", err=True)
                 sys.exit(e.exit_code)
             except (UserError, *also) as e:
-                failure = click.ClickException(str(e))
+                failure = click.ClickException(escaped(str(e)))  # messages quote data: ids, file names
                 failure.exit_code = getattr(e, "exit_code", 1)
                 raise failure from e
 
