@@ -27,7 +27,6 @@ without thinking never writes it); with thinking on it is kept where the templat
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Iterator
@@ -40,6 +39,7 @@ import numpy as np
 from extract.chats.conversations import FINISH_REASON, Conversation
 from extract.dataset.rows import DataError
 from shards.common.errors import UserError
+from shards.common.json_input import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def load_tokenizer(target_dir: str | Path):
         # AutoTokenizer would pick the model type's own class, which rebuilds it (byte-level BPE for
         # Qwen3.5), and the tiny target's word-level tokenizer is not one.
         declared = (
-            json.loads((target_dir / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+            read_json_object(target_dir / "tokenizer_config.json").get("tokenizer_class")
             if (target_dir / "tokenizer_config.json").is_file()
             else None
         )
