@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shards.common.durable import atomic_write_text
+from shards.common.json_input import read_json
 
 # Keys every eval.json of dflash-train holds (EvalResult.to_dict; EvalOutput.to_dict without a walk
 # holds batch_ids and speculative_decoding).
@@ -38,8 +39,8 @@ def check_output_file(path: str | Path, flag: str, is_ours: Callable[[Path], boo
 def is_eval_record(path: Path) -> bool:
     """Whether `path` is an eval.json that dflash-train wrote (eval --out or a run's OUT/eval.json)."""
     try:
-        record = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+        record = read_json(path)
+    except (OSError, ValueError):  # InputFileError included
         return False
     return isinstance(record, dict) and all(k in record for k in _EVAL_KEYS) and any(k in record for k in _EVAL_ANY_OF)
 

@@ -11,12 +11,12 @@ without either it must be empty but for the lock and temporaries.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
 
 from shards.common.durable import PROBE, atomic_write_text, remove_stale_temporaries, temporary_final_name
+from shards.common.json_input import InputFileError, parse_json, read_json
 from shards.common.lock import LOCK_FILE
 from shards.format import CACHE_CONFIG_FILE
 from shards.ownership import describe, nested
@@ -93,8 +93,8 @@ def _holds_our_checkpoint(out: Path) -> bool:
 def is_run_record(path: Path) -> bool:
     """Whether `path` is a run.json that dflash-train wrote (a JSON object with every RUN_RECORD_KEYS key)."""
     try:
-        record = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        record = read_json(path)
+    except (OSError, InputFileError):
         return False
     return isinstance(record, dict) and all(k in record for k in RUN_RECORD_KEYS) and isinstance(record["config"], dict)
 
@@ -116,8 +116,8 @@ def truncate_metrics(out_dir: str | Path, step: int) -> int:
     kept, dropped = [], 0
     for line in path.read_text().splitlines():
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by a kill: it was never a complete record
+            rec = parse_json(line, str(path))
+        except InputFileError:  # a line cut by a kill: it was never a complete record
             dropped += 1
             continue
         if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:

@@ -95,17 +95,29 @@ def read_json_object(path: str | Path, **bounds: int) -> dict[str, Any]:
 
 
 def iter_json_lines(
-    path: str | Path, *, max_line_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH
+    path: str | Path,
+    *,
+    max_line_bytes: int = MAX_JSON_BYTES,
+    max_depth: int = MAX_JSON_DEPTH,
+    partial_last_line: bool = False,
 ) -> Iterator[tuple[int, Any]]:
     """(line number from 1, value) of each non-blank line of a JSON Lines file, each bounded as read_json;
-    the file is streamed, so its total size is not bounded."""
+    the file is streamed, so its total size is not bounded. partial_last_line: a last line without its
+    newline that does not parse is left out (what a writer killed mid-line leaves) rather than refused."""
     with open_regular(path) as f:
         for number, line in enumerate(iter(lambda: f.readline(max_line_bytes + 1), b""), start=1):
             where = f"{path}, line {number}"
             if len(line) > max_line_bytes:
                 raise InputFileError(f"{where}: longer than the {max_line_bytes} bytes allowed for one record")
-            if line.strip():
-                yield number, parse_json(line, where, max_bytes=max_line_bytes, max_depth=max_depth)
+            if not line.strip():
+                continue
+            try:
+                value = parse_json(line, where, max_bytes=max_line_bytes, max_depth=max_depth)
+            except InputFileError:
+                if partial_last_line and not line.endswith(b"\n"):
+                    return
+                raise
+            yield number, value
 
 
 def open_regular(path: str | Path):
