@@ -214,7 +214,7 @@ def _drafter_from_init(cfg: TrainConfig, cache_cfg: CacheConfig, mask_token_id: 
     pinned = cfg.drafter
     try:
         drafter = read_drafter_config(pinned.init_from, mask_token_id=mask_token_id)
-        check_weight_files(pinned.init_from)  # a cut-short file refused now, not after the model is built
+        check_weight_files(pinned.init_from, drafter)  # a cut-short file, other shapes: refused before any model
     except (OSError, ValueError) as e:
         raise ValueError(f"--init-from {pinned.init_from}: {e}") from e
     target = cache_cfg.target

@@ -21,6 +21,7 @@ from typing import Any
 from shards.common.cli_options import flag_name, option_fields, shown
 from shards.common.identity import differences
 from train.checkpoint.store import Checkpoint
+from train.checkpoint.train_state import train_state
 from train.config import TrainConfig
 from train.resolve import ResolvedRun, resolved_identity
 
@@ -37,7 +38,9 @@ def cache_identity(run: ResolvedRun) -> dict[str, Any]:
 
 
 def check_resume(ckpt: Checkpoint, cfg: TrainConfig, run: ResolvedRun, world_size: int) -> None:
-    """Refuse (ValueError naming each flag) to resume `ckpt` under other resolved settings or another cache."""
+    """Refuse (ValueError naming each flag) to resume `ckpt` under other resolved settings or another cache;
+    first, a train_state.json with a field of another type, an unknown or a missing one (naming it)."""
+    train_state(ckpt)
     state = ckpt.state
     recorded, now = state.get("resolved_identity"), resolved_identity(cfg, run)
     if not isinstance(recorded, dict):  # written before the resolved identity was recorded

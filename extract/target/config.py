@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shards.common.json_input import InputFileError, read_json_object
-from shards.common.schema import typed
+from shards.common.schema import REQUIRED, read_field, typed
 
 CONFIG_FILE = "config.json"
 LINEAR_ATTENTION = "linear_attention"
@@ -35,7 +35,6 @@ _SIZE_FIELDS = (
     "num_key_value_heads",
     "head_dim",
 )
-_REQUIRED = object()  # _field's default: the field must be present
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -204,48 +203,34 @@ def default_tap_layer_ids(num_layers: int, num_taps: int) -> list[int]:
     return [int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps)]
 
 
-def _field(
-    config: dict[str, Any], name: str, annotation: Any, source: str, default: Any = _REQUIRED, where: str = ""
-) -> Any:
-    """config[name] of the type `annotation`, `default` when absent or null; a missing required field
-    or a value of another type is refused naming it as the file does (`where` + name:
-    text_config.hidden_size)."""
-    value = config.get(name)
-    if value is None:
-        if default is _REQUIRED:
-            raise ValueError(f"{source}: text config lacks required field {name!r}")
-        return default
-    return typed(annotation, value, source, where + name)
-
-
 def _resolve_text_fields(text: dict[str, Any], top: dict[str, Any], source: str) -> dict[str, Any]:
     where = "text_config." if text is not top else ""
 
-    def field(name: str, annotation: Any, default: Any = _REQUIRED) -> Any:
-        return _field(text, name, annotation, source, default, where)
+    def text_field(name: str, annotation: Any, default: Any = REQUIRED) -> Any:
+        return read_field(text, name, annotation, source, default, where)
 
-    num_layers = field("num_hidden_layers", int)
-    layer_types = field("layer_types", list[str], None)
+    num_layers = text_field("num_hidden_layers", int)
+    layer_types = text_field("layer_types", list[str], None)
     if layer_types is None:
         # HF Qwen3_5TextConfig: layer i is full attention iff (i + 1) % interval == 0.
-        interval = field("full_attention_interval", int, 4)
+        interval = text_field("full_attention_interval", int, 4)
         if interval < 1:
             raise ValueError(f"{source}: full_attention_interval must be positive, found {interval}")
         layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)]
 
-    rope = field("rope_parameters", dict[str, Any], {})
+    rope = text_field("rope_parameters", dict[str, Any], {})
     rope_type = rope.get("rope_type", "default")
     if rope_type != "default":
         raise ValueError(f"{source}: rope_parameters.rope_type={rope_type!r}, only 'default' is implemented")
     rope_theta = typed(float | None, rope.get("rope_theta"), source, f"{where}rope_parameters.rope_theta")
-    rope_theta = field("rope_theta", float, None) if rope_theta is None else rope_theta
+    rope_theta = text_field("rope_theta", float, None) if rope_theta is None else rope_theta
     if rope_theta is None:
         raise ValueError(f"{source}: neither rope_parameters.rope_theta nor rope_theta is set")
     # HF defaults a missing partial_rotary_factor to 0.25 for backward compatibility; so do we.
     partial = typed(
         float | None, rope.get("partial_rotary_factor"), source, f"{where}rope_parameters.partial_rotary_factor"
     )
-    partial = field("partial_rotary_factor", float, 0.25) if partial is None else partial
+    partial = text_field("partial_rotary_factor", float, 0.25) if partial is None else partial
 
     act = text.get("hidden_act", "silu")
     if act != "silu":
@@ -255,13 +240,13 @@ def _resolve_text_fields(text: dict[str, Any], top: dict[str, Any], source: str)
     if not text.get("attn_output_gate", True):
         raise ValueError(f"{source}: attn_output_gate=false is not implemented (Qwen3.5 gates attention)")
 
-    tied_top = _field(top, "tie_word_embeddings", bool, source, False)
+    tied_top = read_field(top, "tie_word_embeddings", bool, source, False)
     return dict(
-        **{name: field(name, int) for name in _SIZE_FIELDS},
+        **{name: text_field(name, int) for name in _SIZE_FIELDS},
         num_hidden_layers=num_layers,
         layer_types=tuple(layer_types),
-        rms_norm_eps=field("rms_norm_eps", float),
+        rms_norm_eps=text_field("rms_norm_eps", float),
         partial_rotary_factor=partial,
         rope_theta=rope_theta,
-        tie_word_embeddings=field("tie_word_embeddings", bool, tied_top),
+        tie_word_embeddings=text_field("tie_word_embeddings", bool, tied_top),
     )

@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeVar, Union
 from shards.common.json_input import InputFileError, json_type
 
 T = TypeVar("T")
+REQUIRED: Any = object()  # read_field()'s default: the field must be present
 
 
 def record(cls: type[T], value: Any, source: str, name: str = "") -> T:
@@ -50,6 +51,20 @@ def record(cls: type[T], value: Any, source: str, name: str = "") -> T:
         return cls(**checked)
     except (TypeError, ValueError) as e:  # the class's own checks (__post_init__)
         raise InputFileError(f"{source}: {name + ': ' if name else ''}{e}") from e
+
+
+def read_field(
+    mapping: Mapping[str, Any], name: str, annotation: Any, source: str, default: Any = REQUIRED, where: str = ""
+) -> Any:
+    """One field of a mapping that holds more than a record's fields (a model's config.json): `default`
+    when absent or null (REQUIRED: refused), else checked against `annotation`; named as the file
+    names it, `where` + name (text_config.hidden_size)."""
+    value = mapping.get(name)
+    if value is None:
+        if default is REQUIRED:
+            raise InputFileError(f"{source}: missing field {where}{name}")
+        return default
+    return typed(annotation, value, source, where + name)
 
 
 def typed(annotation: Any, value: Any, source: str, name: str) -> Any:

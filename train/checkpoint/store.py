@@ -2,8 +2,9 @@
 
 A checkpoint is built in a temporary directory beside its final name (.tmp-step-*), every file
 fsynced, then renamed in one step and the run directory fsynced; train_state.json is written last
-and records the crc32 of model.safetensors and optimizer.pt. A folder counts only when it holds all
-three files, train_state.json parses and (when verified: resume, export) both checksums match; a
+and records the crc32 of model.safetensors and optimizer.pt, and of its own content (state_checksum).
+A folder counts only when it holds all three files, train_state.json parses (bounded: it is read as
+untrusted) and matches its own checksum, and (when verified: resume, export) both file checksums match; a
 damaged or partial newest checkpoint is skipped with a warning naming the file, and the previous
 valid one wins. Valid ones older than the newest keep_checkpoints are deleted (Retention: never the
 one just written or resumed from, never a damaged or later one), and temporaries of a killed save are
@@ -34,6 +35,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from shards.common.crc import crc32
 from shards.common.durable import (
     DIR_MODE,
     FILE_MODE,
@@ -44,12 +46,14 @@ from shards.common.durable import (
     fsync_file,
 )
 from shards.common.errors import UserError
+from shards.common.json_input import InputFileError, read_json_object
 
 log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "train_state.json"
+STATE_CHECKSUM = "state_checksum"  # train_state.json's checksum of itself (state_checksum)
 _NAME = re.compile(r"^step-(\d{8})$")
 _TMP_NAME = re.compile(rf"^{re.escape(TMP_PREFIX)}step-\d{{8}}-\w+$")  # tempfile.mkdtemp's suffix: [a-z0-9_]
 
@@ -105,7 +109,9 @@ def save_checkpoint(
             fsync_file(current)
             checksums[name] = file_checksum(current)
         current = tmp / STATE_FILE
-        atomic_write_text(current, json.dumps({**train_state, "checksums": checksums}, indent=1, sort_keys=True) + "\n")
+        state = {**train_state, "checksums": checksums}
+        state[STATE_CHECKSUM] = state_checksum(state)
+        atomic_write_text(current, json.dumps(state, indent=1, sort_keys=True) + "\n")
         if final.exists():  # a checkpoint of the same step from a run that died after writing it
             shutil.rmtree(final)
         current = final
@@ -144,26 +150,46 @@ def verify_checkpoint(ckpt: Checkpoint, files: tuple[str, ...] = (MODEL_FILE, OP
             )
 
 
+def state_checksum(state: dict[str, Any]) -> str:
+    """crc32 of train_state.json's content but this checksum, as canonical JSON (sorted keys, no spaces):
+    what verifies the file itself, as its "checksums" verify the others. The same for the written and
+    the parsed-back state: JSON keeps every value's text (floats by repr)."""
+    body = {k: v for k, v in state.items() if k != STATE_CHECKSUM}
+    return f"crc32:{crc32(json.dumps(body, sort_keys=True, separators=(',', ':')).encode()):08x}"
+
+
+def load_checkpoint(folder: Path) -> Checkpoint:
+    """The checkpoint a step-NNNNNNNN folder holds: its train_state.json bounded, parsed and matching its
+    own checksum, its weight and optimizer files present; CheckpointError naming the file otherwise."""
+    path = folder / STATE_FILE
+    try:
+        state = read_json_object(path)
+    except (OSError, InputFileError) as e:
+        raise CheckpointError(f"{path}: unreadable ({getattr(e, 'strerror', None) or e})") from e
+    recorded = state.get(STATE_CHECKSUM)
+    if recorded is None:
+        log.warning(
+            "checkpoint %s: %s records no checksum of itself (an older dflash-train): not verified", folder, STATE_FILE
+        )
+    elif recorded != state_checksum(state):
+        raise CheckpointError(
+            f"{path}: checksum mismatch (recorded {recorded!r:.40}, content has {state_checksum(state)}): edited or damaged"
+        )
+    absent = [n for n in (MODEL_FILE, OPTIMIZER_FILE) if not (folder / n).is_file()]
+    if absent:
+        raise CheckpointError(f"{folder}: missing {' and '.join(absent)} (an incomplete checkpoint)")
+    return Checkpoint(folder, int(_NAME.match(folder.name).group(1)), state)
+
+
 def list_checkpoints(out_dir: str | Path) -> list[Checkpoint]:
-    """Valid checkpoints, oldest first; incomplete or unreadable folders are ignored (with a warning)."""
-    out_dir = Path(out_dir)
+    """Valid checkpoints, oldest first; incomplete, unreadable or edited folders are ignored (with a warning)."""
     found = []
-    if not out_dir.is_dir():
-        return found
-    for p in out_dir.iterdir():
-        m = _NAME.match(p.name)
-        if not m or not p.is_dir():
-            continue
+    for p in checkpoint_folders(out_dir):
         try:
-            state = json.loads((p / STATE_FILE).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            log.warning("checkpoint %s ignored: %s unreadable (%s)", p, STATE_FILE, e)
-            continue
-        if not all((p / n).is_file() for n in (MODEL_FILE, OPTIMIZER_FILE)):
-            log.warning("checkpoint %s ignored: missing %s or %s", p, MODEL_FILE, OPTIMIZER_FILE)
-            continue
-        found.append(Checkpoint(p, int(m.group(1)), state))
-    return sorted(found, key=lambda c: c.step)
+            found.append(load_checkpoint(p))
+        except CheckpointError as e:
+            log.warning("checkpoint %s ignored: %s", p, e)
+    return found
 
 
 def checkpoint_folders(out_dir: str | Path) -> list[Path]:
@@ -196,9 +222,9 @@ def resolve_checkpoint(path: str | Path, files: tuple[str, ...] = (MODEL_FILE, O
     the user asked for that step. A run directory's damaged newest one is skipped (latest_checkpoint).
     """
     path = Path(path)
-    named = next((c for c in list_checkpoints(path.parent) if c.path.resolve() == path.resolve()), None)
-    if named is None:
+    if not (path.is_dir() and _NAME.match(path.resolve().name)):
         return latest_checkpoint(path)
+    named = load_checkpoint(path)
     verify_checkpoint(named, files)
     return named
 

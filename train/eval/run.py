@@ -7,7 +7,6 @@ train/eval/evaluate.py.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -17,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shards import ShardReader
+from shards.common.json_input import InputFileError, read_json_object
+from shards.common.schema import read_field
 from train.drafter.attention import choose_backend
 from train.drafter.config import DrafterConfig
 from train.drafter.model import DFlashDrafter, TargetHead
@@ -101,10 +102,11 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
 
     path = Path(path)
     if (path / CONFIG_FILE).is_file() and not (path / STATE_FILE).is_file():
-        hf = json.loads((path / CONFIG_FILE).read_text())
         model, cfg = load_exported_drafter(path, dtype=torch.float32)
-        dtype = hf.get("dtype", "bfloat16")  # our exports record the training default
-        return LoadedDrafter(model, cfg, dtype if dtype in DTYPES else "bfloat16", f"export {path}")
+        dtype = read_json_object(path / CONFIG_FILE).get("dtype")  # our exports record the training default
+        return LoadedDrafter(
+            model, cfg, dtype if isinstance(dtype, str) and dtype in DTYPES else "bfloat16", f"export {path}"
+        )
     # A named checkpoint is verified as export verifies it, the weights only: eval never reads the optimizer.
     ckpt = resolve_checkpoint(path, files=(MODEL_FILE,))
     if ckpt is None:
@@ -114,8 +116,10 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
             "holding one"
         )
     model, cfg = drafter_from_checkpoint(ckpt)
-    identity = ckpt.state.get("config_identity") or {}
-    dtype = identity.get("compute_dtype", "bfloat16")
+    source = str(ckpt.path / STATE_FILE)
+    dtype = read_field(ckpt.state["config_identity"], "compute_dtype", str, source, "bfloat16", "config_identity.")
+    if dtype not in DTYPES:
+        raise InputFileError(f"{source}: config_identity.compute_dtype {dtype!r:.40} is not one of {sorted(DTYPES)}")
     return LoadedDrafter(model, cfg, dtype, f"checkpoint {ckpt.path}", _trained_on(ckpt.state))
 
 
