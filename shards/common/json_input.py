@@ -102,8 +102,8 @@ def iter_json_lines(
     partial_last_line: bool = False,
 ) -> Iterator[tuple[int, Any]]:
     """(line number from 1, value) of each non-blank line of a JSON Lines file, each bounded as read_json;
-    the file is streamed, so its total size is not bounded. partial_last_line: a last line without its
-    newline that does not parse is left out (what a writer killed mid-line leaves) rather than refused."""
+    the file is streamed, so its total size is not bounded. partial_last_line: a last line that does not
+    parse is left out (what a writer killed mid-line leaves) rather than refused."""
     with open_regular(path) as f:
         for number, line in enumerate(iter(lambda: f.readline(max_line_bytes + 1), b""), start=1):
             where = f"{path}, line {number}"
@@ -114,7 +114,7 @@ def iter_json_lines(
             try:
                 value = parse_json(line, where, max_bytes=max_line_bytes, max_depth=max_depth)
             except InputFileError:
-                if partial_last_line and not line.endswith(b"\n"):
+                if partial_last_line and not f.read(1):  # nothing follows it
                     return
                 raise
             yield number, value
