@@ -17,7 +17,6 @@ user's: its presence makes --overwrite refuse, and nothing here ever deletes it.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from shards.common.durable import PROBE, remove_stale_temporaries, temporary_final_name
+from shards.common.json_input import InputFileError, read_json
 from shards.common.lock import LOCK_FILE
 from shards.container import read_header
 from shards.format import CACHE_CONFIG_FILE, MANIFEST_FILE, SHARDS_DIR, TARGET_HEAD_FILE, CacheFormatError, batch_id_of
@@ -55,8 +55,8 @@ def _our_container(path: Path, batch_id: int | None = None) -> bool:
 
 def _our_cache_config(path: Path) -> bool:
     try:
-        record = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        record = read_json(path)
+    except (OSError, InputFileError):
         return False
     return isinstance(record, dict) and "format_version" in record
 
