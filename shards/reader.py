@@ -53,7 +53,7 @@ class ShardInfo:
 
 def read_cache_config(cache_dir: str | Path) -> CacheConfig:
     path = Path(cache_dir) / CACHE_CONFIG_FILE
-    if not path.is_file():
+    if not path.exists():  # a FIFO or a directory in its place is refused by name when read
         raise CacheFormatError(f"{path}: not found; is {cache_dir} a cache written by dflash-extract?")
     try:
         return CacheConfig.from_value(read_json(path), source=str(path))
