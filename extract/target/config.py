@@ -21,7 +21,7 @@ CONFIG_FILE = "config.json"
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 _LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
-# The integer sizes config.json must give, as TargetConfig names them.
+# The integer sizes config.json must give, as TargetConfig names them (each positive).
 _SIZE_FIELDS = (
     "hidden_size",
     "intermediate_size",
@@ -60,21 +60,7 @@ class TargetConfig:
     tie_word_embeddings: bool  # lm_head shares embed_tokens' weight
 
     def __post_init__(self) -> None:
-        positive = (
-            "hidden_size",
-            "num_hidden_layers",
-            "intermediate_size",
-            "vocab_size",
-            "linear_num_key_heads",
-            "linear_num_value_heads",
-            "linear_key_head_dim",
-            "linear_value_head_dim",
-            "linear_conv_kernel_dim",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-        )
-        for name in positive:
+        for name in ("num_hidden_layers", *_SIZE_FIELDS):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TargetConfig.{name} must be a positive int, found {value!r}")

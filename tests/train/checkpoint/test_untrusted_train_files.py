@@ -148,12 +148,18 @@ def test_inflated_sizes_in_train_state_are_refused_naming_the_tensor_before_any_
         assert f"{state} describes [{INFLATED}, 32]" in result.output, result.output
 
 
-def test_inflated_sizes_in_an_export_are_refused_naming_the_tensor_before_any_model(trained, tmp_path, no_model):
-    cache, _, exported = trained
+def inflated_export(trained, tmp_path):
+    """A copy of the trained run's export whose config.json describes an MLP of INFLATED width."""
     drafter = tmp_path / "drafter"
-    shutil.copytree(exported, drafter)
+    shutil.copytree(trained[2], drafter)
     config = json.loads((drafter / "config.json").read_text())
     (drafter / "config.json").write_text(json.dumps({**config, "intermediate_size": INFLATED}))
+    return drafter
+
+
+def test_inflated_sizes_in_an_export_are_refused_naming_the_tensor_before_any_model(trained, tmp_path, no_model):
+    cache, _, _ = trained
+    drafter = inflated_export(trained, tmp_path)
     result = evaluate(drafter, cache)
     assert refused(result), result.output
     assert f"{drafter / 'model.safetensors'}: tensor layers.0.mlp.gate_proj.weight has shape" in result.output
@@ -161,11 +167,8 @@ def test_inflated_sizes_in_an_export_are_refused_naming_the_tensor_before_any_mo
 
 
 def test_an_inflated_init_from_drafter_is_refused_before_any_work(trained, tmp_path, no_work):
-    cache, _, exported = trained
-    drafter = tmp_path / "drafter"
-    shutil.copytree(exported, drafter)
-    config = json.loads((drafter / "config.json").read_text())
-    (drafter / "config.json").write_text(json.dumps({**config, "intermediate_size": INFLATED}))
+    cache, _, _ = trained
+    drafter = inflated_export(trained, tmp_path)
     args = tiny_cli_args(cache, tmp_path / "run", "--init-from", str(drafter))
     at = args.index("--num-layers")
     result = invoke(*args[:at], *args[at + 2 :])  # the drafter's own layer count
