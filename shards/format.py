@@ -104,6 +104,12 @@ class TargetInfo:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "vocab_size", "intermediate_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:  # shapes are made of them
+                raise ValueError(f"{name} must be positive, found {value}")
+
 
 @dataclass(kw_only=True)
 class PackingRecord:

@@ -195,6 +195,8 @@ def drafter_config_from_hf(hf: dict, source: str = "config.json", mask_token_id:
     if mask is None:
         raise ValueError(f"{source}: dflash_config.mask_token_id is null; pass --mask-token-id")
     num_heads = get("num_attention_heads", int)
+    if num_heads < 1:  # head_dim's default divides by it
+        raise ValueError(f"{source}: num_attention_heads must be positive, found {num_heads}")
     try:
         return DrafterConfig(
             num_layers=num_layers,

@@ -8,6 +8,7 @@ file, and the shapes found and expected.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from train.drafter.config import DrafterConfig
 from train.drafter.model import DFlashDrafter
 
 _NAMES_SHOWN = 5  # extra or missing tensor names listed in a refusal
+_LAYER = re.compile(r"^layers\.(\d+)\.")  # z-lab's per-layer names: layers.{i}.<...>
 
 
 def drafter_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -45,7 +47,14 @@ def header_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Path]]:
 def check_weight_shapes(files: list[Path], cfg: DrafterConfig, where: Path | str, described_by: str) -> None:
     """Refuse (ValueError) weight files whose tensor names or shapes differ from the drafter `cfg`
     (read from `described_by`) describes; `where` is what lists the files, for the names' refusal."""
-    found, expected = header_shapes(files), drafter_shapes(cfg)
+    found = header_shapes(files)
+    layers = {int(m.group(1)) for name in found if (m := _LAYER.match(name))}
+    if layers != set(range(cfg.num_layers)):  # before the shapes: a model of 10**6 layers is slow even on meta
+        raise ValueError(
+            f"{where}: the weights hold layers {_span(layers)}, {described_by} describes {cfg.num_layers} "
+            f"(layers {_span(set(range(cfg.num_layers)))}); the weights and {described_by} are not of one drafter"
+        )
+    expected = drafter_shapes(cfg)
     extra, missing = sorted(set(found) - set(expected)), sorted(set(expected) - set(found))
     if extra or missing:
         raise ValueError(
@@ -64,3 +73,13 @@ def check_weight_shapes(files: list[Path], cfg: DrafterConfig, where: Path | str
                 f"{f}: tensor {name} has shape {list(shape)}, {described_by} describes {list(want)}; the "
                 f"weights and {described_by} are not of one drafter"
             )
+
+
+def _span(layers: set[int]) -> str:
+    """0-4 for a run of layers, else the sorted list (cut short)."""
+    ordered = sorted(layers)
+    if not ordered:
+        return "none"
+    if ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"{ordered[0]}-{ordered[-1]}"
+    return f"{ordered[:_NAMES_SHOWN]}{'...' if len(ordered) > _NAMES_SHOWN else ''}"

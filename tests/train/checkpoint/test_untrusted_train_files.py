@@ -7,7 +7,10 @@ the file and the field, never a traceback, and shapes compared before anything i
      skips that checkpoint with a warning and continues from the previous one.
   3. Drafter sizes inflated past the weights (train_state.json of a checkpoint, config.json of an
      export, an --init-from drafter): refused naming the tensor before any model is built (the model
-     was allocated first, 80 GB asked, before the shapes were compared).
+     was allocated first, 80 GB asked, before the shapes were compared); a cache.json inflated past its
+     shards: refused before the loader's buffers are allocated; an export of zero heads (a
+     ZeroDivisionError before). Resume: a cursor past the run's shards (the epoch ended silently) and
+     an RNG state of another size are refused naming the field.
   4. metrics.jsonl with a record {"step": "4"}: plot refuses naming file, line and field.
 """
 
@@ -113,13 +116,23 @@ def test_a_crafted_train_state_is_refused_by_export_and_eval_naming_the_field(
         assert f"{state}: {reason}" in result.output, result.output
 
 
-def test_a_crafted_train_state_is_refused_by_resume_naming_the_field(trained, tmp_path):
+RESUME_CRAFTED = [
+    ("a string step count", lambda s: {**s, "epoch": "0"}, "field epoch must be an integer, found a string"),
+    ("a cursor past the shards", lambda s: {**s, "cursor": 10**9}, "cursor 1000000000 is past this run's 4"),
+    ("an rng state of another size", lambda s: {**s, "rng": [{"torch_cpu": "AAAA"}]}, "rng[0] does not restore"),
+]
+
+
+@pytest.mark.parametrize("name, edit, reason", RESUME_CRAFTED, ids=[c[0] for c in RESUME_CRAFTED])
+def test_a_crafted_train_state_is_refused_by_resume_naming_the_field(trained, tmp_path, name, edit, reason):
     cache, _, _ = trained
-    run, state = copy_run(trained, tmp_path)
-    craft(state, lambda s: {**s, "epoch": "0"})
+    run, _ = copy_run(trained, tmp_path)
+    shutil.rmtree(run / "step-00000004")  # step 2 the newest: a resume with steps left to train
+    state = run / "step-00000002" / "train_state.json"
+    craft(state, edit)
     result = resume(cache, run)
     assert refused(result), result.output
-    assert f"{state}: field epoch must be an integer, found a string" in result.output, result.output
+    assert f"{state}: {reason}" in result.output, result.output
 
 
 def test_an_edited_train_state_is_refused_by_name_and_skipped_by_resume(trained, tmp_path, caplog):
@@ -137,15 +150,45 @@ def test_an_edited_train_state_is_refused_by_name_and_skipped_by_resume(trained,
     assert [c.step for c in list_checkpoints(run)] == [2, 4], "step 4 trained again and written anew"
 
 
-def test_inflated_sizes_in_train_state_are_refused_naming_the_tensor_before_any_model(trained, tmp_path, no_model):
+INFLATED_STATES = [
+    (with_drafter(intermediate_size=INFLATED), "tensor layers.0.mlp.gate_proj.weight has shape [", f"[{INFLATED}, 32]"),
+    (with_drafter(num_layers=10**6, layer_types=None), "the weights hold layers 0-0", "1000000 (layers 0-999999)"),
+]
+
+
+@pytest.mark.parametrize("edit, found, described", INFLATED_STATES, ids=["MLP width", "layer count"])
+def test_inflated_sizes_in_train_state_are_refused_naming_the_tensor_before_any_model(
+    trained, tmp_path, no_model, edit, found, described
+):
     cache, _, _ = trained
     run, state = copy_run(trained, tmp_path)
-    craft(state, with_drafter(intermediate_size=INFLATED))
+    craft(state, edit)
     weights = run / "step-00000004" / "model.safetensors"
     for result in (invoke("export", run / "step-00000004", tmp_path / "out"), evaluate(run / "step-00000004", cache)):
         assert refused(result), result.output
-        assert f"{weights}: tensor layers.0.mlp.gate_proj.weight has shape [" in result.output, result.output
-        assert f"{state} describes [{INFLATED}, 32]" in result.output, result.output
+        assert f"{weights}: {found}" in result.output, result.output
+        assert f"{state} describes {described}" in result.output, result.output
+
+
+def test_a_cache_json_edited_past_its_shards_is_refused_before_any_buffer(trained, tmp_path, no_work):
+    cache = tmp_path / "cache"
+    shutil.copytree(trained[0], cache)
+    config = json.loads((cache / "cache.json").read_text())
+    (cache / "cache.json").write_text(json.dumps({**config, "token_budget": 10**10}))  # 3.8 TB of buffers
+    result = invoke(*tiny_cli_args(cache, tmp_path / "run"))
+    assert refused(result), result.output
+    assert f"cache {cache}: {cache / 'shards' / 'b00000000.safetensors'}: belongs to another cache" in result.output
+    assert "if cache.json was edited, restore it" in result.output, result.output
+
+
+def test_an_export_of_zero_heads_is_refused_naming_the_field(trained, tmp_path):
+    drafter = tmp_path / "drafter"
+    shutil.copytree(trained[2], drafter)
+    config = json.loads((drafter / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0, "head_dim": None}))
+    result = evaluate(drafter, trained[0])
+    assert refused(result), result.output
+    assert f"{drafter / 'config.json'}: num_attention_heads must be positive, found 0" in result.output
 
 
 def inflated_export(trained, tmp_path):
