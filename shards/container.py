@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import BinaryIO
 
 import torch
 
-from shards.common.json_input import InputFileError, parse_json
+from shards.common.json_input import InputFileError, open_regular, parse_json
 from shards.format import CacheFormatError, raw_bytes
 
 DTYPE_TO_ST = {
@@ -81,8 +82,8 @@ def read_header(path: str | Path, check_size: bool = True) -> Header:
     skips only the data section's length (a damaged file's header still says who wrote it)."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO under a shard's name is refused, not waited on
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise CacheFormatError(f"{path}: truncated ({size} bytes, no header)")

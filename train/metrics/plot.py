@@ -133,5 +133,8 @@ def plot_run(run_dir: str | Path, out_path: str | Path | None = None) -> dict[st
 
 def _is_our_png(path: Path) -> bool:
     """A PNG this command wrote (its metadata says so): the only file it overwrites."""
-    head = path.read_bytes()[:4096] if path.is_file() else b""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        head = f.read(4096)
     return head.startswith(b"\x89PNG") and _SOFTWARE.encode() in head
