@@ -24,6 +24,7 @@ from shards.common.json_input import InputFileError, json_type
 
 T = TypeVar("T")
 REQUIRED: Any = object()  # read_field()'s default: the field must be present
+_KEYS_SHOWN, _KEY_CHARS = 5, 40  # unknown or missing field names a message lists, and their length
 
 
 def record(cls: type[T], value: Any, source: str, name: str = "") -> T:
@@ -37,14 +38,12 @@ def record(cls: type[T], value: Any, source: str, name: str = "") -> T:
     unknown = sorted(set(value) - set(fields))
     if unknown:
         raise InputFileError(
-            f"{source}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(prefix + k for k in unknown)} "
+            f"{source}: unknown field{'s' if len(unknown) > 1 else ''} {_names(prefix, unknown)} "
             f"(the fields of {name or 'the document'}: {', '.join(fields)})"
         )
     missing = [k for k, f in fields.items() if k not in value and _required(f)]
     if missing:
-        raise InputFileError(
-            f"{source}: missing field{'s' if len(missing) > 1 else ''} {', '.join(prefix + k for k in missing)}"
-        )
+        raise InputFileError(f"{source}: missing field{'s' if len(missing) > 1 else ''} {_names(prefix, missing)}")
     hints = typing.get_type_hints(cls)
     checked = {k: typed(hints[k], v, source, prefix + k) for k, v in value.items()}
     try:
@@ -88,7 +87,7 @@ def typed(annotation: Any, value: Any, source: str, name: str) -> Any:
     if origin is dict or annotation is dict:
         _expect(isinstance(value, dict), "an object", value, source, name)
         item = args[1] if args else Any
-        return {k: typed(item, v, source, f"{name}.{k}") for k, v in value.items()}
+        return {k: typed(item, v, source, f"{name}.{_short(k)}") for k, v in value.items()}
     if annotation is list:
         _expect(isinstance(value, list), "an array", value, source, name)
         return value
@@ -133,6 +132,16 @@ def _describe(annotation: Any) -> str:
 def _expect(ok: bool, expected: str, value: Any, source: str, name: str) -> None:
     if not ok:
         raise InputFileError(f"{source}: field {name} must be {expected}, found {json_type(value)}")
+
+
+def _names(prefix: str, keys: list[str]) -> str:
+    """Field names for a message: the first few, each cut short (a crafted file's keys can be megabytes)."""
+    shown = [prefix + _short(k) for k in keys[:_KEYS_SHOWN]]
+    return ", ".join(shown) + (f" and {len(keys) - _KEYS_SHOWN} more" if len(keys) > _KEYS_SHOWN else "")
+
+
+def _short(key: str) -> str:
+    return key if len(key) <= _KEY_CHARS else f"{key[:_KEY_CHARS]}..."
 
 
 def _required(f: dataclasses.Field) -> bool:
