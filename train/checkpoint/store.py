@@ -178,7 +178,8 @@ def load_checkpoint(folder: Path) -> Checkpoint:
     absent = [n for n in (MODEL_FILE, OPTIMIZER_FILE) if not (folder / n).is_file()]
     if absent:
         raise CheckpointError(f"{folder}: missing {' and '.join(absent)} (an incomplete checkpoint)")
-    return Checkpoint(folder, int(_NAME.match(folder.name).group(1)), state)
+    named = _NAME.match(folder.name) or _NAME.match(folder.resolve().name)  # a link may name the folder
+    return Checkpoint(folder, int(named.group(1)), state)
 
 
 def list_checkpoints(out_dir: str | Path) -> list[Checkpoint]:
