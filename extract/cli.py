@@ -11,6 +11,7 @@ from shards.common.cli_options import CONTEXT_SETTINGS, build_config, config_opt
 from shards.common.diskfull import refusing_when_full
 from shards.common.errors import user_errors
 from shards.common.logs import setup_logging
+from shards.common.terminal import echo
 
 log = logging.getLogger("extract")
 
@@ -39,7 +40,7 @@ def main(gpus: str | None, **options) -> None:
     with refusing_when_full(cfg.out_dir, "the complete shards are kept: free space and re-run the same command"):
         summary = run_extract(cfg)
     if summary.rank == 0:  # the job's summary (every rank's counts); the other ranks' are in their logs
-        click.echo(summary.report())
+        echo(summary.report())
 
 
 if __name__ == "__main__":

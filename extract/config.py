@@ -15,6 +15,7 @@ from extract.dataset.index import LONG_SEQ_POLICIES, LongSeqPolicy
 from extract.dataset.packing import PackingConfig
 from shards.common.cli_options import cli_field, config_error
 from shards.format import STORAGE_DTYPES, StorageDtype, canonical_precision
+from shards.sample_ids import MAX_SHARD_SAMPLES
 
 # torch's names for what the target runs in; --storage names the cache encoding (shards/format.py says why two).
 TargetDtype = Literal["bfloat16", "float16", "float32"]
@@ -102,6 +103,13 @@ class ExtractConfig:
         for name in ("num_taps", "token_budget", "max_seqs", "topk_chunk_tokens", "writer_buffers"):
             if getattr(self, name) < 1:
                 raise config_error(self, name, "must be >= 1")
+        if min(self.max_seqs, self.token_budget) > MAX_SHARD_SAMPLES:  # a shard holds at most token_budget samples
+            raise config_error(
+                self,
+                "max_seqs",
+                f"must be <= {MAX_SHARD_SAMPLES}: a shard's header holds every sample's id and must stay within what "
+                "its reader accepts",
+            )
         if self.target_topk < 0:
             raise config_error(self, "target_topk", "must be >= 0 (0 = off)")
         if not self.progress_interval_s >= 0:  # NaN too; 0 = a line after every batch

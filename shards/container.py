@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import BinaryIO
 
 import torch
 
+from shards.common.json_input import InputFileError, open_regular, parse_json
 from shards.format import CacheFormatError, raw_bytes
 
 DTYPE_TO_ST = {
@@ -67,6 +69,8 @@ def write_container(f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: 
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    if len(blob) > MAX_HEADER_BYTES:  # read_header would refuse the file: never write it
+        raise ValueError(f"a header of {len(blob)} bytes, more than the {MAX_HEADER_BYTES} a reader accepts")
     f.write(struct.pack("<Q", len(blob)))
     f.write(blob)
     for name in sorted(tensors):
@@ -78,38 +82,56 @@ def read_header(path: str | Path, check_size: bool = True) -> Header:
     skips only the data section's length (a damaged file's header still says who wrote it)."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO under a shard's name is refused, not waited on
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise CacheFormatError(f"{path}: truncated ({size} bytes, no header)")
             (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
+            if n > MAX_HEADER_BYTES:
+                raise CacheFormatError(
+                    f"{path}: header of {n} bytes, more than the {MAX_HEADER_BYTES} a reader accepts"
+                )
+            if 8 + n > size:
                 raise CacheFormatError(f"{path}: header length {n} does not fit a {size}-byte file (truncated?)")
-            raw = json.loads(f.read(n))
+            raw = parse_json(f.read(n), f"{path}: header", max_bytes=MAX_HEADER_BYTES)
     except OSError as e:
         raise CacheFormatError(f"{path}: cannot read ({e})") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CacheFormatError(f"{path}: header is not valid JSON ({e})") from e
+    except InputFileError as e:
+        raise CacheFormatError(str(e)) from e
     if not isinstance(raw, dict):
         raise CacheFormatError(f"{path}: header is JSON but not an object (not a safetensors file)")
     metadata = raw.pop("__metadata__", {}) or {}
-    if not isinstance(metadata, dict):
-        raise CacheFormatError(f"{path}: header __metadata__ is not an object")
-    entries = {}
-    for name, e in raw.items():
-        try:
-            dtype = ST_TO_DTYPE[e["dtype"]]
-            begin, end = (int(x) for x in e["data_offsets"])
-            entries[name] = TensorEntry(dtype, tuple(int(s) for s in e["shape"]), begin, end)
-        except (KeyError, TypeError, ValueError) as err:
-            raise CacheFormatError(f"{path}: bad header entry for tensor {name!r} ({err})") from err
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CacheFormatError(f"{path}: header __metadata__ is not an object of strings")
+    entries = {name: _entry(path, name, e) for name, e in raw.items()}
     header = Header(metadata, entries, 8 + n)
     if check_size and header.data_end != size:
         raise CacheFormatError(
             f"{path}: file is {size} bytes but its header describes {header.data_end} (truncated or padded)"
         )
     return header
+
+
+def _entry(path: Path, name: str, e: object) -> TensorEntry:
+    """One tensor's header entry, its byte range as long as its shape and dtype say."""
+    try:
+        dtype = ST_TO_DTYPE[e["dtype"]]  # type: ignore[index]
+        begin, end = e["data_offsets"]  # type: ignore[index]
+        shape = tuple(e["shape"])  # type: ignore[index]
+    except (KeyError, TypeError, ValueError) as err:
+        raise CacheFormatError(f"{path}: bad header entry for tensor {name!r} ({err!r})") from err
+    if not all(type(x) is int and x >= 0 for x in (begin, end, *shape)) or begin > end:
+        raise CacheFormatError(f"{path}: bad header entry for tensor {name!r} (shape {shape}, offsets {[begin, end]})")
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if end - begin != numel * dtype.itemsize:
+        raise CacheFormatError(
+            f"{path}: header entry for tensor {name!r} spans {end - begin} bytes, its shape {shape} "
+            f"{dtype} takes {numel * dtype.itemsize}"
+        )
+    return TensorEntry(dtype, shape, begin, end)
 
 
 class MappedContainer:

@@ -40,6 +40,8 @@ import torch
 
 from shards.common.crc import crc32
 from shards.common.errors import UserError
+from shards.common.json_input import InputFileError, parse_json
+from shards.common.schema import record
 
 FORMAT_VERSION = 2
 CACHE_CONFIG_FILE = "cache.json"
@@ -105,6 +107,12 @@ class TargetInfo:
     # The target's context length (config.json max_position_embeddings), which an exported drafter's
     # config.json carries (vLLM sizes the drafter's RoPE table by it); None = an older cache.
     max_position_embeddings: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "vocab_size", "intermediate_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:  # shapes are made of them
+                raise ValueError(f"{name} must be positive, found {value}")
 
 
 @dataclass(kw_only=True)
@@ -211,14 +219,20 @@ class CacheConfig:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, source: str = CACHE_CONFIG_FILE) -> CacheConfig:
+    def from_json(cls, text: str | bytes, source: str = CACHE_CONFIG_FILE) -> CacheConfig:
         try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CacheFormatError(f"{source}: not valid JSON ({e})") from e
-        version = raw.get("format_version") if isinstance(raw, dict) else None
+            raw = parse_json(text, source)
+        except InputFileError as e:
+            raise CacheFormatError(str(e)) from e
+        return cls.from_value(raw, source)
+
+    @classmethod
+    def from_value(cls, raw: Any, source: str = CACHE_CONFIG_FILE) -> CacheConfig:
+        """The config a parsed cache.json holds: version first (an older cache gets the advice to
+        re-extract, not a list of fields), then every field and type (shards/common/schema.py)."""
         if not isinstance(raw, dict):
             raise CacheFormatError(f"{source}: not a JSON object")
+        version = raw.get("format_version")
         if version == 1:
             raise CacheFormatError(
                 f"{source}: cache format version 1 (shards without a cache identity); this dflash-pipeline "
@@ -226,17 +240,14 @@ class CacheConfig:
             )
         if version != FORMAT_VERSION:
             raise CacheFormatError(
-                f"{source}: cache format version {version!r}, this dflash-pipeline reads version "
+                f"{source}: cache format version {version!r:.40}, this dflash-pipeline reads version "
                 f"{FORMAT_VERSION}; re-run dflash-extract with this version to rebuild the cache"
             )
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise CacheFormatError(f"{source}: unknown fields {unknown}")
+        older = {name: None for name in ("packing", "dataset") if raw.get(name) == {}}  # older caches wrote {}
         try:
-            return cls(**raw)
-        except (TypeError, ValueError) as e:
-            raise CacheFormatError(f"{source}: {e}") from e
+            return record(cls, {**raw, **older}, source)
+        except InputFileError as e:
+            raise CacheFormatError(str(e)) from e
 
     def identity(self) -> dict[str, Any]:
         """The settings that must match for a resumed extraction to add to this cache."""

@@ -18,13 +18,13 @@ the user's: its presence makes --overwrite refuse, and nothing here ever deletes
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from shards.common.json_input import parse_json
 from shards.common.owned import (
     LOCK_FILE,
     Dir,
@@ -69,7 +69,7 @@ def _our_container(d: Dir, name: str, batch_id: int | None = None) -> bool:
 
 def _our_cache_config(d: Dir, name: str) -> bool:
     try:
-        record = json.loads(d.read_bytes(name))
+        record = parse_json(d.read_bytes(name), str(d.path / name))
     except (OSError, ValueError):  # absent, not a regular file, not JSON
         return False
     return isinstance(record, dict) and "format_version" in record

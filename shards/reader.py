@@ -6,13 +6,13 @@ user can find the bad file; `verify` collects those messages for a whole cache.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from shards.container import MappedContainer, read_header
+from shards.common.json_input import InputFileError, json_type, parse_json, read_json
+from shards.container import MAX_HEADER_BYTES, MappedContainer, read_header
 from shards.format import (
     CACHE_CONFIG_FILE,
     FORMAT_VERSION,
@@ -26,6 +26,7 @@ from shards.format import (
     shard_path,
     tensor_specs,
 )
+from shards.sample_ids import sample_id_problem
 from shards.writer import SampleEntry
 
 
@@ -56,9 +57,12 @@ class ShardInfo:
 
 def read_cache_config(cache_dir: str | Path) -> CacheConfig:
     path = Path(cache_dir) / CACHE_CONFIG_FILE
-    if not path.is_file():
+    if not path.exists():  # a FIFO or a directory in its place is refused by name when read
         raise CacheFormatError(f"{path}: not found; is {cache_dir} a cache written by dflash-extract?")
-    return CacheConfig.from_json(path.read_text(), source=str(path))
+    try:
+        return CacheConfig.from_value(read_json(path), source=str(path))
+    except InputFileError as e:
+        raise CacheFormatError(str(e)) from e
 
 
 def list_shards(cache_dir: str | Path) -> list[int]:
@@ -159,13 +163,11 @@ class ShardReader:
                 raise ShardError(
                     path, f"tensor {name} is {e.shape} {e.dtype}, cache.json expects {spec.shape} {spec.dtype}"
                 )
-        try:
-            samples = [SampleEntry(str(s), int(o), int(n), int(m)) for s, o, n, m in json.loads(meta["samples"])]
-            num_tokens = int(meta["num_tokens"])
-            stored = meta["checksum"]
-        except (KeyError, ValueError, TypeError) as e:
-            raise ShardError(path, f"bad metadata ({e!r})") from e
-        return ShardInfo(batch_id, path, samples, num_tokens, stored, path.stat().st_size)
+        missing = [k for k in ("samples", "num_tokens", "checksum") if k not in meta]
+        if missing or not meta["num_tokens"].isdigit():
+            raise ShardError(path, f"bad metadata (missing {missing}, num_tokens {meta.get('num_tokens')!r})")
+        samples = _samples(path, meta["samples"])
+        return ShardInfo(batch_id, path, samples, int(meta["num_tokens"]), meta["checksum"], path.stat().st_size)
 
     def read(
         self,
@@ -200,6 +202,31 @@ class ShardReader:
             check_packing(info, views, self.config)
             del views
         return info
+
+
+def _samples(path: Path, text: str) -> list[SampleEntry]:
+    """The header's samples: [[id, offset, length, loss tokens], ...], each id within the bounds the
+    writer keeps (shards/sample_ids.py)."""
+    try:
+        rows = parse_json(text, f"{path}: header samples", max_bytes=MAX_HEADER_BYTES)
+    except InputFileError as e:
+        raise ShardError(path, str(e).removeprefix(f"{path}: ")) from e
+    if not isinstance(rows, list):
+        raise ShardError(path, f"header samples must be an array, found {json_type(rows)}")
+    samples = []
+    for i, row in enumerate(rows):
+        if not (
+            isinstance(row, list)
+            and len(row) == 4
+            and isinstance(row[0], str)
+            and all(type(x) is int and x >= 0 for x in row[1:])
+        ):
+            raise ShardError(path, f"header samples[{i}] must be [id, offset, length, loss tokens], found {row!r:.200}")
+        problem = sample_id_problem(row[0])
+        if problem is not None:
+            raise ShardError(path, f"header samples[{i}]: id {problem}")
+        samples.append(SampleEntry(*row))
+    return samples
 
 
 def _check_checksum(info: ShardInfo, views: dict[str, torch.Tensor]) -> None:

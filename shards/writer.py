@@ -24,6 +24,7 @@ from shards.format import (
     target_head_shapes,
     tensor_specs,
 )
+from shards.sample_ids import MAX_SHARD_SAMPLES, sample_id_problem
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,12 @@ def write_shard(
                 f"batch {batch_id}: tensor {name} is {tuple(t.shape)} {t.dtype}, "
                 f"the cache expects {spec.shape} {spec.dtype}"
             )
+    if len(samples) > MAX_SHARD_SAMPLES:
+        raise ValueError(f"batch {batch_id}: {len(samples)} samples, more than the {MAX_SHARD_SAMPLES} a shard holds")
+    for s in samples:
+        problem = sample_id_problem(s.sample_id)
+        if problem is not None:  # the scan refuses such ids first, naming file and row
+            raise ValueError(f"batch {batch_id}: sample id {problem}")
     host = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     metadata = {
         "format_version": str(FORMAT_VERSION),

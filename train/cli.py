@@ -22,6 +22,7 @@ from shards.common.diskfull import refusing_when_full
 from shards.common.errors import user_errors
 from shards.common.logs import setup_logging
 from shards.common.progress import format_figure, plural
+from shards.common.terminal import echo
 from train.config import TrainConfig
 from train.eval.config import EvalConfig
 
@@ -91,7 +92,7 @@ def train(gpus: str | None, **options) -> None:
     main_rank = os.environ.get("RANK", "0") == "0"
     if summary.already_complete:
         if main_rank:
-            click.echo(
+            echo(
                 f"run {cfg.out_dir} is already complete: step {summary.steps} of {summary.steps}, checkpoint "
                 f"{summary.last_checkpoint}; nothing to train (export it with `dflash-train export "
                 f"{cfg.out_dir} DIR`, or train longer in a new --out)"
@@ -99,25 +100,25 @@ def train(gpus: str | None, **options) -> None:
         return
     if summary.stopped:
         if main_rank:
-            click.echo(
+            echo(
                 f"stopped by {summary.stop_signal} after step {summary.steps}: checkpoint {summary.last_checkpoint}; "
                 "run the same command with --resume to continue",
                 err=True,
             )
         else:  # each rank says it stopped cleanly, at the step every rank agreed on
-            click.echo(
+            echo(
                 f"rank {os.environ.get('RANK')}: stopped by {summary.stop_signal} after step {summary.steps}", err=True
             )
         # 128 + the signal (SIGINT 2, SIGTERM 15): the job did not finish, and nothing was lost
         sys.exit(130 if summary.stop_signal == "SIGINT" else 143)
     if main_rank:
-        click.echo(summary.report())
+        echo(summary.report())
         if summary.eval is not None:
-            click.echo(summary.eval.table())
+            echo(summary.eval.table())
         if summary.eval_before is not None and summary.eval is not None:
             before, after = summary.eval_before, summary.eval
             start = "initial (--init-from)" if cfg.drafter.init_from else "untrained"
-            click.echo(
+            echo(
                 f"acceptance length on held-out shards (decoding walk): {format_figure(before.acceptance_length, '.3f')} "
                 f"{start} -> {format_figure(after.acceptance_length, '.3f')} after {plural(summary.steps, 'step')}; "
                 f"held-out loss {format_figure(before.heldout_loss, '.4f')} -> {format_figure(after.heldout_loss, '.4f')}"
@@ -140,9 +141,9 @@ def export(checkpoint: str, out: str, overwrite: bool) -> None:
     from train.drafter.config import DrafterConfig
 
     ckpt = export_checkpoint(checkpoint, out, overwrite)
-    click.echo(f"exported {ckpt.path} (step {ckpt.step}) -> {out}")
+    echo(f"exported {ckpt.path} (step {ckpt.step}) -> {out}")
     for line in serve_commands(DrafterConfig(**ckpt.state["drafter"]), out, ckpt.state.get("target_name")):
-        click.echo(line)
+        echo(line)
 
 
 @main.command(name="eval", context_settings=CONTEXT_SETTINGS)
@@ -176,7 +177,7 @@ def eval_cmd(entry: EntryPoint | None, out_json, **options) -> None:
     from train.eval.run import run_eval  # heavy imports after argument checks
 
     result = run_eval(cfg, verifier_factory=(entry or EntryPoint()).verifier_factory)
-    click.echo(result.table())
+    echo(result.table())
     if out_json:
         write_eval_json(out_json, result.to_dict())
 
@@ -200,7 +201,7 @@ def plot(run: str, out_png: str | None) -> None:
     drawn = plot_run(run, out)
     metrics = read_run_metrics(run)
     evals = len(metrics.evals)
-    click.echo(
+    echo(
         f"wrote {out}: {len(drawn)} curves over steps {metrics.records[0]['step']}..{metrics.records[-1]['step']}"
         f" ({len(metrics.records)} log records, {evals} evaluation{'s' if evals != 1 else ''})"
     )

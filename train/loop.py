@@ -42,6 +42,9 @@ from shards.common.runtime import (
 from train.checkpoint.async_save import CheckpointWriter
 from train.checkpoint.serving import trained_for
 from train.checkpoint.store import (
+    MODEL_FILE,
+    STATE_FILE,
+    CheckpointError,
     checkpoint_folders,
     checkpoint_name,
     decode_rng,
@@ -50,6 +53,7 @@ from train.checkpoint.store import (
     load_model_state,
     load_optimizer_state,
 )
+from train.checkpoint.weight_shapes import check_weight_shapes
 from train.config import TrainConfig
 from train.console import TrainSummary, announce_run
 from train.data import Batch, rank_batches
@@ -269,6 +273,8 @@ class Trainer:
             log.info("resume: no checkpoint in %s, starting from step 0", self.out_dir)
             return 0, 0
         check_resume(ckpt, self.cfg, self.run, self.dist.world_size)
+        weights = ckpt.path / MODEL_FILE
+        check_weight_shapes([weights], self.run.drafter, weights, described_by="this run's drafter")
         model_state = load_model_state(ckpt)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
@@ -277,7 +283,10 @@ class Trainer:
         st = ckpt.state
         self.step, self.epoch, self.cursor = st["step"], st["epoch"], st["cursor"]
         self.state.schedule.set_step(self.step)
-        self._set_rng_state(st["rng"][self.dist.rank])
+        try:
+            self._set_rng_state(st["rng"][self.dist.rank])
+        except RuntimeError as e:  # a state of another size than torch's generators keep
+            raise CheckpointError(f"{ckpt.path / STATE_FILE}: rng[{self.dist.rank}] does not restore ({e})") from e
         self.last_checkpoint = ckpt.path
         log.info("resume: %s (step %d, epoch %d, shard %d of the epoch)", ckpt.path, self.step, self.epoch, self.cursor)
         return st["tokens_seen"], st["skipped_shards"]

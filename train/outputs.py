@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shards.common.durable import atomic_write_text
+from shards.common.json_input import parse_json
 from shards.common.owned import Dir
 
 # Keys every eval.json of dflash-train holds (EvalResult.to_dict; EvalOutput.to_dict without a walk
@@ -26,7 +27,7 @@ _EVAL_ANY_OF = ("acceptance_length", "speculative_decoding")
 def is_eval_record(d: Dir, name: str) -> bool:
     """Whether `name` in `d` is an eval.json that dflash-train wrote (eval --out or a run's OUT/eval.json)."""
     try:
-        record = json.loads(d.read_bytes(name))
+        record = parse_json(d.read_bytes(name), str(d.path / name))
     except (OSError, ValueError):  # absent, not a regular file, not JSON
         return False
     return isinstance(record, dict) and all(k in record for k in _EVAL_KEYS) and any(k in record for k in _EVAL_ANY_OF)

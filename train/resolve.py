@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shards import CacheConfig, ShardReader, read_cache_config
+from shards import CacheConfig, ShardError, ShardReader, read_cache_config
 from shards.common.cli_options import flag_name, shown
 from shards.container import read_header
 from shards.format import TARGET_HEAD_FILE, shard_path, target_head_shapes
@@ -145,6 +145,7 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
         )
     all_ids = planned_batch_ids(cache_cfg, cfg.cache)
     _check_shards_present(cfg, all_ids)
+    _check_a_shard_header(cfg, all_ids)
     if cfg.eval.shards >= len(all_ids):
         raise ValueError(
             f"--eval-shards {cfg.eval.shards} leaves no training shards: cache "
@@ -216,7 +217,7 @@ def _drafter_from_init(cfg: TrainConfig, cache_cfg: CacheConfig, mask_token_id: 
     pinned = cfg.drafter
     try:
         drafter = read_drafter_config(pinned.init_from, mask_token_id=mask_token_id)
-        check_weight_files(pinned.init_from)  # a cut-short file refused now, not after the model is built
+        check_weight_files(pinned.init_from, drafter)  # a cut-short file, other shapes: refused before any model
     except (OSError, ValueError) as e:
         raise ValueError(f"--init-from {pinned.init_from}: {e}") from e
     target = cache_cfg.target
@@ -257,6 +258,28 @@ def _check_shards_present(cfg: TrainConfig, batch_ids: list[int]) -> None:
             f"{shard_path(cfg.cache, missing[0])}); finish the cache (re-run its dflash-extract command: "
             "`dflash-shards verify` prints it), or pass --skip-bad-shards to train on the rest"
         )
+
+
+def _check_a_shard_header(cfg: TrainConfig, batch_ids: list[int]) -> None:
+    """A present shard's header agrees with cache.json (cache id, tensor shapes and dtypes): the loader's
+    buffers are sized from cache.json, so one edited past its shards (token_budget 10**10: 3.8 TB asked)
+    is refused now, not by an allocation. With --skip-bad-shards the first shard whose header agrees
+    will do."""
+    reader = ShardReader(cfg.cache)
+    first_error = None
+    for batch_id in (b for b in batch_ids if shard_path(cfg.cache, b).is_file()):
+        try:
+            reader.info(batch_id)
+            return
+        except ShardError as e:
+            first_error = first_error or e
+            if not cfg.skip_bad_shards:
+                break
+    if first_error is not None:
+        raise ValueError(
+            f"cache {cfg.cache}: {first_error}; if cache.json was edited, restore it, else check the cache "
+            "(`dflash-shards verify`)"
+        ) from first_error
 
 
 def _check_taps(cfg: TrainConfig, cache_cfg: CacheConfig) -> None:

@@ -20,7 +20,8 @@ from typing import Any
 
 from shards.common.cli_options import flag_name, option_fields, shown
 from shards.common.identity import differences
-from train.checkpoint.store import Checkpoint
+from train.checkpoint.store import STATE_FILE, Checkpoint, CheckpointError
+from train.checkpoint.train_state import TrainState, train_state
 from train.config import TrainConfig
 from train.resolve import ResolvedRun, resolved_identity
 
@@ -37,7 +38,9 @@ def cache_identity(run: ResolvedRun) -> dict[str, Any]:
 
 
 def check_resume(ckpt: Checkpoint, cfg: TrainConfig, run: ResolvedRun, world_size: int) -> None:
-    """Refuse (ValueError naming each flag) to resume `ckpt` under other resolved settings or another cache."""
+    """Refuse (ValueError naming each flag) to resume `ckpt` under other resolved settings or another cache;
+    first, a train_state.json with a field of another type, an unknown or a missing one (naming it)."""
+    _check_position(train_state(ckpt), ckpt, cfg, run, world_size)
     state = ckpt.state
     recorded, now = state.get("resolved_identity"), resolved_identity(cfg, run)
     if not isinstance(recorded, dict):  # written before the resolved identity was recorded
@@ -75,6 +78,18 @@ def check_resume(ckpt: Checkpoint, cfg: TrainConfig, run: ResolvedRun, world_siz
             f"cannot resume from {ckpt.path}: settings differ ({'; '.join(diffs)}); "
             "use the original settings or a new --out directory"
         )
+
+
+def _check_position(state: TrainState, ckpt: Checkpoint, cfg: TrainConfig, run: ResolvedRun, world_size: int) -> None:
+    """The data position train_state.json records lies within this run's epochs and shards per rank (a
+    cursor past them once ended the epoch silently)."""
+    per_rank = len(run.train_ids) // world_size
+    for name, value, most in (("epoch", state.epoch, cfg.epochs), ("cursor", state.cursor, per_rank)):
+        if value > most:
+            raise CheckpointError(
+                f"{ckpt.path / STATE_FILE}: {name} {value} is past this run's {most} ({cfg.epochs} epochs of "
+                f"{per_rank} shards per rank); restore the checkpoint, or use an earlier one"
+            )
 
 
 def _is_option(key: str) -> bool:

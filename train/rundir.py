@@ -12,12 +12,12 @@ without either it must be empty but for the lock and temporaries. RUN_LAYOUT say
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
 
 from shards.common.durable import remove_stale_temporaries
+from shards.common.json_input import InputFileError, parse_json
 from shards.common.owned import PROBE, Dir, Entry, Layout, OwnershipError, describe, nested, survey
 from shards.format import CACHE_CONFIG_FILE
 from train.checkpoint import store as checkpoint
@@ -100,7 +100,7 @@ def is_run_record(d: Dir, name: str) -> bool:
     """Whether `name` in `d` is a run.json that dflash-train wrote (a regular file holding a JSON object
     with every RUN_RECORD_KEYS key); a link or FIFO of that name never is (and is never opened)."""
     try:
-        record = json.loads(d.read_bytes(name))
+        record = parse_json(d.read_bytes(name), str(d.path / name))
     except (OSError, ValueError):  # absent, not a regular file, not JSON
         return False
     return isinstance(record, dict) and all(k in record for k in RUN_RECORD_KEYS) and isinstance(record["config"], dict)
@@ -124,8 +124,8 @@ def truncate_metrics(out_dir: str | Path, step: int) -> int:
         kept, dropped = [], 0
         for line in d.read_text(METRICS_FILE).splitlines():
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a kill: it was never a complete record
+                rec = parse_json(line, str(d.path / METRICS_FILE))
+            except InputFileError:  # a line cut by a kill: it was never a complete record
                 dropped += 1
                 continue
             if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:

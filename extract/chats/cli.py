@@ -19,6 +19,7 @@ from shards.common.cli_options import CONTEXT_SETTINGS, build_config, config_opt
 from shards.common.diskfull import refusing_when_full
 from shards.common.errors import user_errors
 from shards.common.logs import setup_logging
+from shards.common.terminal import echo
 
 _NUM_FAILURES_SHOWN = 20
 
@@ -51,8 +52,8 @@ def prepare(**options) -> None:
     with refusing_when_full(cfg.out, "nothing was written (the output appears complete or not at all): free space"):
         summary = prepare_dataset(cfg)
     for item in summary.skipped[:_NUM_FAILURES_SHOWN]:
-        click.echo(f"skipped {item['row']}: {item['reason']}", err=True)
-    click.echo(f"done: {summary.line()} (summary in {cfg.out}.summary.json)")
+        echo(f"skipped {item['row']}: {item['reason']}", err=True)
+    echo(f"done: {summary.line()} (summary in {cfg.out}.summary.json)")
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
@@ -72,12 +73,12 @@ def regenerate(**options) -> None:
     kept = "the conversations written are kept: free space and re-run the same command to do the rest"
     with refusing_when_full(cfg.out, kept):
         summary = regenerate_dataset(cfg)
-    click.echo(f"done: {summary.line()}")
+    echo(f"done: {summary.line()}")
     if summary.failures:
         for failure in summary.failures[:_NUM_FAILURES_SHOWN]:
-            click.echo(f"failed {failure.sample_id!r} ({failure.where}): {failure.reason}", err=True)
+            echo(f"failed {failure.sample_id!r} ({failure.where}): {failure.reason}", err=True)
         if len(summary.failures) > _NUM_FAILURES_SHOWN:
-            click.echo(f"... and {len(summary.failures) - _NUM_FAILURES_SHOWN} more", err=True)
+            echo(f"... and {len(summary.failures) - _NUM_FAILURES_SHOWN} more", err=True)
         raise click.ClickException(
             f"{len(summary.failures)} conversations failed and are not in {cfg.out}; re-run the same command to retry them"
         )

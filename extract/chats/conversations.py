@@ -26,7 +26,6 @@ rows, are best stored as JSON strings, which are read as written.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,9 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from extract.dataset.files import derived_id_prefixes, find_data_files
-from extract.dataset.rows import DataError, open_parquet, read_row_group, row_location
+from extract.dataset.rows import MAX_ROW_BYTES, DataError, open_parquet, read_row_group, row_location
+from shards.common.json_input import InputFileError, parse_json, read_json
+from shards.sample_ids import sample_id_problem
 
 CONVERSATION_SUFFIXES = (".jsonl", ".json", ".parquet")
+MAX_JSON_DATASET_BYTES = 8 << 30  # a .json dataset is parsed whole; larger ones belong in JSON Lines
 # The records dflash-data writes beside its outputs (regenerate's settings, prepare's summary): never data.
 REGENERATE_META_SUFFIX = ".regenerate.json"
 PREPARE_SUMMARY_SUFFIX = ".summary.json"
@@ -117,6 +119,15 @@ def first_unencodable(value: Any, what: str) -> str | None:
     return None
 
 
+def _embedded_json(text: str, where: str, what: str) -> Any:
+    """A JSON value stored as a string inside a row (tool-call arguments, tool schemas), bounded as
+    every JSON read is."""
+    try:
+        return parse_json(text, where)
+    except InputFileError as e:
+        raise DataError(f"{where}: {what} is not valid JSON ({str(e).removeprefix(where + ': ')})") from e
+
+
 def _without_struct_nulls(value: Any) -> Any:
     """`value` with every null object field dropped, at any depth (see the module docstring: in a
     Parquet struct, a key another row has reads back as null in this one). List items are kept."""
@@ -135,10 +146,7 @@ def _tool_call(call: Any, what: str, where: str) -> dict[str, Any]:
         raise DataError(f"{where}: {what} has no function name")
     args = fn.get("arguments", {})
     if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: {what}.arguments is not valid JSON ({e})") from e
+        args = _embedded_json(args, where, f"{what}.arguments") if args.strip() else {}
     if not isinstance(args, dict):
         raise DataError(f"{where}: {what}.arguments must be a JSON object, found {type(args).__name__}")
     out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
@@ -192,10 +200,7 @@ def _sharegpt_message(msg: Any, i: int, where: str) -> dict[str, Any]:
         )
     value = _text(msg.get("value"), f"{what}.value", where)
     if speaker == "function_call":
-        try:
-            call = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: {what} is a function_call whose value is not JSON ({e})") from e
+        call = _embedded_json(value, where, f"{what} (a function_call) value")
         return {"role": "assistant", "content": "", "tool_calls": [_tool_call(call, what, where)]}
     return {"role": SHAREGPT_ROLES[speaker], "content": value}
 
@@ -231,10 +236,7 @@ def conversation_from_row(row: Any, path: str, row_index: int, id_prefix: str | 
             raise DataError(f"{where}: {key}[{i}] is a system message after the first turn")
     tools = row.get("tools")
     if isinstance(tools, str):  # ShareGPT function-calling sets store the schemas as a JSON string
-        try:
-            tools = json.loads(tools) if tools.strip() else None
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: tools is not valid JSON ({e})") from e
+        tools = _embedded_json(tools, where, "tools") if tools.strip() else None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise DataError(f"{where}: tools must be a list of objects")
     raw_id = row.get("id")
@@ -242,6 +244,14 @@ def conversation_from_row(row: Any, path: str, row_index: int, id_prefix: str | 
         raise DataError(f"{where}: id must be a string or an integer, found {type(raw_id).__name__}")
     prefix = Path(path).stem if id_prefix is None else id_prefix
     sample_id = f"{prefix}:{row_index}" if raw_id is None else str(raw_id)
+    problem = sample_id_problem(sample_id)
+    if problem is not None:  # the token rows made of it would be refused by dflash-extract's scan
+        fix = (
+            "fix the row's id"
+            if raw_id is not None
+            else "give the row an id, or rename the file (its name makes the id)"
+        )
+        raise DataError(f"{where}: id {problem}; {fix}")
     extra = {k: v for k, v in row.items() if k not in ("id", "messages", "conversations", "tools", "system")}
     return Conversation(sample_id, messages, tools or None, where, extra)
 
@@ -259,10 +269,9 @@ def _file_rows(path: str) -> Iterator[tuple[int, Any]]:
                 row += 1
     elif path.endswith(".json"):
         try:
-            with open(path, encoding="utf-8") as f:
-                items = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DataError(f"{path}: not valid JSON ({e}); a .json file holds a list of conversations") from e
+            items = read_json(path, max_bytes=MAX_JSON_DATASET_BYTES)
+        except InputFileError as e:
+            raise DataError(f"{e}; a .json file holds a list of conversations") from e
         if not isinstance(items, list):
             raise DataError(f"{path}: a .json file must hold a list of conversations, found {type(items).__name__}")
         yield from enumerate(items)
@@ -272,10 +281,11 @@ def _file_rows(path: str) -> Iterator[tuple[int, Any]]:
                 if not line.strip():
                     yield row, DataError(f"{row_location(path, row)}: empty line; JSON Lines needs one object per line")
                     continue
+                where = row_location(path, row)
                 try:
-                    yield row, json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    yield row, DataError(f"{row_location(path, row)}: malformed JSON line ({e})")
+                    yield row, parse_json(line, where, max_bytes=MAX_ROW_BYTES)
+                except InputFileError as e:
+                    yield row, DataError(f"{where}: malformed JSON line ({str(e).removeprefix(where + ': ')})")
 
 
 def conversation_files(path: str | os.PathLike) -> list[str]:
@@ -326,13 +336,12 @@ def _file_kind(path: str) -> str | None:
         if path.endswith(".parquet"):
             keys = set(open_parquet(path).schema_arrow.names)
         elif path.endswith(".json"):
-            with open(path, encoding="utf-8") as f:
-                items = json.load(f)
+            items = read_json(path, max_bytes=MAX_JSON_DATASET_BYTES)
             keys = set(items[0]) if isinstance(items, list) and items and isinstance(items[0], dict) else set()
         else:
             with open(path, "rb") as f:
                 line = next((raw for raw in f if raw.strip()), b"{}")
-            row = json.loads(line)
+            row = parse_json(line, path, max_bytes=MAX_ROW_BYTES)
             keys = set(row) if isinstance(row, dict) else set()
     except (OSError, ValueError):  # DataError (an unreadable Parquet footer) included
         return None  # the token scan reports what is wrong with it, naming file and row

@@ -42,6 +42,7 @@ from extract.chats.wire import Retryable, completion, completion_tokens, excerpt
 from extract.dataset.rows import DataError
 from shards.common.cli_options import cli_field, config_error
 from shards.common.durable import atomic_write_bytes, atomic_write_text
+from shards.common.json_input import InputFileError, parse_json, read_json
 from shards.common.owned import Dir
 from shards.common.progress import ProgressLog, format_duration
 
@@ -181,9 +182,9 @@ def _read_done(out: Path) -> tuple[dict[str, str | None], int]:
     done = {}
     for number, line in enumerate(raw.splitlines(), 1):
         try:
-            row = json.loads(line)
+            row = parse_json(line, str(out))
             done[str(row["id"])] = row.get(SOURCE_KEY)
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        except (InputFileError, KeyError, TypeError, AttributeError) as e:
             raise DataError(f"{out}, line {number}: not a regenerated conversation ({e}); the file was edited") from e
     return done, cut
 
@@ -198,7 +199,9 @@ def source_sha256(conv: Conversation) -> str:
 
 def _drop_lines(out: Path, ids: set[str]) -> None:
     """Rewrite OUT (ours) without the lines of `ids`, in one atomic step."""
-    kept = [line for line in out.read_bytes().splitlines(keepends=True) if str(json.loads(line)["id"]) not in ids]
+    kept = [
+        line for line in out.read_bytes().splitlines(keepends=True) if str(parse_json(line, str(out))["id"]) not in ids
+    ]
     atomic_write_bytes(out, b"".join(kept))
 
 
@@ -237,8 +240,8 @@ def _check_meta(cfg: RegenerateConfig, out: Path) -> None:
 def _read_meta(meta_path: Path) -> dict | None:
     """The settings a regenerate run recorded, None when the file is not such a record."""
     try:
-        record = json.loads(meta_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        record = read_json(meta_path)
+    except (OSError, InputFileError):
         return None
     return record if isinstance(record, dict) and all(k in record for k in _META_KEYS) else None
 

@@ -42,6 +42,7 @@ import numpy as np
 from extract.chats.conversations import FINISH_REASON, Conversation
 from extract.dataset.rows import DataError
 from shards.common.errors import UserError
+from shards.common.json_input import read_json, read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +61,10 @@ def refuse_shipped_code(target_dir: Path) -> None:
     shipped in the directory, which transformers would import (or ask on stdin whether to). We never run
     code from a checkpoint: it runs with all of this user's rights."""
     for name in ("config.json", "tokenizer_config.json"):  # AutoTokenizer reads config.json for the model type
-        path = target_dir / name
+        path = Path(target_dir) / name
         try:
-            fields = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError):
+            fields = read_json(path)
+        except (OSError, ValueError):  # InputFileError included
             continue  # absent or unreadable: what loads it says so
         if isinstance(fields, dict) and fields.get("auto_map"):
             raise ChatTemplateError(
@@ -98,7 +99,7 @@ def load_tokenizer(target_dir: str | Path):
         # AutoTokenizer would pick the model type's own class, which rebuilds it (byte-level BPE for
         # Qwen3.5), and the tiny target's word-level tokenizer is not one.
         declared = (
-            json.loads((target_dir / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+            read_json_object(target_dir / "tokenizer_config.json").get("tokenizer_class")
             if (target_dir / "tokenizer_config.json").is_file()
             else None
         )

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from extract.chats.conversations import FINISH_REASON, first_unencodable
+from shards.common.json_input import InputFileError, parse_json
 
 
 class Retryable(Exception):
@@ -48,8 +49,8 @@ def _malformed(what: str, body: bytes) -> Retryable:
 def _json_body(body: bytes) -> Any:
     """The JSON of an answer's body; None when it is not JSON (an HTML page, empty, cut off)."""
     try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        return parse_json(body, "the server's answer")
+    except InputFileError:
         return None
 
 
@@ -92,8 +93,8 @@ def _reply_tool_call(call: Any, index: int, body: bytes) -> dict[str, Any]:
         raise _malformed(f"tool_calls[{index}] is not a function call with a name and string arguments", body)
     raw = fn.get("arguments") or "{}"  # no arguments: a call without parameters
     try:
-        args = json.loads(raw)
-    except json.JSONDecodeError:
+        args = parse_json(raw, "the server's tool-call arguments")
+    except InputFileError:
         args = None
     if not isinstance(args, dict):  # rewritten, the drafter would learn parameters the model never wrote
         raise Retryable(

@@ -7,6 +7,7 @@ Each row carries
     input_ids   list of ints in [0, vocab_size)           required
     loss_mask   list of 0/1, as long as input_ids         optional; all ones when absent
     id          string or int                             optional; "<file stem>:<row>" when absent
+                (at most MAX_SAMPLE_ID_BYTES bytes of UTF-8, no control characters: shards/sample_ids.py)
 Rows are counted from 0 within their file (a JSONL row is a line, so row r is line r + 1).
 
 scan_dataset() reads every row once, before any model loads, and raises one DataError naming file,
@@ -47,6 +48,7 @@ from extract.dataset.rows import (
 )
 from shards.anchors import valid_anchors
 from shards.common.crc import crc32
+from shards.sample_ids import preview, sample_id_problem
 
 logger = logging.getLogger(__name__)
 
@@ -284,10 +286,20 @@ def _index_chunk(
     rows, row_ids, lengths, mask = chunk.rows, chunk.ids, chunk.lengths, chunk.mask
     file = files[fi]
     names = [f"{stem}:{r}" if i is None else str(i) for i, r in zip(row_ids, rows.tolist())]
-    for name, row in zip(names, rows.tolist()):
+    for name, given, row in zip(names, row_ids, rows.tolist()):
+        problem = sample_id_problem(name)
+        if problem is not None:
+            fix = (
+                "fix the row's id"
+                if given is not None
+                else "give the row an id, or rename the file (its name makes the id)"
+            )
+            problems.add(f"{row_location(file, row)}: id {problem}; {fix}")
         if name in seen:
             pf, prow = seen[name]
-            problems.add(f"duplicate sample id {name!r}: {row_location(files[pf], prow)} and {row_location(file, row)}")
+            problems.add(
+                f"duplicate sample id {preview(name)}: {row_location(files[pf], prow)} and {row_location(file, row)}"
+            )
         else:
             seen[name] = (fi, row)
     if refuse_longer_than is not None:

@@ -8,7 +8,6 @@ chunk flattened, so a scan of millions of rows does no per-row Python work past 
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -19,10 +18,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from shards.common.errors import UserError
+from shards.common.json_input import InputFileError, parse_json
 
 logger = logging.getLogger(__name__)
 
 LARGE_ROW_GROUP_TOKENS = 16 * 2**20  # a Parquet row group past this makes random sample access slow
+MAX_ROW_BYTES = 1 << 30  # one JSON Lines row; a million tokens take ~7 MB
 
 
 class DataError(UserError, ValueError):
@@ -142,9 +143,12 @@ def _int_list(value: object, name: str, where: str, allow_bool: bool, may_hold_b
 def parse_json_row(line: bytes, path: str, row: int, vocab_size: int) -> tuple[object, np.ndarray, np.ndarray]:
     where = row_location(path, row)
     try:
-        obj = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{where}: malformed JSON line ({e}); the file must be JSON Lines, one object per line") from e
+        obj = parse_json(line, where, max_bytes=MAX_ROW_BYTES)
+    except InputFileError as e:
+        reason = str(e).removeprefix(f"{where}: ")
+        raise DataError(
+            f"{where}: malformed JSON line ({reason}); the file must be JSON Lines, one object per line"
+        ) from e
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, found {type(obj).__name__}")
     if "input_ids" not in obj:

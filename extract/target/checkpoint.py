@@ -13,17 +13,19 @@ block scales (`<name>_scale_inv`); other quantizations are refused with their me
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
+from extract.target.config import TargetConfig
 from extract.target.fp8.quantization import (
     checkpoint_quantization,
     scale_name,
 )
 from shards.common.errors import UserError
+from shards.common.json_input import read_json_object
+from shards.common.schema import typed
 
 # HF name of a parameter = prefix + our (text-model) name; lm_head.weight has no prefix.
 NAMING_PREFIXES = {"multimodal": "model.language_model.", "text": "model."}
@@ -64,13 +66,10 @@ def tensor_locations(ckpt_dir: str | Path) -> dict[str, Path]:
     ckpt_dir = Path(ckpt_dir)
     index_path = ckpt_dir / INDEX_FILE
     if index_path.is_file():
-        try:
-            with open(index_path, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map")
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{index_path}: not valid JSON ({e})") from e
+        weight_map = read_json_object(index_path).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index_path}: no 'weight_map' object")
+        weight_map = typed(dict[str, str], weight_map, str(index_path), "weight_map")
         missing = sorted({name for name in weight_map.values() if not (ckpt_dir / name).is_file()})
         if missing:
             raise FileNotFoundError(f"{index_path} names shard files that do not exist: {missing[:4]}")
@@ -127,8 +126,7 @@ def _undescribed_tensors(
     """Tensors config.json does not describe: layers past its num_hidden_layers, and, in the layers the
     model runs, names it has no parameter for (a bias it would silently leave out). Layers not built
     (past the last tap) are not read, so not judged; nor are top-level names (a head not built)."""
-    config = json.loads((ckpt_dir / "config.json").read_text())
-    num_layers = (config.get("text_config") or config).get("num_hidden_layers")
+    num_layers = TargetConfig.from_dir(ckpt_dir).num_hidden_layers
     built = {int(m.group(1)) for n in expected if (m := _LAYER.match(n))}
     sources = {hf_name(n, naming) for n in expected}
     known = sources | {scale_name(n) for n in sources} | ({"lm_head.weight"} if tied else set())

@@ -14,9 +14,27 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shards.common.json_input import InputFileError, read_json_object
+from shards.common.schema import REQUIRED, read_field, typed
+
+CONFIG_FILE = "config.json"
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 _LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
+# The integer sizes config.json must give, as TargetConfig names them (each positive).
+_SIZE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -42,21 +60,7 @@ class TargetConfig:
     tie_word_embeddings: bool  # lm_head shares embed_tokens' weight
 
     def __post_init__(self) -> None:
-        positive = (
-            "hidden_size",
-            "num_hidden_layers",
-            "intermediate_size",
-            "vocab_size",
-            "linear_num_key_heads",
-            "linear_num_value_heads",
-            "linear_key_head_dim",
-            "linear_value_head_dim",
-            "linear_conv_kernel_dim",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-        )
-        for name in positive:
+        for name in ("num_hidden_layers", *_SIZE_FIELDS):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TargetConfig.{name} must be a positive int, found {value!r}")
@@ -142,22 +146,24 @@ class TargetConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> TargetConfig:
-        config_path = Path(path) / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"{config_path}: no config.json in the target checkpoint directory")
-        try:
-            with open(config_path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{config_path}: not valid JSON ({e}); fix or re-download the checkpoint's config") from e
-        return cls.from_hf_dict(raw, source=str(config_path))
+        return cls.from_hf_dict(read_config_json(path), source=str(Path(path) / CONFIG_FILE))
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """A checkpoint directory's config.json, bounded and parsed (shards/common/json_input.py)."""
+    config_path = Path(path) / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path}: no config.json in the target checkpoint directory")
+    try:
+        return read_json_object(config_path)
+    except InputFileError as e:
+        raise InputFileError(f"{e}; fix or re-download the checkpoint's config") from e
 
 
 def special_token_ids(path: str | Path) -> dict[str, Any]:
     """bos / eos / pad token ids of a checkpoint's config.json (text_config first, then the top level;
     None where undeclared). Not part of TargetConfig: they do not change the decoder's math."""
-    with open(Path(path) / "config.json", encoding="utf-8") as f:
-        top = json.load(f)
+    top = read_config_json(path)
     text = top.get("text_config") if isinstance(top.get("text_config"), dict) else {}
     out = {}
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -193,29 +199,34 @@ def default_tap_layer_ids(num_layers: int, num_taps: int) -> list[int]:
     return [int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps)]
 
 
-def _require(text: dict[str, Any], name: str, source: str) -> Any:
-    if name not in text or text[name] is None:
-        raise ValueError(f"{source}: text config lacks required field {name!r}")
-    return text[name]
-
-
 def _resolve_text_fields(text: dict[str, Any], top: dict[str, Any], source: str) -> dict[str, Any]:
-    num_layers = int(_require(text, "num_hidden_layers", source))
-    layer_types = text.get("layer_types")
+    where = "text_config." if text is not top else ""
+
+    def text_field(name: str, annotation: Any, default: Any = REQUIRED) -> Any:
+        return read_field(text, name, annotation, source, default, where)
+
+    num_layers = text_field("num_hidden_layers", int)
+    layer_types = text_field("layer_types", list[str], None)
     if layer_types is None:
         # HF Qwen3_5TextConfig: layer i is full attention iff (i + 1) % interval == 0.
-        interval = int(text.get("full_attention_interval", 4))
+        interval = text_field("full_attention_interval", int, 4)
+        if interval < 1:
+            raise ValueError(f"{source}: full_attention_interval must be positive, found {interval}")
         layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)]
 
-    rope = text.get("rope_parameters") or {}
+    rope = text_field("rope_parameters", dict[str, Any], {})
     rope_type = rope.get("rope_type", "default")
     if rope_type != "default":
         raise ValueError(f"{source}: rope_parameters.rope_type={rope_type!r}, only 'default' is implemented")
-    rope_theta = rope.get("rope_theta", text.get("rope_theta"))
+    rope_theta = typed(float | None, rope.get("rope_theta"), source, f"{where}rope_parameters.rope_theta")
+    rope_theta = text_field("rope_theta", float, None) if rope_theta is None else rope_theta
     if rope_theta is None:
         raise ValueError(f"{source}: neither rope_parameters.rope_theta nor rope_theta is set")
     # HF defaults a missing partial_rotary_factor to 0.25 for backward compatibility; so do we.
-    partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+    partial = typed(
+        float | None, rope.get("partial_rotary_factor"), source, f"{where}rope_parameters.partial_rotary_factor"
+    )
+    partial = text_field("partial_rotary_factor", float, 0.25) if partial is None else partial
 
     act = text.get("hidden_act", "silu")
     if act != "silu":
@@ -225,23 +236,13 @@ def _resolve_text_fields(text: dict[str, Any], top: dict[str, Any], source: str)
     if not text.get("attn_output_gate", True):
         raise ValueError(f"{source}: attn_output_gate=false is not implemented (Qwen3.5 gates attention)")
 
-    tie = text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
+    tied_top = read_field(top, "tie_word_embeddings", bool, source, False)
     return dict(
-        hidden_size=int(_require(text, "hidden_size", source)),
+        **{name: text_field(name, int) for name in _SIZE_FIELDS},
         num_hidden_layers=num_layers,
         layer_types=tuple(layer_types),
-        intermediate_size=int(_require(text, "intermediate_size", source)),
-        vocab_size=int(_require(text, "vocab_size", source)),
-        rms_norm_eps=float(_require(text, "rms_norm_eps", source)),
-        linear_num_key_heads=int(_require(text, "linear_num_key_heads", source)),
-        linear_num_value_heads=int(_require(text, "linear_num_value_heads", source)),
-        linear_key_head_dim=int(_require(text, "linear_key_head_dim", source)),
-        linear_value_head_dim=int(_require(text, "linear_value_head_dim", source)),
-        linear_conv_kernel_dim=int(_require(text, "linear_conv_kernel_dim", source)),
-        num_attention_heads=int(_require(text, "num_attention_heads", source)),
-        num_key_value_heads=int(_require(text, "num_key_value_heads", source)),
-        head_dim=int(_require(text, "head_dim", source)),
-        partial_rotary_factor=float(partial),
-        rope_theta=float(rope_theta),
-        tie_word_embeddings=bool(tie),
+        rms_norm_eps=text_field("rms_norm_eps", float),
+        partial_rotary_factor=partial,
+        rope_theta=rope_theta,
+        tie_word_embeddings=text_field("tie_word_embeddings", bool, tied_top),
     )

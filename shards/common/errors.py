@@ -3,7 +3,7 @@
 A user error is one the user acts on (a damaged file, a refused setting, a cache that is not this
 run's): the CLIs print its message as one line and exit with its code, never a traceback.
 
-    UserError   exit 1, stderr `Error: <message>` (click's ClickException); so is a full disk anywhere
+    UserError   exit 1, stderr `Error: <message>` (click's ClickException), terminal controls escaped; so is a full disk anywhere
                 (ENOSPC / EDQUOT, whatever the command lists: DiskFullError and the rest of
                 shards.common.diskfull, which this module imports)
     Stopped     exit 143 (128 + SIGTERM, as a killed job reports), stderr `stopped: <message>`: a
@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import click
 
 from shards.common.diskfull import disk_full_line
+from shards.common.terminal import echo, escaped
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -63,13 +64,13 @@ def user_errors(*also: type[Exception]) -> Callable[[F], F]:
             except _CLICK_EXITS:
                 raise
             except Stopped as e:
-                click.echo(f"stopped: {e}", err=True)
+                echo(f"stopped: {e}", err=True)
                 sys.exit(e.exit_code)
             except Exception as e:
                 message = disk_full_line(e) or (str(e) if isinstance(e, (UserError, *also)) else None)
                 if message is None:
                     raise
-                failure = click.ClickException(message)
+                failure = click.ClickException(escaped(message))  # messages quote data: ids, file names
                 failure.exit_code = getattr(e, "exit_code", 1)
                 raise failure from e
 

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from shards.common.errors import UserError
+from shards.common.json_input import parse_json
 from shards.common.owned import LOCK_FILE, READER_PREFIX, READER_RECORD, Dir, OwnershipError
 from shards.common.owned.dirfd import random_suffix
 
@@ -249,7 +250,7 @@ def _remove_reader_records(d: Dir) -> None:
 def _describe(raw: bytes) -> tuple[str | None, str]:
     """(the holder's program, where and since when it runs) from the lock file's record."""
     try:
-        rec = json.loads(raw.decode())
+        rec = parse_json(raw, LOCK_FILE)
         return rec.get("program"), f"host {rec['host']}, pid {rec['pid']}, running since {rec['since']}"
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError):  # InputFileError included
         return None, "holder unknown: it is starting up"

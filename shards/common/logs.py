@@ -13,18 +13,27 @@ from __future__ import annotations
 import logging
 import os
 
+from shards.common.terminal import escaped
+
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DATE_FORMAT = "%H:%M:%S"
 
 
-class RankFormatter(logging.Formatter):
+class SafeFormatter(logging.Formatter):
+    """A formatter whose lines carry no terminal control: log messages quote data (ids, file names)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return escaped(super().format(record))
+
+
+class RankFormatter(SafeFormatter):
     """FORMAT with `[rank N] ` before the level, except on a message that already opens with that tag
     (extraction's progress lines name their rank on every rank, rank 0 included): never said twice."""
 
     def __init__(self, rank: str):
         super().__init__(FORMAT, DATE_FORMAT)
         self.tag = f"[rank {rank}] "
-        self.tagged = logging.Formatter(f"%(asctime)s {self.tag}%(levelname)s %(name)s: %(message)s", DATE_FORMAT)
+        self.tagged = SafeFormatter(f"%(asctime)s {self.tag}%(levelname)s %(name)s: %(message)s", DATE_FORMAT)
 
     def format(self, record: logging.LogRecord) -> str:
         if record.getMessage().startswith(self.tag):
@@ -35,10 +44,11 @@ class RankFormatter(logging.Formatter):
 def setup_logging(*, other_ranks_level: int = logging.INFO) -> None:
     """Configure the root logger (as logging.basicConfig does: a no-op once it has a handler)."""
     rank = os.environ.get("RANK", "0")
+    stderr = logging.StreamHandler()
+    stderr.setFormatter(SafeFormatter(FORMAT, DATE_FORMAT))
     if rank == "0":
-        logging.basicConfig(level=logging.INFO, format=FORMAT, datefmt=DATE_FORMAT)
+        logging.basicConfig(level=logging.INFO, handlers=[stderr])
         return
-    logging.basicConfig(level=other_ranks_level)
-    root = logging.getLogger()
-    for handler in root.handlers:
+    logging.basicConfig(level=other_ranks_level, handlers=[stderr])
+    for handler in logging.getLogger().handlers:
         handler.setFormatter(RankFormatter(rank))

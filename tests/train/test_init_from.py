@@ -221,10 +221,12 @@ def test_a_resumed_init_from_run_compares_the_drafter_by_content_not_path(tmp_pa
     assert (run / "step-00000002").is_dir()
 
     # A checkpoint written before the content was recorded holds the path: that same directory resumes.
+    # (Written before train_state.json recorded its own checksum, too: edited, it would be refused.)
     state_path = run / "step-00000001" / "train_state.json"
     original = state_path.read_text()
     state = json.loads(original)
     state["resolved_identity"]["init_from"] = str(exported)
+    del state["state_checksum"]
     state_path.write_text(json.dumps(state))
     shutil.rmtree(run / "step-00000002")
     result = train(exported, "--resume")

@@ -16,11 +16,12 @@ from shards.common.errors import user_errors
 from shards.common.lock import DirectoryLock, lock_holder
 from shards.common.logs import setup_logging
 from shards.common.progress import format_bytes, plural
+from shards.common.terminal import echo
 from shards.inspect import QUARANTINE_DIR, find_sample, summarize_cache, verify_cache
 
 
 def _emit(obj: object, as_json: bool, text: str) -> None:
-    click.echo(json.dumps(obj, indent=2) if as_json else text)
+    echo(json.dumps(obj, indent=2) if as_json else text)
 
 
 @click.group(context_settings=CONTEXT_SETTINGS)

@@ -42,17 +42,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from shards.common.crc import crc32
 from shards.common.diskfull import DiskFullError, refusing_when_full
 from shards.common.durable import check_writable
+from shards.common.json_input import read_json_object
 from shards.common.owned import DIR_MODE, Dir, Entry, Layout, OwnershipError, survey
+from shards.common.schema import REQUIRED, read_field
 from shards.container import read_header, write_container
 from shards.format import CacheFormatError
 from train.checkpoint.serving import TRAINING_KEY
-from train.checkpoint.store import Checkpoint, CheckpointError, load_model_state, resolve_checkpoint
+from train.checkpoint.store import (
+    MODEL_FILE,
+    STATE_FILE,
+    Checkpoint,
+    CheckpointError,
+    load_model_state,
+    resolve_checkpoint,
+)
+from train.checkpoint.train_state import train_state
+from train.checkpoint.weight_shapes import check_weight_shapes
 from train.drafter.config import DrafterConfig
 from train.drafter.model import DFlashDrafter
 
@@ -124,12 +135,18 @@ def drafter_config_to_hf(cfg: DrafterConfig) -> dict:
 
 
 def drafter_config_from_hf(hf: dict, source: str = "config.json", mask_token_id: int | None = None) -> DrafterConfig:
-    """Inverse of drafter_config_to_hf; also reads published z-lab / SpecForge configs.
+    """Inverse of drafter_config_to_hf; also reads published z-lab / SpecForge configs. Every field read
+    is type-checked, a refusal naming it (shards/common/schema.py).
 
     mask_token_id: used when the config's dflash_config.mask_token_id is null (some published configs)."""
-    if "DFlashDraftModel" not in hf.get("architectures", []):
-        raise ValueError(f"{source}: architectures {hf.get('architectures')} does not name DFlashDraftModel")
-    dflash = hf.get("dflash_config") or {}
+
+    def get(name: str, annotation: Any, default: Any = REQUIRED, mapping: dict = hf, where: str = "") -> Any:
+        return read_field(mapping, name, annotation, source, default, where)
+
+    architectures = get("architectures", list[str], [])
+    if "DFlashDraftModel" not in architectures:
+        raise ValueError(f"{source}: architectures {architectures} does not name DFlashDraftModel")
+    dflash = get("dflash_config", dict[str, Any], {})
     missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
     if missing:
         raise ValueError(f"{source}: dflash_config lacks {missing}")
@@ -143,13 +160,13 @@ def drafter_config_from_hf(hf: dict, source: str = "config.json", mask_token_id:
             f"{source}: {foreign} change how engines run this drafter's attention or vocabulary, "
             "which dflash-train does not model; use a plain DFlashDraftModel (Qwen3 layers)"
         )
-    rope = hf.get("rope_parameters") or {}
+    rope = get("rope_parameters", dict[str, Any], {})
     if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
         raise ValueError(
             f"{source}: rope_parameters.rope_type {rope.get('rope_type')!r} / rope_scaling "
             f"{hf.get('rope_scaling')!r}: only default RoPE is implemented"
         )
-    thetas = {float(t) for t in (rope.get("rope_theta"), hf.get("rope_theta")) if t is not None}
+    thetas = {get("rope_theta", float, None, rope, "rope_parameters."), get("rope_theta", float, None)} - {None}
     if len(thetas) != 1:
         raise ValueError(
             f"{source}: RoPE theta rope_parameters.rope_theta {rope.get('rope_theta')!r} vs "
@@ -160,53 +177,62 @@ def drafter_config_from_hf(hf: dict, source: str = "config.json", mask_token_id:
             f"{source}: hidden_act {hf.get('hidden_act')!r} / attention_bias "
             f"{hf.get('attention_bias')!r}: only silu without attention bias is implemented"
         )
-    if hf.get("target_hidden_size") not in (None, hf["hidden_size"]):
+    hidden_size = get("hidden_size", int)
+    if get("target_hidden_size", int, None) not in (None, hidden_size):
         raise ValueError(
             f"{source}: target_hidden_size {hf['target_hidden_size']} differs from hidden_size "
-            f"{hf['hidden_size']}; the drafter must be as wide as its target"
+            f"{hidden_size}; the drafter must be as wide as its target"
         )
-    layer_types = hf.get("layer_types") or _derived_layer_types(hf)
+    num_layers = get("num_hidden_layers", int)
+    layer_types = get("layer_types", list[str], None) or _derived_layer_types(hf, num_layers, source)
     sliding = bool(layer_types) and "sliding_attention" in layer_types
-    window = hf.get("sliding_window", 4096) if sliding else None
+    window = get("sliding_window", int, 4096) if sliding else None
     if sliding and not hf.get("use_sliding_window", False):
         raise ValueError(
             f"{source}: layer_types has sliding_attention layers but use_sliding_window is "
             f"{hf.get('use_sliding_window')!r}: HF, vLLM and SGLang then see no window (set it true)"
         )
-    mask = dflash["mask_token_id"] if dflash["mask_token_id"] is not None else mask_token_id
+    mask = get("mask_token_id", int, mask_token_id, dflash, "dflash_config.")
     if mask is None:
         raise ValueError(f"{source}: dflash_config.mask_token_id is null; pass --mask-token-id")
-    num_heads = hf["num_attention_heads"]
-    return DrafterConfig(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_attention_heads=num_heads,
-        num_key_value_heads=hf.get("num_key_value_heads", num_heads),
-        head_dim=hf.get("head_dim", hf["hidden_size"] // num_heads),
-        rms_norm_eps=hf["rms_norm_eps"],
-        rope_theta=thetas.pop(),
-        max_position_embeddings=hf["max_position_embeddings"],
-        block_size=hf.get("block_size", dflash.get("block_size", 16)),
-        mask_token_id=mask,
-        tap_layer_ids=list(dflash["target_layer_ids"]),
-        num_target_layers=hf["num_target_layers"],
-        vocab_size=hf["vocab_size"],
-        layer_types=layer_types,
-        sliding_window=window,
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=hf.get("eos_token_id"),
-        pad_token_id=hf.get("pad_token_id"),
-    )
+    num_heads = get("num_attention_heads", int)
+    if num_heads < 1:  # head_dim's default divides by it
+        raise ValueError(f"{source}: num_attention_heads must be positive, found {num_heads}")
+    try:
+        return DrafterConfig(
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+            intermediate_size=get("intermediate_size", int),
+            num_attention_heads=num_heads,
+            num_key_value_heads=get("num_key_value_heads", int, num_heads),
+            head_dim=get("head_dim", int, hidden_size // num_heads),
+            rms_norm_eps=get("rms_norm_eps", float),
+            rope_theta=thetas.pop(),
+            max_position_embeddings=get("max_position_embeddings", int),
+            block_size=get("block_size", int, get("block_size", int, 16, dflash, "dflash_config.")),
+            mask_token_id=mask,
+            tap_layer_ids=get("target_layer_ids", list[int], REQUIRED, dflash, "dflash_config."),
+            num_target_layers=get("num_target_layers", int),
+            vocab_size=get("vocab_size", int),
+            layer_types=layer_types,
+            sliding_window=window,
+            bos_token_id=get("bos_token_id", int, None),
+            eos_token_id=get("eos_token_id", int | list[int], None),
+            pad_token_id=get("pad_token_id", int, None),
+        )
+    except ValueError as e:  # the shape's own checks (DrafterConfig.__post_init__)
+        raise ValueError(f"{source}: {e}") from e
 
 
-def _derived_layer_types(hf: dict) -> list[str] | None:
+def _derived_layer_types(hf: dict, num_layers: int, source: str) -> list[str] | None:
     """The layer types HF's Qwen3Config (what engines read) derives when config.json has no layer_types:
     sliding from layer max_window_layers on, iff use_sliding_window; None when every layer is full."""
     if not hf.get("use_sliding_window", False) or hf.get("sliding_window", 4096) is None:
         return None
-    first_sliding = hf.get("max_window_layers", 28)  # Qwen3Config's defaults, also for sliding_window
-    types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(hf["num_hidden_layers"])]
+    first_sliding = read_field(
+        hf, "max_window_layers", int, source, 28
+    )  # Qwen3Config's defaults, also for sliding_window
+    types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
     return types if "sliding_attention" in types else None
 
 
@@ -304,7 +330,9 @@ def export_drafter(
 
 def drafter_from_checkpoint(ckpt: Checkpoint) -> tuple[DFlashDrafter, DrafterConfig]:
     """The drafter a training checkpoint holds, built from its recorded config, every weight loaded (strict)."""
-    cfg = DrafterConfig(**ckpt.state["drafter"])
+    cfg = train_state(ckpt).drafter
+    weights = ckpt.path / MODEL_FILE
+    check_weight_shapes([weights], cfg, weights, described_by=str(ckpt.path / STATE_FILE))  # before allocating
     model = DFlashDrafter(cfg)
     model.load_state_dict(load_model_state(ckpt), strict=True)
     return model, cfg
@@ -332,10 +360,7 @@ def read_drafter_config(path: str | Path, mask_token_id: int | None = None) -> D
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path}: not found; expected an exported DFlash drafter directory")
-    try:
-        hf = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path}: not valid JSON ({e})") from e
+    hf = read_json_object(config_path)
     try:
         return drafter_config_from_hf(hf, source=str(config_path), mask_token_id=mask_token_id)
     except (KeyError, TypeError) as e:
@@ -348,7 +373,7 @@ def _weight_files(path: Path) -> tuple[list[Path], Path]:
     if single.is_file():
         return [single], single
     if index_path.is_file():
-        weight_map = json.loads(index_path.read_text()).get("weight_map") or {}
+        weight_map = read_field(read_json_object(index_path), "weight_map", dict[str, str], str(index_path), {})
         files = [path / f for f in sorted(set(weight_map.values()))]
         absent = [str(f) for f in files if not f.is_file()]
         if absent or not files:
@@ -375,20 +400,19 @@ def drafter_fingerprint(path: str | Path) -> str:
     return f"content crc32 {value:08x}"
 
 
-def check_weight_files(path: str | Path) -> None:
-    """Refuse (ValueError naming the file) a drafter directory whose weight files are missing, cut short or
-    not safetensors; reads headers only, so it runs before any model is built."""
-    for f in _weight_files(Path(path))[0]:
-        try:
-            with safe_open(str(f), "pt"):
-                pass
-        except (OSError, SafetensorError) as e:
-            raise _unreadable(f, e) from e
+def check_weight_files(path: str | Path, cfg: DrafterConfig) -> None:
+    """Refuse (ValueError naming the file and tensor) a drafter directory whose weight files are missing,
+    cut short, not safetensors, or hold other tensors than `cfg` describes; reads headers only, so it
+    runs before any model is built."""
+    files, where = _weight_files(Path(path))
+    check_weight_shapes(files, cfg, where, described_by=str(Path(path) / CONFIG_FILE))
 
 
 def read_drafter_weights(path: str | Path, cfg: DrafterConfig) -> dict[str, torch.Tensor]:
     """The drafter tensors of a directory: model.safetensors, or the shards model.safetensors.index.json
-    lists; names must be exactly z-lab's for cfg (the error lists the extra and missing ones)."""
+    lists; names and shapes must be exactly z-lab's for cfg, checked from the headers before any tensor
+    is read (the error names the extra and missing ones, or the tensor of another shape)."""
+    check_weight_files(path, cfg)
     files, where = _weight_files(Path(path))
     state: dict[str, torch.Tensor] = {}
     for f in files:
@@ -396,15 +420,6 @@ def read_drafter_weights(path: str | Path, cfg: DrafterConfig) -> dict[str, torc
             state.update(load_file(str(f)))
         except SafetensorError as e:
             raise _unreadable(f, e) from e
-    expected = zlab_parameter_names(cfg)
-    extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
-    if extra or missing:
-        raise ValueError(f"{where}: tensor names differ from DFlashDraftModel: extra {extra}, missing {missing}")
-    with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in DFlashDrafter(cfg).named_parameters()}
-    bad = {n: (tuple(t.shape), shapes[n]) for n, t in state.items() if tuple(t.shape) != shapes[n]}
-    if bad:
-        raise ValueError(f"{where}: tensor shapes differ from config.json's (found, expected): {bad}")
     _check_values(state, where)
     return state
 

@@ -2,8 +2,9 @@
 
 A checkpoint is built in a temporary directory beside its final name (.tmp-step-*), every file
 fsynced, then renamed in one step and the run directory fsynced; train_state.json is written last
-and records the crc32 of model.safetensors and optimizer.pt. A folder counts only when it holds all
-three files, train_state.json parses and (when verified: resume, export) both checksums match; a
+and records the crc32 of model.safetensors and optimizer.pt, and of its own content (state_checksum).
+A folder counts only when it holds all three files, train_state.json parses (bounded: it is read as
+untrusted) and matches its own checksum, and (when verified: resume, export) both file checksums match; a
 damaged or partial newest checkpoint is skipped with a warning naming the file, and the previous
 valid one wins. Valid ones older than the newest keep_checkpoints are deleted (Retention: never the
 one just written or resumed from, never a damaged or later one), and temporaries of a killed save are
@@ -31,9 +32,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from shards.common.crc import crc32
 from shards.common.diskfull import no_space_errno
 from shards.common.durable import file_checksum, fsync_file
 from shards.common.errors import UserError
+from shards.common.json_input import InputFileError, parse_json, read_json_object
 from shards.common.owned import DIR_MODE, FILE_MODE, TMP_PREFIX, Dir
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "train_state.json"
+STATE_CHECKSUM = "state_checksum"  # train_state.json's checksum of itself (state_checksum)
 _NAME = re.compile(r"^step-(\d{8})$")
 # The folder save_checkpoint builds a checkpoint in: .tmp-step-NNNNNNNN-xxxxxxxx (Dir.make_temp_dir's suffix).
 TEMPORARY_FOLDER = re.compile(rf"{re.escape(TMP_PREFIX)}step-\d{{8}}-\w+")
@@ -102,8 +106,10 @@ def save_checkpoint(
                     fsync_file(tmp.pinned_path(name))
                     checksums[name] = file_checksum(tmp.pinned_path(name))
                 current = current.with_name(STATE_FILE)
-                state = json.dumps({**train_state, "checksums": checksums}, indent=1, sort_keys=True) + "\n"
-                tmp.write_atomic(STATE_FILE, lambda f: f.write(state.encode()))
+                state = {**train_state, "checksums": checksums}
+                state[STATE_CHECKSUM] = state_checksum(state)
+                text = json.dumps(state, indent=1, sort_keys=True) + "\n"
+                tmp.write_atomic(STATE_FILE, lambda f: f.write(text.encode()))
             if run_dir.lstat(final.name) is not None:  # a checkpoint of this step from a run that died after it
                 run_dir.rmtree(final.name)  # a link of that name is refused, never followed
             current = final
@@ -144,10 +150,49 @@ def verify_checkpoint(ckpt: Checkpoint, files: tuple[str, ...] = (MODEL_FILE, OP
             )
 
 
+def state_checksum(state: dict[str, Any]) -> str:
+    """crc32 of train_state.json's content but this checksum, as canonical JSON (sorted keys, no spaces):
+    what verifies the file itself, as its "checksums" verify the others. The same for the written and
+    the parsed-back state: JSON keeps every value's text (floats by repr)."""
+    body = {k: v for k, v in state.items() if k != STATE_CHECKSUM}
+    return f"crc32:{crc32(json.dumps(body, sort_keys=True, separators=(',', ':')).encode()):08x}"
+
+
+def load_checkpoint(folder: Path) -> Checkpoint:
+    """The checkpoint a step-NNNNNNNN folder holds: its train_state.json bounded, parsed and matching its
+    own checksum, its weight and optimizer files present; CheckpointError naming the file otherwise."""
+    path = folder / STATE_FILE
+    try:
+        state = read_json_object(path)
+    except (OSError, InputFileError) as e:
+        raise CheckpointError(f"{path}: unreadable ({getattr(e, 'strerror', None) or e})") from e
+    checked_state(path, state)
+    absent = [n for n in (MODEL_FILE, OPTIMIZER_FILE) if not (folder / n).is_file()]
+    if absent:
+        raise CheckpointError(f"{folder}: missing {' and '.join(absent)} (an incomplete checkpoint)")
+    named = _NAME.match(folder.name) or _NAME.match(folder.resolve().name)  # a link may name the folder
+    return Checkpoint(folder, int(named.group(1)), state)
+
+
+def checked_state(path: Path, state: Any) -> None:
+    """train_state.json's content: an object matching its own checksum (CheckpointError naming the file)."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    folder = path.parent
+    recorded = state.get(STATE_CHECKSUM)
+    if recorded is None:
+        log.warning(
+            "checkpoint %s: %s records no checksum of itself (an older dflash-train): not verified", folder, STATE_FILE
+        )
+    elif recorded != state_checksum(state):
+        raise CheckpointError(
+            f"{path}: checksum mismatch (recorded {recorded!r:.40}, content has {state_checksum(state)}): edited or damaged"
+        )
+
+
 def list_checkpoints(out_dir: str | Path) -> list[Checkpoint]:
-    """Valid checkpoints, oldest first; incomplete or unreadable folders are ignored (with a warning)."""
-    out_dir = Path(out_dir)
-    found = []
+    """Valid checkpoints, oldest first; incomplete, unreadable or edited folders are ignored (with a warning)."""
+    found, out_dir = [], Path(out_dir)
     if not out_dir.is_dir():
         return found
     with Dir.open(out_dir) as run_dir:
@@ -160,10 +205,11 @@ def list_checkpoints(out_dir: str | Path) -> list[Checkpoint]:
             # hang every command that lists checkpoints.
             try:
                 with run_dir.child(name) as d:
-                    state = json.loads(d.read_bytes(STATE_FILE))
+                    state = parse_json(d.read_bytes(STATE_FILE), str(p / STATE_FILE))
                     complete = all(d.is_file(n) for n in (MODEL_FILE, OPTIMIZER_FILE))
-            except (OSError, ValueError) as e:
-                log.warning("checkpoint %s ignored: %s unreadable (%s)", p, STATE_FILE, e)
+                checked_state(p / STATE_FILE, state)
+            except (OSError, ValueError, CheckpointError) as e:  # InputFileError is a ValueError
+                log.warning("checkpoint %s ignored: %s", p, getattr(e, "strerror", None) or e)
                 continue
             if not complete:
                 log.warning("checkpoint %s ignored: missing %s or %s", p, MODEL_FILE, OPTIMIZER_FILE)
@@ -202,9 +248,9 @@ def resolve_checkpoint(path: str | Path, files: tuple[str, ...] = (MODEL_FILE, O
     the user asked for that step. A run directory's damaged newest one is skipped (latest_checkpoint).
     """
     path = Path(path)
-    named = next((c for c in list_checkpoints(path.parent) if c.path.resolve() == path.resolve()), None)
-    if named is None:
+    if not (path.is_dir() and _NAME.match(path.resolve().name)):
         return latest_checkpoint(path)
+    named = load_checkpoint(path)
     verify_checkpoint(named, files)
     return named
 

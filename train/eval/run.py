@@ -7,7 +7,6 @@ train/eval/evaluate.py.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -17,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shards import ShardReader
+from shards.common.json_input import InputFileError, read_json_object
 from shards.common.lock import DirectoryLock
+from shards.common.schema import read_field
 from train.drafter.attention import choose_backend
 from train.drafter.config import DrafterConfig
 from train.drafter.model import DFlashDrafter, TargetHead
@@ -104,14 +105,14 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
 
     path = Path(path)
     if (path / CONFIG_FILE).is_file() and not (path / STATE_FILE).is_file():
-        hf = json.loads((path / CONFIG_FILE).read_text())
         model, cfg = load_exported_drafter(path, dtype=torch.float32)
+        hf = read_json_object(path / CONFIG_FILE)
         dtype = hf.get("dtype", "bfloat16")  # our exports record the training default
         training = hf.get(TRAINING_KEY) if isinstance(hf.get(TRAINING_KEY), dict) else {}
         return LoadedDrafter(
             model,
             cfg,
-            dtype if dtype in DTYPES else "bfloat16",
+            dtype if isinstance(dtype, str) and dtype in DTYPES else "bfloat16",
             f"export {path}",
             longest_response=_count(training.get("longest_response")),
         )
@@ -124,8 +125,10 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
             "holding one"
         )
     model, cfg = drafter_from_checkpoint(ckpt)
-    identity = ckpt.state.get("config_identity") or {}
-    dtype = identity.get("compute_dtype", "bfloat16")
+    source = str(ckpt.path / STATE_FILE)
+    dtype = read_field(ckpt.state["config_identity"], "compute_dtype", str, source, "bfloat16", "config_identity.")
+    if dtype not in DTYPES:
+        raise InputFileError(f"{source}: config_identity.compute_dtype {dtype!r:.40} is not one of {sorted(DTYPES)}")
     return LoadedDrafter(
         model,
         cfg,

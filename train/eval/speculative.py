@@ -24,7 +24,6 @@ Legend: L tokens so far, K taps, H hidden, B block size, S = B-1 drafts, V vocab
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from typing import Protocol
 
 import torch
 
+from shards.common.json_input import InputFileError, iter_json_lines
 from shards.common.progress import ProgressLog, format_duration, format_figure, plural
 from train.drafter.model import DFlashDrafter, TargetHead
 from train.eval.walk import WalkCounts
@@ -263,17 +263,13 @@ def _rows(path: Path):
         ):
             yield f"--prompts {path} row {n}", row
         return
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"--prompts {path} line {n}"
-        try:
-            yield where, json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"{where}: not JSON ({e.msg}); write one list of token ids or one "
-                '{"input_ids": [...]} object per line'
-            ) from None
+    try:
+        for n, row in iter_json_lines(path):
+            yield f"--prompts {path} line {n}", row
+    except InputFileError as e:
+        raise ValueError(
+            f'--prompts {e}; write one list of token ids or one {{"input_ids": [...]}} object per line'
+        ) from None
 
 
 def read_prompts(path: str | Path, vocab_size: int, max_prompts: int = 0) -> list[list[int]]:

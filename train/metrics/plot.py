@@ -15,7 +15,6 @@ read back from the figure's lines, so a caller (and the tests) can check what wa
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,9 @@ from typing import Any
 import torch
 
 from shards.common.durable import atomic_write
+from shards.common.json_input import iter_json_lines
 from shards.common.owned import Dir, check_output_file
+from shards.common.schema import typed
 from train.metrics import METRICS_FILE
 from train.optim import WarmupCosine
 
@@ -40,8 +41,12 @@ class RunMetrics:
     schedule: dict[str, Any] | None = None  # the latest schedule event; None for runs that wrote none
 
     def series(self, key: str, evals: bool = False) -> tuple[list[int], list[float]]:
-        rows = [r for r in (self.evals if evals else self.records) if isinstance(r.get(key), (int, float))]
+        rows = [r for r in (self.evals if evals else self.records) if _is_number(r.get(key))]
         return [int(r["step"]) for r in rows], [float(r[key]) for r in rows]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def read_run_metrics(run_dir: str | Path) -> RunMetrics:
@@ -50,28 +55,19 @@ def read_run_metrics(run_dir: str | Path) -> RunMetrics:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a dflash-train run directory (--out)?")
     out = RunMetrics()
-    lines = path.read_text().splitlines()
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            # A run killed mid-write leaves a partial last line; anything else is a damaged file.
-            if number == len(lines):
-                continue
-            raise ValueError(f"{path}, line {number}: not JSON; the file is damaged") from None
+    for number, rec in iter_json_lines(path, partial_last_line=True):
         if not isinstance(rec, dict) or "step" not in rec:
             continue
-        event = rec.get("event")
+        where = f"{path}, line {number}"
+        step = typed(int, rec["step"], where, "step")
+        event = typed(str | None, rec.get("event"), where, "event")
         if event is None:
-            step = rec["step"]
             if out.records and out.records[-1]["step"] >= step:  # a resume: the later run wins from here
                 out.records = [r for r in out.records if r["step"] < step]
                 out.evals = [e for e in out.evals if e["step"] < step]
             out.records.append(rec)
         elif event == "eval":
-            out.evals = [e for e in out.evals if e["step"] != rec["step"]]
+            out.evals = [e for e in out.evals if e["step"] != step]
             out.evals.append(rec)
         elif event == "schedule" and _is_schedule(rec):
             out.schedule = rec

@@ -29,7 +29,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from extract.target.config import CONFIG_FILE, read_config_json
 from shards.common.errors import UserError
+from shards.common.schema import typed
 from shards.format import FP8_E4M3_MAX
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
@@ -127,18 +129,15 @@ def read_quantization(config: dict[str, Any], source: str = "config.json") -> Fp
             f"{source}: FP8 weight_block_size={json.dumps(block)} is not two positive integers such as "
             f"[128, 128]: the config.json is damaged (restore it from the release)"
         )
-    skip = q.get("modules_to_not_convert") or q.get("ignored_layers") or ()
-    return Fp8BlockFormat(block_n=block[0], block_k=block[1], modules_to_not_convert=tuple(str(m) for m in skip))
+    name = "modules_to_not_convert" if q.get("modules_to_not_convert") else "ignored_layers"
+    skip = typed(list[str] | None, q.get(name), source, f"quantization_config.{name}") or ()
+    return Fp8BlockFormat(block_n=block[0], block_k=block[1], modules_to_not_convert=tuple(skip))
 
 
 def checkpoint_quantization(ckpt_dir: str | Path) -> Fp8BlockFormat | None:
     """read_quantization of `ckpt_dir`/config.json (the refusal runs before any model or data work)."""
-    path = Path(ckpt_dir) / "config.json"
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    path = Path(ckpt_dir) / CONFIG_FILE
+    config = read_config_json(ckpt_dir)
     return read_quantization(config, source=str(path))
 
 

@@ -128,6 +128,21 @@ BAD_ROWS = {
         },
         "not valid JSON",
     ),
+    # Nested past the reader's bound inside a string: a RecursionError traceback before.
+    "arguments nested 100,000 deep": (
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 100_000}}]},
+            ]
+        },
+        "arguments is not valid JSON (JSON nested more than the 64 levels allowed)",
+    ),
+    # The token rows made of it would be refused by dflash-extract's scan (shards/sample_ids.py).
+    "id with escape sequences": (
+        {"id": "c\x1b[2J", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        "id 'c\\x1b[2J' holds the control character '\\x1b' at character 1",
+    ),
     "image part": (
         {
             "messages": [

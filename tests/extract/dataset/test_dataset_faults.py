@@ -3,7 +3,7 @@ sees names file, row and reason, and nothing is written.
 
 Cases:
   1. Bad rows: ids outside the vocabulary (JSONL, Parquet), negative ids, mask/ids length mismatch (JSONL,
-     Parquet), malformed JSON line, missing input_ids, a file that is not Parquet, a Parquet column of the
+     Parquet), malformed JSON line (one nested 200,000 deep too), missing input_ids, a file that is not Parquet, a Parquet column of the
      wrong type, a null token, an over-long sample under --long-seqs error.
   2. Empty and over-long samples under --long-seqs truncate / skip: extracted, skipped and counted in
      cache.json and the log, never silently.
@@ -72,6 +72,11 @@ BAD_INPUTS = [
         r"bad.jsonl, row 2 \(line 3\): loss_mask has 2 values, input_ids has 3",
     ),
     ("jsonl malformed", lambda t: _jsonl(t, '{"input_ids": [1, 2'), r"bad.jsonl, row 2 \(line 3\): malformed JSON"),
+    (
+        "jsonl nested 200,000 deep",  # a RecursionError traceback before
+        lambda t: _jsonl(t, "[" * 200_000 + "]" * 200_000),
+        r"bad.jsonl, row 2 \(line 3\): malformed JSON line \(JSON nested more than the 64 levels allowed\)",
+    ),
     ("jsonl no input_ids", lambda t: _jsonl(t, {"tokens": [1]}), r"bad.jsonl, row 2 \(line 3\): missing input_ids"),
     (
         "parquet id outside vocab",

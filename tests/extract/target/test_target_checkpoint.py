@@ -2,7 +2,8 @@
 target is one line naming the file and the fix, never a traceback, refused before any work.
 
 Cases (the tiny target and dataset of tests/conftest.py; dflash-extract CLI):
-  1. A damaged target checkpoint: config.json not JSON, a tensor missing, a tensor of the wrong shape,
+  1. A damaged target checkpoint: config.json not JSON, nested 200,000 deep or with a size of another
+     type, a weight index mapping a name to a number, a tensor missing, a tensor of the wrong shape,
      a truncated model.safetensors: exit 1, the file named, refused before the dataset scan and before
      cache.json. More than 20 bad tensors (layer 3's q_proj of another shape, layers 4 and 5 missing):
      every one counted, the first 20 named with file, expected and found shape. Tensors config.json does
@@ -44,6 +45,26 @@ def _bad_json(ckpt):
     return str(ckpt / "config.json"), "not valid JSON"
 
 
+def _deep_json(ckpt):  # a RecursionError traceback before
+    (ckpt / "config.json").write_text("[" * 200_000 + "]" * 200_000)
+    return str(ckpt / "config.json"), "JSON nested more than"
+
+
+def _mistyped_field(ckpt):  # a TypeError traceback before ("int() argument must be ...")
+    config = json.loads((ckpt / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["hidden_size"] = [text["hidden_size"]]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    field = "text_config.hidden_size" if "text_config" in config else "hidden_size"
+    return str(ckpt / "config.json"), f"field {field} must be an integer, found an array"
+
+
+def _mistyped_index(ckpt):  # an AttributeError traceback before
+    _shard(ckpt)
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": 1}}))
+    return str(ckpt / "model.safetensors.index.json"), "field weight_map.a must be a string, found an integer"
+
+
 def _missing(ckpt):
     name = _edit_tensor(ckpt, lambda t, n: t.pop(n))
     return name, "is not in the checkpoint (expected shape ("
@@ -68,7 +89,11 @@ def refused(ckpt, data, out):
     return result.output
 
 
-@pytest.mark.parametrize("damage", [_bad_json, _missing, _shape, _truncated], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "damage",
+    [_bad_json, _deep_json, _mistyped_field, _mistyped_index, _missing, _shape, _truncated],
+    ids=lambda f: f.__name__.strip("_"),
+)
 def test_a_damaged_target_is_one_message_naming_the_file(target, data, tmp_path, no_work, damage):
     ckpt = tmp_path / "target"
     shutil.copytree(target, ckpt)

@@ -66,3 +66,15 @@ def test_a_message_that_names_its_rank_is_not_tagged_twice(monkeypatch):
         other = handler.format(logging.LogRecord(*args, "[rank 2] batch %d/%d", (3, 10), None))
     assert re.fullmatch(r"\d\d:\d\d:\d\d INFO extract.runner: \[rank 1\] batch 3/10", own), own
     assert re.fullmatch(r"\d\d:\d\d:\d\d \[rank 1\] INFO extract.runner: \[rank 2\] batch 3/10", other), other
+
+
+@pytest.mark.parametrize("rank", ["0", "2"])
+def test_a_logged_id_carrying_escape_sequences_is_shown_escaped(monkeypatch, rank):
+    monkeypatch.setenv("RANK", rank)
+    sample_id = "doc\x1b]0;owned\x07\x1b[2J\u202e"
+    record = logging.LogRecord("extract.runner", logging.WARNING, __file__, 1, "skipped %s", (sample_id,), None)
+    with bare_root() as root:
+        setup_logging()
+        (handler,) = root.handlers
+        line = handler.format(record)
+    assert line.endswith("skipped doc\\x1b]0;owned\\x07\\x1b[2J\\u202e"), line
