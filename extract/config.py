@@ -47,7 +47,8 @@ class ExtractConfig:
     """Number of taps when --taps is not given: round(1 + i*(N-4)/(L-1))."""
     storage_dtype: StorageDtype = cli_field("bf16", flag="--storage")
     """Hidden-state storage: bf16 (2 bytes per value; bfloat16 is taken too), or fp8 e4m3 with a
-    per-token-per-tap scale (half the disk)."""
+    per-token-per-tap scale (half the disk; the acceptance table's fp8-storage row measured no loss beyond
+    the seed spread: BENCHMARKS.md, Acceptance by numerics choice)."""
     target_topk: int = 0
     """Also store the target's top-K next tokens and log-probs per position (for KL training); 0 = off."""
     # The packing defaults are PackingConfig's: written once, there.
@@ -67,7 +68,8 @@ class ExtractConfig:
     compute: ComputeMode = "dense"
     """The target's linear layers: dense (matmuls in --dtype) or fp8 (e4m3 matmuls: per-token and
     per-channel scales on a bf16 checkpoint, sm_89+; an FP8 checkpoint's own 128x128 block scales,
-    Hopper only; needs --dtype bfloat16; hidden states differ by a few percent)."""
+    Hopper only; needs --dtype bfloat16; hidden states differ by a few percent; the acceptance table's
+    fp8-compute row measured no acceptance loss beyond the seed spread: BENCHMARKS.md)."""
     device: str = "auto"
     """auto = cuda:LOCAL_RANK when CUDA exists, else cpu; or cpu, cuda, cuda:N."""
     allow_slow_kernels: bool = False

@@ -246,7 +246,8 @@ class DrafterOptions:
     layer_types: list[str] | None = None
     """Per drafter layer full or sliding (e.g. sliding,sliding,sliding,sliding,full: the published
     Qwen3.6-27B layout). Sliding layers are causal with a window (train/drafter/attention.py). Default: all full
-    (or the --init-from drafter's)."""
+    (or the --init-from drafter's); the acceptance table's sliding-layers row measured the published layout
+    equal to it within the seed spread on short replies (BENCHMARKS.md, Acceptance by numerics choice)."""
     sliding_window: int | None = None
     """Tokens a sliding layer's query sees, itself included (published 27B: 2048); needed iff a layer
     slides. Default: none (or the --init-from drafter's)."""
