@@ -15,7 +15,6 @@ from shards.common.json_input import InputFileError, json_type, parse_json, read
 from shards.container import MAX_HEADER_BYTES, MappedContainer, read_header
 from shards.format import (
     CACHE_CONFIG_FILE,
-    FORMAT_VERSION,
     SHARDS_DIR,
     TARGET_HEAD_FILE,
     TARGET_HEAD_TENSORS,
@@ -136,10 +135,10 @@ class ShardReader:
         except CacheFormatError as e:
             raise ShardError(path, str(e).removeprefix(f"{path}: ")) from e
         meta = header.metadata
-        if meta.get("format_version") != str(FORMAT_VERSION):
+        if meta.get("format_version") != str(self.config.format_version):
             raise ShardError(
                 path,
-                f"format version {meta.get('format_version')!r}, expected {FORMAT_VERSION}; "
+                f"format version {meta.get('format_version')!r}, expected {self.config.format_version}; "
                 "re-run dflash-extract to rebuild this shard",
             )
         planned = self.config.planned_batches
