@@ -260,6 +260,14 @@ class CacheConfig:
         return len(self.tap_layer_ids)
 
     @property
+    def context_shape(self) -> tuple[int, int]:
+        """Per token, what the drafter's fc reads of a shard (codec.decode_context): the taps (K, H), or a
+        projected cache's codes as one "tap" (1, R)."""
+        if self.projection is not None:
+            return 1, self.projection.rank
+        return self.num_taps, self.target.hidden_size
+
+    @property
     def planned_batches(self) -> int | None:
         """Shards the extraction planned (batch ids 0..n-1), when cache.json records it."""
         return self.packing.num_batches if self.packing is not None else None
