@@ -115,7 +115,23 @@ def build_cache_config(
 
 
 def _projection_record(cfg: ExtractConfig) -> ProjectionRecord | None:
-    """--pca-rank's settings; the estimate fills in the checksum and the variance kept."""
+    """--pca-rank's settings (the estimate fills in the checksum and the variance kept), or --pca-from's
+    cache's (the copy of its projection fills them in)."""
+    if cfg.pca_from is not None:
+        source = read_cache_config(cfg.pca_from).projection
+        if source is None or source.checksum is None:
+            raise UserError(f"--pca-from {cfg.pca_from}: not a projected cache with its projection estimated")
+        if cfg.pca_rank not in (0, source.rank):
+            raise UserError(
+                f"--pca-rank {cfg.pca_rank}: --pca-from {cfg.pca_from} has rank {source.rank}; drop --pca-rank"
+            )
+        return ProjectionRecord(
+            rank=source.rank,
+            normalize=source.normalize,
+            group_size=cfg.pca_group_size,
+            sample_tokens=source.sample_tokens,
+            seed=source.seed,
+        )
     if cfg.pca_rank == 0:
         return None
     return ProjectionRecord(

@@ -62,6 +62,9 @@ class ExtractConfig:
     """Tokens whose taps estimate P: whole batches drawn at random (seeded) across the dataset."""
     pca_seed: int = 0
     """Seed of the batches drawn for the estimate."""
+    pca_from: str | None = cli_field(None, path="existing_dir")
+    """Take the projection of this projected cache instead of estimating one (its rank, scaling and sample
+    settings with it): a held-out cache whose codes a drafter trained on that cache reads. Default: estimate."""
     target_topk: int = 0
     """Also store the target's top-K next tokens and log-probs per position (for KL training); 0 = off."""
     # The packing defaults are PackingConfig's: written once, there.

@@ -50,7 +50,7 @@ from extract.target.model import TargetModel
 from extract.writer import AsyncShardWriter
 from shards import CacheConfig, SampleEntry, ShardReader, read_cache_config, write_cache_config, write_manifest
 from shards.common.durable import check_writable
-from shards.common.errors import Stopped
+from shards.common.errors import Stopped, UserError
 from shards.common.lock import DirectoryLock
 from shards.common.owned import Dir
 from shards.common.progress import ProgressLog, format_bytes, format_duration, is_interactive, plural
@@ -58,7 +58,7 @@ from shards.common.runtime import DistInfo, all_gather_objects, barrier, process
 from shards.common.sigterm import SigtermFlag
 from shards.format import CACHE_CONFIG_FILE, MANIFEST_FILE, bytes_per_shard
 from shards.ownership import LOGS_DIR
-from shards.projection import write_projection
+from shards.projection import load_projection, write_projection
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,17 @@ def _estimate_projection(cfg, cache_cfg, index, plan, device) -> TargetModel:
         arrays = load_batch(loader, batch, cfg.packing)
         return model.forward_packed(*_device_inputs(arrays, batch, device), cache_cfg.tap_layer_ids)
 
-    projection_RF, scale_F, kept = estimate_projection(cache_cfg, plan.batches, forward_taps, device)
+    if cfg.pca_from is not None:  # another cache's projection, as its sample estimated it
+        source = read_cache_config(cfg.pca_from)
+        if (source.tap_layer_ids, source.target.hidden_size) != (cache_cfg.tap_layer_ids, cache_cfg.target.hidden_size):
+            raise UserError(
+                f"--pca-from {cfg.pca_from}: projects taps {source.tap_layer_ids} of width {source.target.hidden_size}, "
+                f"this cache stores taps {cache_cfg.tap_layer_ids} of width {cache_cfg.target.hidden_size}"
+            )
+        projection_RF, scale_F = load_projection(cfg.pca_from, source)
+        kept = source.projection.variance_kept
+    else:
+        projection_RF, scale_F, kept = estimate_projection(cache_cfg, plan.batches, forward_taps, device)
     cache_cfg.projection.checksum = write_projection(cfg.out_dir, projection_RF, scale_F)
     cache_cfg.projection.variance_kept = round(kept, 6)
     write_cache_config(cfg.out_dir, cache_cfg)

@@ -16,6 +16,7 @@ from extract.projection import sample_batches
 from extract.runner import run_extract
 from extract.target.model import TargetModel
 from shards import CacheFormatError, ShardReader, decode_context, read_cache_config, shard_path
+from shards.common.errors import UserError
 from shards.format import PROJECTION_FILE
 from shards.inspect import summarize_cache, verify_cache
 from shards.projection import applied_matrix, load_projection, write_projection
@@ -156,3 +157,20 @@ def test_a_version_2_cache_still_reads(reference, tmp_path):
         for name, t in tensors.items():
             assert torch.equal(got[b][name], t), (b, name)
     assert read_cache_config(out).cache_id() == read_cache_config(reference["dir"]).cache_id()
+
+
+def test_a_held_out_cache_takes_the_training_caches_projection(target, data, tmp_path):
+    train = tmp_path / "train"
+    run_extract(projected(target, data, train, pca_sample_tokens=300))
+    heldout = tmp_path / "heldout"
+    run_extract(extract_cfg(target, data, heldout, pca_from=str(train), storage_dtype="fp8"))
+    want, got = read_cache_config(train).projection, read_cache_config(heldout).projection
+    assert (got.rank, got.checksum, got.variance_kept) == (want.rank, want.checksum, want.variance_kept)
+    assert (heldout / PROJECTION_FILE).read_bytes() == (train / PROJECTION_FILE).read_bytes()
+    assert verify_cache(heldout).ok
+    with pytest.raises(UserError, match="--pca-rank 8: --pca-from .* has rank 40"):
+        run_extract(extract_cfg(target, data, tmp_path / "x", pca_from=str(train), pca_rank=8))
+    unprojected = tmp_path / "unprojected"
+    run_extract(extract_cfg(target, data, unprojected))
+    with pytest.raises(UserError, match="not a projected cache"):
+        run_extract(extract_cfg(target, data, tmp_path / "y", pca_from=str(unprojected)))
