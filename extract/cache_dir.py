@@ -12,6 +12,7 @@ shards/ownership.py; every refusal of that kind is OwnershipError (shards/common
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 from pathlib import Path
@@ -125,13 +126,7 @@ def _projection_record(cfg: ExtractConfig) -> ProjectionRecord | None:
             raise UserError(
                 f"--pca-rank {cfg.pca_rank}: --pca-from {cfg.pca_from} has rank {source.rank}; drop --pca-rank"
             )
-        return ProjectionRecord(
-            rank=source.rank,
-            normalize=source.normalize,
-            group_size=cfg.pca_group_size,
-            sample_tokens=source.sample_tokens,
-            seed=source.seed,
-        )
+        return dataclasses.replace(source, group_size=cfg.pca_group_size, checksum=None, variance_kept=None)
     if cfg.pca_rank == 0:
         return None
     return ProjectionRecord(

@@ -260,7 +260,7 @@ def _quarantine(cache_dir: Path, path: Path) -> Path | None:
 
 def find_sample(cache_dir: str | Path, sample_id: str, position: int | None = None) -> dict:
     """A sample's tokens, loss mask and per-tap hidden-state statistics (of a projected cache: of its
-    codes, as one "tap" named by the layers it covers).
+    codes, as one "tap" named "codes").
 
     position: also the target's stored top-k next tokens at this position of the sample (0-based),
     with the data's own next token and its rank among them. Raises ValueError when the cache stores
@@ -272,7 +272,7 @@ def find_sample(cache_dir: str | Path, sample_id: str, position: int | None = No
     entry = next(s for s in info.samples if s.sample_id == sample_id)
     span = slice(entry.offset, entry.offset + entry.length)
     hidden = decode_context(tensors, reader.config)[span].float()
-    layers = reader.config.tap_layer_ids if reader.config.projection is None else [reader.config.tap_layer_ids]
+    layers = reader.config.tap_layer_ids if reader.config.projection is None else ["codes"]
     taps = []
     for j, layer in enumerate(layers):
         h = hidden[:, j]

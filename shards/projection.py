@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 from shards.common.durable import atomic_write
-from shards.container import MappedContainer, write_container
+from shards.container import write_container
 from shards.format import FORMAT_VERSION, PROJECTION_FILE, CacheConfig, CacheFormatError, checksum
+from shards.reader import read_checked_tensors
 
 PROJECTION_TENSORS = ("projection", "scale")
 
@@ -50,21 +51,13 @@ def load_projection(cache_dir: str | Path, cfg: CacheConfig) -> tuple[torch.Tens
         raise ValueError(f"{cache_dir}: not a projected cache (cache.json has no projection)")
     if not path.is_file():
         raise CacheFormatError(f"{path}: not found; the projected cache lacks its projection: re-run dflash-extract")
-    with MappedContainer(path) as c:
-        missing = [n for n in PROJECTION_TENSORS if n not in c.header.entries]
-        if missing:
-            raise CacheFormatError(f"{path}: missing tensors {missing}")
-        tensors = {n: c.tensor(n).clone() for n in PROJECTION_TENSORS}
-        stored = c.header.metadata.get("checksum")
+    tensors, found = read_checked_tensors(path, PROJECTION_TENSORS)
     width = cfg.num_taps * cfg.target.hidden_size
     shapes = {"projection": (record.rank, width), "scale": (width,)}
     for name, want in shapes.items():
         t = tensors[name]
         if tuple(t.shape) != want or t.dtype != torch.float32:
             raise CacheFormatError(f"{path}: tensor {name} is {tuple(t.shape)} {t.dtype}, expected {want} fp32")
-    found = checksum(tensors)
-    if found != stored:
-        raise CacheFormatError(f"{path}: checksum mismatch (stored {stored}, computed {found}): corrupted")
     if found != record.checksum:
         raise CacheFormatError(
             f"{path}: holds another projection (checksum {found}, cache.json records {record.checksum}); the "

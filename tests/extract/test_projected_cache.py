@@ -82,6 +82,8 @@ def test_codes_are_the_projection_of_each_samples_taps(target, data, tmp_path, s
     assert s["bytes_per_token"] == (RANK * 2 if storage == "bf16" else RANK + 4) + 4 + 4 + 1 + 4 * 9 / 256
     text = CliRunner().invoke(shards_cli, ["info", str(out)]).output
     assert f"pca: {RANK} of 320 dims" in text and f"{100 * kept:.2f}% of the variance kept" in text, text
+    shown = CliRunner().invoke(shards_cli, ["show", str(out), "doc-3"])
+    assert shown.exit_code == 0 and "\n codes " in shown.output, shown.output
 
 
 def test_the_sample_is_drawn_across_the_dataset_and_seeded():
