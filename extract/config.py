@@ -14,7 +14,13 @@ from extract.chats.prepare import Thinking
 from extract.dataset.index import LONG_SEQ_POLICIES, LongSeqPolicy
 from extract.dataset.packing import PackingConfig
 from shards.common.cli_options import cli_field, config_error
-from shards.format import PROJECTION_NORMALIZE, STORAGE_DTYPES, StorageDtype, canonical_precision
+from shards.format import (
+    PROJECTION_NORMALIZE,
+    STORAGE_DTYPES,
+    ProjectionNormalize,
+    StorageDtype,
+    canonical_precision,
+)
 from shards.sample_ids import MAX_SHARD_SAMPLES
 
 # torch's names for what the target runs in; --storage names the cache encoding (shards/format.py says why two).
@@ -53,7 +59,7 @@ class ExtractConfig:
     principal directions, uncentred, estimated from a sample of the dataset; --storage is the codes' dtype,
     fp8 with one scale per --pca-group-size codes). A drafter trained on them exports exactly (fc = fc' P D).
     E.g. 3200 = 1/8 of 5 taps x 5120. 0 = store the taps."""
-    pca_normalize: Literal["none", "per-tap"] = "per-tap"
+    pca_normalize: ProjectionNormalize = "per-tap"
     """The fixed scaling D before the projection: per-tap (each tap divided by its rms over the sample, so
     the deep taps' massive activations do not take the leading components) or none."""
     pca_group_size: int = 64

@@ -186,7 +186,8 @@ class ProjectionRecord:
         return -(-self.rank // self.group_size)
 
 
-PROJECTION_NORMALIZE = ("none", "per-tap")
+ProjectionNormalize = Literal["none", "per-tap"]
+PROJECTION_NORMALIZE = get_args(ProjectionNormalize)
 # ProjectionRecord fields derived from the estimate rather than set by the run.
 _PROJECTION_DERIVED = ("checksum", "variance_kept")
 
