@@ -11,17 +11,26 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from shards import CacheFormatError, load_target_head, read_cache_config
+from extract.dataset.index import write_jsonl
+from extract.runner import run_extract
+from shards import CacheFormatError, ShardReader, load_target_head, read_cache_config
 from shards.projection import applied_matrix, load_projection, write_projection
+from tests.helpers.extract import extract_cfg
 from tests.helpers.train import hand_step_loss, read_records, tiny_cache, tiny_config
+from tools.cli.verifier import TargetVerifier
+from tools.fixtures.demo_data import greedy_continuations
+from tools.fixtures.tiny_target import write_random_checkpoint
 from train.checkpoint.export import drafter_from_checkpoint, load_exported_drafter, served_state
 from train.checkpoint.store import resolve_checkpoint
 from train.cli import main as train_cli
 from train.drafter.attention import full_attention
-from train.drafter.model import DFlashDrafter
+from train.drafter.model import DFlashDrafter, TargetHead
 from train.eval.config import EvalConfig
-from train.eval.run import run_eval
+from train.eval.evaluate import evaluate_drafter
+from train.eval.run import load_drafter, run_eval
+from train.eval.speculative import decode_prompts
 from train.loop import run_training
+from train.optim import OptimConfig
 from train.resolve import resolve_run
 from train.step import build_step_state
 
@@ -142,3 +151,34 @@ def test_a_replaced_projection_is_refused_before_training(trained, tmp_path):
     write_projection(copy, P, D * 2)
     with pytest.raises(CacheFormatError, match="holds another projection"):
         resolve_run(tiny_config(copy, tmp_path / "run", max_steps=1))
+
+
+@pytest.mark.slow
+def test_real_decoding_projects_the_live_taps_as_the_walk_reads_the_codes(tmp_path):
+    """Trained on a projected cache of the target's own greedy continuations: real speculative decoding
+    (the live target's taps through A) stays lossless and accepts what the walk over the codes does, up to
+    the bf16 rounding of the stored codes."""
+    target = write_random_checkpoint(tmp_path / "target", seed=0, dtype=torch.float32, mixer_scale=0.1)
+    samples = greedy_continuations(target, num_samples=24, prompt_len=(4, 12), new_tokens=20)
+    write_jsonl(tmp_path / "data.jsonl", samples)
+    cache = tmp_path / "cache"
+    run_extract(extract_cfg(target, tmp_path / "data.jsonl", cache, pca_rank=160, pca_normalize="none"))
+    quiet = dict(warmup_ratio=OptimConfig.warmup_ratio, log_every=1000, metrics_every=1000)
+    run_training(tiny_config(cache, tmp_path / "run", epochs=30, num_blocks=32, lr=3e-3, **quiet))
+    loaded = load_drafter(tmp_path / "run")
+    model = loaded.model.eval()
+    head_t = load_target_head(cache)
+    walk = evaluate_drafter(
+        model,
+        TargetHead(head_t["embed_tokens"].float(), head_t["lm_head"].float()),
+        str(cache),
+        ShardReader(cache).batch_ids(),
+        budgets=(),
+    ).walk
+    verifier = TargetVerifier(target, loaded.config.tap_layer_ids, "cpu", torch.float32)
+    prompts = [s.input_ids[: int(s.loss_mask.argmax())].tolist() for s in samples]
+    real = decode_prompts(model, TargetHead(verifier.embed_tokens_VH, verifier.lm_head_VH), verifier, prompts, 20)
+    assert real.identical == len(prompts), "speculative decoding stays lossless"
+    assert sum(walk.accepted_histogram[1:]) >= 10, f"the test needs accepted drafts to mean anything ({walk})"
+    assert (real.walk.steps, real.walk.tokens) != (0, 0)
+    assert real.walk.acceptance_length == pytest.approx(walk.acceptance_length, rel=0.05)
