@@ -202,7 +202,9 @@ def _extract_dataset(
             "cache: %s, %s per token (%s), %s of %s on %s",
             cfg.out_dir,
             format_bytes(shard_bytes / cfg.token_budget),
-            cfg.storage_dtype,
+            cfg.storage_dtype
+            if cache_cfg.projection is None
+            else f"{cfg.storage_dtype} codes of {cache_cfg.projection.rank} principal directions of the taps",
             plural(len(plan.batches), "shard"),
             format_bytes(shard_bytes),
             plural(dist_info.world_size, "rank"),
