@@ -66,7 +66,11 @@ def check_fits(cfg: DrafterConfig, cache_config, drafter: str, cache: str) -> No
         )
     stored = cache_config.projection.checksum if cache_config.projection is not None else None
     if cfg.context_projection != stored:
-        problems.append(f"context: drafter reads {_context(cfg)}, cache stores {_stored(cache_config)}")
+        problems.append(
+            f"context: drafter reads {_context(cfg)}, cache stores {_stored(cache_config)} (a projected cache is "
+            "read by the checkpoints trained on it or on a cache extracted with --pca-from it; an export reads "
+            "full taps)"
+        )
     if problems:
         raise ValueError(
             f"drafter {drafter} does not fit cache {cache}: {'; '.join(problems)}; evaluate it on "
