@@ -12,6 +12,7 @@ shards/ownership.py; every refusal of that kind is OwnershipError (shards/common
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 from pathlib import Path
@@ -45,6 +46,7 @@ from shards.format import (
     TARGET_HEAD_FILE,
     DatasetRecord,
     PackingRecord,
+    ProjectionRecord,
     checksum,
     shard_path,
 )
@@ -56,6 +58,7 @@ from shards.ownership import (
     remove_stale_cache_temporaries,
     survey_cache,
 )
+from shards.projection import load_projection
 from shards.reader import ForeignShardError, list_shards
 from shards.reader import load_target_head as read_cache_head
 
@@ -108,6 +111,30 @@ def build_cache_config(
             longest_response=index.report.longest_response,
         ),
         provenance={**provenance(), "extract_config": {k: v for k, v in vars(cfg).items()}},
+        projection=_projection_record(cfg),
+    )
+
+
+def _projection_record(cfg: ExtractConfig) -> ProjectionRecord | None:
+    """--pca-rank's settings (the estimate fills in the checksum and the variance kept), or --pca-from's
+    cache's (the copy of its projection fills them in)."""
+    if cfg.pca_from is not None:
+        source = read_cache_config(cfg.pca_from).projection
+        if source is None or source.checksum is None:
+            raise UserError(f"--pca-from {cfg.pca_from}: not a projected cache with its projection estimated")
+        if cfg.pca_rank not in (0, source.rank):
+            raise UserError(
+                f"--pca-rank {cfg.pca_rank}: --pca-from {cfg.pca_from} has rank {source.rank}; drop --pca-rank"
+            )
+        return dataclasses.replace(source, group_size=cfg.pca_group_size, checksum=None, variance_kept=None)
+    if cfg.pca_rank == 0:
+        return None
+    return ProjectionRecord(
+        rank=cfg.pca_rank,
+        normalize=cfg.pca_normalize,
+        group_size=cfg.pca_group_size,
+        sample_tokens=cfg.pca_sample_tokens,
+        seed=cfg.pca_seed,
     )
 
 
@@ -181,6 +208,9 @@ def prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig, lock: DirectoryLoc
     cache_cfg.target_head_checksum = checksum({k: v.contiguous() for k, v in head.items()})
     if _has_cache_config(out) and not cfg.overwrite:  # a resume: no file is deleted
         _check_resumable(out, cache_cfg)
+        recorded = read_cache_config(out)
+        if recorded.projection is not None and recorded.projection.checksum is not None:
+            load_projection(out, recorded)  # the codes were made with it: a replaced file is refused now
         with Dir.opened(out, SHARDS_DIR, create=True):
             pass  # a real folder, before any work: one swapped for a link is refused, never written through
         for entry in planted_at_our_names(out):

@@ -14,7 +14,13 @@ from extract.chats.prepare import Thinking
 from extract.dataset.index import LONG_SEQ_POLICIES, LongSeqPolicy
 from extract.dataset.packing import PackingConfig
 from shards.common.cli_options import cli_field, config_error
-from shards.format import STORAGE_DTYPES, StorageDtype, canonical_precision
+from shards.format import (
+    PROJECTION_NORMALIZE,
+    STORAGE_DTYPES,
+    ProjectionNormalize,
+    StorageDtype,
+    canonical_precision,
+)
 from shards.sample_ids import MAX_SHARD_SAMPLES
 
 # torch's names for what the target runs in; --storage names the cache encoding (shards/format.py says why two).
@@ -49,6 +55,23 @@ class ExtractConfig:
     """Hidden-state storage: bf16 (2 bytes per value; bfloat16 is taken too), or fp8 e4m3 with a
     per-token-per-tap scale (half the disk; the acceptance table's fp8-storage row measured no loss beyond
     the seed spread: BENCHMARKS.md, Acceptance by numerics choice)."""
+    pca_rank: int = 0
+    """Store R codes per token instead of the taps: z = P D h of the concatenated taps h (P: the top-R
+    principal directions, uncentred, estimated from a sample of the dataset; --storage is the codes' dtype,
+    fp8 with one scale per --pca-group-size codes). A drafter trained on them exports exactly (fc = fc' P D).
+    E.g. 3200 = 1/8 of 5 taps x 5120. 0 = store the taps."""
+    pca_normalize: ProjectionNormalize = "per-tap"
+    """The fixed scaling D before the projection: per-tap (each tap divided by its rms over the sample, so
+    the deep taps' massive activations do not take the leading components) or none."""
+    pca_group_size: int = 64
+    """fp8 codes: one fp32 scale per this many consecutive codes (4 / G bytes per code on top of 1)."""
+    pca_sample_tokens: int = 262144
+    """Tokens whose taps estimate P: whole batches drawn at random (seeded) across the dataset."""
+    pca_seed: int = 0
+    """Seed of the batches drawn for the estimate."""
+    pca_from: str | None = cli_field(None, path="existing_dir")
+    """Take the projection of this projected cache instead of estimating one (its rank, scaling and sample
+    settings with it): a held-out cache whose codes a drafter trained on that cache reads. Default: estimate."""
     target_topk: int = 0
     """Also store the target's top-K next tokens and log-probs per position (for KL training); 0 = off."""
     # The packing defaults are PackingConfig's: written once, there.
@@ -102,7 +125,19 @@ class ExtractConfig:
             raise config_error(self, "thinking", f"must be one of {', '.join(get_args(Thinking))}")
         if self.compute == "fp8" and self.dtype != "bfloat16":
             raise config_error(self, "dtype", "must be bfloat16 with --compute fp8 (the FP8 matmuls write bf16)")
-        for name in ("num_taps", "token_budget", "max_seqs", "topk_chunk_tokens", "writer_buffers"):
+        if self.pca_normalize not in PROJECTION_NORMALIZE:
+            raise config_error(self, "pca_normalize", f"must be one of {', '.join(PROJECTION_NORMALIZE)}")
+        if self.pca_rank < 0:
+            raise config_error(self, "pca_rank", "must be >= 0 (0 = store the taps)")
+        for name in (
+            "num_taps",
+            "token_budget",
+            "max_seqs",
+            "topk_chunk_tokens",
+            "writer_buffers",
+            "pca_group_size",
+            "pca_sample_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise config_error(self, name, "must be >= 1")
         if min(self.max_seqs, self.token_budget) > MAX_SHARD_SAMPLES:  # a shard holds at most token_budget samples

@@ -39,6 +39,12 @@ def refuse_impossible_settings(cfg: ExtractConfig, target: TargetConfig, taps: l
             f"distinct ones (the default spread would store layers {_shorten(taps)}); pass --num-taps "
             f"{len(set(taps))} or list distinct layers with --taps"
         )
+    width = len(taps) * target.hidden_size
+    if cfg.pca_rank >= width:
+        raise ValueError(
+            f"--pca-rank {cfg.pca_rank} is not below the taps' width ({len(taps)} taps x {target.hidden_size} = "
+            f"{width}): it would store more than the taps; pass a smaller --pca-rank (e.g. {width // 8}) or 0"
+        )
     bad = [t for t in taps if not 0 <= t < layers]
     if bad:
         raise ValueError(f"--taps {bad}: the target has layers 0..{layers - 1} ({Path(cfg.target) / 'config.json'})")

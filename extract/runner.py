@@ -5,7 +5,8 @@ Order of work, so that mistakes cost seconds and not GPU hours:
      extract/refusals.py);
   2. the packing plan is made (deterministic: batch ids are stable across runs);
   3. rank 0 creates the cache, or checks that an existing one was made with the same settings
-     (the --out directory: extract/cache_dir.py);
+     (the --out directory: extract/cache_dir.py); for a projected cache (--pca-rank) it estimates the
+     projection from a sample of the dataset first (extract/projection.py);
   4. each rank skips its batches whose shard exists and verifies, and extracts the rest (the batch
      loop: extract_batches);
   5. rank 0 writes the manifest once every rank is done.
@@ -35,6 +36,7 @@ from extract.config import ExtractConfig
 from extract.dataset.index import SampleLoader, scan_dataset
 from extract.dataset.packing import PackedBatch, PackingPlan, load_batch, plan_batches, shard_batches_for_rank
 from extract.distributed import init_distributed, run_on_main
+from extract.projection import estimate_projection
 from extract.refusals import (
     refuse_impossible_settings,
     refuse_unsupervised,
@@ -46,9 +48,9 @@ from extract.target.fp8.quantization import checkpoint_quantization
 from extract.target.kernels import select_kernels
 from extract.target.model import TargetModel
 from extract.writer import AsyncShardWriter
-from shards import CacheConfig, SampleEntry, ShardReader, read_cache_config, write_manifest
+from shards import CacheConfig, SampleEntry, ShardReader, read_cache_config, write_cache_config, write_manifest
 from shards.common.durable import check_writable
-from shards.common.errors import Stopped
+from shards.common.errors import Stopped, UserError
 from shards.common.lock import DirectoryLock
 from shards.common.owned import Dir
 from shards.common.progress import ProgressLog, format_bytes, format_duration, is_interactive, plural
@@ -56,6 +58,7 @@ from shards.common.runtime import DistInfo, all_gather_objects, barrier, process
 from shards.common.sigterm import SigtermFlag
 from shards.format import CACHE_CONFIG_FILE, MANIFEST_FILE, bytes_per_shard
 from shards.ownership import LOGS_DIR
+from shards.projection import load_projection, write_projection
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +202,9 @@ def _extract_dataset(
             "cache: %s, %s per token (%s), %s of %s on %s",
             cfg.out_dir,
             format_bytes(shard_bytes / cfg.token_budget),
-            cfg.storage_dtype,
+            cfg.storage_dtype
+            if cache_cfg.projection is None
+            else f"{cfg.storage_dtype} codes of {cache_cfg.projection.rank} principal directions of the taps",
             plural(len(plan.batches), "shard"),
             format_bytes(shard_bytes),
             plural(dist_info.world_size, "rank"),
@@ -214,6 +219,16 @@ def _extract_dataset(
         barrier()
         # Every rank writes shards under the identity rank 0 recorded (target head checksum included).
         cache_cfg = read_cache_config(cfg.out_dir)
+        model = None
+        if cache_cfg.projection is not None and cache_cfg.projection.checksum is None:
+
+            def estimate() -> None:
+                nonlocal model
+                model = _estimate_projection(cfg, cache_cfg, index, plan, device)
+
+            run_on_main(dist_info, estimate)
+            barrier()
+            cache_cfg = read_cache_config(cfg.out_dir)  # with the projection's checksum: the shards' cache_id
         mine = shard_batches_for_rank(plan, dist_info.rank, dist_info.world_size)
         todo, resumed = pending_batches(cfg, mine)
         if resumed:
@@ -225,7 +240,7 @@ def _extract_dataset(
                 len(todo),
             )
         with SigtermFlag() as stop:
-            summary = _extract(cfg, cache_cfg, index, todo, device, dist_info, stop)
+            summary = _extract(cfg, cache_cfg, index, todo, device, dist_info, stop, model)
         summary.resumed, summary.rank = resumed, dist_info.rank
         barrier()
         # Through run_on_main: a failure there fails every rank with its message, before the gather below.
@@ -253,12 +268,20 @@ class ExtractionStopped(Stopped, RuntimeError):
     """SIGTERM arrived: the shards in flight were written, the rest resume with the same command."""
 
 
-def _extract(cfg, cache_cfg, index, todo, device, dist_info, stop: SigtermFlag | None = None) -> ExtractSummary:
+def _extract(
+    cfg, cache_cfg, index, todo, device, dist_info, stop: SigtermFlag | None = None, model: TargetModel | None = None
+) -> ExtractSummary:
     if not todo:
         return ExtractSummary(cfg.out_dir, cache_cfg.planned_batches, 0, 0, 0, 0.0, 0.0, 0)
+    model = model or _load_target(cfg, cache_cfg, device)
+    writer = AsyncShardWriter(cfg.out_dir, cache_cfg, device, num_buffers=cfg.writer_buffers)
+    return extract_batches(model, cfg, cache_cfg, index, todo, device, writer, dist_info.rank, stop=stop)
+
+
+def _load_target(cfg: ExtractConfig, cache_cfg: CacheConfig, device: torch.device) -> TargetModel:
     kernels = select_kernels(device, allow_slow_kernels=cfg.allow_slow_kernels)
     with_head = cfg.target_topk > 0
-    model = TargetModel.from_pretrained(
+    return TargetModel.from_pretrained(
         cfg.target,
         device,
         dtype=getattr(torch, cfg.dtype),
@@ -267,8 +290,45 @@ def _extract(cfg, cache_cfg, index, todo, device, dist_info, stop: SigtermFlag |
         with_head=with_head,
         compute=cfg.compute,
     )
-    writer = AsyncShardWriter(cfg.out_dir, cache_cfg, device, num_buffers=cfg.writer_buffers)
-    return extract_batches(model, cfg, cache_cfg, index, todo, device, writer, dist_info.rank, stop=stop)
+
+
+def _estimate_projection(cfg, cache_cfg, index, plan, device) -> TargetModel:
+    """Rank 0: estimate a projected cache's projection, write projection.safetensors and record its
+    checksum and variance kept in cache.json (before any shard: the codes are made with it). Returns the
+    target, loaded for it, for the extraction to use."""
+    model = _load_target(cfg, cache_cfg, device)
+    loader = SampleLoader(index)
+
+    def forward_taps(batch: PackedBatch) -> torch.Tensor:
+        arrays = load_batch(loader, batch, cfg.packing)
+        return model.forward_packed(*_device_inputs(arrays, batch, device), cache_cfg.tap_layer_ids)
+
+    if cfg.pca_from is not None:  # another cache's projection, as its sample estimated it
+        source = read_cache_config(cfg.pca_from)
+        if (source.tap_layer_ids, source.target.hidden_size) != (cache_cfg.tap_layer_ids, cache_cfg.target.hidden_size):
+            raise UserError(
+                f"--pca-from {cfg.pca_from}: projects taps {source.tap_layer_ids} of width {source.target.hidden_size}, "
+                f"this cache stores taps {cache_cfg.tap_layer_ids} of width {cache_cfg.target.hidden_size}"
+            )
+        projection_RF, scale_F = load_projection(cfg.pca_from, source)
+        kept = source.projection.variance_kept
+    else:
+        projection_RF, scale_F, kept = estimate_projection(cache_cfg, plan.batches, forward_taps, device)
+    cache_cfg.projection.checksum = write_projection(cfg.out_dir, projection_RF, scale_F)
+    cache_cfg.projection.variance_kept = round(kept, 6)
+    write_cache_config(cfg.out_dir, cache_cfg)
+    return model
+
+
+def _device_inputs(arrays: dict, batch: PackedBatch, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """input ids and position ids of a loaded batch's real tokens on the device, and its cu_seqlens."""
+    n = batch.num_tokens
+    ids = torch.from_numpy(arrays["input_ids"][:n]).to(device, non_blocking=True)
+    pos = torch.from_numpy(arrays["position_ids"][:n]).to(device, non_blocking=True)
+    # Boundaries stay on the host: the kernels need them there (fla's chunk table, max length),
+    # and a device copy read back would stall the loop until the previous batch finishes.
+    cu = torch.from_numpy(arrays["cu_seqlens"][: len(batch.sample_ids) + 1])
+    return ids, pos, cu
 
 
 def extract_batches(
@@ -307,11 +367,7 @@ def extract_batches(
             started = done
             arrays = load_batch(loader, batch, cfg.packing)
             n = batch.num_tokens
-            ids = torch.from_numpy(arrays["input_ids"][:n]).to(device, non_blocking=True)
-            pos = torch.from_numpy(arrays["position_ids"][:n]).to(device, non_blocking=True)
-            # Boundaries stay on the host: the kernels need them there (fla's chunk table, max length),
-            # and a device copy read back would stall the loop until the previous batch finishes.
-            cu = torch.from_numpy(arrays["cu_seqlens"][: len(batch.sample_ids) + 1])
+            ids, pos, cu = _device_inputs(arrays, batch, device)
             if cfg.target_topk:
                 hidden, topk_ids, topk_lp = model.topk_next_tokens(
                     ids, pos, cu, taps, cfg.target_topk, chunk_tokens=cfg.topk_chunk_tokens

@@ -20,10 +20,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shards import CacheConfig, SampleEntry, allocate_shard_buffers, encode_hidden, shard_path, write_shard
+from shards import (
+    CacheConfig,
+    SampleEntry,
+    allocate_shard_buffers,
+    encode_codes,
+    encode_hidden,
+    shard_path,
+    write_shard,
+)
 from shards.common.diskfull import DiskFullError, refusing_when_full
 from shards.common.errors import UserError
 from shards.format import bytes_per_shard
+from shards.projection import applied_matrix, codes_of, load_projection
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +76,8 @@ class AsyncShardWriter:
         self.shards_written = 0
         self.wait_s = 0.0  # time the forward loop waited for a free buffer (the disk being slower)
         self.shard_bytes = bytes_per_shard(cfg)  # what a full disk's message says one shard needs
+        # A projected cache: A = P D on the device, cast to the taps' dtype at the first batch.
+        self._applied_RF = applied_matrix(*load_projection(cache_dir, cfg)).to(device) if cfg.projection else None
         self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
         self._thread.start()
 
@@ -92,7 +103,7 @@ class AsyncShardWriter:
                 t.record_stream(side)
         with torch.cuda.stream(side):  # None (CPU, or copy_stream=False): the current stream
             finite = torch.isfinite(hidden_nKH).all()
-            encoded = encode_hidden(hidden_nKH, self.cfg.storage_dtype)
+            encoded = self._encode(hidden_nKH)
             t0 = time.monotonic()
             buffers = self._free.get()
             self.wait_s += time.monotonic() - t0
@@ -112,6 +123,16 @@ class AsyncShardWriter:
         for name in ("input_ids", "position_ids", "loss_mask", "cu_seqlens"):
             buffers[name].copy_(torch.from_numpy(arrays[name]))
         self._jobs.put(_Job(batch_id, buffers, n, samples, finite_host, ready))
+
+    def _encode(self, hidden_nKH: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The storage encoding of one batch's taps: themselves, or (a projected cache) their codes, one
+        GEMM on the device before the copy to the host (which the codes shrink by K*H / R)."""
+        if self._applied_RF is None:
+            return encode_hidden(hidden_nKH, self.cfg.storage_dtype)
+        if self._applied_RF.dtype != hidden_nKH.dtype:
+            self._applied_RF = self._applied_RF.to(hidden_nKH.dtype)
+        codes_nR = codes_of(hidden_nKH, self._applied_RF)
+        return encode_codes(codes_nR, self.cfg.storage_dtype, self.cfg.projection.group_size)
 
     def _run(self) -> None:
         while True:
@@ -136,7 +157,7 @@ class AsyncShardWriter:
                 "check the checkpoint and dtype (no shard was written for this batch)"
             )
         n = job.num_tokens
-        for name in ("hidden", "hidden_scale", "target_topk_ids", "target_topk_logprobs"):
+        for name in ("hidden", "hidden_scale", "codes", "code_scale", "target_topk_ids", "target_topk_logprobs"):
             if name in job.buffers:
                 job.buffers[name][n:].zero_()  # padding rows: zeros, not a previous batch's data
         target = shard_path(self.cache_dir, job.batch_id)

@@ -6,7 +6,7 @@ prefetching loader, whole-cache inspection and which files of a cache are ours (
 `shards/common/` is the plumbing both stages share and is not part of the format.
 """
 
-from shards.codec import decode_hidden, encode_hidden
+from shards.codec import decode_codes, decode_context, decode_hidden, encode_codes, encode_hidden
 from shards.format import (
     FORMAT_VERSION,
     CacheConfig,
@@ -44,7 +44,10 @@ __all__ = [
     "bytes_per_shard",
     "shard_path",
     "tensor_specs",
+    "decode_codes",
+    "decode_context",
     "decode_hidden",
+    "encode_codes",
     "encode_hidden",
     "LoadedShard",
     "ShardLoader",

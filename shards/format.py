@@ -1,10 +1,11 @@
-"""The cache format, version 2: the one place that says what a cache holds.
+"""The cache format, version 3: the one place that says what a cache holds.
 
 A cache directory:
 
     CACHE/
       cache.json                 CacheConfig below (format version, target, taps, shapes, provenance)
       target_head.safetensors    frozen target weights the drafter needs (TARGET_HEAD_TENSORS)
+      projection.safetensors     projected caches only: P and D (shards/projection.py)
       shards/b{batch:08d}.safetensors   one packed batch per file, every tensor of fixed shape
       manifest.parquet           one row per sample (manifest.py); rebuildable from the shards
 
@@ -18,12 +19,19 @@ Shard tensors (T = token_budget, K = number of taps, H = target hidden size, S =
     target_topk_ids      [T, Kt]     int32, only when Kt > 0
     target_topk_logprobs [T, Kt]     bf16, only when Kt > 0
 
+A projected cache (cache.json "projection", R = its rank, G its group size) stores, in place of hidden and
+hidden_scale, codes z = (P D) concat_k(h_k) of every token:
+
+    codes                [T, R]      bf16, or fp8 e4m3 with code_scale [T, ceil(R / G)] fp32 (per group of G codes)
+
 Shard metadata (safetensors __metadata__, all strings): format_version, batch_id, cache_id (the
 CacheConfig.cache_id() of the cache it was written for), storage_dtype, num_tokens, samples, checksum.
 
 Version history: 2 added cache_id to every shard header, so that a shard copied in from another cache
 of the same shapes (other target weights, other data) is refused by name; version 1 caches are refused
-with the advice to re-extract.
+with the advice to re-extract. 3 added projected caches (cache.json "projection", codes in the shards,
+projection.safetensors); a cache without a projection writes the bytes version 2 wrote, save the version,
+and version 2 caches are read as before.
 """
 
 from __future__ import annotations
@@ -43,10 +51,12 @@ from shards.common.errors import UserError
 from shards.common.json_input import InputFileError, parse_json
 from shards.common.schema import record
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)  # a version 2 cache is a version 3 cache without a projection
 CACHE_CONFIG_FILE = "cache.json"
 TARGET_HEAD_FILE = "target_head.safetensors"
 MANIFEST_FILE = "manifest.parquet"
+PROJECTION_FILE = "projection.safetensors"
 SHARDS_DIR = "shards"
 # Precision names: two vocabularies, on purpose.
 #   Compute dtypes, what a model runs in (dflash-extract --dtype, dflash-train --compute-dtype, eval --dtype,
@@ -147,6 +157,41 @@ class DatasetRecord:
     longest_response: int | None = None
 
 
+@dataclass(kw_only=True)
+class ProjectionRecord:
+    """A projected cache (cache.json "projection"): the shards hold codes z = P D h of each token's
+    concatenated taps h [K*H]; P [rank, K*H] has orthonormal rows, D is a fixed diagonal scaling, both in
+    projection.safetensors (shards/projection.py says how they are made and used)."""
+
+    rank: int  # R: codes per token
+    normalize: str  # the scaling D folded in before P: "none" (D = 1) or "per-tap" (1 / rms of each tap)
+    group_size: int  # fp8 codes: one fp32 scale per this many consecutive codes (the last group may be shorter)
+    sample_tokens: int  # tokens the estimate of P was drawn from, across the whole dataset
+    seed: int  # seed of that draw
+    # Derived when P is estimated (not settings: a resume compares the settings above, the shards' cache_id
+    # names the checksum): checksum() of projection.safetensors' tensors, and the share of the sample's
+    # (uncentred, scaled) energy the R components keep.
+    checksum: str | None = None
+    variance_kept: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.normalize not in PROJECTION_NORMALIZE:
+            raise ValueError(f"projection.normalize must be one of {PROJECTION_NORMALIZE}, got {self.normalize!r}")
+        for name in ("rank", "group_size", "sample_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"projection.{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def num_groups(self) -> int:
+        return -(-self.rank // self.group_size)
+
+
+ProjectionNormalize = Literal["none", "per-tap"]
+PROJECTION_NORMALIZE = get_args(ProjectionNormalize)
+# ProjectionRecord fields derived from the estimate rather than set by the run.
+_PROJECTION_DERIVED = ("checksum", "variance_kept")
+
+
 # DatasetRecord fields that describe the dataset without deciding which one it is (the fingerprint does):
 # older caches, which lack them, keep their cache_id and resume.
 _DATASET_DESCRIPTION = ("prepared", "longest_response")
@@ -185,6 +230,7 @@ class CacheConfig:
     # checksum() of target_head.safetensors' tensors: the same architecture with other weights (a
     # fine-tune) has the same config_hash, and its head must not be mixed with this cache's states.
     target_head_checksum: str | None = None
+    projection: ProjectionRecord | None = None  # None = the taps themselves are stored (hidden)
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -192,6 +238,10 @@ class CacheConfig:
             self.target = TargetInfo(**self.target)
         self.packing = _record(PackingRecord, self.packing, "packing")
         self.dataset = _record(DatasetRecord, self.dataset, "dataset")
+        self.projection = _record(ProjectionRecord, self.projection, "projection")
+        width = self.num_taps * self.target.hidden_size
+        if self.projection is not None and self.projection.rank >= width:
+            raise ValueError(f"projection.rank {self.projection.rank} must be below the taps' width K*H = {width}")
         if self.storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype must be one of {STORAGE_DTYPES}, got {self.storage_dtype!r}")
         if self.token_budget <= 0:
@@ -209,6 +259,14 @@ class CacheConfig:
     @property
     def num_taps(self) -> int:
         return len(self.tap_layer_ids)
+
+    @property
+    def context_shape(self) -> tuple[int, int]:
+        """Per token, what the drafter's fc reads of a shard (codec.decode_context): the taps (K, H), or a
+        projected cache's codes as one "tap" (1, R)."""
+        if self.projection is not None:
+            return 1, self.projection.rank
+        return self.num_taps, self.target.hidden_size
 
     @property
     def planned_batches(self) -> int | None:
@@ -238,10 +296,10 @@ class CacheConfig:
                 f"{source}: cache format version 1 (shards without a cache identity); this dflash-pipeline "
                 f"reads version {FORMAT_VERSION}: re-run dflash-extract into a new --out to rebuild the cache"
             )
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise CacheFormatError(
-                f"{source}: cache format version {version!r:.40}, this dflash-pipeline reads version "
-                f"{FORMAT_VERSION}; re-run dflash-extract with this version to rebuild the cache"
+                f"{source}: cache format version {version!r:.40}, this dflash-pipeline reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}; re-run dflash-extract with this version to rebuild the cache"
             )
         older = {name: None for name in ("packing", "dataset") if raw.get(name) == {}}  # older caches wrote {}
         try:
@@ -258,6 +316,11 @@ class CacheConfig:
                 d["dataset"].pop(name)
         for name in TARGET_EXPORT_FIELDS:  # metadata for export, not the hidden states: older caches resume
             d["target"].pop(name)
+        if d["projection"] is None:
+            d.pop("projection")  # a cache without one has the identity it had before projections existed
+        else:
+            for name in _PROJECTION_DERIVED:  # estimated by the run, not chosen: the settings decide a resume
+                d["projection"].pop(name)
         return d
 
     def cache_id(self) -> str:
@@ -285,6 +348,8 @@ class CacheConfig:
             "target_topk": self.target_topk,
             "pad_token_id": self.pad_token_id,
         }
+        if self.projection is not None:  # absent otherwise: unprojected caches keep version 2's cache_id
+            what["projection"] = _plain(self.projection)
         digest = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
         return f"sha256:{digest[:16]}"
 
@@ -304,7 +369,12 @@ def tensor_specs(cfg: CacheConfig) -> dict[str, TensorSpec]:
         "loss_mask": TensorSpec((t,), torch.uint8),
         "cu_seqlens": TensorSpec((cfg.max_seqs + 1,), torch.int32),
     }
-    if cfg.storage_dtype == "bf16":
+    if cfg.projection is not None:
+        r, fp8 = cfg.projection.rank, cfg.storage_dtype == "fp8"
+        specs["codes"] = TensorSpec((t, r), torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        if fp8:
+            specs["code_scale"] = TensorSpec((t, cfg.projection.num_groups), torch.float32)
+    elif cfg.storage_dtype == "bf16":
         specs["hidden"] = TensorSpec((t, k, h), torch.bfloat16)
     else:
         specs["hidden"] = TensorSpec((t, k, h), torch.float8_e4m3fn)

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch
 
-from shards.codec import decode_hidden
+from shards.codec import decode_context
 from shards.common.owned import Dir
 from shards.format import (
     MANIFEST_FILE,
+    PROJECTION_FILE,
     SHARDS_DIR,
     TARGET_HEAD_FILE,
     CacheFormatError,
@@ -23,6 +24,7 @@ from shards.format import (
 )
 from shards.manifest import manifest_table, read_manifest
 from shards.ownership import QUARANTINE_DIR, is_our_shard
+from shards.projection import load_projection
 from shards.reader import ShardError, ShardInfo, ShardReader, load_target_head
 
 _NEAREST_IDS = 5  # sample ids `show` proposes for one that is not in the cache
@@ -61,6 +63,7 @@ def summarize_cache(cache_dir: str | Path) -> dict:
         "target_quantization": cfg.target.quantization,
         "tap_layer_ids": cfg.tap_layer_ids,
         "storage_dtype": cfg.storage_dtype,
+        "projection": dataclasses.asdict(cfg.projection) if cfg.projection is not None else None,
         "target_topk": cfg.target_topk,
         "token_budget": cfg.token_budget,
         "max_seqs": cfg.max_seqs,
@@ -95,6 +98,11 @@ class VerifyReport:
         """The one next action that repairs everything reported (None when all is good)."""
         if self.ok:
             return None
+        if any(b["file"].endswith(PROJECTION_FILE) for b in self.bad):  # the codes were made with it
+            return (
+                f"restore the original {PROJECTION_FILE} (every shard's codes were made with it), or re-extract "
+                "the cache into a new --out"
+            )
         head = [b for b in self.bad if b["batch_id"] is None and b["file"].endswith(TARGET_HEAD_FILE)]
         shards = [b for b in self.bad if b["batch_id"] is not None]
         in_place = [b for b in shards if b["reason"] != "missing" and "moved_to" not in b]
@@ -145,6 +153,11 @@ def verify_cache(cache_dir: str | Path, quarantine: bool = False) -> VerifyRepor
         load_target_head(cache_dir)
     except CacheFormatError as e:
         report.bad.append({"file": str(cache_dir / "target_head.safetensors"), "batch_id": None, "reason": str(e)})
+    if reader.config.projection is not None:
+        try:
+            load_projection(cache_dir, reader.config)
+        except CacheFormatError as e:
+            report.bad.append({"file": str(cache_dir / PROJECTION_FILE), "batch_id": None, "reason": str(e)})
     present = reader.batch_ids()
     good: list[ShardInfo] = []
     for b in present:
@@ -246,7 +259,8 @@ def _quarantine(cache_dir: Path, path: Path) -> Path | None:
 
 
 def find_sample(cache_dir: str | Path, sample_id: str, position: int | None = None) -> dict:
-    """A sample's tokens, loss mask and per-tap hidden-state statistics.
+    """A sample's tokens, loss mask and per-tap hidden-state statistics (of a projected cache: of its
+    codes, as one "tap" named "codes").
 
     position: also the target's stored top-k next tokens at this position of the sample (0-based),
     with the data's own next token and its rank among them. Raises ValueError when the cache stores
@@ -257,10 +271,10 @@ def find_sample(cache_dir: str | Path, sample_id: str, position: int | None = No
     tensors, info = reader.read(batch_id, verify_checksum=True)
     entry = next(s for s in info.samples if s.sample_id == sample_id)
     span = slice(entry.offset, entry.offset + entry.length)
-    scale = tensors["hidden_scale"][span] if "hidden_scale" in tensors else None
-    hidden = decode_hidden(tensors["hidden"][span], scale).float()
+    hidden = decode_context(tensors, reader.config)[span].float()
+    layers = reader.config.tap_layer_ids if reader.config.projection is None else ["codes"]
     taps = []
-    for j, layer in enumerate(reader.config.tap_layer_ids):
+    for j, layer in enumerate(layers):
         h = hidden[:, j]
         taps.append(
             {

@@ -4,6 +4,7 @@
 A file is ours when its name and its content both say dflash-extract wrote it:
   cache.json                  a JSON object with a format_version
   target_head.safetensors     a container whose header carries our format_version and checksum
+  projection.safetensors      likewise (projected caches)
   manifest.parquet            a Parquet file with the manifest's columns
   shards/ and quarantine/     b{8 digits}.safetensors whose header names that batch
   logs/extract-rank{r}.jsonl  the per-rank extraction logs
@@ -39,7 +40,15 @@ from shards.common.owned import (
     survey,
 )
 from shards.container import read_header
-from shards.format import CACHE_CONFIG_FILE, MANIFEST_FILE, SHARDS_DIR, TARGET_HEAD_FILE, CacheFormatError, batch_id_of
+from shards.format import (
+    CACHE_CONFIG_FILE,
+    MANIFEST_FILE,
+    PROJECTION_FILE,
+    SHARDS_DIR,
+    TARGET_HEAD_FILE,
+    CacheFormatError,
+    batch_id_of,
+)
 from shards.manifest import SCHEMA as MANIFEST_SCHEMA
 
 QUARANTINE_DIR = "quarantine"
@@ -83,7 +92,12 @@ def _our_manifest(d: Dir, name: str) -> bool:
         return False
 
 
-_TOP_FILES = {CACHE_CONFIG_FILE: _our_cache_config, TARGET_HEAD_FILE: _our_container, MANIFEST_FILE: _our_manifest}
+_TOP_FILES = {
+    CACHE_CONFIG_FILE: _our_cache_config,
+    TARGET_HEAD_FILE: _our_container,
+    PROJECTION_FILE: _our_container,
+    MANIFEST_FILE: _our_manifest,
+}
 
 
 def is_our_shard(d: Dir, name: str) -> bool:

@@ -15,7 +15,6 @@ from shards.common.json_input import InputFileError, json_type, parse_json, read
 from shards.container import MAX_HEADER_BYTES, MappedContainer, read_header
 from shards.format import (
     CACHE_CONFIG_FILE,
-    FORMAT_VERSION,
     SHARDS_DIR,
     TARGET_HEAD_FILE,
     TARGET_HEAD_TENSORS,
@@ -79,16 +78,8 @@ def load_target_head(cache_dir: str | Path, verify_checksum: bool = True) -> dic
     path = Path(cache_dir) / TARGET_HEAD_FILE
     if not path.is_file():
         raise CacheFormatError(f"{path}: not found; re-run dflash-extract to rebuild the cache")
-    with MappedContainer(path) as c:
-        missing = [n for n in TARGET_HEAD_TENSORS if n not in c.header.entries]
-        if missing:
-            raise CacheFormatError(f"{path}: missing tensors {missing}")
-        head = {n: c.tensor(n).clone() for n in TARGET_HEAD_TENSORS}
-        stored = c.header.metadata.get("checksum")
+    head, found = read_checked_tensors(path, TARGET_HEAD_TENSORS, verify_checksum)
     if verify_checksum:
-        found = checksum(head)
-        if stored != found:
-            raise CacheFormatError(f"{path}: checksum mismatch (stored {stored}, computed {found}): corrupted")
         expected = read_cache_config(cache_dir).target_head_checksum
         if expected is not None and found != expected:
             raise CacheFormatError(
@@ -96,6 +87,25 @@ def load_target_head(cache_dir: str | Path, verify_checksum: bool = True) -> dic
                 "restore the original file or re-run dflash-extract"
             )
     return head
+
+
+def read_checked_tensors(
+    path: Path, names: tuple[str, ...], verify_checksum: bool = True
+) -> tuple[dict[str, torch.Tensor], str | None]:
+    """The named tensors of a container of ours (the target head, the projection) and their checksum,
+    checked against the one its header records (verify_checksum False: neither computed nor checked)."""
+    with MappedContainer(path) as c:
+        missing = [n for n in names if n not in c.header.entries]
+        if missing:
+            raise CacheFormatError(f"{path}: missing tensors {missing}")
+        tensors = {n: c.tensor(n).clone() for n in names}
+        stored = c.header.metadata.get("checksum")
+    if not verify_checksum:
+        return tensors, None
+    found = checksum(tensors)
+    if stored != found:
+        raise CacheFormatError(f"{path}: checksum mismatch (stored {stored}, computed {found}): corrupted")
+    return tensors, found
 
 
 def allocate_shard_buffers(cfg: CacheConfig, pin_memory: bool = False) -> dict[str, torch.Tensor]:
@@ -136,10 +146,10 @@ class ShardReader:
         except CacheFormatError as e:
             raise ShardError(path, str(e).removeprefix(f"{path}: ")) from e
         meta = header.metadata
-        if meta.get("format_version") != str(FORMAT_VERSION):
+        if meta.get("format_version") != str(self.config.format_version):
             raise ShardError(
                 path,
-                f"format version {meta.get('format_version')!r}, expected {FORMAT_VERSION}; "
+                f"format version {meta.get('format_version')!r}, expected {self.config.format_version}; "
                 "re-run dflash-extract to rebuild this shard",
             )
         planned = self.config.planned_batches

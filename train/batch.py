@@ -12,16 +12,21 @@ from __future__ import annotations
 
 import torch
 
-from shards import CacheConfig, LoadedShard, decode_hidden
+from shards import CacheConfig, LoadedShard, decode_context, tensor_specs
+
+# What a shard stores of the target (the taps or a projected cache's codes, with their fp8 scales).
+_STORED_CONTEXT = ("hidden", "hidden_scale", "codes", "code_scale")
 
 
 class StaticBatch:
-    """Device tensors of one shard's shapes: hidden_TKH (compute dtype), input_ids_T, position_ids_T,
-    loss_mask_T, cu_seqlens_S1, batch_id (int64 [1]), optional target top-k."""
+    """Device tensors of one shard's shapes: hidden_TKH (compute dtype; a projected cache's codes as
+    [T, 1, R]), input_ids_T, position_ids_T, loss_mask_T, cu_seqlens_S1, batch_id (int64 [1]), optional
+    target top-k."""
 
     def __init__(self, cache_cfg: CacheConfig, device: torch.device, dtype: torch.dtype, with_topk: bool):
-        T, K, H, S = cache_cfg.token_budget, cache_cfg.num_taps, cache_cfg.target.hidden_size, cache_cfg.max_seqs
-        self.device, self.dtype = device, dtype
+        T, S = cache_cfg.token_budget, cache_cfg.max_seqs
+        K, H = cache_cfg.context_shape
+        self.cache_cfg, self.device, self.dtype = cache_cfg, device, dtype
         self.fp8 = cache_cfg.storage_dtype == "fp8"
         self.hidden_TKH = torch.zeros(T, K, H, dtype=dtype, device=device)
         self.input_ids_T = torch.zeros(T, dtype=torch.int32, device=device)
@@ -36,8 +41,12 @@ class StaticBatch:
             self.topk_ids_TK = torch.zeros(T, Kt, dtype=torch.int32, device=device)
             self.topk_logprobs_TK = torch.zeros(T, Kt, dtype=torch.bfloat16, device=device)
         # fp8 shards are copied as stored (half the bytes) and decoded on the device.
-        self._fp8_TKH = torch.zeros(T, K, H, dtype=torch.float8_e4m3fn, device=device) if self.fp8 else None
-        self._scale_TK = torch.zeros(T, K, dtype=torch.float32, device=device) if self.fp8 else None
+        specs = tensor_specs(cache_cfg)
+        self._stored = {
+            name: torch.zeros(specs[name].shape, dtype=specs[name].dtype, device=device)
+            for name in _STORED_CONTEXT
+            if self.fp8 and name in specs
+        }
         self._pending: tuple[torch.cuda.Event | None, LoadedShard] | None = None
 
     def load(self, shard: LoadedShard) -> None:
@@ -46,11 +55,11 @@ class StaticBatch:
         t = shard.tensors
         nb = self.device.type == "cuda"
         if self.fp8:
-            self._fp8_TKH.copy_(t["hidden"], non_blocking=nb)
-            self._scale_TK.copy_(t["hidden_scale"], non_blocking=nb)
-            self.hidden_TKH.copy_(decode_hidden(self._fp8_TKH, self._scale_TK))
+            for name, stored in self._stored.items():
+                stored.copy_(t[name], non_blocking=nb)
+            self.hidden_TKH.copy_(decode_context(self._stored, self.cache_cfg))
         else:
-            self.hidden_TKH.copy_(t["hidden"], non_blocking=nb)  # bf16 -> compute dtype
+            self.hidden_TKH.copy_(decode_context(t, self.cache_cfg), non_blocking=nb)  # bf16 -> compute dtype
         self.input_ids_T.copy_(t["input_ids"], non_blocking=nb)
         self.position_ids_T.copy_(t["position_ids"], non_blocking=nb)
         self.loss_mask_T.copy_(t["loss_mask"], non_blocking=nb)

@@ -18,6 +18,7 @@ from shards import CacheConfig, ShardError, ShardReader, read_cache_config
 from shards.common.cli_options import flag_name, shown
 from shards.container import read_header
 from shards.format import TARGET_HEAD_FILE, shard_path, target_head_shapes
+from shards.projection import load_projection
 from train.blocks import default_num_blocks
 from train.config import TrainConfig
 from train.drafter.config import DrafterConfig, DrafterOptions
@@ -137,6 +138,7 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
         except ValueError as e:
             raise ValueError(f"drafter shape for cache {cfg.cache}: {e}") from e
 
+    drafter = _projected(drafter, cache_cfg, cfg.cache)
     num_blocks = cfg.num_blocks or default_num_blocks(cache_cfg.token_budget, cfg.block_size)
     if num_blocks > cache_cfg.token_budget:
         raise ValueError(
@@ -246,6 +248,20 @@ def _drafter_from_init(cfg: TrainConfig, cache_cfg: CacheConfig, mask_token_id: 
     if problems:
         raise ValueError(f"--init-from {pinned.init_from} does not fit cache {cfg.cache}: " + "; ".join(problems))
     return drafter
+
+
+def _projected(drafter: DrafterConfig, cache_cfg: CacheConfig, cache: str) -> DrafterConfig:
+    """A projected cache's drafter reads its R codes (fc' of R inputs; the export folds it back)."""
+    projection = cache_cfg.projection
+    if projection is None:
+        return drafter
+    if projection.checksum is None:
+        raise ValueError(
+            f"cache {cache}: its projection was never estimated (cache.json projection.checksum is null); finish the "
+            "cache with its dflash-extract command (`dflash-shards verify` prints it)"
+        )
+    load_projection(cache, cache_cfg)  # a replaced or damaged projection.safetensors is refused before any model
+    return drafter.replace(context_width=projection.rank, context_projection=projection.checksum)
 
 
 def _check_shards_present(cfg: TrainConfig, batch_ids: list[int]) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from shards.projection import applied_matrix, load_projection
 from train.batch import StaticBatch
 from train.blocks import anchor_seed, sample_blocks
 from train.checkpoint.export import load_drafter_weights_
@@ -83,8 +84,12 @@ def build_step_state(
     compute_dtype = torch_dtype(cfg.compute_dtype)
     torch.manual_seed(cfg.seed)  # identical init on every rank; the broadcast makes sure
     model = DFlashDrafter(run.drafter).to(device)  # fp32 master weights
+    projection = None
+    if run.drafter.context_width is not None:  # a projected cache: A = P D, checked against cache.json
+        projection = load_projection(cfg.cache, run.cache_config)
+        model.context_projection.copy_(applied_matrix(*projection))
     if cfg.drafter.init_from is not None:  # a resumed run overwrites these with its checkpoint's
-        load_drafter_weights_(model, cfg.drafter.init_from)
+        load_drafter_weights_(model, cfg.drafter.init_from, projection)
     broadcast_parameters(model)
     if cfg.pointwise_compiled(device.type):
         compile_pointwise_(model)

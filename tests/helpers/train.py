@@ -10,7 +10,7 @@ import torch
 
 from shards import (
     ShardReader,
-    decode_hidden,
+    decode_context,
     encode_hidden,
     epoch_shard_order,
     load_target_head,
@@ -82,7 +82,7 @@ def hand_step_loss(model, drafter: DrafterConfig, cache: Path, cfg: TrainConfig,
     )
     layout = BlockAttentionLayout.for_drafter(drafter, num_ctx=reader.config.token_budget, num_blocks=cfg.num_blocks)
     layout.update(blocks.seq_start_N, blocks.anchor_N)
-    hidden_TKH = decode_hidden(t["hidden"], t.get("hidden_scale")).float()
+    hidden_TKH = decode_context(t, reader.config).float()
     out = model(hidden_TKH, t["position_ids"], head.embed(blocks.block_ids_NB), blocks.block_pos_NB, layout)
     return block_loss(out, head, blocks, cfg.loss)
 

@@ -18,14 +18,16 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from extract.target.config import TargetConfig
 from tests.helpers.chats import chat_target
 from tools.fixtures.demo_data import demo_conversations
 from tools.fixtures.tiny_target import tiny_config_dict
 from tools.testbed.table.cli import main as table_cli
 from tools.testbed.table.config import TableConfig
 from tools.testbed.table.report import compare, spread_stats
-from tools.testbed.table.rows import ROWS
+from tools.testbed.table.rows import PCA_FRACTIONS, ROWS
 from tools.testbed.table.run import SKIPPED_NO_CUDA, run_table
+from tools.testbed.table.steps import Plan
 from tools.testbed.table.store import WorkDir, WorkDirError
 
 BLOCK_SIZE = 16  # dflash-train's default block size: acceptance counts at most this many tokens per step
@@ -232,3 +234,13 @@ def test_a_prompt_line_of_another_shape_is_refused_naming_its_line(target, tmp_p
     ]
     result = CliRunner().invoke(table_cli, args)
     assert result.exit_code == 1 and f"--prompts {prompts} line 5: give a non-empty" in result.output, result.output
+
+
+def test_the_compact_cache_rows_take_their_rank_from_the_targets_width(target, tmp_path):
+    plan = Plan(_config(target, tmp_path), dataset=None, device_type="cpu")
+    taps_width = 5 * TargetConfig.from_dir(target).hidden_size
+    for n in PCA_FRACTIONS:
+        for name, normalize in ((f"pca-{n}", "per-tap"), (f"pca-{n}-raw", "none")):
+            options = plan.extract_options(next(row for row in ROWS if row.name == name))
+            assert options["--pca-rank"] == str(taps_width // n) and options["--pca-normalize"] == normalize
+            assert options["--storage"] == "fp8"

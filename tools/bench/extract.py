@@ -10,6 +10,10 @@ the switch to FP8 compute is in place):
   write_fp8       writing an fp8 cache
   fp8_no_write    FP8 compute (linear layers on e4m3 matmuls), compute only
   fp8_write_fp8   FP8 compute writing an fp8 cache (the issue-16 goal: >= 20K tokens/s per H200)
+  write_pca       writing a projected cache (--pca-rank R fp8 codes; the issue-30 goal: within 3% of
+                  write_fp8's tokens/s), and fp8_write_pca with FP8 compute (of fp8_write_fp8's). The
+                  projection is estimated once, before the first of them, from --pca-sample-tokens tokens
+                  of the mix (its forward, moment and eigendecomposition timed: pca_estimate)
 and the same names with `_before` (every memory-traffic cut off: ForwardOptions all False and the
 writer's host copies on the forward's stream, i.e. the code path before those cuts) or, for
 fp8_write_fp8, `_no_<cut>` (that one cut off: fuse_residual, split_conv, concat_linears, copy_stream),
@@ -25,6 +29,8 @@ length-sorted, padded batches of the same token count, on a layer subset project
 
     python -m tools.bench.extract --out bench_extract.json --cache-dir /tmp/bench_cache --hf-layers 0 \
         --configs no_write,write_fp8,fp8_no_write,fp8_write_fp8 --timed-batches 6
+    python -m tools.bench.extract --out bench_extract_pca.json --cache-dir /tmp/bench_cache --hf-layers 0 \
+        --configs write_fp8,write_pca,fp8_write_fp8,fp8_write_pca --pca-rank 3200 --timed-batches 8
     python -m tools.bench.extract --out bench_extract_cuts.json --cache-dir /tmp/bench_cache --hf-layers 0 \
         --configs write_fp8_before,write_fp8,fp8_write_fp8_before,fp8_write_fp8 --timed-batches 8 --profile
 """
@@ -48,15 +54,17 @@ from extract.cache_dir import build_cache_config
 from extract.config import ExtractConfig
 from extract.dataset.index import Sample, SampleLoader, scan_dataset, write_parquet
 from extract.dataset.packing import PackingConfig, load_batch, plan_batches
+from extract.projection import estimate_projection
 from extract.runner import extract_batches
 from extract.target.config import TargetConfig
 from extract.target.kernels import select_kernels
 from extract.target.model import TargetModel
 from extract.target.options import ForwardOptions
 from extract.writer import AsyncShardWriter
-from shards import create_cache
+from shards import create_cache, write_cache_config
 from shards.codec import decode_hidden, encode_hidden
 from shards.ownership import survey_cache
+from shards.projection import write_projection
 from tools.bench.hf_padded import hf_padded_tokens_per_s
 from tools.fixtures.tiny_target import qwen35_27b_config_dict, random_weights, tiny_config_dict
 
@@ -84,6 +92,8 @@ BASE_CONFIGS = {  # name -> (compute, storage, write)
     "write_fp8": ("dense", "fp8", True),
     "fp8_no_write": ("fp8", "bf16", False),
     "fp8_write_fp8": ("fp8", "fp8", True),
+    "write_pca": ("dense", "pca", True),
+    "fp8_write_pca": ("fp8", "pca", True),
 }
 # The memory-traffic cuts a configuration can switch off: the ForwardOptions fields and the writer's
 # side stream for host copies.
@@ -184,6 +194,25 @@ def _forward_batch(
     return model.forward_packed(ids, pos, cu, taps)
 
 
+def _estimate(model, cache_cfg, index, plan, device: torch.device, token_budget: int, result: dict):
+    """P and D of the *_pca configurations, as dflash-extract estimates them; the time it took in result."""
+    _sync(device)
+    t0 = time.perf_counter()
+    taps = cache_cfg.tap_layer_ids
+    projection_RF, scale_F, kept = estimate_projection(
+        cache_cfg, plan.batches, lambda b: _forward_batch(model, index, b, taps, device, token_budget), device
+    )
+    _sync(device)
+    result["pca_estimate"] = {
+        "rank": cache_cfg.projection.rank,
+        "sample_tokens": cache_cfg.projection.sample_tokens,
+        "seconds": time.perf_counter() - t0,
+        "variance_kept": kept,
+    }
+    log.info("projection estimated: %s", result["pca_estimate"])
+    return projection_RF, scale_F
+
+
 MATMUL_KERNEL_WORDS = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "f8f8bf16")  # in GEMM kernel names
 
 
@@ -263,8 +292,28 @@ def _refuse_foreign(cache_dir: Path, work: Path) -> None:
     help="After the last configuration, profile one forward in its settings: GPU time per kernel name, "
     "GEMMs vs the rest (printed, and under 'profile' in --out).",
 )
+@click.option(
+    "--pca-rank",
+    default=3200,
+    show_default=True,
+    help="Codes per token of the *_pca configurations (3200 = 1/8 of 5 x 5120).",
+)
+@click.option(
+    "--pca-sample-tokens", default=262144, show_default=True, help="Tokens the *_pca projection is estimated from."
+)
 def main(
-    out_path, cache_dir, num_samples, timed_batches, layers, hf_layers, token_budget, configs, tiny, profile
+    out_path,
+    cache_dir,
+    num_samples,
+    timed_batches,
+    layers,
+    hf_layers,
+    token_budget,
+    configs,
+    tiny,
+    profile,
+    pca_rank,
+    pca_sample_tokens,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     names = [c.strip() for c in configs.split(",") if c.strip()]
@@ -323,6 +372,7 @@ def main(
     (config_dir / "config.json").write_text(json.dumps(cfg_dict))
     timed = plan.batches[warm:need]
     warmed: set[str] = set()
+    projection = None  # (P, D) of the *_pca configurations, estimated at the first of them
     for name in names:
         mode, storage, write, off = CONFIGS[name]
         options = ForwardOptions(**{f.name: f.name not in off for f in dataclasses.fields(ForwardOptions)})
@@ -346,7 +396,9 @@ def main(
             data=str(data),
             out_dir=str(cache_dir),
             tap_layer_ids=taps,
-            storage_dtype=storage,
+            storage_dtype="fp8" if storage == "pca" else storage,
+            pca_rank=pca_rank if storage == "pca" else 0,
+            pca_sample_tokens=pca_sample_tokens,
             token_budget=token_budget,
             progress_interval_s=5.0,
             compute=mode,
@@ -364,6 +416,12 @@ def main(
             },
         )
         model.set_forward_options(options)
+        if storage == "pca":
+            if projection is None:
+                projection = _estimate(model, cache_cfg, index, plan, device, token_budget, result)
+                _save(out_path, result)
+            cache_cfg.projection.checksum = write_projection(cache_dir, *projection)
+            write_cache_config(cache_dir, cache_cfg)
         copy_stream = "copy_stream" not in off
         variant = f"{mode} {options}"
         if variant not in warmed:  # compile and allocator warm-up, once per compute mode and options

@@ -52,7 +52,7 @@ def info(cache: str, as_json: bool) -> None:
             f"target           {s['target']} (hidden {s['hidden_size']}), taps {s['tap_layer_ids']}",
             f"target ran as    {s['target_dtype']}, {s['target_compute']} compute"
             + (f"; checkpoint {s['target_quantization']}" if s["target_quantization"] else ""),
-            f"storage          {s['storage_dtype']}, target top-k {s['target_topk']}, "
+            f"storage          {_storage(s)}, target top-k {s['target_topk']}, "
             f"{format_bytes(s['bytes_per_token'])}/token",
             f"packing          token budget {s['token_budget']}, max {s['max_seqs']} seqs/shard",
             f"shards           {s['num_shards']}{expected}"
@@ -70,6 +70,20 @@ def info(cache: str, as_json: bool) -> None:
         ]
     )
     _emit(s, as_json, text)
+
+
+def _storage(s: dict) -> str:
+    """The storage mode: the taps in bf16/fp8, or a projection's codes (its rank, scaling, variance kept)."""
+    p = s["projection"]
+    if p is None:
+        return s["storage_dtype"]
+    width = len(s["tap_layer_ids"]) * s["hidden_size"]
+    kept = f", {100 * p['variance_kept']:.2f}% of the variance kept" if p["variance_kept"] is not None else ""
+    groups = f" (one scale per {p['group_size']} codes)" if s["storage_dtype"] == "fp8" else ""
+    return (
+        f"pca: {p['rank']} of {width} dims ({p['rank'] / width:.4f}), {s['storage_dtype']} codes{groups}, "
+        f"normalize {p['normalize']}{kept}"
+    )
 
 
 @main.command(name="ls")

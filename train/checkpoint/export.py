@@ -53,6 +53,7 @@ from shards.common.owned import DIR_MODE, Dir, Entry, Layout, OwnershipError, su
 from shards.common.schema import REQUIRED, read_field
 from shards.container import read_header, write_container
 from shards.format import CacheFormatError
+from shards.projection import fold_fc, unfold_fc
 from train.checkpoint.serving import TRAINING_KEY
 from train.checkpoint.store import (
     MODEL_FILE,
@@ -297,7 +298,8 @@ def export_drafter(
     under serving.TRAINING_KEY (the engines ignore it; `eval --target` reads it)."""
     out = Path(out_dir)
     check_export_target(out, overwrite)
-    state = {name: t.detach().to("cpu", torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
+    served, cfg = served_state(model, cfg)
+    state = {name: t.detach().to("cpu", torch.bfloat16).contiguous() for name, t in served.items()}
     expected = zlab_parameter_names(cfg)
     if sorted(state) != sorted(expected):
         raise ValueError(
@@ -326,6 +328,16 @@ def export_drafter(
         raise OSError(e.errno, f"exporting to {out} failed: {e.strerror or e}") from e
     log.info("exported drafter (%d tensors) to %s", len(state), out)
     return out
+
+
+def served_state(model: DFlashDrafter, cfg: DrafterConfig) -> tuple[dict[str, torch.Tensor], DrafterConfig]:
+    """The drafter as engines load it: a projected drafter's fc' folded into the standard fc = fc' A
+    (multiplied in float32, before any cast), its projection dropped; any other drafter as it is."""
+    state = dict(model.state_dict())
+    if cfg.context_width is None:
+        return state, cfg
+    state["fc.weight"] = fold_fc(state["fc.weight"], state.pop("context_projection"))
+    return state, cfg.replace(context_width=None, context_projection=None)
 
 
 def drafter_from_checkpoint(ckpt: Checkpoint) -> tuple[DFlashDrafter, DrafterConfig]:
@@ -453,10 +465,17 @@ def load_exported_drafter(
 
 
 @torch.no_grad()
-def load_drafter_weights_(model: DFlashDrafter, path: str | Path) -> None:
+def load_drafter_weights_(
+    model: DFlashDrafter, path: str | Path, projection: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> None:
     """Copy a DFlashDraftModel directory's weights into `model` in place (its dtype and device kept);
-    the directory must describe model's shape (read_drafter_weights checks names and shapes)."""
-    state = read_drafter_weights(path, model.config)
+    the directory must describe model's shape (read_drafter_weights checks names and shapes), with a full
+    fc. A projected model (`projection` = its cache's P and D) starts from fc' = W0 D^-1 P^T."""
+    cfg = model.config
+    state = read_drafter_weights(path, cfg.replace(context_width=None, context_projection=None))
+    if cfg.context_width is not None:
+        assert projection is not None, "a projected drafter is initialised with its cache's projection"
+        state["fc.weight"] = unfold_fc(state["fc.weight"], *projection)
     for name, p in model.named_parameters():
         p.copy_(state[name].to(p.dtype))
     log.info("initialised the drafter from %s (%d tensors)", path, len(state))

@@ -23,10 +23,10 @@ _LAYER = re.compile(r"^layers\.(\d+)\.")  # z-lab's per-layer names: layers.{i}.
 
 
 def drafter_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Parameter name (z-lab's) -> shape of the drafter `cfg` describes; built on the meta device, so
-    nothing is allocated whatever the sizes."""
+    """Tensor name (z-lab's, and a projected drafter's context_projection) -> shape of the drafter `cfg`
+    describes; built on the meta device, so nothing is allocated whatever the sizes."""
     with torch.device("meta"):
-        return {name: tuple(p.shape) for name, p in DFlashDrafter(cfg).named_parameters()}
+        return {name: tuple(t.shape) for name, t in DFlashDrafter(cfg).state_dict().items()}
 
 
 def header_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Path]]:

@@ -78,6 +78,12 @@ class DrafterConfig:
     """The target's eos id or ids (config.json eos_token_id); None = unknown."""
     pad_token_id: int | None = None
     """The target's pad id (config.json pad_token_id); None = the target declares none."""
+    context_width: int | None = None
+    """fc's input width when the drafter reads a projected cache's codes (its --pca-rank R); None = the full
+    taps, num_taps * hidden_size. Never in an export: there fc = fc' P D reads the full taps."""
+    context_projection: str | None = None
+    """The checksum of the projection those codes were made with (cache.json projection.checksum); given
+    exactly when context_width is."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -127,6 +133,14 @@ class DrafterConfig:
                 raise ValueError(
                     f"DrafterConfig.{name} must be a token id (or, for eos, a list of them) or None, got {value!r}"
                 )
+        if (self.context_width is None) != (self.context_projection is None):
+            raise ValueError(
+                f"DrafterConfig.context_width {self.context_width!r} and context_projection "
+                f"{self.context_projection!r}: give both (a projected drafter) or neither"
+            )
+        full = self.num_taps * self.hidden_size
+        if self.context_width is not None and not 1 <= self.context_width < full:
+            raise ValueError(f"DrafterConfig.context_width must be in [1, {full}), got {self.context_width}")
         if self.layer_types is None:
             self.layer_types = [FULL_ATTENTION] * self.num_layers
         self.layer_types = list(self.layer_types)
@@ -155,6 +169,11 @@ class DrafterConfig:
     def num_taps(self) -> int:
         """Tapped target layers, K: the context input is [T, K, hidden_size]."""
         return len(self.tap_layer_ids)
+
+    @property
+    def fc_in_features(self) -> int:
+        """fc's input: the concatenated taps, or a projected cache's R codes."""
+        return self.context_width or self.num_taps * self.hidden_size
 
     @property
     def sliding_layers(self) -> list[bool]:

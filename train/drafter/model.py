@@ -4,7 +4,10 @@ What is unusual about this model (z-lab's DFlashDraftModel, which serving engine
 - No embedding or LM head of its own: block tokens are embedded with the target's frozen
   embed_tokens and its output goes through the target's frozen lm_head (`TargetHead`, kept
   outside the module so it is neither trained, saved, exported nor broadcast by DDP).
-- Context = the K tapped target hidden states of each token, fused: hidden_norm(fc(concat)).
+- Context = the K tapped target hidden states of each token, fused: hidden_norm(fc(concat)). A drafter
+  trained on a projected cache reads codes z = A concat (A = P D, shards/projection.py) through an fc'
+  of R inputs and holds A as the buffer context_projection (not trained): full taps are projected by it
+  (context_of_taps), and the export folds it, fc = fc' A, into a standard drafter.
 - In every layer K/V come from [fused context ; block hidden] and Q from the block only; the
   context is not layer-normed (only the block stream passes input_layernorm).
 - RMSNorms are Qwen3's (w * x_normed, w initialised to ones), not the target's (1 + w).
@@ -31,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from shards.projection import codes_of
 from train.drafter.attention import BlockAttentionLayout, block_attention, full_attention, window_attention
 from train.drafter.config import DrafterConfig
 from train.precision import use_working_copy
@@ -193,15 +197,28 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
-        self.fc = Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size)
+        self.fc = Linear(cfg.fc_in_features, cfg.hidden_size)
+        projected = cfg.context_width is not None
+        # A [R, K*H] of a projected drafter: set from the cache (or a checkpoint), saved with the weights.
+        self.register_buffer(
+            "context_projection", torch.zeros(cfg.context_width, cfg.num_taps * cfg.hidden_size) if projected else None
+        )
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         init_drafter_weights(self)
 
     def fuse_context(self, hidden_TKH: torch.Tensor) -> torch.Tensor:
-        """[T, K, H] tapped target states -> [T, H] fused context hidden_norm(fc(concat_k))."""
+        """[T, K, H] tapped target states (a projected drafter: codes [T, 1, R]) -> [T, H] fused context
+        hidden_norm(fc(concat_k))."""
         return self.hidden_norm(self.fc(hidden_TKH.flatten(1)))
+
+    def context_of_taps(self, hidden_TKH: torch.Tensor) -> torch.Tensor:
+        """What fc reads of the target's full taps [T, K, H]: themselves, or a projected drafter's codes
+        A concat_k [T, 1, R] (live decoding, where no cache stored them)."""
+        if self.context_projection is None:
+            return hidden_TKH
+        return codes_of(hidden_TKH, self.context_projection).unsqueeze(1)
 
     def context(self, hidden_TKH: torch.Tensor, position_ids_T: torch.Tensor, dtype: torch.dtype) -> ContextKV:
         """Every layer's context K/V of one packed batch, activations in `dtype` (the block embeddings')."""
@@ -290,8 +307,8 @@ class DFlashDrafter(nn.Module):
     def forward_block(
         self, hidden_LKH: torch.Tensor, ctx_pos_L: torch.Tensor, block_embed_BH: torch.Tensor, block_pos_B: torch.Tensor
     ) -> torch.Tensor:
-        """Inference forward: one block over one sequence's prefix (all of it visible); [B, H]."""
-        ctx_LH = self.fuse_context(hidden_LKH.to(block_embed_BH.dtype))
+        """Inference forward: one block over one sequence's prefix (all of it visible, its full taps); [B, H]."""
+        ctx_LH = self.fuse_context(self.context_of_taps(hidden_LKH.to(block_embed_BH.dtype)))
         key_pos_L = torch.cat([ctx_pos_L, block_pos_B])
         sliding = partial(
             window_attention, q_pos_Q=block_pos_B, k_pos_L=key_pos_L, sliding_window=self.config.sliding_window

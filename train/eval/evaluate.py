@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from shards import ShardReader, decode_hidden
+from shards import ShardReader, decode_context
 from shards.common.progress import format_figure
 from train.blocks import anchor_seed, default_num_blocks, sample_shard_blocks
 from train.drafter.attention import BlockAttentionLayout
@@ -236,7 +236,7 @@ def evaluate_drafter(
     loss_cfg = LossConfig(gamma=loss.gamma, chunk_blocks=chunk_blocks)  # the CE alone: no KL or CAP term
     for batch_id in batch_ids[rank::world_size]:
         tensors, _ = reader.read(batch_id, verify_checksum=True)
-        hidden_TKH = decode_hidden(tensors["hidden"], tensors.get("hidden_scale")).to(device, dtype)
+        hidden_TKH = decode_context(tensors, reader.config).to(device, dtype)
         ids_T, pos_T = tensors["input_ids"].to(device), tensors["position_ids"].to(device)
         responses = response_spans(tensors["loss_mask"], tensors["cu_seqlens"])
         # The fused context and every layer's context K/V: once per shard, for every rule and the random anchors.

@@ -64,11 +64,29 @@ def check_fits(cfg: DrafterConfig, cache_config, drafter: str, cache: str) -> No
             f"hidden/vocab: drafter {cfg.hidden_size}/{cfg.vocab_size}, "
             f"cache {cache_config.target.hidden_size}/{cache_config.target.vocab_size}"
         )
+    stored = cache_config.projection.checksum if cache_config.projection is not None else None
+    if cfg.context_projection != stored:
+        problems.append(
+            f"context: drafter reads {_context(cfg)}, cache stores {_stored(cache_config)} (a projected cache is "
+            "read by the checkpoints trained on it or on a cache extracted with --pca-from it; an export reads "
+            "full taps)"
+        )
     if problems:
         raise ValueError(
             f"drafter {drafter} does not fit cache {cache}: {'; '.join(problems)}; evaluate it on "
             "a cache extracted from its own target with the same taps"
         )
+
+
+def _context(cfg: DrafterConfig) -> str:
+    if cfg.context_width is None:
+        return "the full taps"
+    return f"{cfg.context_width} projected codes (projection {cfg.context_projection})"
+
+
+def _stored(cache_config) -> str:
+    p = cache_config.projection
+    return "the full taps" if p is None else f"{p.rank} projected codes (projection {p.checksum})"
 
 
 @dataclass

@@ -37,7 +37,7 @@ def drafter_step_flops(cfg: DrafterConfig, num_ctx_tokens: int, num_blocks: int)
     H, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     T, Q = num_ctx_tokens, num_blocks * cfg.block_size
     q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    fc = 4 * T * (cfg.num_taps * H) * H
+    fc = 4 * T * cfg.fc_in_features * H
     per_layer = 6 * Q * H * q_out + 6 * Q * q_out * H + 6 * (T + Q) * H * kv_out * 2 + 6 * Q * H * F * 3
     head = 4 * Q * H * V
     return fc + cfg.num_layers * per_layer + head

@@ -28,7 +28,8 @@ class TableConfig:
     """Work directory: data, caches, runs, a result JSON per row and seed, table.md and table.json. The same
     command again continues where the last run stopped; results of changed settings are recomputed."""
     rows: list[str] = field(default_factory=list)
-    """Rows to run, comma-separated (bf16-storage, fp8-storage, fp8-compute, sliding-layers). Default: all."""
+    """Rows to run, comma-separated (bf16-storage, fp8-storage, fp8-compute, sliding-layers, pca-8 / -16 / -32 and
+    their -raw twins). Default: all."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """Training seeds, the same for every row; at least 3 (each figure is a mean and a spread over them)."""
     num_prompts: int = 0

@@ -8,7 +8,9 @@ seeds and evaluation belong to the table and are the same for every row, so a di
 rows is the row's doing. The issue that adds a numerics choice adds an entry to ROWS.
 
 A value in braces names a table setting ("{sliding_window}"), filled in from the run's TableConfig: a
-window, say, has to fit the lengths of the data at hand.
+window, say, has to fit the lengths of the data at hand. "{pca_rank_N}" is 1/N of the target's taps'
+width (5 taps x its hidden size; Plan.settings), so that the compact-cache rows keep their fraction on
+any target.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ def words(options: Mapping[str, str | None]) -> list[str]:
     return [word for flag, value in options.items() for word in ((flag,) if value is None else (flag, value))]
 
 
+PCA_FRACTIONS = (8, 16, 32)  # the compact-cache rows' ranks: 1/N of the taps' width (issue 30)
+
 ROWS: tuple[Row, ...] = (
     Row(
         name="bf16-storage",
@@ -74,6 +78,16 @@ ROWS: tuple[Row, ...] = (
         what="drafter layers 1-4 sliding-window ({sliding_window} tokens), layer 5 full (the published "
         "Qwen3.6-27B layout) instead of 5 full layers",
         train_options={"--layer-types": "sliding,sliding,sliding,sliding,full", "--sliding-window": "{sliding_window}"},
+    ),
+    *(
+        Row(
+            name=f"pca-{n}{'' if normalize == 'per-tap' else '-raw'}",
+            what=f"fp8 codes of the taps' top principal directions, 1/{n} of the taps' width (K*H/{n} codes; "
+            + ("each tap scaled by 1/rms first)" if normalize == "per-tap" else "no scaling before the projection)"),
+            extract_options={"--storage": "fp8", "--pca-rank": f"{{pca_rank_{n}}}", "--pca-normalize": normalize},
+        )
+        for normalize in ("per-tap", "none")
+        for n in PCA_FRACTIONS
     ),
 )
 BASELINE = ROWS[0].name  # the row every other one is compared with

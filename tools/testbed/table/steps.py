@@ -24,13 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from extract.cli import main as extract_cli
+from extract.config import ExtractConfig
 from extract.target.config import TargetConfig
 from shards.inspect import summarize_cache
 from tools.cli.dflash_train import entry_point
 from tools.testbed.table.clis import run_cli
 from tools.testbed.table.config import TableConfig
 from tools.testbed.table.data import Dataset
-from tools.testbed.table.rows import Row, words
+from tools.testbed.table.rows import PCA_FRACTIONS, Row, words
 from tools.testbed.table.store import WorkDir, digest
 from train.cli import main as train_cli
 
@@ -49,9 +50,12 @@ class Plan:
 
     def __init__(self, cfg: TableConfig, dataset: Dataset, device_type: str):
         self.cfg, self.dataset, self.device_type = cfg, dataset, device_type
-        self.settings = vars(cfg)  # what a row's "{name}" values are filled from
+        target = TargetConfig.from_dir(cfg.target)
+        taps_width = ExtractConfig.num_taps * target.hidden_size  # the table extracts dflash-extract's default taps
+        # What a row's "{name}" values are filled from: the table's settings and the projected rows' ranks.
+        self.settings = {**vars(cfg), **{f"pca_rank_{n}": str(taps_width // n) for n in PCA_FRACTIONS}}
         mask = cfg.mask_token_id
-        self.mask_token_id = TargetConfig.from_dir(cfg.target).vocab_size - 1 if mask is None else mask
+        self.mask_token_id = target.vocab_size - 1 if mask is None else mask
 
     def extract_options(self, row: Row) -> dict[str, str | None]:
         """dflash-extract's options that decide the cache: the table's, then the row's over them."""
@@ -95,6 +99,8 @@ def make_caches(plan: Plan, work: WorkDir, row: Row) -> Caches:
     device += ["--allow-slow-kernels"] if plan.cfg.allow_slow_kernels else []
     for split, data in (("train", plan.dataset.train), ("heldout", plan.dataset.heldout)):
         args = ["--target", plan.cfg.target, "--data", str(data), "--out", str(folder / split)]
+        if split == "heldout" and "--pca-rank" in plan.extract_options(row):
+            args += ["--pca-from", str(folder / "train")]  # the codes the drafters trained on read
         run_cli(
             "dflash-extract",
             extract_cli,
