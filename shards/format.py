@@ -1,4 +1,4 @@
-"""The cache format, version 2: the one place that says what a cache holds.
+"""The cache format, version 3: the one place that says what a cache holds.
 
 A cache directory:
 
@@ -12,8 +12,11 @@ Shard tensors (T = token_budget, K = number of taps, H = target hidden size, S =
 
     hidden               [T, K, H]   bf16, or fp8 e4m3 with hidden_scale [T, K] fp32 (per token, per tap)
     input_ids            [T]         int32
-    position_ids         [T]         int32, restarting at 0 in every sequence, 0 on padding
+    position_ids         [T]         int32, the sample's true positions: 0, 1, ... in every whole sequence, the
+                                     absolute positions start..end-1 in a piece of a long sample; 0 on padding
     loss_mask            [T]         uint8, 0 on padding
+    anchor_mask          [T]         uint8, 1 where a draft block may be anchored as far as piecing goes: every
+                                     token of a whole sequence, a piece's own part (PiecesRecord); 0 on padding
     cu_seqlens           [S + 1]     int32, padded by repeating the total of real tokens
     target_topk_ids      [T, Kt]     int32, only when Kt > 0
     target_topk_logprobs [T, Kt]     bf16, only when Kt > 0
@@ -21,7 +24,13 @@ Shard tensors (T = token_budget, K = number of taps, H = target hidden size, S =
 Shard metadata (safetensors __metadata__, all strings): format_version, batch_id, cache_id (the
 CacheConfig.cache_id() of the cache it was written for), storage_dtype, num_tokens, samples, checksum.
 
-Version history: 2 added cache_id to every shard header, so that a shard copied in from another cache
+Long samples (cache.json "pieces", PiecesRecord): a sample longer than T went through the target whole and
+is stored as pieces of T tokens, one per shard, each holding `context` tokens before its own part (the
+window a sliding drafter looks back) and `label_reach` after it (the labels of its last blocks); pieces
+overlap by context + label_reach and every position is in exactly one piece's own part.
+
+Version history: 3 added anchor_mask and the absolute positions of pieces (cache.json "pieces"); version 2
+caches are read as before (no anchor_mask: every real token may hold an anchor). 2 added cache_id to every shard header, so that a shard copied in from another cache
 of the same shapes (other target weights, other data) is refused by name; version 1 caches are refused
 with the advice to re-extract.
 """
@@ -43,7 +52,8 @@ from shards.common.errors import UserError
 from shards.common.json_input import InputFileError, parse_json
 from shards.common.schema import record
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)  # version 2: no anchor_mask, no pieces
 CACHE_CONFIG_FILE = "cache.json"
 TARGET_HEAD_FILE = "target_head.safetensors"
 MANIFEST_FILE = "manifest.parquet"
@@ -147,6 +157,17 @@ class DatasetRecord:
     longest_response: int | None = None
 
 
+@dataclass(kw_only=True)
+class PiecesRecord:
+    """How samples longer than token_budget were stored (cache.json "pieces"; absent = none were)."""
+
+    max_seq_len: int  # longest sample run through the target whole (longer ones follow long_seqs)
+    context: int  # tokens each piece holds before its own part: a sliding drafter's window - 1 fits in it
+    label_reach: int  # tokens each piece holds after its own part: labels of a block of label_reach + 1
+    num_pieced_samples: int  # samples longer than token_budget stored as pieces
+    longest_sample: int  # tokens of the longest sample stored (after any truncation to max_seq_len)
+
+
 # DatasetRecord fields that describe the dataset without deciding which one it is (the fingerprint does):
 # older caches, which lack them, keep their cache_id and resume.
 _DATASET_DESCRIPTION = ("prepared", "longest_response")
@@ -185,6 +206,7 @@ class CacheConfig:
     # checksum() of target_head.safetensors' tensors: the same architecture with other weights (a
     # fine-tune) has the same config_hash, and its head must not be mixed with this cache's states.
     target_head_checksum: str | None = None
+    pieces: PiecesRecord | None = None  # how samples longer than token_budget were stored; None = none were
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -192,6 +214,7 @@ class CacheConfig:
             self.target = TargetInfo(**self.target)
         self.packing = _record(PackingRecord, self.packing, "packing")
         self.dataset = _record(DatasetRecord, self.dataset, "dataset")
+        self.pieces = _record(PiecesRecord, self.pieces, "pieces")
         if self.storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype must be one of {STORAGE_DTYPES}, got {self.storage_dtype!r}")
         if self.token_budget <= 0:
@@ -238,10 +261,10 @@ class CacheConfig:
                 f"{source}: cache format version 1 (shards without a cache identity); this dflash-pipeline "
                 f"reads version {FORMAT_VERSION}: re-run dflash-extract into a new --out to rebuild the cache"
             )
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise CacheFormatError(
-                f"{source}: cache format version {version!r:.40}, this dflash-pipeline reads version "
-                f"{FORMAT_VERSION}; re-run dflash-extract with this version to rebuild the cache"
+                f"{source}: cache format version {version!r:.40}, this dflash-pipeline reads versions "
+                f"{READABLE_VERSIONS}; re-run dflash-extract with this version to rebuild the cache"
             )
         older = {name: None for name in ("packing", "dataset") if raw.get(name) == {}}  # older caches wrote {}
         try:
@@ -285,6 +308,8 @@ class CacheConfig:
             "target_topk": self.target_topk,
             "pad_token_id": self.pad_token_id,
         }
+        if self.pieces is not None:  # only then: the caches written before pieces keep their cache_id
+            what["pieces"] = _plain(self.pieces)
         digest = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
         return f"sha256:{digest[:16]}"
 
@@ -304,6 +329,8 @@ def tensor_specs(cfg: CacheConfig) -> dict[str, TensorSpec]:
         "loss_mask": TensorSpec((t,), torch.uint8),
         "cu_seqlens": TensorSpec((cfg.max_seqs + 1,), torch.int32),
     }
+    if cfg.format_version >= 3:
+        specs["anchor_mask"] = TensorSpec((t,), torch.uint8)
     if cfg.storage_dtype == "bf16":
         specs["hidden"] = TensorSpec((t, k, h), torch.bfloat16)
     else:

@@ -15,7 +15,6 @@ from shards.common.json_input import InputFileError, json_type, parse_json, read
 from shards.container import MAX_HEADER_BYTES, MappedContainer, read_header
 from shards.format import (
     CACHE_CONFIG_FILE,
-    FORMAT_VERSION,
     SHARDS_DIR,
     TARGET_HEAD_FILE,
     TARGET_HEAD_TENSORS,
@@ -136,10 +135,10 @@ class ShardReader:
         except CacheFormatError as e:
             raise ShardError(path, str(e).removeprefix(f"{path}: ")) from e
         meta = header.metadata
-        if meta.get("format_version") != str(FORMAT_VERSION):
+        if meta.get("format_version") != str(self.config.format_version):
             raise ShardError(
                 path,
-                f"format version {meta.get('format_version')!r}, expected {FORMAT_VERSION}; "
+                f"format version {meta.get('format_version')!r}, cache.json says {self.config.format_version}; "
                 "re-run dflash-extract to rebuild this shard",
             )
         planned = self.config.planned_batches
@@ -254,3 +253,5 @@ def check_packing(info: ShardInfo, tensors: dict[str, torch.Tensor], cfg: CacheC
             raise ShardError(info.path, f"sample {s.sample_id}: loss_tokens disagrees with loss_mask")
     if int(mask[info.num_tokens :].sum()) != 0:
         raise ShardError(info.path, "loss_mask is nonzero on padding")
+    if "anchor_mask" in tensors and int(tensors["anchor_mask"][info.num_tokens :].sum()) != 0:
+        raise ShardError(info.path, "anchor_mask is nonzero on padding")

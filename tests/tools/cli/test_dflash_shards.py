@@ -275,7 +275,7 @@ def test_verify_names_each_damage(reference, tmp_path, damage):
 def test_verify_refuses_another_cache_format_version(reference, tmp_path):
     cache = copy_cache(reference, tmp_path)
     config = cache / "cache.json"
-    config.write_text(config.read_text().replace('"format_version": 2', '"format_version": 7'))
+    config.write_text(config.read_text().replace('"format_version": 3', '"format_version": 7'))
     result = CliRunner().invoke(shards_cli, ["verify", str(cache)])
     assert result.exit_code == 1
     assert str(config) in result.output and "format version 7" in result.output, result.output
