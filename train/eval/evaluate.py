@@ -40,6 +40,7 @@ from shards.common.progress import format_figure
 from train.blocks import anchor_seed, default_num_blocks, sample_shard_blocks
 from train.drafter.attention import BlockAttentionLayout
 from train.drafter.model import DFlashDrafter, TargetHead
+from train.eval.config import CONTEXT_BUCKETS
 from train.eval.tree import tree_acceptance  # noqa: F401  (re-exported: the DDTree rule lives in train/eval/tree.py)
 from train.eval.walk import WalkCounts, response_spans, walk_shard
 from train.loss.chunked import block_loss
@@ -101,6 +102,12 @@ class EvalResult:
             "eval/random_anchor_chain_length": self.random_anchor_chain_length,
             **{f"eval/tree_acceptance_{b}": v for b, v in self.tree_acceptance.items()},
             **{f"eval/slot_acceptance_{k:02d}": v for k, v in enumerate(self.walk.slot_acceptance, start=1)},
+            # Named under eval/acceptance_length so that `dflash-train plot` draws each bucket's curve.
+            **{
+                f"eval/acceptance_length_ctx_{label}": value
+                for label, (value, steps) in self.walk.acceptance_by_context.items()
+                if steps
+            },
         }
         if self.data_is_target_greedy is not None:
             rec["eval/data_is_target_greedy"] = self.data_is_target_greedy
@@ -151,6 +158,7 @@ class EvalResult:
         ]
         hist = " ".join(str(c) for c in w.accepted_histogram)
         lines = [f"{'metric':<30}{'value':>12}", "-" * 42] + [f"{m:<30}{v:>12}" for m, v in rows]
+        lines += ["acceptance by context length (the anchor's position):", *w.context_lines()] if w.steps else []
         lines += [
             f"accepted drafts per step, 0..{len(w.accepted_histogram) - 1}: {hist}",
             f"dtype {self.dtype}; shards {self.batch_ids}",
@@ -193,13 +201,14 @@ def evaluate_drafter(
     lanes: int | None = None,
     rank: int = 0,
     world_size: int = 1,
+    context_edges: Sequence[int] = CONTEXT_BUCKETS,
 ) -> EvalResult:
     """Evaluate on `batch_ids` (this rank takes every world_size-th); every rank gets the same result.
     model and head must already be in the evaluation dtype (see eval_copy). budgets: the DDTree node
     budgets walked besides the chain. loss: the run's loss settings (None: LossConfig's defaults); its
     gamma weights the held-out CE, its chunk bounds the logits held at once. num_blocks (random-anchor
     blocks per shard) and seed default to fixed values, not the run's, so every evaluation of the same
-    weights draws the same blocks."""
+    weights draws the same blocks. context_edges: the context-length buckets the walks also count."""
     device = torch.device(device)
     cfg = model.config
     reader = ShardReader(cache_dir)
@@ -216,7 +225,8 @@ def evaluate_drafter(
         for n in (num_blocks, lanes)
     )
     rules: list[int | None] = [None, *budgets]
-    width = len(WalkCounts(B).as_vector())
+    edges = tuple(int(e) for e in context_edges)
+    width = len(WalkCounts(B, context_edges=edges).as_vector())
     sums = Sums(
         {
             **{_walk_key(rule): width for rule in rules},
@@ -238,13 +248,22 @@ def evaluate_drafter(
         tensors, _ = reader.read(batch_id, verify_checksum=True)
         hidden_TKH = decode_hidden(tensors["hidden"], tensors.get("hidden_scale")).to(device, dtype)
         ids_T, pos_T = tensors["input_ids"].to(device), tensors["position_ids"].to(device)
-        responses = response_spans(tensors["loss_mask"], tensors["cu_seqlens"])
+        responses = response_spans(tensors["loss_mask"], tensors["cu_seqlens"], tensors.get("anchor_mask"))
         # The fused context and every layer's context K/V: once per shard, for every rule and the random anchors.
         context = model.context(hidden_TKH, pos_T, dtype)
         del hidden_TKH
         for rule in rules:
             counts = walk_shard(
-                model, head, context, ids_T, pos_T, responses, walk_layout, budget=rule, chunk_blocks=chunk_blocks
+                model,
+                head,
+                context,
+                ids_T,
+                pos_T,
+                responses,
+                walk_layout,
+                budget=rule,
+                chunk_blocks=chunk_blocks,
+                context_edges=edges,
             )
             sums.add(_walk_key(rule), torch.tensor(counts.as_vector(), dtype=torch.float64))
         gen = torch.Generator().manual_seed(anchor_seed(seed, batch_id=batch_id))
@@ -274,8 +293,8 @@ def evaluate_drafter(
     (target_greedy,) = host.mean("target_match")
     return EvalResult(
         dtype=str(dtype).removeprefix("torch."),
-        walk=WalkCounts.from_vector(B, host[_walk_key(None)]),
-        tree_walks={b: WalkCounts.from_vector(B, host[_walk_key(b)]) for b in budgets},
+        walk=WalkCounts.from_vector(B, host[_walk_key(None)], edges),
+        tree_walks={b: WalkCounts.from_vector(B, host[_walk_key(b)], edges) for b in budgets},
         heldout_loss=nan if ce is None else ce,
         random_anchor_chain_length=nan if chain is None else chain,
         random_anchor_slot_accuracy=[nan if a is None else a for a in slot_accuracy],

@@ -243,6 +243,7 @@ def _evaluate(cfg: EvalConfig, verifier_factory: VerifierFactory | None) -> Eval
             attention=choose_backend("auto", device),
             budgets=cfg.budgets,
             lanes=cfg.lanes,
+            context_edges=cfg.context_buckets,
         )
     if cfg.target is not None:
         from train.eval.speculative import build_verifier, decode_prompts, read_prompts
@@ -264,6 +265,14 @@ def _evaluate(cfg: EvalConfig, verifier_factory: VerifierFactory | None) -> Eval
             cfg.max_new_tokens,
             cfg.target,
         )
-        decoding = decode_prompts(model, head, verifier, prompts, cfg.max_new_tokens, context_dtype=torch.bfloat16)
+        decoding = decode_prompts(
+            model,
+            head,
+            verifier,
+            prompts,
+            cfg.max_new_tokens,
+            context_dtype=torch.bfloat16,
+            context_edges=tuple(cfg.context_buckets),
+        )
         decoding.longest_trained_response = loaded.longest_response  # the table warns when decoding ran past it
     return EvalOutput(walk, decoding, trained_on)
