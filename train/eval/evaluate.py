@@ -50,6 +50,21 @@ from train.metrics.sums import COUNT, Sums
 
 log = logging.getLogger(__name__)
 
+# Fields of cache.json's dataset.prepared record that say how the chats were rendered: the mode (thinking
+# on/off; template keywords under "template_kwargs", e.g. a reasoning effort), as acceptance differs by it.
+MODE_FIELDS = ("thinking", "template_kwargs")
+
+
+def cache_mode(cache_cfg) -> str | None:
+    """The mode a cache's chats were rendered in, "key=value,..." (e.g. "thinking=off"); None for token
+    rows given as they are. One per cache: evaluate one cache per mode to compare modes."""
+    prepared = (cache_cfg.dataset.prepared if cache_cfg.dataset is not None else None) or {}
+    settings = {}
+    for name in MODE_FIELDS:
+        value = prepared.get(name)
+        settings.update(value if isinstance(value, dict) else {} if value is None else {name: value})
+    return ",".join(f"{k}={v}" for k, v in sorted(settings.items())) or None
+
 
 @dataclass
 class EvalResult:
@@ -62,6 +77,7 @@ class EvalResult:
     num_blocks: int  # valid random-anchor blocks
     data_is_target_greedy: float | None  # P(data == target top-1) on supervised positions; None: no top-k
     batch_ids: list[int] = field(default_factory=list)
+    mode: str | None = None  # how the cache's chats were rendered (cache_mode); None: token rows as given
 
     @property
     def acceptance_length(self) -> float:
@@ -91,6 +107,7 @@ class EvalResult:
             "data_is_target_greedy": self.data_is_target_greedy,
             "dtype": self.dtype,
             "batch_ids": self.batch_ids,
+            "mode": self.mode,
         }
 
     def to_record(self) -> dict[str, Any]:
@@ -161,7 +178,7 @@ class EvalResult:
         lines += ["acceptance by context length (the anchor's position):", *w.context_lines()] if w.steps else []
         lines += [
             f"accepted drafts per step, 0..{len(w.accepted_histogram) - 1}: {hist}",
-            f"dtype {self.dtype}; shards {self.batch_ids}",
+            f"dtype {self.dtype}; shards {self.batch_ids}; mode {self.mode or 'token rows as given'}",
             f"whose tokens: {self.whose_tokens()}",
         ]
         return "\n".join(lines)
@@ -301,6 +318,7 @@ def evaluate_drafter(
         num_blocks=int(host.scalar("blocks")),
         data_is_target_greedy=target_greedy if cc.target_topk > 0 else None,
         batch_ids=list(batch_ids),
+        mode=cache_mode(cc),
     )
 
 
