@@ -137,7 +137,13 @@ class EvalResult:
             f"{self.walk.responses} responses, pooled {format_figure(self.acceptance_length_pooled, '.3f')}{trees}), "
             f"held-out loss {format_figure(self.heldout_loss, '.4f')}, "
             f"random-anchor chain {format_figure(self.random_anchor_chain_length, '.3f')} (diagnostic)"
+            + self._context_summary()
         )
+
+    def _context_summary(self) -> str:
+        """ ", by context 0-2K 3.10, 2K-8K 2.75" when the walk's steps fall in more than one bucket."""
+        seen = [(label, v) for label, (v, steps) in self.walk.acceptance_by_context.items() if steps]
+        return ", by context " + ", ".join(f"{label} {v:.3f}" for label, v in seen) if len(seen) > 1 else ""
 
     def whose_tokens(self) -> str:
         if self.data_is_target_greedy is None:

@@ -250,7 +250,7 @@ def test_evaluate_drafter_reports_the_walk_and_the_diagnostics(tmp_path):
     by_context = {label: tokens / steps for label, steps, tokens in zip(("0-8", "8-24", "24+"), *_buckets(want))}
     assert res.to_dict()["acceptance_by_context"] == pytest.approx(by_context, abs=1e-12)
     assert res.to_record()["eval/acceptance_length_ctx_8-24"] == pytest.approx(by_context["8-24"], abs=1e-12)
-    assert "anchors at     8-24" in res.table()
+    assert "anchors at     8-24" in res.table() and f"8-24 {by_context['8-24']:.3f}" in res.summary_line()
     assert res.acceptance_length_pooled == pytest.approx(want.acceptance_length_pooled, abs=1e-12)
     assert res.tree_acceptance[3] >= res.acceptance_length
     assert res.data_is_target_greedy is None and "agreement with the data" in res.whose_tokens()
