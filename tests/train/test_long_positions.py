@@ -70,6 +70,16 @@ def pieced_cache(target, long_sample, tmp_path_factory):
     return tmp / "cache"
 
 
+def _whole(sample):
+    """The brute-force reference's batch: the whole sample as one sequence at positions 0..L-1."""
+    return {
+        "input_ids": torch.from_numpy(sample.input_ids),
+        "position_ids": torch.arange(len(sample), dtype=torch.int32),
+        "loss_mask": torch.from_numpy(sample.loss_mask),
+        "cu_seqlens": torch.tensor([0, len(sample)], dtype=torch.int32),
+    }
+
+
 def _piece_holding(cache, position):
     reader = ShardReader(cache)
     manifest = read_manifest(cache)
@@ -135,12 +145,7 @@ def test_block_at_70k_trains_as_on_the_whole_sample(pieced_cache, long_sample):
     got, got_seen, got_blocks = _loss_and_context(model, head, drafter, piece, stored, ANCHOR - start)
 
     # The brute-force reference: the whole sample as one sequence, states as stored (bf16-rounded).
-    whole = {
-        "input_ids": torch.from_numpy(long_sample.input_ids),
-        "position_ids": torch.arange(LENGTH, dtype=torch.int32),
-        "loss_mask": torch.from_numpy(long_sample.loss_mask),
-        "cu_seqlens": torch.tensor([0, LENGTH], dtype=torch.int32),
-    }
+    whole = _whole(long_sample)
     states = positional_states(whole["input_ids"], whole["position_ids"], len(TAPS)).to(torch.bfloat16).float()
     want, want_seen, want_blocks = _loss_and_context(model, head, drafter, whole, states, ANCHOR)
 
@@ -161,14 +166,7 @@ def test_piece_anchors_cover_every_sample_anchor_once(pieced_cache, long_sample)
             continue
         blocks_valid = _valid_positions(t)
         counts.index_add_(0, blocks_valid, torch.ones_like(blocks_valid))
-    whole = _valid_positions(
-        {
-            "input_ids": torch.from_numpy(long_sample.input_ids),
-            "position_ids": torch.arange(LENGTH, dtype=torch.int32),
-            "loss_mask": torch.from_numpy(long_sample.loss_mask),
-            "cu_seqlens": torch.tensor([0, LENGTH], dtype=torch.int32),
-        }
-    )
+    whole = _valid_positions(_whole(long_sample))
     expected = torch.zeros(LENGTH, dtype=torch.int64)
     expected[whole] = 1
     assert torch.equal(counts, expected)
