@@ -215,3 +215,15 @@ def test_a_version_2_cache_reads_and_trains_as_before(tmp_path):
         assert verify_cache(cache).ok
         sums[version] = run_steps(cache, tmp_path / f"run{version}", num_steps=2)["sums"]
     assert torch.equal(sums[2], sums[3])
+
+
+def test_eval_refuses_a_full_attention_drafter_on_a_pieced_cache(pieced_cache, tmp_path):
+    """A drafter trained elsewhere with a full-attention layer is not walked over pieces that cut its context."""
+    short = tiny_cache(tmp_path / "short", num_batches=2, hidden_size=HIDDEN, vocab_size=VOCAB, tap_layer_ids=TAPS)
+    run = tmp_path / "run"
+    trained = CliRunner().invoke(train_cli, [*tiny_cli_args(short, run), "--max-steps", "1"])
+    assert trained.exit_code == 0, trained.output
+    result = CliRunner().invoke(
+        train_cli, ["eval", "--drafter", str(run), "--cache", str(pieced_cache), "--eval-shards", "1", "--budgets", ""]
+    )
+    assert result.exit_code != 0 and "full-attention layer" in result.output, result.output

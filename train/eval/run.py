@@ -55,7 +55,10 @@ def select_eval_shards(
 
 
 def check_fits(cfg: DrafterConfig, cache_config, drafter: str, cache: str) -> None:
-    """Refuse a drafter whose taps, width or vocabulary differ from the cache's, naming both."""
+    """Refuse a drafter whose taps, width or vocabulary differ from the cache's, naming both, or that
+    would see more of a long sample than the cache's pieces hold."""
+    from train.resolve import refuse_unseen_context
+
     problems = []
     if list(cfg.tap_layer_ids) != list(cache_config.tap_layer_ids):
         problems.append(f"taps: drafter {cfg.tap_layer_ids}, cache {cache_config.tap_layer_ids}")
@@ -69,6 +72,7 @@ def check_fits(cfg: DrafterConfig, cache_config, drafter: str, cache: str) -> No
             f"drafter {drafter} does not fit cache {cache}: {'; '.join(problems)}; evaluate it on "
             "a cache extracted from its own target with the same taps"
         )
+    refuse_unseen_context(cache_config, cfg, cache)
 
 
 @dataclass
