@@ -115,3 +115,26 @@ def test_piece_settings_leaving_no_own_part_are_refused(target, tmp_path):
         [*cli_args(target, tmp_path / "d.jsonl", tmp_path / "c", token_budget=BUDGET), "--max-seq-len", "1024"],
     )  # the default context (2048) is longer than a 128-token piece
     assert result.exit_code == 2 and "--piece-context 2048" in result.output and "--token-budget 128" in result.output
+
+
+def test_a_long_samples_pieces_go_to_one_rank_and_the_ranks_cover_the_plan(tmp_path):
+    """One forward serves all of a sample's pieces, so they are planned onto the rank of the first."""
+    from extract.dataset.index import scan_dataset
+    from extract.dataset.packing import PackingConfig, plan_batches, shard_batches_for_rank
+
+    rng = np.random.default_rng(0)
+    samples = [Sample(f"s{i}", rng.integers(0, VOCAB, n), np.ones(n, np.uint8)) for i, n in enumerate([90, 700, 500])]
+    write_jsonl(tmp_path / "d.jsonl", samples)
+    cfg = PackingConfig(
+        token_budget=BUDGET, max_seqs=4, max_seq_len=1024, piece_context=CONTEXT, piece_label_reach=REACH
+    )
+    plan = plan_batches(scan_dataset(tmp_path / "d.jsonl", vocab_size=VOCAB, token_budget=1024), cfg)
+    assert plan.num_pieced == 2 and plan.longest_packed == 700
+    mine = [shard_batches_for_rank(plan, rank, 3) for rank in range(3)]
+    assert sorted(b.batch_id for m in mine for b in m) == [b.batch_id for b in plan.batches]
+    for m in mine:
+        owners = {b.sample_ids[0] for b in m if b.piece is not None}
+        for sid in owners:  # every piece of a sample this rank holds: all of that sample's pieces
+            assert {b.batch_id for b in m if b.sample_ids == [sid]} == {
+                b.batch_id for b in plan.batches if b.sample_ids == [sid]
+            }
