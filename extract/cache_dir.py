@@ -46,6 +46,7 @@ from shards.format import (
     TARGET_HEAD_FILE,
     DatasetRecord,
     PackingRecord,
+    PiecesRecord,
     ProjectionRecord,
     checksum,
     shard_path,
@@ -110,6 +111,7 @@ def build_cache_config(
             prepared=prepared,
             longest_response=index.report.longest_response,
         ),
+        pieces=_pieces_record(cfg, plan),
         provenance={**provenance(), "extract_config": {k: v for k, v in vars(cfg).items()}},
         projection=_projection_record(cfg),
     )
@@ -135,6 +137,19 @@ def _projection_record(cfg: ExtractConfig) -> ProjectionRecord | None:
         group_size=cfg.pca_group_size,
         sample_tokens=cfg.pca_sample_tokens,
         seed=cfg.pca_seed,
+    )
+
+
+def _pieces_record(cfg: ExtractConfig, plan: PackingPlan) -> PiecesRecord | None:
+    """How long samples were stored, when --max-seq-len lets any be longer than a shard."""
+    if not cfg.packing.pieced:
+        return None
+    return PiecesRecord(
+        max_seq_len=cfg.packing.longest,
+        context=cfg.piece_context,
+        label_reach=cfg.piece_label_reach,
+        num_pieced_samples=plan.num_pieced,
+        longest_sample=plan.longest_packed,
     )
 
 

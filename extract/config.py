@@ -83,6 +83,16 @@ class ExtractConfig:
     """Samples longer than the token budget: cut (truncate), drop and count (skip) or refuse (error)."""
     pad_token_id: int = PackingConfig.pad_token_id
     """Token id written on padding positions."""
+    max_seq_len: int | None = PackingConfig.max_seq_len
+    """Run samples up to this many tokens through the target whole (one sequence, a forward of its own)
+    and store those longer than --token-budget as overlapping pieces; --long-seqs applies past it.
+    Default: --token-budget (no pieces)."""
+    piece_context: int = PackingConfig.piece_context
+    """With --max-seq-len: tokens each piece keeps before its own anchors, the longest sliding window a
+    drafter trained on the cache may have (drafters with a full-attention layer need whole samples)."""
+    piece_label_reach: int = PackingConfig.piece_label_reach
+    """With --max-seq-len: tokens each piece keeps after its own anchors, the labels of a block of up to
+    this + 1 tokens (dflash-train --block-size)."""
     mask_token_id: int | None = None
     """The drafter's MASK token id, recorded in the cache (248070 for Qwen3.5; dflash-train can
     override it). Default: none recorded, and dflash-train then needs its own --mask-token-id."""
@@ -149,6 +159,19 @@ class ExtractConfig:
             )
         if self.target_topk < 0:
             raise config_error(self, "target_topk", "must be >= 0 (0 = off)")
+        if self.max_seq_len is not None and self.max_seq_len < self.token_budget:
+            raise config_error(self, "max_seq_len", f"must be >= --token-budget {self.token_budget}")
+        if min(self.piece_context, self.piece_label_reach) < 0:
+            raise config_error(self, "piece_context", "and --piece-label-reach must be >= 0")
+        if (
+            self.max_seq_len or 0
+        ) > self.token_budget and self.piece_context + self.piece_label_reach >= self.token_budget:
+            raise config_error(
+                self,
+                "piece_context",
+                f"+ --piece-label-reach {self.piece_label_reach} must be below --token-budget {self.token_budget}: "
+                "a piece needs tokens of its own for anchors",
+            )
         if not self.progress_interval_s >= 0:  # NaN too; 0 = a line after every batch
             raise config_error(self, "progress_interval_s", "must be >= 0 seconds (0 = after every batch)")
         if self.tap_layer_ids is not None:
@@ -166,4 +189,7 @@ class ExtractConfig:
             max_seqs=self.max_seqs,
             long_seqs=self.long_seqs,
             pad_token_id=self.pad_token_id,
+            max_seq_len=self.max_seq_len,
+            piece_context=self.piece_context,
+            piece_label_reach=self.piece_label_reach,
         )

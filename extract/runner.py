@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from extract.cache_dir import (
@@ -34,7 +35,15 @@ from extract.cache_dir import (
 from extract.chats.prepare import tokens_for_extraction
 from extract.config import ExtractConfig
 from extract.dataset.index import SampleLoader, scan_dataset
-from extract.dataset.packing import PackedBatch, PackingPlan, load_batch, plan_batches, shard_batches_for_rank
+from extract.dataset.packing import (
+    PackedBatch,
+    PackingPlan,
+    assemble_piece,
+    load_batch,
+    load_long_sample,
+    plan_batches,
+    shard_batches_for_rank,
+)
 from extract.distributed import init_distributed, run_on_main
 from extract.projection import estimate_projection
 from extract.refusals import (
@@ -183,7 +192,10 @@ def _extract_dataset(
     prepared: dict | None,
 ) -> ExtractSummary:
     """Scan the token dataset `data` (cfg.data, or its on-the-fly preparation), plan, extract, finish."""
-    index = scan_dataset(data, vocab_size=target.vocab_size, token_budget=cfg.token_budget, long_seqs=cfg.long_seqs)
+    limit = "--max-seq-len" if cfg.packing.pieced else "--token-budget"  # --long-seqs applies past it
+    index = scan_dataset(
+        data, vocab_size=target.vocab_size, token_budget=cfg.packing.longest, long_seqs=cfg.long_seqs, limit_flag=limit
+    )
     if len(index) == 0:
         raise ValueError(f"{cfg.data}: no non-empty samples ({index.report.summary()})")
     refuse_unsupervised(cfg, index)
@@ -301,7 +313,9 @@ def _estimate_projection(cfg, cache_cfg, index, plan, device) -> TargetModel:
 
     def forward_taps(batch: PackedBatch) -> torch.Tensor:
         arrays = load_batch(loader, batch, cfg.packing)
-        return model.forward_packed(*_device_inputs(arrays, batch, device), cache_cfg.tap_layer_ids)
+        return model.forward_packed(
+            *_device_inputs(arrays, batch.num_tokens, len(batch.sample_ids), device), cache_cfg.tap_layer_ids
+        )
 
     if cfg.pca_from is not None:  # another cache's projection, as its sample estimated it
         source = read_cache_config(cfg.pca_from)
@@ -313,21 +327,29 @@ def _estimate_projection(cfg, cache_cfg, index, plan, device) -> TargetModel:
         projection_RF, scale_F = load_projection(cfg.pca_from, source)
         kept = source.projection.variance_kept
     else:
-        projection_RF, scale_F, kept = estimate_projection(cache_cfg, plan.batches, forward_taps, device)
+        # Packed batches only: a long sample's pieces come from one forward over the whole sample, which
+        # the estimate would have to run for a few of its tokens.
+        packed = [batch for batch in plan.batches if batch.piece is None]
+        if not packed:
+            raise UserError(
+                f"--pca-rank {cfg.pca_rank}: every sample is longer than --token-budget {cfg.token_budget}, and the "
+                "projection is estimated from packed batches; lower --max-seq-len or raise --token-budget"
+            )
+        projection_RF, scale_F, kept = estimate_projection(cache_cfg, packed, forward_taps, device)
     cache_cfg.projection.checksum = write_projection(cfg.out_dir, projection_RF, scale_F)
     cache_cfg.projection.variance_kept = round(kept, 6)
     write_cache_config(cfg.out_dir, cache_cfg)
     return model
 
 
-def _device_inputs(arrays: dict, batch: PackedBatch, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """input ids and position ids of a loaded batch's real tokens on the device, and its cu_seqlens."""
-    n = batch.num_tokens
+def _device_inputs(arrays: dict, n: int, num_seqs: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """input ids and position ids of the first n tokens of `arrays` on the device, and the cu_seqlens of
+    its num_seqs sequences."""
     ids = torch.from_numpy(arrays["input_ids"][:n]).to(device, non_blocking=True)
     pos = torch.from_numpy(arrays["position_ids"][:n]).to(device, non_blocking=True)
     # Boundaries stay on the host: the kernels need them there (fla's chunk table, max length),
     # and a device copy read back would stall the loop until the previous batch finishes.
-    cu = torch.from_numpy(arrays["cu_seqlens"][: len(batch.sample_ids) + 1])
+    cu = torch.from_numpy(arrays["cu_seqlens"][: num_seqs + 1])
     return ids, pos, cu
 
 
@@ -361,20 +383,23 @@ def extract_batches(
     real_tokens = 0
     try:
         started = 0
+        whole = None  # the long sample whose pieces are being written: (its first batch, sample, states)
         for done, batch in enumerate(todo, start=1):
             if stop is not None and stop.signalled:
                 break  # SIGTERM: nothing new starts; what the writer holds is written below
             started = done
-            arrays = load_batch(loader, batch, cfg.packing)
-            n = batch.num_tokens
-            ids, pos, cu = _device_inputs(arrays, batch, device)
-            if cfg.target_topk:
-                hidden, topk_ids, topk_lp = model.topk_next_tokens(
-                    ids, pos, cu, taps, cfg.target_topk, chunk_tokens=cfg.topk_chunk_tokens
-                )
-                topk = (topk_ids.to(torch.int32), topk_lp.to(torch.bfloat16))
+            if batch.piece is None:
+                arrays = load_batch(loader, batch, cfg.packing)
+                n = batch.num_tokens
+                hidden, topk = _forward(model, cfg, taps, device, arrays, n, len(batch.sample_ids))
             else:
-                hidden, topk = model.forward_packed(ids, pos, cu, taps), None
+                if whole is None or whole[0] != batch.piece.first_batch:
+                    whole = None  # the previous sample's states go before the next forward
+                    whole = (batch.piece.first_batch, *_forward_whole(model, cfg, taps, device, loader, batch))
+                arrays = assemble_piece(whole[1], batch.piece, cfg.packing)
+                n, start = cfg.token_budget, batch.piece.start
+                hidden = whole[2][start : start + n]
+                topk = None if whole[3] is None else tuple(t[start : start + n] for t in whole[3])
             samples = [
                 SampleEntry(sid, int(o), int(length), int(m))
                 for sid, o, length, m in zip(
@@ -412,6 +437,31 @@ def extract_batches(
         bytes_written=writer.bytes_written,
         progress_log=str(jsonl),
     )
+
+
+def _forward(model: TargetModel, cfg: ExtractConfig, taps, device, arrays: dict, n: int, num_seqs: int):
+    """(hidden [n, K, H], target top-k or None) of the first n tokens of `arrays`, num_seqs sequences."""
+    ids, pos, cu = _device_inputs(arrays, n, num_seqs, device)
+    if not cfg.target_topk:
+        return model.forward_packed(ids, pos, cu, taps), None
+    hidden, topk_ids, topk_lp = model.topk_next_tokens(
+        ids, pos, cu, taps, cfg.target_topk, chunk_tokens=cfg.topk_chunk_tokens
+    )
+    return hidden, (topk_ids.to(torch.int32), topk_lp.to(torch.bfloat16))
+
+
+def _forward_whole(model: TargetModel, cfg: ExtractConfig, taps, device, loader: SampleLoader, batch: PackedBatch):
+    """(sample, hidden [L, K, H], top-k or None) of the long sample a piece batch was cut from: one
+    forward over all L tokens, as serving computes them (the GatedDeltaNet state and attention over
+    the whole sample, never a chunked prefill)."""
+    sample = load_long_sample(loader, batch, cfg.packing)
+    length = len(sample)
+    arrays = {
+        "input_ids": sample.input_ids,
+        "position_ids": np.arange(length, dtype=np.int32),
+        "cu_seqlens": np.array([0, length], dtype=np.int32),
+    }
+    return (sample, *_forward(model, cfg, taps, device, arrays, length, 1))
 
 
 def _report(

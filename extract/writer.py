@@ -120,8 +120,9 @@ class AsyncShardWriter:
             if self.device.type == "cuda":
                 ready = torch.cuda.Event()
                 ready.record()  # on the stream the copies went to
-        for name in ("input_ids", "position_ids", "loss_mask", "cu_seqlens"):
-            buffers[name].copy_(torch.from_numpy(arrays[name]))
+        for name in ("input_ids", "position_ids", "loss_mask", "anchor_mask", "cu_seqlens"):
+            if name in buffers:  # anchor_mask: version 3 caches
+                buffers[name].copy_(torch.from_numpy(arrays[name]))
         self._jobs.put(_Job(batch_id, buffers, n, samples, finite_host, ready))
 
     def _encode(self, hidden_nKH: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -13,8 +13,11 @@ Shard tensors (T = token_budget, K = number of taps, H = target hidden size, S =
 
     hidden               [T, K, H]   bf16, or fp8 e4m3 with hidden_scale [T, K] fp32 (per token, per tap)
     input_ids            [T]         int32
-    position_ids         [T]         int32, restarting at 0 in every sequence, 0 on padding
+    position_ids         [T]         int32, the sample's true positions: 0, 1, ... in every whole sequence, the
+                                     absolute positions start..end-1 in a piece of a long sample; 0 on padding
     loss_mask            [T]         uint8, 0 on padding
+    anchor_mask          [T]         uint8, 1 where a draft block may be anchored as far as piecing goes: every
+                                     token of a whole sequence, a piece's own part (PiecesRecord); 0 on padding
     cu_seqlens           [S + 1]     int32, padded by repeating the total of real tokens
     target_topk_ids      [T, Kt]     int32, only when Kt > 0
     target_topk_logprobs [T, Kt]     bf16, only when Kt > 0
@@ -27,11 +30,17 @@ hidden_scale, codes z = (P D) concat_k(h_k) of every token:
 Shard metadata (safetensors __metadata__, all strings): format_version, batch_id, cache_id (the
 CacheConfig.cache_id() of the cache it was written for), storage_dtype, num_tokens, samples, checksum.
 
-Version history: 2 added cache_id to every shard header, so that a shard copied in from another cache
-of the same shapes (other target weights, other data) is refused by name; version 1 caches are refused
-with the advice to re-extract. 3 added projected caches (cache.json "projection", codes in the shards,
-projection.safetensors); a cache without a projection writes the bytes version 2 wrote, save the version,
-and version 2 caches are read as before.
+Long samples (cache.json "pieces", PiecesRecord): a sample longer than T went through the target whole and
+is stored as pieces of T tokens, one per shard, each holding `context` tokens before its own part (the
+window a sliding drafter looks back) and `label_reach` after it (the labels of its last blocks); pieces
+overlap by context + label_reach and every position is in exactly one piece's own part.
+
+Version history: 3 added projected caches (cache.json "projection", codes in the shards,
+projection.safetensors), anchor_mask and the absolute positions of long samples' pieces (cache.json
+"pieces"); version 2 caches are read as before (no anchor_mask: every real token may hold an anchor).
+2 added cache_id to every shard header, so that a shard copied in from another cache of the same shapes
+(other target weights, other data) is refused by name; version 1 caches are refused with the advice to
+re-extract.
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ from shards.common.json_input import InputFileError, parse_json
 from shards.common.schema import record
 
 FORMAT_VERSION = 3
-READABLE_VERSIONS = (2, 3)  # a version 2 cache is a version 3 cache without a projection
+READABLE_VERSIONS = (2, 3)  # version 2: no projection, no anchor_mask, no pieces
 CACHE_CONFIG_FILE = "cache.json"
 TARGET_HEAD_FILE = "target_head.safetensors"
 MANIFEST_FILE = "manifest.parquet"
@@ -192,6 +201,17 @@ PROJECTION_NORMALIZE = get_args(ProjectionNormalize)
 _PROJECTION_DERIVED = ("checksum", "variance_kept")
 
 
+@dataclass(kw_only=True)
+class PiecesRecord:
+    """How samples longer than token_budget were stored (cache.json "pieces"; absent = none were)."""
+
+    max_seq_len: int  # longest sample run through the target whole (longer ones follow long_seqs)
+    context: int  # tokens each piece holds before its own part: a sliding drafter's window - 1 fits in it
+    label_reach: int  # tokens each piece holds after its own part: labels of a block of label_reach + 1
+    num_pieced_samples: int  # samples longer than token_budget stored as pieces
+    longest_sample: int  # tokens of the longest sample stored (after any truncation to max_seq_len)
+
+
 # DatasetRecord fields that describe the dataset without deciding which one it is (the fingerprint does):
 # older caches, which lack them, keep their cache_id and resume.
 _DATASET_DESCRIPTION = ("prepared", "longest_response")
@@ -231,6 +251,7 @@ class CacheConfig:
     # fine-tune) has the same config_hash, and its head must not be mixed with this cache's states.
     target_head_checksum: str | None = None
     projection: ProjectionRecord | None = None  # None = the taps themselves are stored (hidden)
+    pieces: PiecesRecord | None = None  # how samples longer than token_budget were stored; None = none were
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -242,6 +263,7 @@ class CacheConfig:
         width = self.num_taps * self.target.hidden_size
         if self.projection is not None and self.projection.rank >= width:
             raise ValueError(f"projection.rank {self.projection.rank} must be below the taps' width K*H = {width}")
+        self.pieces = _record(PiecesRecord, self.pieces, "pieces")
         if self.storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype must be one of {STORAGE_DTYPES}, got {self.storage_dtype!r}")
         if self.token_budget <= 0:
@@ -350,6 +372,8 @@ class CacheConfig:
         }
         if self.projection is not None:  # absent otherwise: unprojected caches keep version 2's cache_id
             what["projection"] = _plain(self.projection)
+        if self.pieces is not None:  # only then: the caches written before pieces keep their cache_id
+            what["pieces"] = _plain(self.pieces)
         digest = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
         return f"sha256:{digest[:16]}"
 
@@ -369,6 +393,8 @@ def tensor_specs(cfg: CacheConfig) -> dict[str, TensorSpec]:
         "loss_mask": TensorSpec((t,), torch.uint8),
         "cu_seqlens": TensorSpec((cfg.max_seqs + 1,), torch.int32),
     }
+    if cfg.format_version >= 3:
+        specs["anchor_mask"] = TensorSpec((t,), torch.uint8)
     if cfg.projection is not None:
         r, fp8 = cfg.projection.rank, cfg.storage_dtype == "fp8"
         specs["codes"] = TensorSpec((t, r), torch.float8_e4m3fn if fp8 else torch.bfloat16)

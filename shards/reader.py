@@ -149,7 +149,7 @@ class ShardReader:
         if meta.get("format_version") != str(self.config.format_version):
             raise ShardError(
                 path,
-                f"format version {meta.get('format_version')!r}, expected {self.config.format_version}; "
+                f"format version {meta.get('format_version')!r}, cache.json says {self.config.format_version}; "
                 "re-run dflash-extract to rebuild this shard",
             )
         planned = self.config.planned_batches
@@ -264,3 +264,5 @@ def check_packing(info: ShardInfo, tensors: dict[str, torch.Tensor], cfg: CacheC
             raise ShardError(info.path, f"sample {s.sample_id}: loss_tokens disagrees with loss_mask")
     if int(mask[info.num_tokens :].sum()) != 0:
         raise ShardError(info.path, "loss_mask is nonzero on padding")
+    if "anchor_mask" in tensors and int(tensors["anchor_mask"][info.num_tokens :].sum()) != 0:
+        raise ShardError(info.path, "anchor_mask is nonzero on padding")

@@ -104,7 +104,7 @@ def write_shard(
             raise ValueError(f"batch {batch_id}: sample id {problem}")
     host = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     metadata = {
-        "format_version": str(FORMAT_VERSION),
+        "format_version": str(cfg.format_version),
         "batch_id": str(batch_id),
         "cache_id": cfg.cache_id(),
         "storage_dtype": cfg.storage_dtype,

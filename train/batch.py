@@ -20,8 +20,8 @@ _STORED_CONTEXT = ("hidden", "hidden_scale", "codes", "code_scale")
 
 class StaticBatch:
     """Device tensors of one shard's shapes: hidden_TKH (compute dtype; a projected cache's codes as
-    [T, 1, R]), input_ids_T, position_ids_T, loss_mask_T, cu_seqlens_S1, batch_id (int64 [1]), optional
-    target top-k."""
+    [T, 1, R]), input_ids_T, position_ids_T, loss_mask_T, anchor_mask_T (ones for a version 2 cache, which
+    has none), cu_seqlens_S1, batch_id (int64 [1]), optional target top-k."""
 
     def __init__(self, cache_cfg: CacheConfig, device: torch.device, dtype: torch.dtype, with_topk: bool):
         T, S = cache_cfg.token_budget, cache_cfg.max_seqs
@@ -32,6 +32,7 @@ class StaticBatch:
         self.input_ids_T = torch.zeros(T, dtype=torch.int32, device=device)
         self.position_ids_T = torch.zeros(T, dtype=torch.int32, device=device)
         self.loss_mask_T = torch.zeros(T, dtype=torch.uint8, device=device)
+        self.anchor_mask_T = torch.ones(T, dtype=torch.uint8, device=device)
         self.cu_seqlens_S1 = torch.zeros(S + 1, dtype=torch.int32, device=device)
         self.batch_id = torch.full((1,), -1, dtype=torch.int64, device=device)
         self.topk_ids_TK: torch.Tensor | None = None
@@ -63,6 +64,8 @@ class StaticBatch:
         self.input_ids_T.copy_(t["input_ids"], non_blocking=nb)
         self.position_ids_T.copy_(t["position_ids"], non_blocking=nb)
         self.loss_mask_T.copy_(t["loss_mask"], non_blocking=nb)
+        if "anchor_mask" in t:
+            self.anchor_mask_T.copy_(t["anchor_mask"], non_blocking=nb)
         self.cu_seqlens_S1.copy_(t["cu_seqlens"], non_blocking=nb)
         self.batch_id.fill_(shard.batch_id)
         if self.topk_ids_TK is not None:

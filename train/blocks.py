@@ -5,6 +5,9 @@ Anchor rule (SpecForge's; one definition for both stages, shards/anchors.py): po
 anchor iff loss_mask[t] == 1 and token t+1 is in the same sequence with loss_mask[t+1] == 1. NB
 anchors are drawn uniformly without replacement among valid positions as the top-NB of i.i.d.
 uniform keys (invalid positions get key -1): no nonzero, no randperm, fixed shapes. With fewer than NB valid positions the surplus blocks have weight 0.
+A piece of a long sample (shards/format.py) allows anchors only in its own part (anchor_mask): its
+context and label tail belong to its neighbours, so each position is an anchor candidate once, with the
+window before it and the labels after it inside the piece, and its positions are the sample's own.
 
 Block n = [token at anchor, MASK x (B-1)] at positions pos(anchor)+0..B-1. Slot k >= 1 is trained
 to predict the token at anchor+k (same-position labels), with weight
@@ -80,11 +83,13 @@ def sample_blocks(
     mask_token_id: int,
     gamma: float = LossConfig.gamma,
     generator: torch.Generator | None = None,
+    anchor_mask_T: torch.Tensor | None = None,
 ) -> TrainingBlocks:
     """Sample NB anchors and build the blocks. Fixed output shapes, no host syncs.
 
     generator: drawn from for the anchor keys (must live on the batch's device); for CUDA-graph capture
     use the default CUDA generator or one registered with the graph.
+    anchor_mask_T: the shard's anchor_mask (a piece's own part); None = a version 2 shard: every token.
     """
     num_tokens = input_ids_T.shape[0]
     if not 1 <= num_blocks <= num_tokens:
@@ -92,6 +97,8 @@ def sample_blocks(
     device = input_ids_T.device
     start_T, end_T = sequence_bounds(cu_seqlens_S1, num_tokens)
     valid_T = valid_anchors(loss_mask_T, cu_seqlens_S1)
+    if anchor_mask_T is not None:
+        valid_T = valid_T & anchor_mask_T.bool()
 
     # Uniform subset without replacement: top-NB of i.i.d. U[0,1) keys; invalid positions rank last.
     keys_T = torch.rand(num_tokens, generator=generator, device=device)
@@ -127,12 +134,13 @@ def sample_blocks(
 
 def sample_shard_blocks(tensors: dict[str, torch.Tensor], **options) -> TrainingBlocks:
     """sample_blocks over one shard as ShardReader.read returns it (input_ids, position_ids, loss_mask,
-    cu_seqlens); options are sample_blocks' own (num_blocks, block_size, mask_token_id, gamma, generator)."""
+    cu_seqlens, anchor_mask when the cache has it); options are sample_blocks' own (num_blocks, block_size, mask_token_id, gamma, generator)."""
     return sample_blocks(
         input_ids_T=tensors["input_ids"],
         position_ids_T=tensors["position_ids"],
         loss_mask_T=tensors["loss_mask"],
         cu_seqlens_S1=tensors["cu_seqlens"],
+        anchor_mask_T=tensors.get("anchor_mask"),
         **options,
     )
 

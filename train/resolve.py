@@ -139,6 +139,7 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
             raise ValueError(f"drafter shape for cache {cfg.cache}: {e}") from e
 
     drafter = _projected(drafter, cache_cfg, cfg.cache)
+    refuse_unseen_context(cache_cfg, drafter, cfg.cache)
     num_blocks = cfg.num_blocks or default_num_blocks(cache_cfg.token_budget, cfg.block_size)
     if num_blocks > cache_cfg.token_budget:
         raise ValueError(
@@ -190,6 +191,38 @@ _INIT_SHAPE_FIELDS = (
     "layer_types",
     "sliding_window",
 )
+
+
+def refuse_unseen_context(cache_cfg: CacheConfig, drafter: DrafterConfig, cache: str | Path) -> None:
+    """A cache whose long samples are stored as pieces serves only drafters that see, from each anchor,
+    no further back than a piece's context and no further ahead than its label tail."""
+    pieces = cache_cfg.pieces
+    if pieces is None or pieces.num_pieced_samples == 0:
+        return
+    where = (
+        f"cache {cache} stores samples of up to {pieces.longest_sample} tokens as pieces of "
+        f"{cache_cfg.token_budget} with {pieces.context} tokens of context and {pieces.label_reach} of labels"
+    )
+    layers = ",".join(drafter.layer_types)
+    if not all(drafter.sliding_layers):
+        raise ValueError(
+            f"{where}; a full-attention layer (--layer-types {layers}) would see the whole sample, which no "
+            f"piece holds: make every layer sliding (--layer-types sliding,... with --sliding-window at most "
+            f"{pieces.context}), or re-extract with --max-seq-len {cache_cfg.token_budget} (long samples cut) or "
+            f"a --token-budget of at least {pieces.longest_sample}"
+        )
+    if drafter.sliding_window > pieces.context:
+        raise ValueError(
+            f"{where}; --sliding-window {drafter.sliding_window} (--layer-types {layers}) reaches past a "
+            f"piece's context: pass --sliding-window {pieces.context} or less, or re-extract with --piece-context "
+            f"{drafter.sliding_window}"
+        )
+    if drafter.block_size - 1 > pieces.label_reach:
+        raise ValueError(
+            f"{where}; --block-size {drafter.block_size} needs {drafter.block_size - 1} label tokens after a "
+            f"piece's last anchor: pass --block-size {pieces.label_reach + 1} or less, or re-extract with "
+            f"--piece-label-reach {drafter.block_size - 1}"
+        )
 
 
 def _shape_options(cfg: TrainConfig) -> dict[str, Any]:

@@ -144,6 +144,7 @@ def train_step(s: StepState, *, with_metrics: bool) -> None:
         position_ids_T=b.position_ids_T,
         loss_mask_T=b.loss_mask_T,
         cu_seqlens_S1=b.cu_seqlens_S1,
+        anchor_mask_T=b.anchor_mask_T,
         num_blocks=s.layout.num_blocks,
         block_size=drafter.block_size,
         mask_token_id=drafter.mask_token_id,

@@ -144,13 +144,14 @@ def scan_dataset(
     vocab_size: int,
     token_budget: int | None = None,
     long_seqs: str = "truncate",
+    limit_flag: str = "--token-budget",
 ) -> DatasetIndex:
     """Read and validate every row of the dataset at `path`; return its index.
 
     Raises one DataError after the whole scan, naming every bad row (file, row and reason) and
     duplicate id (both places), the first MAX_REPORTED_PROBLEMS of them listed and all counted. With
     `token_budget`, samples longer than it are counted, and with long_seqs="error" they are refused
-    here, before any model loads.
+    here, before any model loads, naming `limit_flag` (the flag that set the limit).
     """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
@@ -178,7 +179,7 @@ def scan_dataset(
                     parts,
                     empty,
                     problems,
-                    token_budget if long_seqs == "error" else None,
+                    (token_budget, limit_flag) if long_seqs == "error" else None,
                 )
                 anchors += anchor_positions(chunk.lengths, chunk.mask)
                 packed_anchors += anchor_positions(chunk.lengths, chunk.mask, token_budget, long_seqs)
@@ -280,7 +281,7 @@ def _index_chunk(
     parts: dict[str, list[np.ndarray]],
     empty: list[str],
     problems: Problems,
-    refuse_longer_than: int | None,
+    refuse_longer_than: tuple[int, str] | None,
 ) -> int:
     """Add one chunk's good rows to the index being built; returns the rows it held."""
     rows, row_ids, lengths, mask = chunk.rows, chunk.ids, chunk.lengths, chunk.mask
@@ -303,10 +304,11 @@ def _index_chunk(
         else:
             seen[name] = (fi, row)
     if refuse_longer_than is not None:
-        for k in np.flatnonzero(lengths > refuse_longer_than).tolist():
+        limit, flag = refuse_longer_than
+        for k in np.flatnonzero(lengths > limit).tolist():
             problems.add(
                 f"{row_location(file, int(rows[k]))}: sample {names[k]!r} has {lengths[k]} tokens, more than "
-                f"token_budget {refuse_longer_than}; use --long-seqs truncate or skip, or a larger --token-budget"
+                f"{flag[2:].replace('-', '_')} {limit}; use --long-seqs truncate or skip, or a larger {flag}"
             )
     # Per-sample loss tokens: sum of the mask over each sample's slice of the flat array.
     csum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])

@@ -18,10 +18,18 @@ Algorithm (pack_lengths), samples always taken longest first, ties in dataset or
 The fewer batches win (best fit on a tie). Batch ids follow the batch order of the winning method;
 inside a batch, samples are in dataset order.
 
-One packed batch as arrays (assemble_batch), T = token_budget, S = max_seqs, n = samples in it:
+Long samples (longer than token_budget, at most max_seq_len): each goes through the target whole, alone,
+and is stored as pieces of exactly token_budget tokens, one batch each, after the packed batches
+(plan_pieces; shards/format.py describes the layout). A piece holds `piece_context` tokens before its own
+part and `piece_label_reach` after it; the own parts tile the sample, the first starting at 0 and the
+last ending at the sample's end (the last piece takes more context instead of padding).
+
+One packed batch as arrays (assemble_batch, or assemble_piece for a piece), T = token_budget, S = max_seqs,
+n = samples in it:
     input_ids     [T]      int32   tokens, pad_token_id on padding
-    position_ids  [T]      int32   0, 1, ... restarting at every sequence; 0 on padding
+    position_ids  [T]      int32   0, 1, ... restarting at every sequence (a piece: its absolute positions); 0 on padding
     loss_mask     [T]      uint8   sample's loss mask; 0 on padding
+    anchor_mask   [T]      uint8   1 on every real token (a piece: on its own part only); 0 on padding
     cu_seqlens    [S + 1]  int32   sequence boundaries, padded by repeating the real-token total
     sample_offsets, sample_lengths, sample_loss_tokens   [n] int64 (per sample, for the manifest)
 """
@@ -43,6 +51,8 @@ logger = logging.getLogger(__name__)
 # Names the packing algorithm for cache.json: a change of algorithm changes batch ids, so a cache
 # made by another version must not be resumed with this one.
 PACKING_ALGORITHM = "bfd+balanced-search/1"
+# The published DFlash 2 drafters' sliding window: the context a piece keeps for its first anchors.
+PUBLISHED_SLIDING_WINDOW = 2048
 
 
 @dataclass(kw_only=True)
@@ -58,6 +68,14 @@ class PackingConfig:
     # the sample, "error" refuses the dataset; truncated and skipped samples are counted in the plan.
     long_seqs: LongSeqPolicy = "truncate"
     pad_token_id: int = 0  # token id written on padding positions
+    # Longest sample run through the target whole and stored as pieces (longer ones follow long_seqs
+    # at this length); None = token_budget: no pieces, every sample fits one batch.
+    max_seq_len: int | None = None
+    # Tokens a piece holds before its own part: a drafter whose layers all slide with a window up to this
+    # sees in a piece all it sees in the whole sample (it needs window - 1).
+    piece_context: int = PUBLISHED_SLIDING_WINDOW
+    # Tokens a piece holds after its own part: the labels of a block of piece_label_reach + 1 tokens.
+    piece_label_reach: int = 15
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_seqs"):
@@ -68,6 +86,53 @@ class PackingConfig:
             raise ValueError(f"PackingConfig.long_seqs must be one of {LONG_SEQ_POLICIES}, got {self.long_seqs!r}")
         if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int) or self.pad_token_id < 0:
             raise ValueError(f"PackingConfig.pad_token_id must be a non-negative integer, got {self.pad_token_id!r}")
+        if self.max_seq_len is not None and self.max_seq_len < self.token_budget:
+            raise ValueError(
+                f"PackingConfig.max_seq_len {self.max_seq_len} must be >= token_budget {self.token_budget}"
+            )
+        if min(self.piece_context, self.piece_label_reach) < 0:
+            raise ValueError("PackingConfig.piece_context and piece_label_reach must be >= 0")
+        if self.pieced and self.piece_context + self.piece_label_reach >= self.token_budget:
+            raise ValueError(
+                f"PackingConfig.piece_context {self.piece_context} + piece_label_reach {self.piece_label_reach} "
+                f"leave no own part in a piece of token_budget {self.token_budget}"
+            )
+
+    @property
+    def longest(self) -> int:
+        """Tokens of the longest sample kept whole; long_seqs applies past it."""
+        return self.max_seq_len or self.token_budget
+
+    @property
+    def pieced(self) -> bool:
+        """Whether samples longer than token_budget are stored as pieces."""
+        return self.longest > self.token_budget
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One token_budget-long piece of a long sample: tokens [start, start + token_budget), of which
+    [own_start, own_end) may hold anchors; positions are the sample's (absolute)."""
+
+    start: int
+    own_start: int
+    own_end: int
+    first_batch: int  # batch id of the sample's first piece: its pieces go to one rank, one forward
+
+
+def plan_pieces(length: int, cfg: PackingConfig, first_batch: int) -> list[Piece]:
+    """The pieces of a sample of `length` > token_budget tokens: own parts tile [0, length)."""
+    T, context, reach = cfg.token_budget, cfg.piece_context, cfg.piece_label_reach
+    pieces, own_start = [], 0
+    while own_start < length:
+        start = max(0, own_start - context)
+        if start + T >= length:  # the last piece: ends at the sample's end, more context instead of padding
+            pieces.append(Piece(length - T, own_start, length, first_batch))
+            break
+        own_end = start + T - reach
+        pieces.append(Piece(start, own_start, own_end, first_batch))
+        own_start = own_end
+    return pieces
 
 
 @dataclass
@@ -77,7 +142,8 @@ class PackedBatch:
     batch_id: int
     rows: list[int]  # positions in the DatasetIndex, for load_samples / SampleLoader.load
     sample_ids: list[str]
-    lengths: list[int]  # tokens packed per sample (after any truncation)
+    lengths: list[int]  # tokens packed per sample (after any truncation); a piece: token_budget
+    piece: Piece | None = None  # set when the batch is one piece of a long sample (its only sample)
 
     @property
     def num_tokens(self) -> int:
@@ -97,6 +163,8 @@ class PackingPlan:
     num_skipped: int  # samples dropped for being longer than token_budget (long_seqs="skip")
     num_skipped_tokens: int  # tokens of the dropped samples
     num_empty: int  # empty samples the scan skipped (never packed)
+    num_pieced: int = 0  # samples longer than token_budget stored as pieces (their tokens counted per piece)
+    longest_packed: int = 0  # tokens of the longest sample kept (after truncation)
 
     @property
     def padding_efficiency(self) -> float:
@@ -109,8 +177,8 @@ class PackingPlan:
         return (
             f"{self.num_samples} samples, {self.num_tokens} tokens in {len(self.batches)} batches of "
             f"{c.token_budget} tokens (max {c.max_seqs} seqs): padding efficiency {self.padding_efficiency:.2%}; "
-            f"{self.num_truncated} truncated (-{self.num_truncated_tokens} tokens), {self.num_skipped} long "
-            f"skipped (-{self.num_skipped_tokens} tokens), {self.num_empty} empty skipped"
+            f"{self.num_pieced} long kept whole in pieces, {self.num_truncated} truncated (-{self.num_truncated_tokens} "
+            f"tokens), {self.num_skipped} long skipped (-{self.num_skipped_tokens} tokens), {self.num_empty} empty skipped"
         )
 
 
@@ -191,18 +259,22 @@ def pack_lengths(lengths: np.ndarray, *, token_budget: int, max_seqs: int) -> li
 
 
 def plan_batches(index: DatasetIndex, cfg: PackingConfig) -> PackingPlan:
-    """Pack every sample of `index` into batches; raises ValueError on a long sample under "error"."""
+    """Pack every sample of `index` into batches, the long ones' pieces after them; raises ValueError on
+    a sample longer than cfg.longest under "error"."""
     lengths = index.lengths.astype(np.int64)
-    long = lengths > cfg.token_budget
+    long = lengths > cfg.longest
     if long.any() and cfg.long_seqs == "error":
         i = int(np.argmax(long))
+        more = "--max-seq-len" if cfg.pieced else "--token-budget (or --max-seq-len to keep it whole in pieces)"
         raise ValueError(
             f"sample {index.sample_ids[i]!r} ({index.location(i)}) has {lengths[i]} tokens, more than "
-            f"token_budget {cfg.token_budget}; use --long-seqs truncate or skip, or a larger --token-budget"
+            f"{'max_seq_len' if cfg.pieced else 'token_budget'} {cfg.longest}; use --long-seqs truncate or skip, "
+            f"or a larger {more}"
         )
     keep = ~long if cfg.long_seqs == "skip" else np.ones_like(long)
-    packed = np.minimum(lengths, cfg.token_budget)  # truncation keeps the first token_budget tokens
-    positions = np.flatnonzero(keep)
+    packed = np.minimum(lengths, cfg.longest)  # truncation keeps the first `longest` tokens
+    pieced = keep & (packed > cfg.token_budget)
+    positions = np.flatnonzero(keep & ~pieced)
     bins = pack_lengths(packed[positions], token_budget=cfg.token_budget, max_seqs=cfg.max_seqs)
     batches = []
     for batch_id, members in enumerate(bins):
@@ -215,18 +287,23 @@ def plan_batches(index: DatasetIndex, cfg: PackingConfig) -> PackingPlan:
                 lengths=packed[rows].tolist(),
             )
         )
+    for row in np.flatnonzero(pieced).tolist():
+        for piece in plan_pieces(int(packed[row]), cfg, first_batch=len(batches)):
+            batches.append(PackedBatch(len(batches), [row], [index.sample_ids[row]], [cfg.token_budget], piece=piece))
     truncated = long & keep
     skipped = long & ~keep
     plan = PackingPlan(
         config=cfg,
         batches=batches,
-        num_samples=int(positions.size),
-        num_tokens=int(packed[positions].sum()),
+        num_samples=int(keep.sum()),
+        num_tokens=sum(b.num_tokens for b in batches),
         num_truncated=int(truncated.sum()),
         num_truncated_tokens=int((lengths - packed)[truncated].sum()),
         num_skipped=int(skipped.sum()),
         num_skipped_tokens=int(lengths[skipped].sum()),
         num_empty=index.report.num_empty,
+        num_pieced=int(pieced.sum()),
+        longest_packed=int(packed[keep].max()) if keep.any() else 0,
     )
     logger.info("packing plan: %s", plan.summary())
     return plan
@@ -262,10 +339,12 @@ def assemble_batch(samples: Sequence[Sample], cfg: PackingConfig) -> dict[str, n
     position_ids[:total] = np.arange(total) - np.repeat(offsets, lengths)
     cu_seqlens = np.full(S + 1, total, dtype=np.int32)  # [S + 1]
     cu_seqlens[: len(samples) + 1] = np.concatenate([[0], np.cumsum(lengths)])
+    anchor_mask = (np.arange(T) < total).astype(np.uint8)  # [T]
     return {
         "input_ids": input_ids,
         "position_ids": position_ids,
         "loss_mask": loss_mask,
+        "anchor_mask": anchor_mask,
         "cu_seqlens": cu_seqlens,
         "sample_offsets": offsets,
         "sample_lengths": lengths,
@@ -285,8 +364,41 @@ def load_batch(loader: SampleLoader, batch: PackedBatch, cfg: PackingConfig) -> 
     return assemble_batch(samples, cfg)
 
 
+def load_long_sample(loader: SampleLoader, batch: PackedBatch, cfg: PackingConfig) -> Sample:
+    """The whole sample a piece batch was cut from (its first cfg.longest tokens); checked against the plan."""
+    (sample,) = loader.load(batch.rows)
+    if sample.sample_id != batch.sample_ids[0] or len(sample) < batch.piece.start + cfg.token_budget:
+        raise ValueError(
+            f"batch {batch.batch_id}: loaded sample {sample.sample_id!r} of {len(sample)} tokens, the plan's piece "
+            f"of {batch.sample_ids[0]!r} ends at {batch.piece.start + cfg.token_budget}; plan again"
+        )
+    n = min(len(sample), cfg.longest)
+    return Sample(sample.sample_id, sample.input_ids[:n], sample.loss_mask[:n])
+
+
+def assemble_piece(sample: Sample, piece: Piece, cfg: PackingConfig) -> dict[str, np.ndarray]:
+    """The fixed-shape arrays of one piece of `sample` (as assemble_batch's, for one sequence of T tokens)."""
+    T, start = cfg.token_budget, piece.start
+    loss_mask = np.asarray(sample.loss_mask[start : start + T], dtype=np.uint8)
+    anchor_mask = np.zeros(T, dtype=np.uint8)
+    anchor_mask[piece.own_start - start : piece.own_end - start] = 1
+    cu_seqlens = np.full(cfg.max_seqs + 1, T, dtype=np.int32)
+    cu_seqlens[0] = 0
+    return {
+        "input_ids": np.asarray(sample.input_ids[start : start + T], dtype=np.int32),
+        "position_ids": np.arange(start, start + T, dtype=np.int32),  # absolute: RoPE sees the true positions
+        "loss_mask": loss_mask,
+        "anchor_mask": anchor_mask,
+        "cu_seqlens": cu_seqlens,
+        "sample_offsets": np.zeros(1, dtype=np.int64),
+        "sample_lengths": np.full(1, T, dtype=np.int64),
+        "sample_loss_tokens": np.full(1, int(loss_mask.sum()), dtype=np.int64),
+    }
+
+
 def shard_batches_for_rank(plan: PackingPlan, rank: int, world_size: int) -> list[PackedBatch]:
-    """This rank's batches: batch b goes to rank b % world_size (disjoint, together complete)."""
+    """This rank's batches: batch b goes to rank b % world_size (disjoint, together complete); the pieces
+    of a long sample all go where its first piece goes, so one forward serves them."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} must lie in [0, world_size) with world_size >= 1, got world_size {world_size}")
-    return [b for b in plan.batches if b.batch_id % world_size == rank]
+    return [b for b in plan.batches if (b.piece.first_batch if b.piece else b.batch_id) % world_size == rank]

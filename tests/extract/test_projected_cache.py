@@ -1,7 +1,6 @@
 """dflash-extract --pca-rank on the tiny target: codes against the taps' projection, P against an
 independent SVD, resume, verify, the refusals, and version 2 caches still read."""
 
-import json
 import shutil
 
 import numpy as np
@@ -15,7 +14,15 @@ from extract.dataset.packing import PackedBatch
 from extract.projection import sample_batches
 from extract.runner import run_extract
 from extract.target.model import TargetModel
-from shards import CacheFormatError, ShardReader, decode_context, read_cache_config, shard_path
+from shards import (
+    CacheFormatError,
+    ShardReader,
+    decode_context,
+    read_cache_config,
+    shard_path,
+    write_cache_config,
+    write_shard,
+)
 from shards.common.errors import UserError
 from shards.format import PROJECTION_FILE
 from shards.inspect import summarize_cache, verify_cache
@@ -79,7 +86,9 @@ def test_codes_are_the_projection_of_each_samples_taps(target, data, tmp_path, s
         assert torch.count_nonzero(codes[info.num_tokens :]) == 0
     s = summarize_cache(out)
     assert s["projection"]["rank"] == RANK
-    assert s["bytes_per_token"] == (RANK * 2 if storage == "bf16" else RANK + 4) + 4 + 4 + 1 + 4 * 9 / 256
+    assert (
+        s["bytes_per_token"] == (RANK * 2 if storage == "bf16" else RANK + 4) + 4 + 4 + 1 + 1 + 4 * 9 / 256
+    )  # ids, positions, loss and anchor masks, cu_seqlens
     text = CliRunner().invoke(shards_cli, ["info", str(out)]).output
     assert f"pca: {RANK} of 320 dims" in text and f"{100 * kept:.2f}% of the variance kept" in text, text
     shown = CliRunner().invoke(shards_cli, ["show", str(out), "doc-3"])
@@ -141,23 +150,26 @@ def test_a_rank_not_below_the_taps_width_is_refused(target, data, tmp_path, no_w
 
 
 def test_a_version_2_cache_still_reads(reference, tmp_path):
-    """Version 2 wrote the shards version 3 writes for stored taps, save the version in each header."""
+    """Version 2 wrote the shards version 3 writes for stored taps, less anchor_mask: rewritten as version 2
+    by the shard writer, the cache verifies, reads the same tensors and keeps its cache_id."""
     out = tmp_path / "v2"
-    shutil.copytree(reference["dir"], out)
-    config = json.loads((out / "cache.json").read_text())
-    config["format_version"] = 2
-    config.pop("projection")
-    (out / "cache.json").write_text(json.dumps(config))
-    for path in (out / "shards").iterdir():
-        raw = path.read_bytes()
-        assert raw.count(b'"format_version":"3"') == 1
-        path.write_bytes(raw.replace(b'"format_version":"3"', b'"format_version":"2"'))
+    shutil.copytree(reference["dir"], out, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copy(reference["dir"] / "target_head.safetensors", out)
+    config = read_cache_config(reference["dir"])
+    config.format_version = 2
+    write_cache_config(out, config)
+    source = ShardReader(reference["dir"])
+    for b in source.batch_ids():
+        tensors, info = source.read(b)
+        assert "anchor_mask" in tensors
+        del tensors["anchor_mask"]
+        write_shard(out, config, b, tensors, info.samples)
     assert verify_cache(out).ok
     got = all_tensors(out)
     for b, tensors in reference["tensors"].items():
-        assert sorted(got[b]) == sorted(tensors) == ["cu_seqlens", "hidden", "input_ids", "loss_mask", "position_ids"]
-        for name, t in tensors.items():
-            assert torch.equal(got[b][name], t), (b, name)
+        assert sorted(got[b]) == ["cu_seqlens", "hidden", "input_ids", "loss_mask", "position_ids"]
+        for name, t in got[b].items():
+            assert torch.equal(tensors[name], t), (b, name)
     assert read_cache_config(out).cache_id() == read_cache_config(reference["dir"]).cache_id()
 
 

@@ -111,11 +111,11 @@ def test_reduced_table_end_to_end_then_resumed(target, tmp_path):
             assert 1.0 <= figures["walk_acceptance"] <= BLOCK_SIZE and 1.0 <= figures["real_acceptance"] <= BLOCK_SIZE
             assert figures["heldout_loss"] > 0
         # Bytes per token: the cache's own figure equals the shard files' bytes, and taps x (hidden x dtype
-        # bytes, + a 4-byte scale per tap in fp8) + 9 bytes of ids, positions and mask + cu_seqlens' share.
+        # bytes, + a 4-byte scale per tap in fp8) + 10 bytes of ids, positions, loss and anchor masks + cu_seqlens' share.
         cache = _cache_of(work, storage)
         bytes_per_token = entry["stats"]["bytes_per_token"]["mean"]
         assert bytes_per_token == _data_bytes_per_token(cache)
-        assert bytes_per_token == NUM_TAPS * hidden_bytes + 4 + 4 + 1 + 4 * (cfg.max_seqs + 1) / cfg.token_budget
+        assert bytes_per_token == NUM_TAPS * hidden_bytes + 4 + 4 + 1 + 1 + 4 * (cfg.max_seqs + 1) / cfg.token_budget
         walk = [r["figures"]["walk_acceptance"] for r in results]
         assert entry["stats"]["walk_acceptance"]["mean"] == pytest.approx(sum(walk) / 3)
         assert entry["stats"]["walk_acceptance"]["spread"] == pytest.approx(max(walk) - min(walk))

@@ -23,6 +23,9 @@ first and the last batch finishing (what a long extraction sees), with the write
 loop waited for the disk. Before the first FP8 configuration, the per-tap relative error of FP8 compute
 against dense compute (same weights, one full batch) is measured, next to the error of fp8 storage
 alone. The JSON at --out is rewritten after every step, so a timeout loses only the step it cut.
+Also (--long-samples 65536,131072): each length as one sample through the target whole and stored as
+pieces (dflash-extract --max-seq-len), in the last configuration's settings, twice (the second timed):
+tokens/s of the sample through the target and the GPU's peak memory (issue 31).
 Also (--hf-layers > 0): HF transformers' qwen3_5 (fla when installed) on the same samples in
 length-sorted, padded batches of the same token count, on a layer subset projected to 64
 (tools/bench/hf_padded.py).
@@ -252,10 +255,45 @@ def _refuse_foreign(cache_dir: Path, work: Path) -> None:
     if cache_dir.exists() and (not cache_dir.is_dir() or survey_cache(cache_dir).foreign):
         raise click.UsageError(f"--cache-dir {cache_dir} holds files that are not a cache's; name a new directory")
     ours = {"mix.parquet", "target"}
-    if work.exists() and (not work.is_dir() or {p.name for p in work.iterdir()} - ours):
+    if work.exists() and (not work.is_dir() or {p.name for p in work.iterdir() if not _is_long(p.name)} - ours):
         raise click.UsageError(
             f"{work} (the benchmark's data beside --cache-dir) holds other files; name a new --cache-dir"
         )
+
+
+def _is_long(name: str) -> bool:
+    return name.startswith("long-") and name.endswith(".parquet")
+
+
+def long_sample_run(model, target, taps, base: ExtractConfig, length: int, write: bool, work: Path, device) -> dict:
+    """One sample of `length` tokens extracted whole and stored as pieces, twice; the second run's figures."""
+    data = work / f"long-{length}.parquet"
+    write_mix(data, np.array([length]), target.vocab_size, seed=length)
+    cfg = dataclasses.replace(base, data=str(data), max_seq_len=length)
+    index = scan_dataset(data, vocab_size=target.vocab_size, token_budget=length)
+    plan = plan_batches(index, cfg.packing)
+    runs = []
+    for _ in range(2):  # the first compiles and grows the allocator
+        shutil.rmtree(cfg.out_dir, ignore_errors=True)
+        cache_cfg = build_cache_config(cfg, target, taps, plan, index)
+        create_cache(cfg.out_dir, cache_cfg, _zero_head(target))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        sink = _sink(cfg, cache_cfg, device, write, True)
+        s = extract_batches(model, cfg, cache_cfg, index, plan.batches, device, sink)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+        runs.append({"seconds": s.seconds, "sample_tokens_per_s": length / s.seconds, "peak_gib": peak})
+    log.info("long sample of %d tokens: %.0f tok/s, peak %.1f GiB", length, runs[1]["sample_tokens_per_s"], peak)
+    return {**runs[1], "pieces": len(plan.batches), "first_seconds": runs[0]["seconds"], "write": write}
+
+
+def _zero_head(target: TargetConfig) -> dict[str, torch.Tensor]:
+    vocab, hidden = target.vocab_size, target.hidden_size
+    return {
+        "embed_tokens": torch.zeros(vocab, hidden, dtype=torch.bfloat16),
+        "lm_head": torch.zeros(vocab, hidden, dtype=torch.bfloat16),
+        "final_norm": torch.zeros(hidden, dtype=torch.bfloat16),
+    }
 
 
 @click.command()
@@ -287,6 +325,12 @@ def _refuse_foreign(cache_dir: Path, work: Path) -> None:
     "--tiny", is_flag=True, help="CPU smoke run on the tiny config (checks the script, measures nothing useful)."
 )
 @click.option(
+    "--long-samples",
+    default="",
+    help="Comma-separated sample lengths (e.g. 65536,131072) each extracted whole and stored as pieces, in the "
+    "last configuration's settings: tokens/s and peak GPU memory (under 'long_samples' in --out).",
+)
+@click.option(
     "--profile",
     is_flag=True,
     help="After the last configuration, profile one forward in its settings: GPU time per kernel name, "
@@ -311,6 +355,7 @@ def main(
     token_budget,
     configs,
     tiny,
+    long_samples,
     profile,
     pca_rank,
     pca_sample_tokens,
@@ -405,16 +450,7 @@ def main(
             dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
         )
         cache_cfg = build_cache_config(cfg, target, taps, plan, index)
-        vocab, hidden = target.vocab_size, target.hidden_size
-        create_cache(
-            cache_dir,
-            cache_cfg,
-            {
-                "embed_tokens": torch.zeros(vocab, hidden, dtype=torch.bfloat16),
-                "lm_head": torch.zeros(vocab, hidden, dtype=torch.bfloat16),
-                "final_norm": torch.zeros(hidden, dtype=torch.bfloat16),
-            },
-        )
+        create_cache(cache_dir, cache_cfg, _zero_head(target))
         model.set_forward_options(options)
         if storage == "pca":
             if projection is None:
@@ -445,6 +481,15 @@ def main(
         log.info(
             "%s: %.0f tok/s end to end, %s steady", name, s.tokens_per_s, f"{steady:.0f} tok/s" if steady else "no"
         )
+    long_lengths = [int(x) for x in long_samples.split(",") if x.strip()]
+    if long_lengths:
+        model.set_forward_options(ForwardOptions())
+        base = dataclasses.replace(cfg, piece_context=min(2048, token_budget // 4), piece_label_reach=15)
+        write = CONFIGS[names[-1]][2]
+        result["long_samples"] = {
+            str(n): long_sample_run(model, target, taps, base, n, write, work, device) for n in long_lengths
+        }
+        _save(out_path, result)
     shutil.rmtree(cache_dir, ignore_errors=True)
     if profile:
         result["profile"] = {"config": names[-1], **kernel_profile(model, index, timed[0], taps, device, token_budget)}
@@ -480,6 +525,10 @@ def main(
         )
         for row in prof["top"]:
             print(f"{row['ms']:>9.2f} ms {100 * row['share']:>5.1f}%  {row['name'][:110]}")
+    for n, r in result.get("long_samples", {}).items():
+        print(
+            f"one {n}-token sample whole, {r['pieces']} pieces: {r['sample_tokens_per_s']:,.0f} tok/s, peak {r['peak_gib']:.1f} GiB"
+        )
     print(
         f"packing efficiency {result['padding_efficiency']:.4f}, median {result['median_len']:.0f}, max {result['max_len']}"
     )

@@ -17,6 +17,9 @@ published sliding,sliding,sliding,sliding,full) with --sliding-window, and --seq
 sequence length, i.e. the context length, one run each). Each result also counts the kv tiles the
 flex BlockMasks visit per query tile (full and sliding masks): what the kernel skips outside the window.
 
+Long positions (--position-offset N): every packed sequence is a piece of a long sample at positions
+N.. (anchors past its first window tokens), to check the step's time and memory there (issue 31).
+
 Kernel-time split (--profile): after the timed steps, --profile-steps more run under torch.profiler
 and every CUDA kernel is classified by name (tools/bench/kernel_profile.py: GEMM, attention, softmax/loss,
 elementwise, copy/cast, reduction, optimizer, other); the table is printed and stored per result
@@ -94,6 +97,7 @@ class RunOptions:
     layer_types: list[str] | None = None  # None = all full
     sliding_window: int | None = None
     num_blocks: int | None = None  # None = the size's own (or dflash-train's default for the budget)
+    position_offset: int = 0  # > 0: every sequence is a piece of a long sample starting at this position
     step_options: dict = dataclasses.field(default_factory=dict)  # STEP_FIELDS -> TrainConfig values
 
 
@@ -155,12 +159,13 @@ def bench_one(size: Size, mode: str, num_blocks: int, options: RunOptions, devic
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     state = build_step_state(cfg, run, head, device)
-    fill_random_batch(state, size, gen)
+    fill_random_batch(state, size, gen, options.position_offset, dcfg.attention_window or 0)
     blocks = sample_blocks(
         input_ids_T=state.batch.input_ids_T,
         position_ids_T=state.batch.position_ids_T,
         loss_mask_T=state.batch.loss_mask_T,
         cu_seqlens_S1=state.batch.cu_seqlens_S1,
+        anchor_mask_T=state.batch.anchor_mask_T,
         num_blocks=num_blocks,
         block_size=size.block_size,
         mask_token_id=size.vocab - 1,
@@ -200,6 +205,7 @@ def bench_one(size: Size, mode: str, num_blocks: int, options: RunOptions, devic
         "layer_types": list(dcfg.layer_types),
         "sliding_window": dcfg.attention_window,
         "seq_len": size.seq_len,
+        "position_offset": options.position_offset,
         "mean_keys_per_query": sum(mean_keys) / len(mean_keys),
         "mean_keys_per_layer": mean_keys,
         "kv_tiles_per_q_tile": tiles,
@@ -324,6 +330,13 @@ def _row(r: dict) -> str:
     help="Draft blocks per batch (query tokens = blocks x 16); default: the size's own (27b: 2048).",
 )
 @click.option(
+    "--position-offset",
+    default=0,
+    show_default=True,
+    help="Long-position anchors: every packed sequence is a piece of a long sample whose positions start here "
+    "(e.g. 98304), anchors past its first sliding-window tokens (dflash-extract --max-seq-len).",
+)
+@click.option(
     "--compare-plain",
     is_flag=True,
     help="Run every configuration twice: first with the elementwise cuts off (the step before them), then "
@@ -348,6 +361,7 @@ def main(
     sliding_window: int,
     seq_lens: str | None,
     num_blocks: int | None,
+    position_offset: int,
     compare_plain: bool,
     profile: bool,
     profile_steps: int,
@@ -402,6 +416,7 @@ def main(
                         layer_types=types,
                         sliding_window=sliding_window,
                         num_blocks=num_blocks,
+                        position_offset=position_offset,
                         step_options=chosen,
                     )
                     results += bench_size(size, mode_list, options, device, peaks)

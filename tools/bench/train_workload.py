@@ -122,8 +122,10 @@ def visited_kv_tiles(layout) -> dict[str, float]:
     return out
 
 
-def fill_random_batch(state, size: Size, gen: torch.Generator) -> None:
-    """Packed sequences of seq_len tokens; the first 10% of each is prompt (loss_mask 0)."""
+def fill_random_batch(state, size: Size, gen: torch.Generator, position_offset: int = 0, context: int = 0) -> None:
+    """Packed sequences of seq_len tokens; the first 10% of each is prompt (loss_mask 0). position_offset > 0:
+    each is a piece of a long sample instead (dflash-extract --max-seq-len): positions from position_offset,
+    anchors only past its first `context` tokens (anchor_mask)."""
     b = state.batch
     T, S = size.token_budget, b.cu_seqlens_S1.shape[0] - 1
     num_seqs = min(T // size.seq_len, S)
@@ -131,10 +133,13 @@ def fill_random_batch(state, size: Size, gen: torch.Generator) -> None:
     cu = torch.cat([starts, starts[-1:].repeat(S - num_seqs)]).to(torch.int32)
     pos = torch.zeros(T, dtype=torch.int32)
     mask = torch.zeros(T, dtype=torch.uint8)
+    anchor_mask = torch.zeros(T, dtype=torch.uint8)
     for s in range(num_seqs):
         a = s * size.seq_len
-        pos[a : a + size.seq_len] = torch.arange(size.seq_len, dtype=torch.int32)
+        pos[a : a + size.seq_len] = position_offset + torch.arange(size.seq_len, dtype=torch.int32)
         mask[a + size.seq_len // 10 : a + size.seq_len] = 1
+        anchor_mask[a + (context if position_offset else 0) : a + size.seq_len] = 1
+    b.anchor_mask_T.copy_(anchor_mask)
     b.cu_seqlens_S1.copy_(cu)
     b.position_ids_T.copy_(pos)
     b.loss_mask_T.copy_(mask)

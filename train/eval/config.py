@@ -11,6 +11,9 @@ from typing import Literal
 from shards.common.cli_options import at_least, cli_field, config_error
 from shards.format import canonical_precision
 
+# Context-length buckets of acceptance, by the anchor's absolute position: 0-2K, 2K-8K, 8K-32K, 32K+.
+CONTEXT_BUCKETS = (0, 2048, 8192, 32768)
+
 
 @dataclass(kw_only=True)
 class EvalConfig:
@@ -50,6 +53,9 @@ class EvalConfig:
     """Decode only the first N prompts of --prompts; 0 = all."""
     max_new_tokens: int = 64
     """Tokens generated per prompt by --target decoding (speculative and plain greedy)."""
+    context_buckets: list[int] = field(default_factory=lambda: list(CONTEXT_BUCKETS))
+    """Acceptance is also reported per context-length bucket of the anchor's position: the buckets'
+    lower edges in tokens, from 0, increasing (the last bucket is open)."""
 
     def __post_init__(self) -> None:
         self.dtype = canonical_precision(self.dtype, ("auto", "bfloat16", "float32"))  # bf16 taken too
@@ -77,6 +83,9 @@ class EvalConfig:
             raise ValueError(f"--dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
         if any(b < 1 for b in self.budgets):
             raise ValueError(f"--budgets must be positive node counts, got {self.budgets}")
+        edges = list(self.context_buckets or [])
+        if not edges or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
+            raise ValueError(f"--context-buckets {edges}: must start at 0 and increase, e.g. 0,2048,8192,32768")
         for name in ("num_blocks", "lanes"):
             value = getattr(self, name)
             if value is not None and value < 1:

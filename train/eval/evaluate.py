@@ -40,6 +40,7 @@ from shards.common.progress import format_figure
 from train.blocks import anchor_seed, default_num_blocks, sample_shard_blocks
 from train.drafter.attention import BlockAttentionLayout
 from train.drafter.model import DFlashDrafter, TargetHead
+from train.eval.config import CONTEXT_BUCKETS
 from train.eval.tree import tree_acceptance  # noqa: F401  (re-exported: the DDTree rule lives in train/eval/tree.py)
 from train.eval.walk import WalkCounts, response_spans, walk_shard
 from train.loss.chunked import block_loss
@@ -48,6 +49,21 @@ from train.metrics.block_metrics import accepted_prefix_length
 from train.metrics.sums import COUNT, Sums
 
 log = logging.getLogger(__name__)
+
+# Fields of cache.json's dataset.prepared record that say how the chats were rendered: the mode (thinking
+# on/off; template keywords under "template_kwargs", e.g. a reasoning effort), as acceptance differs by it.
+MODE_FIELDS = ("thinking", "template_kwargs")
+
+
+def cache_mode(cache_cfg) -> str | None:
+    """The mode a cache's chats were rendered in, "key=value,..." (e.g. "thinking=off"); None for token
+    rows given as they are. One per cache: evaluate one cache per mode to compare modes."""
+    prepared = (cache_cfg.dataset.prepared if cache_cfg.dataset is not None else None) or {}
+    settings = {}
+    for name in MODE_FIELDS:
+        value = prepared.get(name)
+        settings.update(value if isinstance(value, dict) else {} if value is None else {name: value})
+    return ",".join(f"{k}={v}" for k, v in sorted(settings.items())) or None
 
 
 @dataclass
@@ -61,6 +77,7 @@ class EvalResult:
     num_blocks: int  # valid random-anchor blocks
     data_is_target_greedy: float | None  # P(data == target top-1) on supervised positions; None: no top-k
     batch_ids: list[int] = field(default_factory=list)
+    mode: str | None = None  # how the cache's chats were rendered (cache_mode); None: token rows as given
 
     @property
     def acceptance_length(self) -> float:
@@ -90,6 +107,7 @@ class EvalResult:
             "data_is_target_greedy": self.data_is_target_greedy,
             "dtype": self.dtype,
             "batch_ids": self.batch_ids,
+            "mode": self.mode,
         }
 
     def to_record(self) -> dict[str, Any]:
@@ -101,6 +119,12 @@ class EvalResult:
             "eval/random_anchor_chain_length": self.random_anchor_chain_length,
             **{f"eval/tree_acceptance_{b}": v for b, v in self.tree_acceptance.items()},
             **{f"eval/slot_acceptance_{k:02d}": v for k, v in enumerate(self.walk.slot_acceptance, start=1)},
+            # Named under eval/acceptance_length so that `dflash-train plot` draws each bucket's curve.
+            **{
+                f"eval/acceptance_length_ctx_{label}": value
+                for label, (value, steps) in self.walk.acceptance_by_context.items()
+                if steps
+            },
         }
         if self.data_is_target_greedy is not None:
             rec["eval/data_is_target_greedy"] = self.data_is_target_greedy
@@ -113,7 +137,13 @@ class EvalResult:
             f"{self.walk.responses} responses, pooled {format_figure(self.acceptance_length_pooled, '.3f')}{trees}), "
             f"held-out loss {format_figure(self.heldout_loss, '.4f')}, "
             f"random-anchor chain {format_figure(self.random_anchor_chain_length, '.3f')} (diagnostic)"
+            + self._context_summary()
         )
+
+    def _context_summary(self) -> str:
+        """ ", by context 0-2K 3.10, 2K-8K 2.75" when the walk's steps fall in more than one bucket."""
+        seen = [(label, v) for label, (v, steps) in self.walk.acceptance_by_context.items() if steps]
+        return ", by context " + ", ".join(f"{label} {v:.3f}" for label, v in seen) if len(seen) > 1 else ""
 
     def whose_tokens(self) -> str:
         if self.data_is_target_greedy is None:
@@ -151,9 +181,10 @@ class EvalResult:
         ]
         hist = " ".join(str(c) for c in w.accepted_histogram)
         lines = [f"{'metric':<30}{'value':>12}", "-" * 42] + [f"{m:<30}{v:>12}" for m, v in rows]
+        lines += ["acceptance by context length (the anchor's position):", *w.context_lines()] if w.steps else []
         lines += [
             f"accepted drafts per step, 0..{len(w.accepted_histogram) - 1}: {hist}",
-            f"dtype {self.dtype}; shards {self.batch_ids}",
+            f"dtype {self.dtype}; shards {self.batch_ids}; mode {self.mode or 'token rows as given'}",
             f"whose tokens: {self.whose_tokens()}",
         ]
         return "\n".join(lines)
@@ -193,13 +224,14 @@ def evaluate_drafter(
     lanes: int | None = None,
     rank: int = 0,
     world_size: int = 1,
+    context_edges: Sequence[int] = CONTEXT_BUCKETS,
 ) -> EvalResult:
     """Evaluate on `batch_ids` (this rank takes every world_size-th); every rank gets the same result.
     model and head must already be in the evaluation dtype (see eval_copy). budgets: the DDTree node
     budgets walked besides the chain. loss: the run's loss settings (None: LossConfig's defaults); its
     gamma weights the held-out CE, its chunk bounds the logits held at once. num_blocks (random-anchor
     blocks per shard) and seed default to fixed values, not the run's, so every evaluation of the same
-    weights draws the same blocks."""
+    weights draws the same blocks. context_edges: the context-length buckets the walks also count."""
     device = torch.device(device)
     cfg = model.config
     reader = ShardReader(cache_dir)
@@ -216,7 +248,8 @@ def evaluate_drafter(
         for n in (num_blocks, lanes)
     )
     rules: list[int | None] = [None, *budgets]
-    width = len(WalkCounts(B).as_vector())
+    edges = tuple(int(e) for e in context_edges)
+    width = len(WalkCounts(B, context_edges=edges).as_vector())
     sums = Sums(
         {
             **{_walk_key(rule): width for rule in rules},
@@ -238,13 +271,22 @@ def evaluate_drafter(
         tensors, _ = reader.read(batch_id, verify_checksum=True)
         hidden_TKH = decode_context(tensors, reader.config).to(device, dtype)
         ids_T, pos_T = tensors["input_ids"].to(device), tensors["position_ids"].to(device)
-        responses = response_spans(tensors["loss_mask"], tensors["cu_seqlens"])
+        responses = response_spans(tensors["loss_mask"], tensors["cu_seqlens"], tensors.get("anchor_mask"))
         # The fused context and every layer's context K/V: once per shard, for every rule and the random anchors.
         context = model.context(hidden_TKH, pos_T, dtype)
         del hidden_TKH
         for rule in rules:
             counts = walk_shard(
-                model, head, context, ids_T, pos_T, responses, walk_layout, budget=rule, chunk_blocks=chunk_blocks
+                model,
+                head,
+                context,
+                ids_T,
+                pos_T,
+                responses,
+                walk_layout,
+                budget=rule,
+                chunk_blocks=chunk_blocks,
+                context_edges=edges,
             )
             sums.add(_walk_key(rule), torch.tensor(counts.as_vector(), dtype=torch.float64))
         gen = torch.Generator().manual_seed(anchor_seed(seed, batch_id=batch_id))
@@ -274,14 +316,15 @@ def evaluate_drafter(
     (target_greedy,) = host.mean("target_match")
     return EvalResult(
         dtype=str(dtype).removeprefix("torch."),
-        walk=WalkCounts.from_vector(B, host[_walk_key(None)]),
-        tree_walks={b: WalkCounts.from_vector(B, host[_walk_key(b)]) for b in budgets},
+        walk=WalkCounts.from_vector(B, host[_walk_key(None)], edges),
+        tree_walks={b: WalkCounts.from_vector(B, host[_walk_key(b)], edges) for b in budgets},
         heldout_loss=nan if ce is None else ce,
         random_anchor_chain_length=nan if chain is None else chain,
         random_anchor_slot_accuracy=[nan if a is None else a for a in slot_accuracy],
         num_blocks=int(host.scalar("blocks")),
         data_is_target_greedy=target_greedy if cc.target_topk > 0 else None,
         batch_ids=list(batch_ids),
+        mode=cache_mode(cc),
     )
 
 

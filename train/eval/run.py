@@ -55,7 +55,10 @@ def select_eval_shards(
 
 
 def check_fits(cfg: DrafterConfig, cache_config, drafter: str, cache: str) -> None:
-    """Refuse a drafter whose taps, width or vocabulary differ from the cache's, naming both."""
+    """Refuse a drafter whose taps, width or vocabulary differ from the cache's, naming both, or that
+    would see more of a long sample than the cache's pieces hold."""
+    from train.resolve import refuse_unseen_context
+
     problems = []
     if list(cfg.tap_layer_ids) != list(cache_config.tap_layer_ids):
         problems.append(f"taps: drafter {cfg.tap_layer_ids}, cache {cache_config.tap_layer_ids}")
@@ -76,6 +79,7 @@ def check_fits(cfg: DrafterConfig, cache_config, drafter: str, cache: str) -> No
             f"drafter {drafter} does not fit cache {cache}: {'; '.join(problems)}; evaluate it on "
             "a cache extracted from its own target with the same taps"
         )
+    refuse_unseen_context(cache_config, cfg, cache)
 
 
 def _context(cfg: DrafterConfig) -> str:
@@ -261,6 +265,7 @@ def _evaluate(cfg: EvalConfig, verifier_factory: VerifierFactory | None) -> Eval
             attention=choose_backend("auto", device),
             budgets=cfg.budgets,
             lanes=cfg.lanes,
+            context_edges=cfg.context_buckets,
         )
     if cfg.target is not None:
         from train.eval.speculative import build_verifier, decode_prompts, read_prompts
@@ -282,6 +287,14 @@ def _evaluate(cfg: EvalConfig, verifier_factory: VerifierFactory | None) -> Eval
             cfg.max_new_tokens,
             cfg.target,
         )
-        decoding = decode_prompts(model, head, verifier, prompts, cfg.max_new_tokens, context_dtype=torch.bfloat16)
+        decoding = decode_prompts(
+            model,
+            head,
+            verifier,
+            prompts,
+            cfg.max_new_tokens,
+            context_dtype=torch.bfloat16,
+            context_edges=tuple(cfg.context_buckets),
+        )
         decoding.longest_trained_response = loaded.longest_response  # the table warns when decoding ran past it
     return EvalOutput(walk, decoding, trained_on)

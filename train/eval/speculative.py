@@ -36,6 +36,7 @@ import torch
 from shards.common.json_input import InputFileError, iter_json_lines
 from shards.common.progress import ProgressLog, format_duration, format_figure, plural
 from train.drafter.model import DFlashDrafter, TargetHead
+from train.eval.config import CONTEXT_BUCKETS
 from train.eval.walk import WalkCounts
 
 
@@ -74,6 +75,7 @@ class Decoded:
     step_tokens: list[int] = field(default_factory=list)  # tokens emitted per verification step
     step_accepted: list[int] = field(default_factory=list)  # drafts accepted per step
     step_labels: list[int] = field(default_factory=list)  # drafts that could be accepted per step (the cut)
+    step_positions: list[int] = field(default_factory=list)  # the anchor's position per step (prompt included)
     seconds: float = 0.0
 
 
@@ -122,6 +124,7 @@ def speculative_generate(
         result.step_tokens.append(len(emitted))
         result.step_accepted.append(a)
         result.step_labels.append(labels)
+        result.step_positions.append(p)
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -196,6 +199,7 @@ class DecodeReport:
                 f"{format_figure(w.acceptance_length_pooled, '.3f')})",
                 f"  accepted drafts per step, 0..{len(w.accepted_histogram) - 1}: "
                 + " ".join(map(str, w.accepted_histogram)),
+                *w.context_lines(),
                 f"  output {lossless}",
                 f"  {self.speculative_tokens_per_s:.1f} tokens/s speculative vs {self.greedy_tokens_per_s:.1f} plain greedy "
                 f"({self.speculative_tokens_per_s / self.greedy_tokens_per_s:.2f}x; both recompute the prefix per "
@@ -212,10 +216,12 @@ def decode_prompts(
     max_new_tokens: int,
     *,
     context_dtype: torch.dtype | None = torch.bfloat16,
+    context_edges: tuple[int, ...] = CONTEXT_BUCKETS,
 ) -> DecodeReport:
-    """Speculative and plain greedy decoding of every prompt; acceptance figures as the walk's. Progress
-    (prompts done, tokens/s of each, ETA) as a bar on a terminal, else a log line at most every 10 s."""
-    counts = WalkCounts(model.config.block_size)
+    """Speculative and plain greedy decoding of every prompt; acceptance figures as the walk's (per
+    context_edges bucket of the anchor's position too). Progress (prompts done, tokens/s of each, ETA)
+    as a bar on a terminal, else a log line at most every 10 s."""
+    counts = WalkCounts(model.config.block_size, context_edges=context_edges)
     identical, mismatch, spec_s, greedy_s = 0, [], 0.0, 0.0
     progress = ProgressLog(log, None, len(prompts), desc="decoding", unit="prompt")
     for i, prompt in enumerate(prompts):
@@ -227,8 +233,11 @@ def decode_prompts(
             identical += 1
         else:
             mismatch.append((i, next(j for j, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b)))
-        for a, labels in zip(spec.step_accepted, spec.step_labels):
+        for a, labels, tokens, position in zip(
+            spec.step_accepted, spec.step_labels, spec.step_tokens, spec.step_positions, strict=True
+        ):
             counts.add_step(a, labels)
+            counts.add_context_step(position, tokens)
         if spec.step_tokens:
             counts.add_response(sum(spec.step_tokens), len(spec.step_tokens))
     progress.close()

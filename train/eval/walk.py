@@ -20,6 +20,12 @@ Figures (WalkCounts):
   acceptance_length_pooled  all tokens / all steps (long responses weigh more)
   accepted_histogram[a]     steps with a accepted drafts, a = 0..B-1
   slot_acceptance[k-1]      P(slot k accepted | slots 1..k-1 accepted and slot k has a label)
+  acceptance_by_context     per context-length bucket of the anchor's absolute position (default 0-2K,
+                            2K-8K, 8K-32K, 32K+; dflash-train eval --context-buckets): tokens / steps of
+                            the steps anchored there (a response crosses buckets, so pooled)
+A long sample's pieces (shards/format.py) are walked over their own parts only (anchor_mask): each
+piece's responses start at its own part, as though the target had just emitted that token, and stop at
+its end; one token per piece boundary goes uncounted.
 
 Batched: every lane (one response at a time) puts its current anchor into one drafter forward per
 round, through the training forward's layers and block attention (BlockAttentionLayout: context
@@ -35,13 +41,16 @@ sdpa), B block size, S = B-1 slots, V vocab.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
+from shards.common.progress import format_figure
 from train.drafter.attention import BlockAttentionLayout
 from train.drafter.model import ContextKV, DFlashDrafter, TargetHead
+from train.eval.config import CONTEXT_BUCKETS
 from train.eval.tree import tree_acceptance
 from train.loss.config import LossConfig
 from train.metrics.block_metrics import accepted_prefix_length
@@ -56,9 +65,13 @@ class Response(NamedTuple):
     last: int
 
 
-def response_spans(loss_mask_T: torch.Tensor, cu_seqlens_S1: torch.Tensor) -> list[Response]:
-    """Contiguous supervised runs of every sequence with at least two tokens (one step or more)."""
-    mask = loss_mask_T.bool().tolist()
+def response_spans(
+    loss_mask_T: torch.Tensor, cu_seqlens_S1: torch.Tensor, anchor_mask_T: torch.Tensor | None = None
+) -> list[Response]:
+    """Contiguous supervised runs of every sequence with at least two tokens (one step or more), inside
+    anchor_mask when given (a piece's own part)."""
+    mask_T = loss_mask_T.bool() if anchor_mask_T is None else loss_mask_T.bool() & anchor_mask_T.bool()
+    mask = mask_T.tolist()
     bounds = cu_seqlens_S1.tolist()
     spans = []
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -88,12 +101,20 @@ class WalkCounts:
     accepted_histogram: list[int] = field(default_factory=list)  # [B]: steps with a = 0..B-1
     slot_reached: list[int] = field(default_factory=list)  # [S]
     slot_accepted: list[int] = field(default_factory=list)  # [S]
+    # Context-length buckets: bucket c holds anchors at absolute positions [edges[c], edges[c+1]), the last
+    # one open; () = none kept.
+    context_edges: tuple[int, ...] = CONTEXT_BUCKETS
+    context_steps: list[int] = field(default_factory=list)  # [C]: steps anchored in bucket c
+    context_tokens: list[int] = field(default_factory=list)  # [C]: tokens those steps produced
 
     def __post_init__(self) -> None:
-        B = self.block_size
+        B, C = self.block_size, len(self.context_edges)
         self.accepted_histogram = self.accepted_histogram or [0] * B
         self.slot_reached = self.slot_reached or [0] * (B - 1)
         self.slot_accepted = self.slot_accepted or [0] * (B - 1)
+        self.context_edges = tuple(self.context_edges)
+        self.context_steps = self.context_steps or [0] * C
+        self.context_tokens = self.context_tokens or [0] * C
 
     def add_step(self, accepted: int, num_labels: int) -> None:
         """One step with `accepted` drafts out of `num_labels` slots that had a label."""
@@ -102,6 +123,13 @@ class WalkCounts:
         for k in range(1, min(accepted + 1, num_labels) + 1):  # slot k was tried iff slots < k were accepted
             self.slot_reached[k - 1] += 1
             self.slot_accepted[k - 1] += k <= accepted
+
+    def add_context_step(self, position: int, tokens: int) -> None:
+        """One step anchored at absolute `position` that produced `tokens` tokens, into its bucket."""
+        if self.context_edges:
+            bucket = max(0, bisect_right(self.context_edges, position) - 1)
+            self.context_steps[bucket] += 1
+            self.context_tokens[bucket] += tokens
 
     def add_response(self, tokens: int, steps: int) -> None:
         self.responses += 1
@@ -117,12 +145,17 @@ class WalkCounts:
             *self.accepted_histogram,
             *self.slot_reached,
             *self.slot_accepted,
+            *self.context_steps,
+            *self.context_tokens,
         ]
 
     @classmethod
-    def from_vector(cls, block_size: int, v: list[float]) -> WalkCounts:
-        B, S = block_size, block_size - 1
+    def from_vector(
+        cls, block_size: int, v: list[float], context_edges: tuple[int, ...] = CONTEXT_BUCKETS
+    ) -> WalkCounts:
+        B, S, C = block_size, block_size - 1, len(context_edges)
         ints = [round(x) for x in v]
+        ctx = 4 + B + 2 * S
         return cls(
             block_size,
             ints[0],
@@ -131,7 +164,10 @@ class WalkCounts:
             float(v[3]),
             ints[4 : 4 + B],
             ints[4 + B : 4 + B + S],
-            ints[4 + B + S : 4 + B + 2 * S],
+            ints[4 + B + S : ctx],
+            tuple(context_edges),
+            ints[ctx : ctx + C],
+            ints[ctx + C : ctx + 2 * C],
         )
 
     @property
@@ -146,15 +182,45 @@ class WalkCounts:
     def slot_acceptance(self) -> list[float]:
         return [a / r if r else float("nan") for a, r in zip(self.slot_accepted, self.slot_reached)]
 
-    def figures(self) -> dict[str, float | int | list]:
+    @property
+    def acceptance_by_context(self) -> dict[str, tuple[float, int]]:
+        """Bucket label ("0-2K", ..., "32K+") -> (tokens / steps of the steps anchored there, steps)."""
+        labels = context_bucket_labels(self.context_edges)
+        return {
+            label: (tokens / steps if steps else float("nan"), steps)
+            for label, steps, tokens in zip(labels, self.context_steps, self.context_tokens)
+        }
+
+    def figures(self) -> dict[str, float | int | list | dict]:
         """The walk's figures as every report writes them (eval.json, eval --out, the decode report)."""
+        by_context = self.acceptance_by_context
         return {
             "acceptance_length": self.acceptance_length,
             "acceptance_length_pooled": self.acceptance_length_pooled,
             "num_steps": self.steps,
             "accepted_histogram": self.accepted_histogram,
             "slot_acceptance": self.slot_acceptance,
+            "acceptance_by_context": {label: value for label, (value, _) in by_context.items()},
+            "steps_by_context": {label: steps for label, (_, steps) in by_context.items()},
         }
+
+    def context_lines(self) -> list[str]:
+        """One line per context bucket with steps, for the printed tables."""
+        return [
+            f"  anchors at {label:>8}: acceptance {format_figure(value, '.3f')} ({steps} steps, pooled)"
+            for label, (value, steps) in self.acceptance_by_context.items()
+            if steps
+        ]
+
+
+def context_bucket_labels(edges: tuple[int, ...]) -> list[str]:
+    """Names of the buckets of `edges`: (0, 2048, 8192) -> ["0-2K", "2K-8K", "8K+"]."""
+
+    def short(n: int) -> str:
+        return f"{n // 1024}K" if n and n % 1024 == 0 else str(n)
+
+    ends = [f"-{short(e)}" for e in edges[1:]] + ["+"]
+    return [f"{short(lo)}{end}" for lo, end in zip(edges, ends)]
 
 
 def draft_accepted(
@@ -196,11 +262,13 @@ def walk_shard(
     *,
     budget: int | None = None,
     chunk_blocks: int = LossConfig.chunk_blocks,  # the loss's chunking: the same bound on logits memory
+    context_edges: tuple[int, ...] = CONTEXT_BUCKETS,
 ) -> WalkCounts:
     """Walk every response of one packed batch (all tensors on the model's device; `layout` sized for
     T context tokens and NB lanes). context = model.context(hidden_TKH, position_ids_T, dtype): the
     shard's context K/V, computed once and shared by every round (and every rule). budget None =
-    greedy chain, else DDTree at that node budget.
+    greedy chain, else DDTree at that node budget. context_edges: the context-length buckets of the
+    anchors' absolute positions (position_ids_T), counted besides.
 
     flex (GPU): every round is the fixed-shape forward of all NB lanes (idle lanes included) through
     `layout`, as training runs it. sdpa (CPU, tests): no graph or compiled kernel needs a fixed shape,
@@ -209,7 +277,8 @@ def walk_shard(
     cfg = model.config
     B, S, NB = cfg.block_size, cfg.block_size - 1, layout.num_blocks
     device = input_ids_T.device
-    counts = WalkCounts(B)
+    counts = WalkCounts(B, context_edges=context_edges)
+    position_of = position_ids_T.tolist()  # the anchors' absolute positions, for the buckets
     pending = list(reversed(responses))
     lane: list[list[int] | None] = [None] * NB  # [seq_start, anchor, last, tokens, steps] per busy lane
     k_B = torch.arange(B, device=device)
@@ -258,6 +327,7 @@ def walk_shard(
         for n, a in zip(busy, accepted, strict=True):
             seq_start, anchor, last, tokens, steps = lane[n]
             counts.add_step(a, min(S, last - anchor))
+            counts.add_context_step(position_of[anchor], min(a + 1, last - anchor))
             tokens, steps, anchor = tokens + min(a + 1, last - anchor), steps + 1, anchor + a + 1
             if anchor >= last:
                 counts.add_response(tokens, steps)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -139,3 +140,17 @@ def test_held_out_eval_runs_every_epoch_by_default(tmp_path):
     evals = [r for r in map(json.loads, lines) if r.get("event") == "eval"]
     assert [r["step"] for r in evals] == [0, 2, 4, 6]
     assert all(r["eval/heldout_loss"] > 0 and r["eval/acceptance_length"] >= 1 for r in evals)
+
+
+def test_the_mode_a_cache_was_rendered_in_names_thinking_and_template_keywords():
+    from shards.format import DatasetRecord
+    from train.eval.evaluate import cache_mode
+
+    def cfg(prepared):
+        dataset = DatasetRecord(path="d", fingerprint="f", num_samples=1, num_tokens=1, prepared=prepared)
+        return SimpleNamespace(dataset=dataset)
+
+    assert cache_mode(cfg(None)) is None and cache_mode(SimpleNamespace(dataset=None)) is None
+    assert cache_mode(cfg({"from": "conversations", "thinking": "off", "tokenizer_sha256": "x"})) == "thinking=off"
+    both = {"thinking": "on", "template_kwargs": {"reasoning_effort": "high"}}
+    assert cache_mode(cfg(both)) == "reasoning_effort=high,thinking=on"

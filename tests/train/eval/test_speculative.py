@@ -82,25 +82,30 @@ def test_walk_equals_real_speculative_decoding_on_target_greedy_data(setup):
     from shards import load_target_head
 
     head_t = load_target_head(root / "cache")
+    # Two context buckets split at a position some responses' steps reach and others' do not.
+    edges = (0, min(int(s.loss_mask.argmax()) for s in samples) + NEW_TOKENS // 2)
     walk = evaluate_drafter(
         model,
         TargetHead(head_t["embed_tokens"].float(), head_t["lm_head"].float()),
         str(root / "cache"),
         reader.batch_ids(),
         budgets=(),
+        context_edges=edges,
     )
     assert walk.data_is_target_greedy == 1.0 and "exact" in walk.whose_tokens()
 
     verifier = TargetVerifier(target, cfg.tap_layer_ids, "cpu", torch.float32)
     head = TargetHead(verifier.embed_tokens_VH, verifier.lm_head_VH)
     prompts = [s.input_ids[: int(s.loss_mask.argmax())].tolist() for s in samples]
-    report = decode_prompts(model, head, verifier, prompts, NEW_TOKENS)
+    report = decode_prompts(model, head, verifier, prompts, NEW_TOKENS, context_edges=edges)
     assert report.identical == len(prompts)
     got, want = report.walk, walk.walk
     assert want.responses == len(samples)
     assert got.accepted_histogram == want.accepted_histogram
     assert got.slot_reached == want.slot_reached and got.slot_accepted == want.slot_accepted
     assert (got.steps, got.tokens) == (want.steps, want.tokens)
+    assert got.context_steps == want.context_steps and got.context_tokens == want.context_tokens
+    assert all(want.context_steps), f"both buckets need steps to mean anything ({want.context_steps})"
     assert got.acceptance_length == pytest.approx(want.acceptance_length, abs=1e-12)
     assert sum(want.accepted_histogram[1:]) >= 10, f"the test needs accepted drafts to mean anything ({want})"
 

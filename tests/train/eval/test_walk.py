@@ -16,6 +16,7 @@ from train.eval.tree import tree_acceptance
 from train.eval.walk import WalkCounts, response_spans, walk_shard
 
 VOCAB, B = 8, 4
+EDGES = (0, 8, 24)  # context-length buckets that the tiny cache's short sequences reach
 
 
 def _multi_turn_cache(tmp_path):
@@ -44,11 +45,12 @@ def _confident_drafter(seed: int = 0) -> DFlashDrafter:
 
 
 def brute_force_walk(model, head, t, budget=None) -> WalkCounts:
-    """Every response walked alone: one inference forward per step over its own sequence's prefix."""
+    """Every response walked alone: one inference forward per step over its own sequence's prefix; each
+    step also counted in the EDGES bucket of its anchor's position."""
     ids, mask, pos = t["input_ids"].long().tolist(), t["loss_mask"].tolist(), t["position_ids"].long()
     hidden = decode_hidden(t["hidden"]).double()
     cu = t["cu_seqlens"].tolist()
-    counts = WalkCounts(B)
+    counts = WalkCounts(B, context_edges=EDGES)
     for s0, s1 in zip(cu[:-1], cu[1:]):
         runs, t0 = [], None
         for i in range(s0, s1 + 1):
@@ -77,6 +79,9 @@ def brute_force_walk(model, head, t, budget=None) -> WalkCounts:
                     lp, top = torch.log_softmax(logits, -1).topk(min(budget, VOCAB), -1)
                     a = tree_acceptance(lp.tolist(), top.tolist(), labels, valid, budget) - 1
                 counts.add_step(a, sum(valid))
+                bucket = max(i for i, edge in enumerate(EDGES) if int(pos[p]) >= edge)
+                counts.context_steps[bucket] += 1
+                counts.context_tokens[bucket] += min(a + 1, last - p)
                 tokens += min(a + 1, last - p)
                 steps += 1
                 p += a + 1
@@ -89,7 +94,9 @@ def _walk(model, head, t, layout, budget=None, dtype=torch.float64) -> WalkCount
     with torch.no_grad():
         context = model.context(decode_hidden(t["hidden"]), t["position_ids"], dtype)
     spans = response_spans(t["loss_mask"], t["cu_seqlens"])
-    return walk_shard(model, head, context, t["input_ids"], t["position_ids"], spans, layout, budget=budget)
+    return walk_shard(
+        model, head, context, t["input_ids"], t["position_ids"], spans, layout, budget=budget, context_edges=EDGES
+    )
 
 
 # sdpa: the CPU round (only the busy lanes); flex (eager on CPU): the GPU's fixed-shape round of all lanes.
@@ -104,8 +111,8 @@ def test_walk_equals_brute_force_per_response_loop(tmp_path, budget, lanes, back
     head = TargetHead(head_t["embed_tokens"].double(), head_t["lm_head"].double())
     reader = ShardReader(cache)
     T = reader.config.token_budget
-    total = WalkCounts(B)
-    want = WalkCounts(B)
+    total = WalkCounts(B, context_edges=EDGES)
+    want = WalkCounts(B, context_edges=EDGES)
     for batch_id in (0, 1):
         t, _ = reader.read(batch_id)
         layout = BlockAttentionLayout(
@@ -114,9 +121,11 @@ def test_walk_equals_brute_force_per_response_loop(tmp_path, budget, lanes, back
         got = _walk(model, head, t, layout, budget)
         ref = brute_force_walk(model, head, t, budget)
         assert got.as_vector() == pytest.approx(ref.as_vector(), abs=1e-9), f"batch {batch_id}"
-        total = WalkCounts.from_vector(B, [a + b for a, b in zip(total.as_vector(), got.as_vector())])
-        want = WalkCounts.from_vector(B, [a + b for a, b in zip(want.as_vector(), ref.as_vector())])
+        total = WalkCounts.from_vector(B, [a + b for a, b in zip(total.as_vector(), got.as_vector())], EDGES)
+        want = WalkCounts.from_vector(B, [a + b for a, b in zip(want.as_vector(), ref.as_vector())], EDGES)
     assert total.responses > 4, "the cache should hold several (multi-turn) responses"
+    assert all(total.context_steps), f"every context bucket needs steps to mean anything: {total.context_steps}"
+    assert sum(total.context_steps) == total.steps and sum(total.context_tokens) == total.tokens
     assert sum(total.accepted_histogram[1:]) > 0, "the test needs some accepted drafts to mean anything"
     assert total.tokens == sum(
         last - first
@@ -220,18 +229,28 @@ def test_always_right_gives_block_size_and_always_wrong_gives_one(tmp_path, righ
     assert full, "the test needs a response whose length is a multiple of B"
 
 
+def _buckets(counts: WalkCounts) -> tuple[list[int], list[int]]:
+    assert all(counts.context_steps), f"every bucket needs steps to mean anything: {counts.context_steps}"
+    return counts.context_steps, counts.context_tokens
+
+
 def test_evaluate_drafter_reports_the_walk_and_the_diagnostics(tmp_path):
     cache = _multi_turn_cache(tmp_path)
     model = _confident_drafter()
     head_t = load_target_head(cache)
     head = TargetHead(head_t["embed_tokens"].double(), head_t["lm_head"].double())
-    res = evaluate_drafter(model, head, str(cache), [0, 1], num_blocks=16, budgets=(3,), lanes=4)
+    res = evaluate_drafter(model, head, str(cache), [0, 1], num_blocks=16, budgets=(3,), lanes=4, context_edges=EDGES)
     reader = ShardReader(cache)
-    want = WalkCounts(B)
+    want = WalkCounts(B, context_edges=EDGES)
     for b in (0, 1):
         ref = brute_force_walk(model, head, reader.read(b)[0])
-        want = WalkCounts.from_vector(B, [x + y for x, y in zip(want.as_vector(), ref.as_vector())])
+        want = WalkCounts.from_vector(B, [x + y for x, y in zip(want.as_vector(), ref.as_vector())], EDGES)
     assert res.acceptance_length == pytest.approx(want.acceptance_length, abs=1e-12)
+    # Per context bucket: the brute-force walk's tokens / steps of the steps anchored there.
+    by_context = {label: tokens / steps for label, steps, tokens in zip(("0-8", "8-24", "24+"), *_buckets(want))}
+    assert res.to_dict()["acceptance_by_context"] == pytest.approx(by_context, abs=1e-12)
+    assert res.to_record()["eval/acceptance_length_ctx_8-24"] == pytest.approx(by_context["8-24"], abs=1e-12)
+    assert "anchors at     8-24" in res.table() and f"8-24 {by_context['8-24']:.3f}" in res.summary_line()
     assert res.acceptance_length_pooled == pytest.approx(want.acceptance_length_pooled, abs=1e-12)
     assert res.tree_acceptance[3] >= res.acceptance_length
     assert res.data_is_target_greedy is None and "agreement with the data" in res.whose_tokens()

@@ -136,6 +136,7 @@ def test_exact_key_sets_of_training_and_eval_records(tmp_path):
         "eval/slot_acceptance_01",
         "eval/slot_acceptance_02",
         "eval/slot_acceptance_03",
+        "eval/acceptance_length_ctx_0-2K",  # the context buckets with steps: the tiny cache's are all short
     }  # no eval/tree_acceptance_*: the in-training eval walks trees only with --eval-tree-budgets
     assert [r["step"] for r in evals] == [0, 2]  # the untrained drafter, then the end of training
     for r in evals:
