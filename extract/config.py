@@ -6,6 +6,7 @@ its --help); a bad value is refused naming the flag and the value given.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
@@ -139,6 +140,15 @@ class ExtractConfig:
             raise config_error(self, "pca_normalize", f"must be one of {', '.join(PROJECTION_NORMALIZE)}")
         if self.pca_rank < 0:
             raise config_error(self, "pca_rank", "must be >= 0 (0 = store the taps)")
+        if self.pca_rank == 0 and self.pca_from is None:  # a projection setting alone would be silently ignored
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for name in ("pca_normalize", "pca_group_size", "pca_sample_tokens", "pca_seed"):
+                if getattr(self, name) != defaults[name]:
+                    raise config_error(
+                        self,
+                        name,
+                        "applies to projected caches only: add --pca-rank R (or --pca-from CACHE), or drop it",
+                    )
         for name in (
             "num_taps",
             "token_budget",

@@ -149,6 +149,12 @@ def test_a_rank_not_below_the_taps_width_is_refused(target, data, tmp_path, no_w
     assert result.exit_code == 1 and "--pca-rank 320 is not below the taps' width" in result.output, result.output
 
 
+def test_a_projection_setting_without_a_projection_is_refused(target, data, tmp_path, no_work):
+    result = CliRunner().invoke(extract_cli, cli_args(target, data, tmp_path / "cache", "--pca-seed", "3"))
+    assert result.exit_code == 1 and "--pca-seed 3: applies to projected caches only" in result.output, result.output
+    assert not (tmp_path / "cache").exists()
+
+
 def test_a_version_2_cache_still_reads(reference, tmp_path):
     """Version 2 wrote the shards version 3 writes for stored taps, less anchor_mask: rewritten as version 2
     by the shard writer, the cache verifies, reads the same tensors and keeps its cache_id."""
