@@ -151,7 +151,7 @@ def test_a_rank_not_below_the_taps_width_is_refused(target, data, tmp_path, no_w
 
 def test_a_projection_setting_without_a_projection_is_refused(target, data, tmp_path, no_work):
     result = CliRunner().invoke(extract_cli, cli_args(target, data, tmp_path / "cache", "--pca-seed", "3"))
-    assert result.exit_code == 1 and "--pca-seed 3: applies to projected caches only" in result.output, result.output
+    assert result.exit_code == 2 and "--pca-seed 3: applies to projected caches only" in result.output, result.output
     assert not (tmp_path / "cache").exists()
 
 
