@@ -245,7 +245,7 @@ def _evaluate(cfg: EvalConfig, verifier_factory: VerifierFactory | None) -> Eval
             lanes=cfg.lanes,
         )
     if cfg.target is not None:
-        from train.eval.speculative import build_verifier, decode_prompts, read_prompts
+        from train.eval.speculative import ChainProposer, build_verifier, decode_prompts, read_prompts
 
         prompts = read_prompts(
             cfg.prompts, loaded.config.vocab_size, cfg.max_prompts
@@ -259,11 +259,13 @@ def _evaluate(cfg: EvalConfig, verifier_factory: VerifierFactory | None) -> Eval
         head = TargetHead(verifier.embed_tokens_VH.to(dtype), verifier.lm_head_VH.to(dtype))
         # The drafter sees hidden states rounded as the cache stores them (bf16 also stands in for fp8).
         log.info(
-            "eval: speculative and plain greedy decoding of %d prompts x %d tokens with %s",
+            "eval: speculative and plain decoding of %d prompts x %d tokens with %s at %s",
             len(prompts),
             cfg.max_new_tokens,
             cfg.target,
+            f"temperature {cfg.sampling.temperature:g}" if not cfg.sampling.greedy else "temperature 0 (greedy)",
         )
-        decoding = decode_prompts(model, head, verifier, prompts, cfg.max_new_tokens, context_dtype=torch.bfloat16)
+        proposer = ChainProposer(model, head, context_dtype=torch.bfloat16)
+        decoding = decode_prompts(proposer, verifier, prompts, cfg.max_new_tokens, sampling=cfg.sampling, seed=cfg.seed)
         decoding.longest_trained_response = loaded.longest_response  # the table warns when decoding ran past it
     return EvalOutput(walk, decoding, trained_on)
