@@ -13,6 +13,7 @@ from typing import Literal, get_args
 from extract.chats.prepare import Thinking
 from extract.dataset.index import LONG_SEQ_POLICIES, LongSeqPolicy
 from extract.dataset.packing import PackingConfig
+from extract.drafter_taps import read_drafter_taps
 from shards.common.cli_options import cli_field, config_error
 from shards.format import STORAGE_DTYPES, StorageDtype, canonical_precision
 from shards.sample_ids import MAX_SHARD_SAMPLES
@@ -43,6 +44,9 @@ class ExtractConfig:
     tap_layer_ids: list[int] | None = cli_field(None, flag="--taps")
     """Target layers to store, e.g. 1,16,31,46,61 (tap j = output of layer j). Default: DFlash's spread
     for --num-taps."""
+    taps_from: str | None = cli_field(None, path="existing_dir", identity=False)
+    """Drafter directory whose taps to extract (its config.json's dflash_config.target_layer_ids), so the
+    cache fits the drafter to fine-tune with dflash-train --init-from. Refused with --taps. Default: none."""
     num_taps: int = 5
     """Number of taps when --taps is not given: round(1 + i*(N-4)/(L-1))."""
     storage_dtype: StorageDtype = cli_field("bf16", flag="--storage")
@@ -114,6 +118,13 @@ class ExtractConfig:
             raise config_error(self, "target_topk", "must be >= 0 (0 = off)")
         if not self.progress_interval_s >= 0:  # NaN too; 0 = a line after every batch
             raise config_error(self, "progress_interval_s", "must be >= 0 seconds (0 = after every batch)")
+        if self.taps_from is not None:
+            if self.tap_layer_ids is not None:
+                raise ValueError(
+                    f"--taps {','.join(map(str, self.tap_layer_ids))} and --taps-from {self.taps_from} both name "
+                    "the taps: give one of them"
+                )
+            self.tap_layer_ids = read_drafter_taps(self.taps_from)
         if self.tap_layer_ids is not None:
             if not self.tap_layer_ids:
                 raise config_error(self, "tap_layer_ids", "must name at least one layer, e.g. --taps 1,16,31")
