@@ -16,6 +16,7 @@ import glob
 import logging
 from pathlib import Path
 
+from extract.chats.prepare import serving_mode
 from extract.config import ExtractConfig
 from extract.dataset.files import data_would_read, is_glob
 from extract.dataset.index import dataset_fingerprint
@@ -108,6 +109,7 @@ def build_cache_config(
             longest_response=index.report.longest_response,
         ),
         provenance={**provenance(), "extract_config": {k: v for k, v in vars(cfg).items()}},
+        chat_mode=serving_mode(cfg.data, prepared),
     )
 
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from extract.chats.prepare import Thinking
 from extract.dataset.index import LONG_SEQ_POLICIES, LongSeqPolicy
 from extract.dataset.packing import PackingConfig
 from extract.drafter_taps import read_drafter_taps
+from shards.common.chat_mode import parse_template_kwargs
 from shards.common.cli_options import cli_field, config_error
 from shards.format import STORAGE_DTYPES, StorageDtype, canonical_precision
 from shards.sample_ids import MAX_SHARD_SAMPLES
@@ -39,6 +40,9 @@ class ExtractConfig:
     thinking: Thinking | None = None
     """Conversations in --data only: render them as served with thinking on or off (as dflash-data
     prepare --thinking). Default: on. Refused with token rows."""
+    template_kwargs: list[str] = cli_field(flag="--template-kwarg", repeat=True, default_factory=list)
+    """Another chat-template keyword of the serving mode, KEY=VALUE (JSON scalar, else text), repeatable:
+    e.g. --template-kwarg reasoning_effort=high. Conversations in --data only. Default: none."""
     out_dir: str = cli_field(flag="--out", path="dir")
     """Cache directory to create, or to resume when it exists."""
     tap_layer_ids: list[int] | None = cli_field(None, flag="--taps")
@@ -118,6 +122,8 @@ class ExtractConfig:
             raise config_error(self, "target_topk", "must be >= 0 (0 = off)")
         if not self.progress_interval_s >= 0:  # NaN too; 0 = a line after every batch
             raise config_error(self, "progress_interval_s", "must be >= 0 seconds (0 = after every batch)")
+        self.template_kwargs = list(self.template_kwargs or ())  # click passes a tuple
+        parse_template_kwargs(self.template_kwargs)
         if self.taps_from is not None:
             if self.tap_layer_ids is not None:
                 raise ValueError(
@@ -132,6 +138,11 @@ class ExtractConfig:
                 raise config_error(self, "tap_layer_ids", "must be strictly increasing layer numbers")
         if not (Path(self.target) / "config.json").is_file():
             raise config_error(self, "target", "has no config.json: pass an HF checkpoint directory")
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        """--template-kwarg as the template's keywords."""
+        return parse_template_kwargs(self.template_kwargs)
 
     @property
     def packing(self) -> PackingConfig:

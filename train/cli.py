@@ -166,6 +166,7 @@ def eval_cmd(entry: EntryPoint | None, out_json, **options) -> None:
     the held-out loss, and the random-anchor chain length as a diagnostic. Examples:
       dflash-train eval --drafter drafter/ --cache cache --eval-shards 8 --out eval.json
       dflash-train eval --drafter runs/a --cache cache --eval-shards 8 --dtype float32
+      dflash-train eval --drafter drafter/ --target T --prompts p.jsonl --temperature 0.6 --top-p 0.95
     """
     setup_logging(other_ranks_level=logging.WARNING)
     cfg = build_config(EvalConfig, options)

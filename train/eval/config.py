@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shards.common.chat_mode import chat_mode, parse_template_kwargs
 from shards.common.cli_options import at_least, cli_field, config_error
 from shards.format import canonical_precision
 
@@ -83,9 +84,22 @@ class EvalConfig:
     max_new_tokens: int = 64
     """Tokens generated per prompt by --target decoding (speculative and plain greedy)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    thinking: Literal["on", "off"] = "on"
+    """The serving mode evaluated (with --template-kwarg): thinking on or off, as the target is served and
+    --prompts were rendered. A warning when it differs from the mode cache.json records for --cache."""
+    template_kwargs: list[str] = cli_field(flag="--template-kwarg", repeat=True, default_factory=list)
+    """Another chat-template keyword of the serving mode evaluated, KEY=VALUE (JSON scalar, else text),
+    repeatable: e.g. --template-kwarg reasoning_effort=high. Default: none."""
+
+    @property
+    def chat_mode(self) -> dict:
+        """The serving mode evaluated (shards/common/chat_mode.py)."""
+        return chat_mode(self.thinking, parse_template_kwargs(self.template_kwargs))
 
     def __post_init__(self) -> None:
         self.dtype = canonical_precision(self.dtype, ("auto", "bfloat16", "float32"))  # bf16 taken too
+        self.template_kwargs = list(self.template_kwargs or ())  # click passes a tuple
+        parse_template_kwargs(self.template_kwargs)
         if self.cache is None and self.target is None:
             raise ValueError(
                 "give --cache (the decoding walk on held-out shards), --target with --prompts (real "

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shards import ShardReader
+from shards.common.chat_mode import chat_mode, describe_mode
 from shards.common.json_input import InputFileError, read_json_object
 from shards.common.lock import DirectoryLock
 from shards.common.schema import read_field
@@ -151,6 +152,7 @@ class EvalOutput:
     walk: EvalResult | None
     decoding: Any | None  # train.eval.speculative.DecodeReport
     trained_on: list[int] = field(default_factory=list)  # evaluated shards the drafter was trained on
+    mode_warning: str | None = None  # the serving mode evaluated differs from the cache's
 
     def to_dict(self) -> dict[str, Any]:
         out = self.walk.to_dict() if self.walk is not None else {"batch_ids": []}
@@ -166,6 +168,8 @@ class EvalOutput:
         parts = [self.walk.table(held_out=not self.trained_on)] if self.walk is not None else []
         if self.trained_on:
             parts.insert(0, _trained_on_warning(self.trained_on))
+        if self.mode_warning:
+            parts.insert(0, self.mode_warning)
         if self.decoding is not None:
             parts.append(self.decoding.table())
         return "\n\n".join(parts)
@@ -212,8 +216,10 @@ def _evaluate(cfg: EvalConfig, verifier_factory: VerifierFactory | None) -> Eval
                 "re-run dflash-extract to write them, or choose present ones with --shards"
             )
     loaded = load_drafter(cfg.drafter)
+    mode_warning = None
     if reader is not None:
         check_fits(loaded.config, reader.config, cfg.drafter, cfg.cache)
+        mode_warning = mode_mismatch(cfg, reader.config.chat_mode)
         if loaded.trained_on is not None and loaded.trained_on[0] == reader.config.cache_id():
             trained_on = sorted(set(ids) & set(loaded.trained_on[1]))
     device = resolve_device(cfg.device, 0)
@@ -268,4 +274,22 @@ def _evaluate(cfg: EvalConfig, verifier_factory: VerifierFactory | None) -> Eval
         proposer = ChainProposer(model, head, context_dtype=torch.bfloat16)
         decoding = decode_prompts(proposer, verifier, prompts, cfg.max_new_tokens, sampling=cfg.sampling, seed=cfg.seed)
         decoding.longest_trained_response = loaded.longest_response  # the table warns when decoding ran past it
-    return EvalOutput(walk, decoding, trained_on)
+    return EvalOutput(walk, decoding, trained_on, mode_warning)
+
+
+def mode_mismatch(cfg: EvalConfig, cache_mode: dict | None) -> str | None:
+    """A warning (logged, and returned for the table) when the serving mode evaluated (--thinking,
+    --template-kwarg) differs from the one --cache's data were rendered in; None when they agree or
+    the cache does not record it."""
+    if cache_mode is None:
+        return None
+    kwargs, ours = cache_mode.get("template_kwargs"), cfg.chat_mode
+    if chat_mode(cache_mode.get("thinking"), kwargs if isinstance(kwargs, dict) else {}) == ours:
+        return None
+    warning = (
+        f"WARNING: evaluating in serving mode {describe_mode(ours)}, but cache {cfg.cache} was rendered in "
+        f"{describe_mode(cache_mode)}: acceptance collapses when a drafter is served in another mode than its "
+        "data; pass that mode's --thinking and --template-kwarg, or evaluate on a cache made in this one"
+    )
+    log.warning("%s", warning)
+    return warning

@@ -165,12 +165,8 @@ def speculative_generate(
     device = verifier.embed_tokens_VH.device
     t0 = time.perf_counter()
     n0 = len(prompt)
-    if sampling.greedy:
-        next_L, hidden_LKH = verifier(torch.tensor(prompt, device=device))
-        out = [int(next_L[-1])]
-    else:
-        logits_1V, hidden_LKH = verifier.next_token_logits(torch.tensor(prompt, device=device), 1)
-        out = [sample_token(serving_probs(logits_1V, sampling)[0], generator)]
+    first, hidden_LKH = _next_token(verifier, torch.tensor(prompt, device=device), sampling, generator)
+    out = [first]
     result = Decoded(out)
     while len(out) < max_new_tokens:
         p, remaining = n0 + len(out) - 1, max_new_tokens - len(out)  # anchor position, tokens still to emit
@@ -216,12 +212,19 @@ def plain_generate(
     t0 = time.perf_counter()
     out: list[int] = []
     while len(out) < max_new_tokens:
-        ids_L = torch.tensor(prompt + out, device=device)
-        if sampling.greedy:
-            out.append(int(verifier(ids_L)[0][-1]))
-        else:
-            out.append(sample_token(serving_probs(verifier.next_token_logits(ids_L, 1)[0], sampling)[0], generator))
+        out.append(_next_token(verifier, torch.tensor(prompt + out, device=device), sampling, generator)[0])
     return Decoded(out, seconds=time.perf_counter() - t0)
+
+
+def _next_token(
+    verifier: Verifier, ids_L: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+) -> tuple[int, torch.Tensor]:
+    """(the target's next token after ids_L, greedy or sampled; its tapped hidden states [L, K, H])."""
+    if sampling.greedy:
+        next_L, hidden_LKH = verifier(ids_L)
+        return int(next_L[-1]), hidden_LKH
+    logits_1V, hidden_LKH = verifier.next_token_logits(ids_L, 1)
+    return sample_token(serving_probs(logits_1V, sampling)[0], generator), hidden_LKH
 
 
 @dataclass
