@@ -78,15 +78,15 @@ class EvalConfig:
     target: str | None = cli_field(None, path="existing_dir")
     """Target checkpoint dir: also run real greedy speculative decoding with the target in the loop (needs --prompts). Default: none (no real decoding)."""
     prompts: str | None = cli_field(None, path="existing_file")
-    """Prompts for --target: JSON Lines (a list of token ids per line, or {"input_ids": [...], "loss_mask": [...]}) or a Parquet dataset (prompt = the tokens before the first supervised one). Default: none."""
+    """Prompts for --target: JSON Lines (a list of token ids per line, {"input_ids": [...], "loss_mask": [...]}, or a conversation rendered with the target's chat template in --thinking / --template-kwarg's mode) or a Parquet dataset (prompt = the tokens before the first supervised one). Default: none."""
     max_prompts: int = 0
     """Decode only the first N prompts of --prompts; 0 = all."""
     max_new_tokens: int = 64
     """Tokens generated per prompt by --target decoding (speculative and plain greedy)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     thinking: Literal["on", "off"] = "on"
-    """The serving mode evaluated (with --template-kwarg): thinking on or off, as the target is served and
-    --prompts were rendered. A warning when it differs from the mode cache.json records for --cache."""
+    """The serving mode evaluated (with --template-kwarg): thinking on or off, as the target is served;
+    conversation --prompts are rendered in it. A warning when it differs from --cache's recorded mode."""
     template_kwargs: list[str] = cli_field(flag="--template-kwarg", repeat=True, default_factory=list)
     """Another chat-template keyword of the serving mode evaluated, KEY=VALUE (JSON scalar, else text),
     repeatable: e.g. --template-kwarg reasoning_effort=high. Default: none."""

@@ -28,7 +28,7 @@ from train.eval.evaluate import EvalResult, eval_copy, evaluate_drafter
 from train.precision import DTYPES
 
 if TYPE_CHECKING:  # speculative decoding is imported only when --target asks for it
-    from train.eval.speculative import VerifierFactory
+    from train.eval.speculative import PromptRendererFactory, VerifierFactory
 
 log = logging.getLogger(__name__)
 
@@ -182,19 +182,26 @@ def _trained_on_warning(ids: list[int]) -> str:
     )
 
 
-def run_eval(cfg: EvalConfig, verifier_factory: VerifierFactory | None = None) -> EvalOutput:
+def run_eval(
+    cfg: EvalConfig,
+    verifier_factory: VerifierFactory | None = None,
+    prompt_renderer: PromptRendererFactory | None = None,
+) -> EvalOutput:
     """Everything `dflash-train eval` does; raises ValueError naming flag and value.
 
-    verifier_factory builds the target for --target (speculative.build_verifier); the `dflash-train`
-    console script passes it in, as train/ cannot import extract/'s model itself."""
+    verifier_factory builds the target for --target (speculative.build_verifier), prompt_renderer renders
+    conversation prompts with its chat template; the `dflash-train` console script passes them in, as
+    train/ cannot import extract/'s model or renderer itself."""
     if cfg.cache is None:
-        return _evaluate(cfg, verifier_factory)
+        return _evaluate(cfg, verifier_factory, prompt_renderer)
     # Read from the shard selection to the last walk: a job rewriting the cache meanwhile is refused.
     with DirectoryLock(cfg.cache, "dflash-train eval", shared=True):
-        return _evaluate(cfg, verifier_factory)
+        return _evaluate(cfg, verifier_factory, prompt_renderer)
 
 
-def _evaluate(cfg: EvalConfig, verifier_factory: VerifierFactory | None) -> EvalOutput:
+def _evaluate(
+    cfg: EvalConfig, verifier_factory: VerifierFactory | None, prompt_renderer: PromptRendererFactory | None
+) -> EvalOutput:
     from shards import load_target_head
     from shards.common.runtime import resolve_device
     from train.resolve import planned_batch_ids
@@ -253,9 +260,9 @@ def _evaluate(cfg: EvalConfig, verifier_factory: VerifierFactory | None) -> Eval
     if cfg.target is not None:
         from train.eval.speculative import ChainProposer, build_verifier, decode_prompts, read_prompts
 
-        prompts = read_prompts(
-            cfg.prompts, loaded.config.vocab_size, cfg.max_prompts
-        )  # user input checked before the target loads
+        render = prompt_renderer(cfg.target, cfg.thinking, cfg.template_kwargs) if prompt_renderer else None
+        # User input checked before the target loads.
+        prompts = read_prompts(cfg.prompts, loaded.config.vocab_size, cfg.max_prompts, render=render)
         verifier = build_verifier(verifier_factory, cfg.target, loaded.config.tap_layer_ids, device, dtype)
         if verifier.lm_head_VH.shape != (loaded.config.vocab_size, loaded.config.hidden_size):
             raise ValueError(

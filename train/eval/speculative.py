@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -122,6 +122,9 @@ class ChainProposer:
 log = logging.getLogger(__name__)
 
 VerifierFactory = Callable[..., Verifier]  # (target_dir, tap_layer_ids, device, dtype) -> Verifier
+# A conversation row of --prompts (row, file, row index) -> the prompt's token ids, rendered as served.
+PromptRender = Callable[[Any, str, int], list[int]]
+PromptRendererFactory = Callable[..., PromptRender]  # (target_dir, thinking, template_kwargs) -> PromptRender
 
 
 def build_verifier(
@@ -370,7 +373,7 @@ def _report(progress: ProgressLog, done: int, max_new_tokens: int, spec_s: float
 
 
 def _rows(path: Path):
-    """(where, row) per line of a JSON Lines file, or per row of a Parquet file (input_ids, loss_mask)."""
+    """(where, index, row) per line of a JSON Lines file, or per row of a Parquet file (input_ids, loss_mask)."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -380,25 +383,35 @@ def _rows(path: Path):
         for n, row in enumerate(
             table.select([c for c in ("input_ids", "loss_mask") if c in table.column_names]).to_pylist()
         ):
-            yield f"--prompts {path} row {n}", row
+            yield f"--prompts {path} row {n}", n, row
         return
     try:
         for n, row in iter_json_lines(path):
-            yield f"--prompts {path} line {n}", row
+            yield f"--prompts {path} line {n}", n, row
     except InputFileError as e:
         raise ValueError(
             f'--prompts {e}; write one list of token ids or one {{"input_ids": [...]}} object per line'
         ) from None
 
 
-def read_prompts(path: str | Path, vocab_size: int, max_prompts: int = 0) -> list[list[int]]:
-    """The first `max_prompts` prompts (0 = all) of a JSON Lines file (each line a list of token ids, or
-    an object with "input_ids" and optionally "loss_mask": the prompt is then the tokens before the
-    first supervised one, as in the dataset) or of a Parquet dataset with those columns."""
+def read_prompts(
+    path: str | Path, vocab_size: int, max_prompts: int = 0, render: PromptRender | None = None
+) -> list[list[int]]:
+    """The first `max_prompts` prompts (0 = all) of a JSON Lines file (each line a list of token ids, an
+    object with "input_ids" and optionally "loss_mask": the prompt is then the tokens before the first
+    supervised one, as in the dataset, or a conversation ("messages" or "conversations"), rendered by
+    `render` with the target's chat template up to its last reply) or of a Parquet dataset of token rows."""
     prompts = []
-    for where, row in _rows(Path(path)):
+    for where, index, row in _rows(Path(path)):
         if max_prompts and len(prompts) == max_prompts:
             break
+        if isinstance(row, dict) and "input_ids" not in row and ("messages" in row or "conversations" in row):
+            if render is None:
+                raise ValueError(
+                    f"{where}: a conversation, which needs the target's chat template: run the `dflash-train` "
+                    "console script (it renders them), or give token ids"
+                )
+            row = render(row, str(path), index)
         ids = row.get("input_ids") if isinstance(row, dict) else row
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
             raise ValueError(f"{where}: expected a non-empty list of token ids (or an object with input_ids)")

@@ -14,13 +14,16 @@ import pytest
 from click.testing import CliRunner
 
 from extract.chats.cli import main as data_cli
+from extract.chats.template import load_tokenizer
 from extract.cli import main as extract_cli
 from shards.common.chat_mode import parse_template_kwargs
 from tests.helpers.chats import chat_target, read_rows, regenerate_args, running, write_conversations
 from tests.helpers.extract import cli_args
+from tools.cli.dflash_train import entry_point
 from tools.fixtures.tiny_server import TinyChatModel, make_server
 from train.eval.config import EvalConfig
 from train.eval.run import mode_mismatch
+from train.eval.speculative import read_prompts
 
 # What Qwen3.8's template does with the keyword, in miniature: a system line naming the effort.
 EFFORT = "{%- if reasoning_effort is defined -%}{{- '<|im_start|>system\\nreasoning ' + reasoning_effort + '<|im_end|>\\n' -}}{%- endif -%}\n"
@@ -164,3 +167,18 @@ def test_eval_warns_when_the_mode_differs_from_the_caches(tmp_path, caplog):
     )
     assert mode_mismatch(same, cache_mode) is None
     assert mode_mismatch(cfg, None) is None  # a cache that does not record it: nothing to compare
+
+
+def test_eval_renders_conversation_prompts_in_the_mode_evaluated(target, tmp_path):
+    user, reply = {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"messages": [user, reply]}) + "\n" + json.dumps([5, 6, 7]) + "\n")
+    render = entry_point().prompt_renderer(str(target), "off", ["reasoning_effort=high"])
+    tokenizer = load_tokenizer(target)
+    text = tokenizer.apply_chat_template(
+        [user], add_generation_prompt=True, enable_thinking=False, reasoning_effort="high", tokenize=False
+    )
+    assert "reasoning high" in text
+    assert read_prompts(path, 512, render=render) == [tokenizer(text, add_special_tokens=False)["input_ids"], [5, 6, 7]]
+    with pytest.raises(ValueError, match="line 1: a conversation, which needs the target's chat template"):
+        read_prompts(path, 512)
