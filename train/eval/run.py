@@ -153,6 +153,7 @@ class EvalOutput:
     decoding: Any | None  # train.eval.speculative.DecodeReport
     trained_on: list[int] = field(default_factory=list)  # evaluated shards the drafter was trained on
     mode_warning: str | None = None  # the serving mode evaluated differs from the cache's
+    chat_mode: dict[str, Any] | None = None  # the serving mode evaluated (--thinking, --template-kwarg)
 
     def to_dict(self) -> dict[str, Any]:
         out = self.walk.to_dict() if self.walk is not None else {"batch_ids": []}
@@ -160,6 +161,10 @@ class EvalOutput:
             out["trained_on_batch_ids"] = self.trained_on
         if self.decoding is not None:
             out["speculative_decoding"] = self.decoding.to_dict()
+        if self.chat_mode is not None:
+            out["chat_mode"] = self.chat_mode
+        if self.mode_warning:
+            out["chat_mode_warning"] = self.mode_warning
         return out
 
     def table(self) -> str:
@@ -281,7 +286,7 @@ def _evaluate(
         proposer = ChainProposer(model, head, context_dtype=torch.bfloat16)
         decoding = decode_prompts(proposer, verifier, prompts, cfg.max_new_tokens, sampling=cfg.sampling, seed=cfg.seed)
         decoding.longest_trained_response = loaded.longest_response  # the table warns when decoding ran past it
-    return EvalOutput(walk, decoding, trained_on, mode_warning)
+    return EvalOutput(walk, decoding, trained_on, mode_warning, cfg.chat_mode)
 
 
 def mode_mismatch(cfg: EvalConfig, cache_mode: dict | None) -> str | None:

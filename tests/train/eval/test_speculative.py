@@ -198,6 +198,8 @@ def test_eval_cli_samples_at_a_temperature_reproducibly(setup, tmp_path):
     keys = ("acceptance_length", "accepted_histogram", "temperature", "top_k", "identical_to_greedy")
     assert [runs[0][k] for k in keys] == [runs[1][k] for k in keys]
     assert runs[0]["temperature"] == 0.8 and runs[0]["identical_to_greedy"] is None
+    mode = json.loads((tmp_path / "0.json").read_text())["chat_mode"]
+    assert mode == {"thinking": "on", "template_kwargs": {}}  # the defaults: the mode evaluated is recorded
     assert 1.0 <= runs[0]["acceptance_length"] <= 4.0  # tokens per verify step, block size 4
     res = CliRunner().invoke(train_cli, [*base, "--top-p", "0.9"], obj=entry_point())
     assert res.exit_code == 2 and "--temperature 0 is greedy" in res.output, res.output
