@@ -55,5 +55,6 @@ def chat_mode(thinking: str, template_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def describe_mode(mode: dict[str, Any]) -> str:
     """`thinking on, reasoning_effort=high` as the flags would say it."""
-    kwargs = mode.get("template_kwargs") or {}
+    kwargs = mode.get("template_kwargs")
+    kwargs = kwargs if isinstance(kwargs, dict) else {}  # a record read from a file: described, never trusted
     return ", ".join([f"thinking {mode.get('thinking')}", *(f"{k}={json.dumps(v)}" for k, v in kwargs.items())])
