@@ -17,6 +17,7 @@ import glob
 import logging
 from pathlib import Path
 
+from extract.chats.prepare import serving_mode
 from extract.config import ExtractConfig
 from extract.dataset.files import data_would_read, is_glob
 from extract.dataset.index import dataset_fingerprint
@@ -114,6 +115,7 @@ def build_cache_config(
         pieces=_pieces_record(cfg, plan),
         provenance={**provenance(), "extract_config": {k: v for k, v in vars(cfg).items()}},
         projection=_projection_record(cfg),
+        chat_mode=serving_mode(cfg.data, prepared),
     )
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from extract.chats.prepare import Thinking
 from extract.dataset.index import LONG_SEQ_POLICIES, LongSeqPolicy
 from extract.dataset.packing import PackingConfig
+from extract.drafter_taps import read_drafter_taps
+from shards.common.chat_mode import parse_template_kwargs
 from shards.common.cli_options import cli_field, config_error
 from shards.format import (
     PROJECTION_NORMALIZE,
@@ -45,11 +47,17 @@ class ExtractConfig:
     thinking: Thinking | None = None
     """Conversations in --data only: render them as served with thinking on or off (as dflash-data
     prepare --thinking). Default: on. Refused with token rows."""
+    template_kwargs: list[str] = cli_field(flag="--template-kwarg", repeat=True, default_factory=list)
+    """Another chat-template keyword of the serving mode, KEY=VALUE (JSON scalar, else text), repeatable:
+    e.g. --template-kwarg reasoning_effort=high. Conversations in --data only. Default: none."""
     out_dir: str = cli_field(flag="--out", path="dir")
     """Cache directory to create, or to resume when it exists."""
     tap_layer_ids: list[int] | None = cli_field(None, flag="--taps")
     """Target layers to store, e.g. 1,16,31,46,61 (tap j = output of layer j). Default: DFlash's spread
     for --num-taps."""
+    taps_from: str | None = cli_field(None, path="existing_dir", identity=False)
+    """Drafter directory whose taps to extract (its config.json's dflash_config.target_layer_ids), so the
+    cache fits the drafter to fine-tune with dflash-train --init-from. Refused with --taps. Default: none."""
     num_taps: int = 5
     """Number of taps when --taps is not given: round(1 + i*(N-4)/(L-1))."""
     storage_dtype: StorageDtype = cli_field("bf16", flag="--storage")
@@ -184,6 +192,15 @@ class ExtractConfig:
             )
         if not self.progress_interval_s >= 0:  # NaN too; 0 = a line after every batch
             raise config_error(self, "progress_interval_s", "must be >= 0 seconds (0 = after every batch)")
+        self.template_kwargs = list(self.template_kwargs or ())  # click passes a tuple
+        parse_template_kwargs(self.template_kwargs)
+        if self.taps_from is not None:
+            if self.tap_layer_ids is not None:
+                raise ValueError(
+                    f"--taps {','.join(map(str, self.tap_layer_ids))} and --taps-from {self.taps_from} both name "
+                    "the taps: give one of them"
+                )
+            self.tap_layer_ids = read_drafter_taps(self.taps_from)
         if self.tap_layer_ids is not None:
             if not self.tap_layer_ids:
                 raise config_error(self, "tap_layer_ids", "must name at least one layer, e.g. --taps 1,16,31")
@@ -191,6 +208,11 @@ class ExtractConfig:
                 raise config_error(self, "tap_layer_ids", "must be strictly increasing layer numbers")
         if not (Path(self.target) / "config.json").is_file():
             raise config_error(self, "target", "has no config.json: pass an HF checkpoint directory")
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        """--template-kwarg as the template's keywords."""
+        return parse_template_kwargs(self.template_kwargs)
 
     @property
     def packing(self) -> PackingConfig:

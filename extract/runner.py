@@ -177,7 +177,7 @@ def _run(cfg: ExtractConfig, dist_info: DistInfo) -> ExtractSummary:
     TargetModel.check_checkpoint(cfg.target, last_layer=None if with_head else max(taps), with_head=with_head)
     device = resolve_device(cfg.device, dist_info.local_rank)
     # Conversations are rendered with the target's chat template first (each rank does the same work).
-    with tokens_for_extraction(cfg.data, cfg.target, cfg.thinking) as (data, prepared):
+    with tokens_for_extraction(cfg.data, cfg.target, cfg.thinking, cfg.template_kwargs) as (data, prepared):
         return _extract_dataset(cfg, dist_info, start, target, taps, device, data, prepared)
 
 

@@ -252,6 +252,10 @@ class CacheConfig:
     target_head_checksum: str | None = None
     projection: ProjectionRecord | None = None  # None = the taps themselves are stored (hidden)
     pieces: PiecesRecord | None = None  # how samples longer than token_budget were stored; None = none were
+    # The serving mode the data were rendered in (shards/common/chat_mode.py): {"thinking": "on"|"off",
+    # "template_kwargs": {...}}; dflash-train eval warns when it is run in another. None = unknown (token
+    # rows without a record, caches written before it was recorded). A description: not in the identity.
+    chat_mode: dict[str, Any] | None = None
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -333,6 +337,7 @@ class CacheConfig:
         """The settings that must match for a resumed extraction to add to this cache."""
         d = dataclasses.asdict(self)
         d.pop("provenance")
+        d.pop("chat_mode")  # follows the dataset, whose fingerprint is in the identity already
         if d["dataset"] is not None:
             for name in _DATASET_DESCRIPTION:  # how the tokens were made and what they hold, not which
                 d["dataset"].pop(name)

@@ -27,7 +27,7 @@ from train.config import TrainConfig
 from train.eval.config import EvalConfig
 
 if TYPE_CHECKING:  # the eval stack imports torch and the drafter: only when a command runs
-    from train.eval.speculative import VerifierFactory
+    from train.eval.speculative import PromptRendererFactory, VerifierFactory
 
 log = logging.getLogger("train")
 
@@ -41,6 +41,9 @@ class EntryPoint:
     extract/, so only the `dflash-train` console script (tools/cli/dflash_train.py, which may import
     both) gives one; `python -m train.cli` runs without, and `eval --target` is then refused, naming
     the console script."""
+    prompt_renderer: PromptRendererFactory | None = None
+    """Renders conversation rows of `eval --prompts` with the target's chat template in the mode evaluated
+    (--thinking, --template-kwarg): extract's renderer, which again only the console script may import."""
 
 
 class _DefaultToTrain(click.Group):
@@ -166,6 +169,7 @@ def eval_cmd(entry: EntryPoint | None, out_json, **options) -> None:
     the held-out loss, and the random-anchor chain length as a diagnostic. Examples:
       dflash-train eval --drafter drafter/ --cache cache --eval-shards 8 --out eval.json
       dflash-train eval --drafter runs/a --cache cache --eval-shards 8 --dtype float32
+      dflash-train eval --drafter drafter/ --target T --prompts p.jsonl --temperature 0.6 --top-p 0.95
     """
     setup_logging(other_ranks_level=logging.WARNING)
     cfg = build_config(EvalConfig, options)
@@ -176,7 +180,8 @@ def eval_cmd(entry: EntryPoint | None, out_json, **options) -> None:
         check_output_file(out_json, "--out", is_eval_record, "dflash-train eval")
     from train.eval.run import run_eval  # heavy imports after argument checks
 
-    result = run_eval(cfg, verifier_factory=(entry or EntryPoint()).verifier_factory)
+    entry = entry or EntryPoint()
+    result = run_eval(cfg, verifier_factory=entry.verifier_factory, prompt_renderer=entry.prompt_renderer)
     echo(result.table())
     if out_json:
         write_eval_json(out_json, result.to_dict())

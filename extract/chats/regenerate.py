@@ -40,6 +40,7 @@ from extract.chats.conversations import REGENERATE_META_SUFFIX as META_SUFFIX
 from extract.chats.prepare import Thinking, check_output_file
 from extract.chats.wire import Retryable, completion, completion_tokens, excerpt, model_ids, reply_message, wire_message
 from extract.dataset.rows import DataError
+from shards.common.chat_mode import THINKING_KEY, parse_template_kwargs
 from shards.common.cli_options import cli_field, config_error
 from shards.common.durable import atomic_write_bytes, atomic_write_text
 from shards.common.json_input import InputFileError, parse_json, read_json
@@ -50,7 +51,9 @@ logger = logging.getLogger(__name__)
 
 # In every line of OUT: the sha256 of the input conversation it answers, so a resume redoes edited ones.
 SOURCE_KEY = "regenerated_from_sha256"
+MODE_KEY = "chat_template_kwargs"  # each row's serving mode, as the server's chat template took it
 _META_KEYS = ("model", "temperature", "max_tokens", "thinking", "seed")  # settings a resume must share
+TEMPLATE_KWARGS_KEY = "template_kwargs"  # one more, absent from the records of runs before --template-kwarg
 _MAX_BACKOFF_S = 60.0
 _NO_KEY = "EMPTY"  # --api-key's default: what the OpenAI client needs to send when the server wants none
 
@@ -73,6 +76,9 @@ class RegenerateConfig:
     """Generated tokens per reply at most."""
     thinking: Thinking = "on"
     """enable_thinking in the server's chat template; the reasoning is kept in reasoning_content."""
+    template_kwargs: list[str] = cli_field(flag="--template-kwarg", repeat=True, default_factory=list)
+    """Another chat-template keyword of the serving mode, KEY=VALUE (JSON scalar, else text), repeatable:
+    e.g. --template-kwarg reasoning_effort=high. Default: none."""
     seed: int | None = None
     """Sampling seed sent with every request. Default: none sent."""
     concurrency: int = 32
@@ -106,6 +112,18 @@ class RegenerateConfig:
             raise config_error(self, "server", "must be an http(s) URL, e.g. http://localhost:8000/v1")
         if not self.out.endswith(".jsonl"):
             raise config_error(self, "out", "must be a .jsonl file")
+        self.template_kwargs = list(self.template_kwargs or ())  # click passes a tuple
+        parse_template_kwargs(self.template_kwargs)
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        """--template-kwarg as the template's keywords."""
+        return parse_template_kwargs(self.template_kwargs)
+
+    @property
+    def server_template_kwargs(self) -> dict[str, Any]:
+        """What every request sends as chat_template_kwargs, and every row written records: the mode."""
+        return {THINKING_KEY: self.thinking == "on", **self.chat_template_kwargs}
 
     @property
     def base_url(self) -> str:
@@ -226,9 +244,10 @@ def _check_meta(cfg: RegenerateConfig, out: Path) -> None:
     if recorded is None:
         raise FileExistsError(f"{meta_path} is not a record of dflash-data regenerate; choose another --out")
     ours = _meta(cfg)
+    recorded = {TEMPLATE_KWARGS_KEY: {}, **recorded}  # a run before --template-kwarg used none
     diffs = [
         f"{k}: {recorded.get(k)!r} in {meta_path.name}, {ours[k]!r} now"
-        for k in _META_KEYS
+        for k in (*_META_KEYS, TEMPLATE_KWARGS_KEY)
         if recorded.get(k) != ours[k]
     ]
     if diffs:
@@ -247,7 +266,7 @@ def _read_meta(meta_path: Path) -> dict | None:
 
 
 def _meta(cfg: RegenerateConfig) -> dict[str, Any]:
-    return {key: getattr(cfg, key) for key in _META_KEYS}
+    return {**{key: getattr(cfg, key) for key in _META_KEYS}, TEMPLATE_KWARGS_KEY: cfg.chat_template_kwargs}
 
 
 def _start_out(cfg: RegenerateConfig, out: Path) -> None:
@@ -313,7 +332,7 @@ class _Client:
             messages=[wire_message(m) for m in context],
             temperature=cfg.temperature,
             max_tokens=cfg.max_tokens,
-            extra_body={"chat_template_kwargs": {"enable_thinking": cfg.thinking == "on"}},
+            extra_body={"chat_template_kwargs": cfg.server_template_kwargs},
         )
         if tools:
             request["tools"] = tools
@@ -369,7 +388,7 @@ class _Client:
         if new[-1]["role"] in ("user", "tool"):
             new.append(await self.reply(new, conv.tools))
         row = {**Conversation(conv.sample_id, new, conv.tools).to_row(), **conv.extra}
-        return {**row, SOURCE_KEY: source_sha256(conv)}
+        return {**row, MODE_KEY: self.cfg.server_template_kwargs, SOURCE_KEY: source_sha256(conv)}
 
 
 async def _run(cfg: RegenerateConfig, todo: list[Conversation], summary: RegenerateSummary, out: Path) -> None:

@@ -122,14 +122,44 @@ def load_tokenizer(target_dir: str | Path):
 class ChatRenderer:
     """Turns a Conversation into (input_ids, loss_mask) with the target's template."""
 
-    def __init__(self, target_dir: str | Path, thinking: bool, vocab_size: int | None = None):
+    def __init__(
+        self,
+        target_dir: str | Path,
+        thinking: bool,
+        vocab_size: int | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ):
         self.target_dir = Path(target_dir)
         self.thinking = thinking
         self.tokenizer = load_tokenizer(target_dir)
+        self.template_kwargs = dict(template_kwargs or {})
+        self._refuse_unread_kwargs()
         self.vocab_size = vocab_size
         if vocab_size is not None:
             self._check_fits(vocab_size)
         self.markers = self._probe()
+
+    def _refuse_unread_kwargs(self) -> None:
+        """A --template-kwarg the template never reads changes nothing: a typo (reasoning_efort) would
+        silently render the default mode, so it is refused, naming what the template does read."""
+        from jinja2 import meta
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        template = self.tokenizer.chat_template
+        env = ImmutableSandboxedEnvironment()
+        read = set().union(  # a tokenizer may carry named templates: any of them may be the one rendered
+            *(
+                meta.find_undeclared_variables(env.parse(t))
+                for t in (template.values() if isinstance(template, dict) else [template])
+            )
+        )
+        unread = sorted(set(self.template_kwargs) - read)
+        if unread:
+            raise ChatTemplateError(
+                f"--template-kwarg {', '.join(unread)}: the chat template of {self.target_dir} never reads "
+                f"{'it' if len(unread) == 1 else 'them'} (it reads {', '.join(sorted(read)) or 'no variables'}); "
+                "check the spelling against the template"
+            )
 
     def _check_fits(self, vocab_size: int) -> None:
         """Every id the tokenizer can produce is below the model's vocab_size: its token count alone
@@ -158,6 +188,7 @@ class ChatRenderer:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 enable_thinking=self.thinking,
+                **self.template_kwargs,
             )
         except TemplateError as e:
             raise DataError(f"the chat template refuses this conversation: {e}") from e

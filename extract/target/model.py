@@ -401,13 +401,33 @@ class TargetModel(nn.Module):
         logprobs_TKt = torch.empty(T, k, dtype=torch.float32, device=last_TH.device)
         for start in range(0, T, chunk_tokens):
             rows = slice(start, min(start + chunk_tokens, T))
-            normed_cH = ops.zero_centred_rmsnorm(last_TH[rows], self.norm.weight, self.norm.eps)
-            logits_cV = self.lm_head(normed_cH).float()
+            logits_cV = self._head_logits(last_TH[rows])
             # log-softmax of the k winners only: one [c, V] temporary instead of two.
             top = torch.topk(logits_cV, k, dim=-1)
             ids_TKt[rows] = top.indices.to(torch.int32)
             logprobs_TKt[rows] = top.values - torch.logsumexp(logits_cV, dim=-1, keepdim=True)
         return hidden_TKH, ids_TKt, logprobs_TKt
+
+    @torch.inference_mode()
+    def last_logits(
+        self, input_ids_T: torch.Tensor, tap_layer_ids: list[int], num_last: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden_TKH, logits_nV fp32): taps of one sequence as forward_packed, plus the full next-token
+        logits after its last `num_last` positions (what sampling at a temperature needs)."""
+        if not self.with_head:
+            raise ValueError("last_logits needs the LM head: build with from_pretrained(..., with_head=True)")
+        T = input_ids_T.shape[0]
+        if not 0 < num_last <= T:
+            raise ValueError(f"num_last={num_last} must be in 1..{T} (the sequence's length)")
+        device = self.embed_tokens.weight.device
+        cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+        positions_T = torch.arange(T, device=device)
+        hidden_TKH, last_TH = self._run(input_ids_T, positions_T, cu, tap_layer_ids, to_end=True)
+        return hidden_TKH, self._head_logits(last_TH[T - num_last :])
+
+    def _head_logits(self, last_XH: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [X, V] fp32 from the last layer's output: final norm + LM head."""
+        return self.lm_head(ops.zero_centred_rmsnorm(last_XH, self.norm.weight, self.norm.eps)).float()
 
     def _run(self, input_ids_T, position_ids_T, cu_seqlens_S1, tap_layer_ids, to_end: bool):
         taps = [int(i) for i in tap_layer_ids]

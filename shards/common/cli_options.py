@@ -15,7 +15,7 @@ fields. For each leaf field:
     help     the docstring under the field (the convention of every config class here)
     type     from the annotation: int, float, str; bool -> `--x` (default False) or `--x/--no-x`
              (default True or None); Literal[...] -> Choice; list[int] / tuple[float, ...] -> one
-             comma-separated value (parse_number_list); `cli_field(path=...)` -> click.Path
+             comma-separated value (parse_number_list), or with `cli_field(repeat=True)` a repeatable option; `cli_field(path=...)` -> click.Path
     identity `cli_field(identity=False)` marks a setting a resumed run may change (cadence, paths, kernels):
              `to_options(cfg, identity_only=True)` leaves it out
     envvar   `cli_field(envvar=...)`: the variable that gives the value when the flag is not on the command
@@ -70,18 +70,20 @@ def cli_field(
     name: str | None = None,
     identity: bool = True,
     envvar: str | None = None,
+    repeat: bool = False,
     default_factory: Any = dataclasses.MISSING,
 ) -> Any:
     """A dataclass field with CLI metadata: `flag` replaces the derived flag, `path` is a PATH_KINDS key,
     `name` replaces the field name as the option's name, `identity=False` keeps it out of the run's
-    identity (to_options(identity_only=True)), `envvar` names the variable a secret may come from."""
+    identity (to_options(identity_only=True)), `envvar` names the variable a secret may come from, `repeat`
+    makes a list[str] field a repeatable option (one value per flag) instead of one comma-separated value."""
     if path is not None and path not in PATH_KINDS:
         raise ValueError(f"cli_field path must be one of {sorted(PATH_KINDS)}, got {path!r}")
     return dataclasses.field(
         default=default,
         default_factory=default_factory,
         repr=envvar is None,  # a secret's value stays out of the config's repr (and so of any message with it)
-        metadata={"flag": flag, "path": path, "name": name, "identity": identity, "envvar": envvar},
+        metadata={"flag": flag, "path": path, "name": name, "identity": identity, "envvar": envvar, "repeat": repeat},
     )
 
 
@@ -271,6 +273,9 @@ def _option(o: Option, help_text: str) -> Callable[[F], F]:
         )
     if typing.get_origin(base) is Literal:
         kwargs["type"] = PrecisionChoice([str(c) for c in typing.get_args(base)])
+    elif f.metadata.get("repeat"):
+        kwargs |= dict(type=str, multiple=True)  # repeatable: --template-kwarg a=1 --template-kwarg b=2
+        default = tuple(default or ()) or None  # click passes () when none is given
     elif typing.get_origin(base) in (list, tuple):
         kind = typing.get_args(base)[0]
         kwargs["type"] = NumberList(kind)

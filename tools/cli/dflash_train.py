@@ -20,9 +20,15 @@ def _target_verifier(target_dir, tap_layer_ids, device, dtype):
     return target_verifier(target_dir, tap_layer_ids, device, dtype)
 
 
+def _prompt_renderer(target_dir, thinking, template_kwargs):
+    from tools.cli.prompts import prompt_renderer
+
+    return prompt_renderer(target_dir, thinking, template_kwargs)
+
+
 def entry_point() -> EntryPoint:
     """What this console script gives train.cli's commands."""
-    return EntryPoint(verifier_factory=_target_verifier)
+    return EntryPoint(verifier_factory=_target_verifier, prompt_renderer=_prompt_renderer)
 
 
 def main() -> None:

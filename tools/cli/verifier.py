@@ -1,6 +1,6 @@
 """The target as a speculative-decoding verifier (train.eval.speculative.Verifier), built from extract's
 target model: for a token sequence it returns the target's greedy next token after every position
-and the tapped hidden states, recomputing the whole prefix each call (no KV cache, no GatedDeltaNet
+(or the full next-token logits after its last positions, for sampling) and the tapped hidden states, recomputing the whole prefix each call (no KV cache, no GatedDeltaNet
 state carried between calls: simple and exact, fine for measuring acceptance and relative speed).
 """
 
@@ -38,6 +38,12 @@ class TargetVerifier:
             input_ids_L.to(device), torch.arange(L, device=device), cu, self.tap_layer_ids, k=1
         )
         return top_ids_L1[:, 0].long(), hidden_LKH
+
+    def next_token_logits(self, input_ids_L: torch.Tensor, num_last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_LKH, logits_nV = self.model.last_logits(
+            input_ids_L.to(self.embed_tokens_VH.device), self.tap_layer_ids, num_last
+        )
+        return logits_nV, hidden_LKH
 
 
 def target_verifier(

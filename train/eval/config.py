@@ -8,11 +8,44 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shards.common.chat_mode import chat_mode, parse_template_kwargs
 from shards.common.cli_options import at_least, cli_field, config_error
 from shards.format import canonical_precision
 
 # Context-length buckets of acceptance, by the anchor's absolute position: 0-2K, 2K-8K, 8K-32K, 32K+.
 CONTEXT_BUCKETS = (0, 2048, 8192, 32768)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How the target's and the drafter's tokens are drawn (`dflash-train eval --target`)."""
+
+    temperature: float = 0.0
+    """Sampling temperature of --target decoding, as serving runs the target (Qwen's cards: 0.6-1.0);
+    0 = greedy (exact: the output equals plain greedy decoding token for token). Above 0 drafts are
+    checked by rejection sampling (chain drafting only; DDTree stays greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling at T > 0: keep the most probable tokens whose cumulative probability first
+    reaches P, applied after temperature and top-k as vLLM applies it; 1 = off."""
+    top_k: int = 0
+    """At T > 0 keep only the K most probable tokens (after temperature, before top-p); 0 = off."""
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise config_error(self, "temperature", "must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise config_error(self, "top_p", "must be in (0, 1] (1 = off)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise config_error(self, "top_k", "must be an integer >= 0 (0 = off)")
+        if self.greedy and (self.top_p < 1 or self.top_k):
+            raise ValueError(
+                f"--top-p {self.top_p} / --top-k {self.top_k} shape sampling, and --temperature 0 is greedy: "
+                "give --temperature > 0 (e.g. 0.6) or leave --top-p and --top-k unset"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 @dataclass(kw_only=True)
@@ -36,7 +69,7 @@ class EvalConfig:
     budgets: list[int] = field(default_factory=lambda: [16, 32, 64])
     """DDTree node budgets walked besides the greedy chain; [] = chain only."""
     seed: int = 0
-    """Seed of the random-anchor sampling (the walk has no randomness)."""
+    """Seed of the random-anchor sampling (the walk has no randomness) and of --temperature decoding."""
     device: str = "auto"
     """auto = cuda when available, else cpu."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
@@ -48,7 +81,7 @@ class EvalConfig:
     target: str | None = cli_field(None, path="existing_dir")
     """Target checkpoint dir: also run real greedy speculative decoding with the target in the loop (needs --prompts). Default: none (no real decoding)."""
     prompts: str | None = cli_field(None, path="existing_file")
-    """Prompts for --target: JSON Lines (a list of token ids per line, or {"input_ids": [...], "loss_mask": [...]}) or a Parquet dataset (prompt = the tokens before the first supervised one). Default: none."""
+    """Prompts for --target: JSON Lines (a list of token ids per line, {"input_ids": [...], "loss_mask": [...]}, or a conversation rendered with the target's chat template in --thinking / --template-kwarg's mode) or a Parquet dataset (prompt = the tokens before the first supervised one). Default: none."""
     max_prompts: int = 0
     """Decode only the first N prompts of --prompts; 0 = all."""
     max_new_tokens: int = 64
@@ -56,9 +89,23 @@ class EvalConfig:
     context_buckets: list[int] = field(default_factory=lambda: list(CONTEXT_BUCKETS))
     """Acceptance is also reported per context-length bucket of the anchor's position: the buckets'
     lower edges in tokens, from 0, increasing (the last bucket is open)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    thinking: Literal["on", "off"] = "on"
+    """The serving mode evaluated (with --template-kwarg): thinking on or off, as the target is served;
+    conversation --prompts are rendered in it. A warning when it differs from --cache's recorded mode."""
+    template_kwargs: list[str] = cli_field(flag="--template-kwarg", repeat=True, default_factory=list)
+    """Another chat-template keyword of the serving mode evaluated, KEY=VALUE (JSON scalar, else text),
+    repeatable: e.g. --template-kwarg reasoning_effort=high. Default: none."""
+
+    @property
+    def chat_mode(self) -> dict:
+        """The serving mode evaluated (shards/common/chat_mode.py)."""
+        return chat_mode(self.thinking, parse_template_kwargs(self.template_kwargs))
 
     def __post_init__(self) -> None:
         self.dtype = canonical_precision(self.dtype, ("auto", "bfloat16", "float32"))  # bf16 taken too
+        self.template_kwargs = list(self.template_kwargs or ())  # click passes a tuple
+        parse_template_kwargs(self.template_kwargs)
         if self.cache is None and self.target is None:
             raise ValueError(
                 "give --cache (the decoding walk on held-out shards), --target with --prompts (real "
@@ -66,6 +113,17 @@ class EvalConfig:
             )
         if (self.target is None) != (self.prompts is None):
             raise ValueError("--target and --prompts go together: decoding needs the target and the prompts")
+        if not self.sampling.greedy and self.target is None:
+            raise ValueError(
+                f"--temperature {self.sampling.temperature} samples --target decoding; the walk over cached "
+                "shards is greedy: give --target and --prompts, or leave --temperature at 0"
+            )
+        if not self.sampling.greedy and self.cache is not None and self.budgets:
+            raise ValueError(
+                f"--budgets {','.join(map(str, self.budgets))}: DDTree is walked greedily and takes no "
+                f"--temperature ({self.sampling.temperature}); give --budgets '' (the chain only) with "
+                "--temperature, or evaluate the trees in a run at --temperature 0"
+            )
         if self.max_prompts < 0:
             raise ValueError(f"--max-prompts {self.max_prompts}: must be >= 0 (0 = all)")
         if self.max_new_tokens < 1:

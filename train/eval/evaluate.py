@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from shards import ShardReader, decode_context
+from shards.common.chat_mode import describe_mode
 from shards.common.progress import format_figure
 from train.blocks import anchor_seed, default_num_blocks, sample_shard_blocks
 from train.drafter.attention import BlockAttentionLayout
@@ -50,20 +51,13 @@ from train.metrics.sums import COUNT, Sums
 
 log = logging.getLogger(__name__)
 
-# Fields of cache.json's dataset.prepared record that say how the chats were rendered: the mode (thinking
-# on/off; template keywords under "template_kwargs", e.g. a reasoning effort), as acceptance differs by it.
-MODE_FIELDS = ("thinking", "template_kwargs")
-
 
 def cache_mode(cache_cfg) -> str | None:
-    """The mode a cache's chats were rendered in, "key=value,..." (e.g. "thinking=off"); None for token
-    rows given as they are. One per cache: evaluate one cache per mode to compare modes."""
-    prepared = (cache_cfg.dataset.prepared if cache_cfg.dataset is not None else None) or {}
-    settings = {}
-    for name in MODE_FIELDS:
-        value = prepared.get(name)
-        settings.update(value if isinstance(value, dict) else {} if value is None else {name: value})
-    return ",".join(f"{k}={v}" for k, v in sorted(settings.items())) or None
+    """The serving mode a cache's chats were rendered in (cache.json chat_mode), as the flags say it
+    ("thinking off, reasoning_effort=\"high\""); None for token rows given as they are. One per cache:
+    evaluate one cache per mode to compare modes."""
+    mode = cache_cfg.chat_mode
+    return None if mode is None else describe_mode(mode)
 
 
 @dataclass

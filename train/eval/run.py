@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shards import ShardReader
+from shards.common.chat_mode import chat_mode, describe_mode
 from shards.common.json_input import InputFileError, read_json_object
 from shards.common.lock import DirectoryLock
 from shards.common.schema import read_field
@@ -27,7 +28,7 @@ from train.eval.evaluate import EvalResult, eval_copy, evaluate_drafter
 from train.precision import DTYPES
 
 if TYPE_CHECKING:  # speculative decoding is imported only when --target asks for it
-    from train.eval.speculative import VerifierFactory
+    from train.eval.speculative import PromptRendererFactory, VerifierFactory
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,8 @@ class EvalOutput:
     walk: EvalResult | None
     decoding: Any | None  # train.eval.speculative.DecodeReport
     trained_on: list[int] = field(default_factory=list)  # evaluated shards the drafter was trained on
+    mode_warning: str | None = None  # the serving mode evaluated differs from the cache's
+    chat_mode: dict[str, Any] | None = None  # the serving mode evaluated (--thinking, --template-kwarg)
 
     def to_dict(self) -> dict[str, Any]:
         out = self.walk.to_dict() if self.walk is not None else {"batch_ids": []}
@@ -180,6 +183,10 @@ class EvalOutput:
             out["trained_on_batch_ids"] = self.trained_on
         if self.decoding is not None:
             out["speculative_decoding"] = self.decoding.to_dict()
+        if self.chat_mode is not None:
+            out["chat_mode"] = self.chat_mode
+        if self.mode_warning:
+            out["chat_mode_warning"] = self.mode_warning
         return out
 
     def table(self) -> str:
@@ -188,6 +195,8 @@ class EvalOutput:
         parts = [self.walk.table(held_out=not self.trained_on)] if self.walk is not None else []
         if self.trained_on:
             parts.insert(0, _trained_on_warning(self.trained_on))
+        if self.mode_warning:
+            parts.insert(0, self.mode_warning)
         if self.decoding is not None:
             parts.append(self.decoding.table())
         return "\n\n".join(parts)
@@ -200,19 +209,26 @@ def _trained_on_warning(ids: list[int]) -> str:
     )
 
 
-def run_eval(cfg: EvalConfig, verifier_factory: VerifierFactory | None = None) -> EvalOutput:
+def run_eval(
+    cfg: EvalConfig,
+    verifier_factory: VerifierFactory | None = None,
+    prompt_renderer: PromptRendererFactory | None = None,
+) -> EvalOutput:
     """Everything `dflash-train eval` does; raises ValueError naming flag and value.
 
-    verifier_factory builds the target for --target (speculative.build_verifier); the `dflash-train`
-    console script passes it in, as train/ cannot import extract/'s model itself."""
+    verifier_factory builds the target for --target (speculative.build_verifier), prompt_renderer renders
+    conversation prompts with its chat template; the `dflash-train` console script passes them in, as
+    train/ cannot import extract/'s model or renderer itself."""
     if cfg.cache is None:
-        return _evaluate(cfg, verifier_factory)
+        return _evaluate(cfg, verifier_factory, prompt_renderer)
     # Read from the shard selection to the last walk: a job rewriting the cache meanwhile is refused.
     with DirectoryLock(cfg.cache, "dflash-train eval", shared=True):
-        return _evaluate(cfg, verifier_factory)
+        return _evaluate(cfg, verifier_factory, prompt_renderer)
 
 
-def _evaluate(cfg: EvalConfig, verifier_factory: VerifierFactory | None) -> EvalOutput:
+def _evaluate(
+    cfg: EvalConfig, verifier_factory: VerifierFactory | None, prompt_renderer: PromptRendererFactory | None
+) -> EvalOutput:
     from shards import load_target_head
     from shards.common.runtime import resolve_device
     from train.resolve import planned_batch_ids
@@ -234,8 +250,10 @@ def _evaluate(cfg: EvalConfig, verifier_factory: VerifierFactory | None) -> Eval
                 "re-run dflash-extract to write them, or choose present ones with --shards"
             )
     loaded = load_drafter(cfg.drafter)
+    mode_warning = None
     if reader is not None:
         check_fits(loaded.config, reader.config, cfg.drafter, cfg.cache)
+        mode_warning = mode_mismatch(cfg, reader.config.chat_mode)
         if loaded.trained_on is not None and loaded.trained_on[0] == reader.config.cache_id():
             trained_on = sorted(set(ids) & set(loaded.trained_on[1]))
     device = resolve_device(cfg.device, 0)
@@ -268,11 +286,11 @@ def _evaluate(cfg: EvalConfig, verifier_factory: VerifierFactory | None) -> Eval
             context_edges=cfg.context_buckets,
         )
     if cfg.target is not None:
-        from train.eval.speculative import build_verifier, decode_prompts, read_prompts
+        from train.eval.speculative import ChainProposer, build_verifier, decode_prompts, read_prompts
 
-        prompts = read_prompts(
-            cfg.prompts, loaded.config.vocab_size, cfg.max_prompts
-        )  # user input checked before the target loads
+        render = prompt_renderer(cfg.target, cfg.thinking, cfg.template_kwargs) if prompt_renderer else None
+        # User input checked before the target loads.
+        prompts = read_prompts(cfg.prompts, loaded.config.vocab_size, cfg.max_prompts, render=render)
         verifier = build_verifier(verifier_factory, cfg.target, loaded.config.tap_layer_ids, device, dtype)
         if verifier.lm_head_VH.shape != (loaded.config.vocab_size, loaded.config.hidden_size):
             raise ValueError(
@@ -282,19 +300,39 @@ def _evaluate(cfg: EvalConfig, verifier_factory: VerifierFactory | None) -> Eval
         head = TargetHead(verifier.embed_tokens_VH.to(dtype), verifier.lm_head_VH.to(dtype))
         # The drafter sees hidden states rounded as the cache stores them (bf16 also stands in for fp8).
         log.info(
-            "eval: speculative and plain greedy decoding of %d prompts x %d tokens with %s",
+            "eval: speculative and plain decoding of %d prompts x %d tokens with %s at %s",
             len(prompts),
             cfg.max_new_tokens,
             cfg.target,
+            f"temperature {cfg.sampling.temperature:g}" if not cfg.sampling.greedy else "temperature 0 (greedy)",
         )
+        proposer = ChainProposer(model, head, context_dtype=torch.bfloat16)
         decoding = decode_prompts(
-            model,
-            head,
+            proposer,
             verifier,
             prompts,
             cfg.max_new_tokens,
-            context_dtype=torch.bfloat16,
+            sampling=cfg.sampling,
+            seed=cfg.seed,
             context_edges=tuple(cfg.context_buckets),
         )
         decoding.longest_trained_response = loaded.longest_response  # the table warns when decoding ran past it
-    return EvalOutput(walk, decoding, trained_on)
+    return EvalOutput(walk, decoding, trained_on, mode_warning, cfg.chat_mode)
+
+
+def mode_mismatch(cfg: EvalConfig, cache_mode: dict | None) -> str | None:
+    """A warning (logged, and returned for the table) when the serving mode evaluated (--thinking,
+    --template-kwarg) differs from the one --cache's data were rendered in; None when they agree or
+    the cache does not record it."""
+    if cache_mode is None:
+        return None
+    kwargs, ours = cache_mode.get("template_kwargs"), cfg.chat_mode
+    if chat_mode(cache_mode.get("thinking"), kwargs if isinstance(kwargs, dict) else {}) == ours:
+        return None
+    warning = (
+        f"WARNING: evaluating in serving mode {describe_mode(ours)}, but cache {cfg.cache} was rendered in "
+        f"{describe_mode(cache_mode)}: acceptance collapses when a drafter is served in another mode than its "
+        "data; pass that mode's --thinking and --template-kwarg, or evaluate on a cache made in this one"
+    )
+    log.warning("%s", warning)
+    return warning

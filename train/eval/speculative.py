@@ -1,25 +1,31 @@
-"""Greedy speculative decoding with a DFlash drafter and the target in the loop: lossless by
-construction (every emitted token is the target's own greedy choice), measured per step.
+"""Speculative decoding with a DFlash drafter and the target in the loop, measured per step: greedy
+(lossless by construction: every emitted token is the target's own greedy choice) or at the serving
+temperature (lossless in distribution: rejection sampling, train/eval/sampling.py).
 
-    prefill   the verifier runs the prompt: the target's greedy next token is the first anchor, and
-              its tapped hidden states are the drafter's context
-    step      draft: block [anchor, MASK x (B-1)] over the context strictly before the anchor ->
-              B-1 drafts d_1..d_{B-1} (argmax); verify: the target runs prompt + output + drafts and
-              returns its greedy token g_k after every position; accept the longest prefix with
-              d_k == g_k (a drafts, never past max_new_tokens); emit g_1..g_{a+1} (the a drafts and
-              the bonus token), cut at max_new_tokens; the bonus token is the next anchor
+    prefill   the verifier runs the prompt: the target's next token (greedy, or sampled from its
+              distribution) is the first anchor, and its tapped hidden states are the drafter's context
+    step      draft: a DraftProposer drafts S = B-1 tokens d_1..d_S after the anchor from the context
+              strictly before it (DFlash 1: the block [anchor, MASK x S], argmax or sampled per slot);
+              verify: the target runs prompt + output + drafts;
+              greedy: accept the longest prefix with d_k == g_k (its greedy token at position p + k),
+              emit g_1..g_{a+1} (the a drafts and the bonus token);
+              T > 0: accept d_k with probability min(1, p_k(d_k)/q_k(d_k)) up to the first rejection,
+              then one token from norm(max(p_k - q_k, 0)), or the bonus token from p when all pass;
+              never past max_new_tokens; the last emitted token is the next anchor
 This is the loop of z-lab's dflash_generate; the decoding walk over cached shards (train/eval/walk.py)
-does the same steps on data, and on the target's own greedy data it gives the same figures.
+does the greedy steps on data, and on the target's own greedy data it gives the same figures.
+Acceptance length = tokens per verify step, averaged per response (how model cards report it).
 
 The target is any `Verifier`: given token ids it returns the target's greedy next token after every
-position and the tapped hidden states (recomputing the whole prefix each call is acceptable: this
-measures acceptance and relative speed, not a serving engine). train/ never imports extract/ (house
-rule), so the target verifier is built in tools/ (tools/cli/verifier.py) and handed in as an argument:
-the `dflash-train` console script (tools/cli/dflash_train.py) gives train/cli.py's commands a factory
-for extract's target model (train.cli.EntryPoint), and `eval` passes it to run_eval and on to
-build_verifier. `--target` without one (e.g. `python -m train.cli`) is refused, naming the entry point.
+position (or its logits, for sampling) and the tapped hidden states (recomputing the whole prefix each
+call is acceptable: this measures acceptance and relative speed, not a serving engine). train/ never
+imports extract/ (house rule), so the target verifier is built in tools/ (tools/cli/verifier.py) and
+handed in as an argument: the `dflash-train` console script (tools/cli/dflash_train.py) gives
+train/cli.py's commands a factory for extract's target model (train.cli.EntryPoint), and `eval` passes
+it to run_eval and on to build_verifier. `--target` without one (e.g. `python -m train.cli`) is
+refused, naming the entry point.
 
-Legend: L tokens so far, K taps, H hidden, B block size, S = B-1 drafts, V vocab.
+Legend: L tokens so far, K taps, H hidden, B block size, S = B-1 drafts, V vocab, X rows.
 """
 
 from __future__ import annotations
@@ -29,14 +35,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from shards.common.json_input import InputFileError, iter_json_lines
 from shards.common.progress import ProgressLog, format_duration, format_figure, plural
 from train.drafter.model import DFlashDrafter, TargetHead
-from train.eval.config import CONTEXT_BUCKETS
+from train.eval.config import CONTEXT_BUCKETS, SamplingConfig
+from train.eval.sampling import DraftDistribution, sample_token, serving_probs, verify_drafts
 from train.eval.walk import WalkCounts
 
 
@@ -50,10 +57,74 @@ class Verifier(Protocol):
         """(greedy next token after every position [L] int64, tapped hidden states [L, K, H])."""
         ...
 
+    def next_token_logits(self, input_ids_L: torch.Tensor, num_last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the target's next-token logits after each of the last `num_last` positions [num_last, V] in
+        float32 or wider, tapped hidden states [L, K, H]): what sampling at T > 0 needs."""
+        ...
+
+
+class Proposal(NamedTuple):
+    """One block's drafts: tokens d_1..d_S and, when sampled (T > 0), the distribution q_k each was drawn
+    from (the rejection test's q); q None = greedy argmax drafts."""
+
+    tokens: list[int]
+    q: list[DraftDistribution] | None = None
+
+
+class DraftProposer(Protocol):
+    """The draft side of one chain step: DFlash 1's block (ChainProposer), or any drafter whose slots
+    come with a DraftDistribution (DFlash 2's selector: q over its K candidates), without touching the
+    verification below."""
+
+    block_size: int
+
+    def __call__(
+        self, context_LKH: torch.Tensor, anchor: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> Proposal:
+        """Drafts after the token `anchor` at position L, the context being the target's taps of the
+        positions before it [L, K, H]."""
+        ...
+
+
+@dataclass
+class ChainProposer:
+    """DFlash 1: one forward of [anchor, MASK x S] gives every slot's logits; greedy drafts are their
+    argmax, sampled drafts are drawn slot by slot from serving_probs of them (the same temperature,
+    top-k and top-p as the target's)."""
+
+    model: DFlashDrafter
+    head: TargetHead
+    context_dtype: torch.dtype | None = torch.bfloat16  # the cache's storage rounding, as in training
+
+    @property
+    def block_size(self) -> int:
+        return self.model.config.block_size
+
+    def __call__(
+        self, context_LKH: torch.Tensor, anchor: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> Proposal:
+        cfg, head = self.model.config, self.head
+        device, dtype = head.embed_tokens_VH.device, head.embed_tokens_VH.dtype
+        if self.context_dtype is not None:
+            context_LKH = context_LKH.to(self.context_dtype)
+        p = context_LKH.shape[0]
+        block_B = torch.full((cfg.block_size,), cfg.mask_token_id, device=device, dtype=torch.long)
+        block_B[0] = anchor
+        pos = torch.arange(p + cfg.block_size, device=device)
+        hidden_BH = self.model.forward_block(context_LKH.to(dtype), pos[:p], head.embed(block_B), pos[p:])
+        logits_SV = head.logits(hidden_BH[1:]).float()
+        if sampling.greedy:
+            return Proposal(logits_SV.argmax(-1).tolist())
+        q = [DraftDistribution(probs_V) for probs_V in serving_probs(logits_SV, sampling)]
+        return Proposal([slot.sample(generator) for slot in q], q)
+
 
 log = logging.getLogger(__name__)
 
 VerifierFactory = Callable[..., Verifier]  # (target_dir, tap_layer_ids, device, dtype) -> Verifier
+# A conversation row of --prompts (row, file, row index) -> the prompt's token ids, rendered as served.
+PromptRender = Callable[[Any, str, int], list[int]]
+PromptRendererFactory = Callable[..., PromptRender]  # (target_dir, thinking, template_kwargs) -> PromptRender
 
 
 def build_verifier(
@@ -79,47 +150,40 @@ class Decoded:
     seconds: float = 0.0
 
 
+GREEDY = SamplingConfig()
+
+
 @torch.no_grad()
 def speculative_generate(
-    model: DFlashDrafter,
-    head: TargetHead,
+    proposer: DraftProposer,
     verifier: Verifier,
     prompt: list[int],
     max_new_tokens: int,
     *,
-    context_dtype: torch.dtype | None = torch.bfloat16,
+    sampling: SamplingConfig = GREEDY,
+    generator: torch.Generator | None = None,
 ) -> Decoded:
-    """Greedy speculative decoding of `max_new_tokens` tokens after `prompt`.
-
-    context_dtype: the verifier's hidden states are rounded to it before the drafter sees them (the
-    cache's storage dtype, so decoding feeds the drafter what training and the walk fed it); None = as is.
-    """
-    cfg = model.config
-    B, S = cfg.block_size, cfg.block_size - 1
-    device, dtype = head.embed_tokens_VH.device, head.embed_tokens_VH.dtype
+    """Speculative decoding of `max_new_tokens` tokens after `prompt`: greedy (exact, token for token the
+    target's greedy output) or, at sampling.temperature > 0, rejection-sampled with `generator`'s draws."""
+    S = proposer.block_size - 1
+    device = verifier.embed_tokens_VH.device
     t0 = time.perf_counter()
     n0 = len(prompt)
-    next_L, hidden_LKH = verifier(torch.tensor(prompt, device=device))
-    out = [int(next_L[-1])]
+    first, hidden_LKH = _next_token(verifier, torch.tensor(prompt, device=device), sampling, generator)
+    out = [first]
     result = Decoded(out)
-    mask_block = torch.full((B,), cfg.mask_token_id, device=device, dtype=torch.long)
     while len(out) < max_new_tokens:
         p, remaining = n0 + len(out) - 1, max_new_tokens - len(out)  # anchor position, tokens still to emit
-        ctx_LKH = hidden_LKH[:p]
-        if context_dtype is not None:
-            ctx_LKH = ctx_LKH.to(context_dtype)
-        block_B = mask_block.clone()
-        block_B[0] = out[-1]
-        pos = torch.arange(p + B, device=device)
-        hidden_BH = model.forward_block(ctx_LKH.to(dtype), pos[:p], head.embed(block_B), pos[p:])
-        drafts = head.logits(hidden_BH[1:]).float().argmax(-1).tolist()
-        next_L, hidden_LKH = verifier(torch.tensor(prompt + out + drafts, device=device))
-        greedy = next_L[p : p + B].tolist()  # greedy[k-1]: the target's token at position p + k
+        drafts = proposer(hidden_LKH[:p], out[-1], sampling, generator)
         labels = min(S, remaining)
-        a = 0
-        while a < labels and drafts[a] == greedy[a]:
-            a += 1
-        emitted = greedy[: min(a + 1, remaining)]
+        ids_L = torch.tensor(prompt + out + drafts.tokens, device=device)
+        if sampling.greedy:
+            next_L, hidden_LKH = verifier(ids_L)
+            a, emitted = _accept_greedy(drafts.tokens, next_L[p : p + S + 1].tolist(), labels)
+        else:  # rows: the target's distribution after the anchor and after each draft
+            logits_XV, hidden_LKH = verifier.next_token_logits(ids_L, S + 1)
+            a, emitted = verify_drafts(serving_probs(logits_XV, sampling), drafts.tokens, drafts.q, labels, generator)
+        emitted = emitted[:remaining]
         out += emitted
         result.step_tokens.append(len(emitted))
         result.step_accepted.append(a)
@@ -129,16 +193,43 @@ def speculative_generate(
     return result
 
 
+def _accept_greedy(drafts: list[int], greedy: list[int], num_labels: int) -> tuple[int, list[int]]:
+    """(accepted a, emitted tokens): the longest prefix of drafts equal to the target's greedy tokens
+    (greedy[k]: its token after slot k), within num_labels, then the target's next token."""
+    a = 0
+    while a < num_labels and drafts[a] == greedy[a]:
+        a += 1
+    return a, greedy[: a + 1]
+
+
 @torch.no_grad()
-def greedy_generate(verifier: Verifier, prompt: list[int], max_new_tokens: int) -> Decoded:
-    """Plain greedy decoding with the same verifier (one target forward per token)."""
+def plain_generate(
+    verifier: Verifier,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    sampling: SamplingConfig = GREEDY,
+    generator: torch.Generator | None = None,
+) -> Decoded:
+    """Plain decoding with the same verifier (one target forward per token): greedy, or sampled at
+    sampling's temperature, top-k and top-p."""
     device = verifier.embed_tokens_VH.device
     t0 = time.perf_counter()
     out: list[int] = []
     while len(out) < max_new_tokens:
-        next_L, _ = verifier(torch.tensor(prompt + out, device=device))
-        out.append(int(next_L[-1]))
+        out.append(_next_token(verifier, torch.tensor(prompt + out, device=device), sampling, generator)[0])
     return Decoded(out, seconds=time.perf_counter() - t0)
+
+
+def _next_token(
+    verifier: Verifier, ids_L: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+) -> tuple[int, torch.Tensor]:
+    """(the target's next token after ids_L, greedy or sampled; its tapped hidden states [L, K, H])."""
+    if sampling.greedy:
+        next_L, hidden_LKH = verifier(ids_L)
+        return int(next_L[-1]), hidden_LKH
+    logits_1V, hidden_LKH = verifier.next_token_logits(ids_L, 1)
+    return sample_token(serving_probs(logits_1V, sampling)[0], generator), hidden_LKH
 
 
 @dataclass
@@ -150,6 +241,7 @@ class DecodeReport:
     speculative_tokens_per_s: float
     greedy_tokens_per_s: float
     max_new_tokens: int = 0  # tokens decoded per prompt
+    sampling: SamplingConfig = GREEDY  # T > 0: both decodings sample, so outputs are not compared
     # The longest reply in the drafter's training cache (its export or checkpoint records it); None: unknown.
     longest_trained_response: int | None = None
 
@@ -165,7 +257,11 @@ class DecodeReport:
             "max_new_tokens": self.max_new_tokens,
             "longest_trained_response": self.longest_trained_response,
             "num_prompts": self.prompts,
-            "identical_to_greedy": self.identical,
+            "temperature": self.sampling.temperature,
+            "top_p": self.sampling.top_p,
+            "top_k": self.sampling.top_k,
+            # Sampled outputs differ from plain sampling's by their random draws: only greedy compares.
+            "identical_to_greedy": self.identical if self.sampling.greedy else None,
             "first_mismatch": self.first_mismatch,
             "speculative_tokens_per_s": self.speculative_tokens_per_s,
             "greedy_tokens_per_s": self.greedy_tokens_per_s,
@@ -175,11 +271,15 @@ class DecodeReport:
     def table(self) -> str:
         w = self.walk
         lossless = (
-            "identical to plain greedy decoding"
+            f"sampled at {self._mode()}: the target's distribution by the rejection rule (not comparable token "
+            "for token with plain sampling)"
+            if not self.sampling.greedy
+            else "identical to plain greedy decoding"
             if self.identical == self.prompts
             else f"DIFFERS from plain greedy decoding on {self.prompts - self.identical} prompts "
             f"(prompt, token): {self.first_mismatch[:5]}"
         )
+        plain = "plain greedy" if self.sampling.greedy else "plain sampling"
         warning = (
             [
                 f"WARNING: decoded {self.max_new_tokens} tokens per prompt, past the longest reply the drafter "
@@ -193,45 +293,59 @@ class DecodeReport:
         return "\n".join(
             warning
             + [
-                f"real speculative decoding with the target, {plural(self.prompts, 'prompt')}, "
+                f"real speculative decoding with the target at {self._mode()}, {plural(self.prompts, 'prompt')}, "
                 f"{plural(w.steps, 'step')}:",
-                f"  acceptance length {format_figure(w.acceptance_length, '.3f')} (mean over prompts; pooled "
+                f"  acceptance length {format_figure(w.acceptance_length, '.3f')} tokens per verify step (mean over prompts; pooled "
                 f"{format_figure(w.acceptance_length_pooled, '.3f')})",
                 f"  accepted drafts per step, 0..{len(w.accepted_histogram) - 1}: "
                 + " ".join(map(str, w.accepted_histogram)),
                 *w.context_lines(),
                 f"  output {lossless}",
-                f"  {self.speculative_tokens_per_s:.1f} tokens/s speculative vs {self.greedy_tokens_per_s:.1f} plain greedy "
+                f"  {self.speculative_tokens_per_s:.1f} tokens/s speculative vs {self.greedy_tokens_per_s:.1f} {plain} "
                 f"({self.speculative_tokens_per_s / self.greedy_tokens_per_s:.2f}x; both recompute the prefix per "
                 "target forward, same machine)",
             ]
         )
 
+    def _mode(self) -> str:
+        c = self.sampling
+        if c.greedy:
+            return "T=0 (greedy)"
+        return (
+            f"T={c.temperature:g}"
+            + (f", top-p {c.top_p:g}" if c.top_p < 1 else "")
+            + (f", top-k {c.top_k}" if c.top_k else "")
+        )
+
 
 def decode_prompts(
-    model: DFlashDrafter,
-    head: TargetHead,
+    proposer: DraftProposer,
     verifier: Verifier,
     prompts: list[list[int]],
     max_new_tokens: int,
     *,
-    context_dtype: torch.dtype | None = torch.bfloat16,
+    sampling: SamplingConfig = GREEDY,
+    seed: int = 0,
     context_edges: tuple[int, ...] = CONTEXT_BUCKETS,
 ) -> DecodeReport:
-    """Speculative and plain greedy decoding of every prompt; acceptance figures as the walk's (per
-    context_edges bucket of the anchor's position too). Progress (prompts done, tokens/s of each, ETA)
-    as a bar on a terminal, else a log line at most every 10 s."""
-    counts = WalkCounts(model.config.block_size, context_edges=context_edges)
-    identical, mismatch, spec_s, greedy_s = 0, [], 0.0, 0.0
+    """Speculative and plain decoding of every prompt; acceptance figures as the walk's (per context_edges
+    bucket of the anchor's position too). Sampled runs draw from one generator seeded with `seed` on the
+    verifier's device (the same seed, the same outputs). Progress (prompts done, tokens/s of each, ETA) as a
+    bar on a terminal, else a log line at most every 10 s."""
+    counts = WalkCounts(proposer.block_size, context_edges=context_edges)
+    identical, mismatch, spec_s, plain_s = 0, [], 0.0, 0.0
+    generator = torch.Generator(verifier.embed_tokens_VH.device).manual_seed(seed)
     progress = ProgressLog(log, None, len(prompts), desc="decoding", unit="prompt")
     for i, prompt in enumerate(prompts):
-        spec = speculative_generate(model, head, verifier, prompt, max_new_tokens, context_dtype=context_dtype)
-        plain = greedy_generate(verifier, prompt, max_new_tokens)
-        spec_s, greedy_s = spec_s + spec.seconds, greedy_s + plain.seconds
-        _report(progress, i + 1, max_new_tokens, spec_s, greedy_s)
+        spec = speculative_generate(proposer, verifier, prompt, max_new_tokens, sampling=sampling, generator=generator)
+        plain = plain_generate(verifier, prompt, max_new_tokens, sampling=sampling, generator=generator)
+        spec_s, plain_s = spec_s + spec.seconds, plain_s + plain.seconds
+        _report(
+            progress, i + 1, max_new_tokens, spec_s, plain_s, "plain greedy" if sampling.greedy else "plain sampling"
+        )
         if spec.tokens == plain.tokens:
             identical += 1
-        else:
+        elif sampling.greedy:
             mismatch.append((i, next(j for j, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b)))
         for a, labels, tokens, position in zip(
             spec.step_accepted, spec.step_labels, spec.step_tokens, spec.step_positions, strict=True
@@ -243,12 +357,19 @@ def decode_prompts(
     progress.close()
     total = len(prompts) * max_new_tokens
     return DecodeReport(
-        counts, len(prompts), identical, mismatch, total / spec_s, total / greedy_s, max_new_tokens=max_new_tokens
+        counts,
+        len(prompts),
+        identical,
+        mismatch,
+        total / spec_s,
+        total / plain_s,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
     )
 
 
-def _report(progress: ProgressLog, done: int, max_new_tokens: int, spec_s: float, greedy_s: float) -> None:
-    rates = f"{done * max_new_tokens / spec_s:.1f} tokens/s speculative, {done * max_new_tokens / greedy_s:.1f} plain greedy"
+def _report(progress: ProgressLog, done: int, max_new_tokens: int, spec_s: float, plain_s: float, plain: str) -> None:
+    rates = f"{done * max_new_tokens / spec_s:.1f} tokens/s speculative, {done * max_new_tokens / plain_s:.1f} {plain}"
     eta = f"ETA {format_duration(progress.eta(done))}"
     progress.report(
         {},
@@ -260,7 +381,7 @@ def _report(progress: ProgressLog, done: int, max_new_tokens: int, spec_s: float
 
 
 def _rows(path: Path):
-    """(where, row) per line of a JSON Lines file, or per row of a Parquet file (input_ids, loss_mask)."""
+    """(where, index, row) per line of a JSON Lines file, or per row of a Parquet file (input_ids, loss_mask)."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -270,25 +391,35 @@ def _rows(path: Path):
         for n, row in enumerate(
             table.select([c for c in ("input_ids", "loss_mask") if c in table.column_names]).to_pylist()
         ):
-            yield f"--prompts {path} row {n}", row
+            yield f"--prompts {path} row {n}", n, row
         return
     try:
         for n, row in iter_json_lines(path):
-            yield f"--prompts {path} line {n}", row
+            yield f"--prompts {path} line {n}", n, row
     except InputFileError as e:
         raise ValueError(
             f'--prompts {e}; write one list of token ids or one {{"input_ids": [...]}} object per line'
         ) from None
 
 
-def read_prompts(path: str | Path, vocab_size: int, max_prompts: int = 0) -> list[list[int]]:
-    """The first `max_prompts` prompts (0 = all) of a JSON Lines file (each line a list of token ids, or
-    an object with "input_ids" and optionally "loss_mask": the prompt is then the tokens before the
-    first supervised one, as in the dataset) or of a Parquet dataset with those columns."""
+def read_prompts(
+    path: str | Path, vocab_size: int, max_prompts: int = 0, render: PromptRender | None = None
+) -> list[list[int]]:
+    """The first `max_prompts` prompts (0 = all) of a JSON Lines file (each line a list of token ids, an
+    object with "input_ids" and optionally "loss_mask": the prompt is then the tokens before the first
+    supervised one, as in the dataset, or a conversation ("messages" or "conversations"), rendered by
+    `render` with the target's chat template up to its last reply) or of a Parquet dataset of token rows."""
     prompts = []
-    for where, row in _rows(Path(path)):
+    for where, index, row in _rows(Path(path)):
         if max_prompts and len(prompts) == max_prompts:
             break
+        if isinstance(row, dict) and "input_ids" not in row and ("messages" in row or "conversations" in row):
+            if render is None:
+                raise ValueError(
+                    f"{where}: a conversation, which needs the target's chat template: run the `dflash-train` "
+                    "console script (it renders them), or give token ids"
+                )
+            row = render(row, str(path), index)
         ids = row.get("input_ids") if isinstance(row, dict) else row
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
             raise ValueError(f"{where}: expected a non-empty list of token ids (or an object with input_ids)")

@@ -93,7 +93,14 @@ def test_regenerate_turn_by_turn_equals_greedy_reference(target, chat_model, tmp
                 assert m["content"] == _greedy_reference(target, model, tokenizer, messages[:k])
                 assert m["content"] != "old answer" and "reasoning_content" not in m
     meta = json.loads(Path(f"{out}.regenerate.json").read_text())
-    assert meta == {"model": "tiny", "temperature": 0.0, "max_tokens": MAX_TOKENS, "thinking": "off", "seed": None}
+    assert meta == {
+        "model": "tiny",
+        "temperature": 0.0,
+        "max_tokens": MAX_TOKENS,
+        "thinking": "off",
+        "seed": None,
+        "template_kwargs": {},
+    }
 
 
 def test_thinking_on_keeps_reasoning(chat_model, tmp_path):
@@ -174,7 +181,7 @@ def test_prepare_reads_a_regenerate_folder_without_its_sidecar_and_names_a_think
         result = CliRunner().invoke(data_cli, args)
     assert result.exit_code == 0, result.output  # the folder's out.jsonl.regenerate.json is no data
     assert pq.read_table(tokens).num_rows == 2
-    assert "regenerated with thinking off but is rendered with --thinking on" in caplog.text
+    assert "regenerated with thinking off but is rendered with thinking on" in caplog.text
 
 
 def test_retries_after_5xx_and_timeouts(chat_model, tmp_path):

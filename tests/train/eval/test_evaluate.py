@@ -143,14 +143,9 @@ def test_held_out_eval_runs_every_epoch_by_default(tmp_path):
 
 
 def test_the_mode_a_cache_was_rendered_in_names_thinking_and_template_keywords():
-    from shards.format import DatasetRecord
     from train.eval.evaluate import cache_mode
 
-    def cfg(prepared):
-        dataset = DatasetRecord(path="d", fingerprint="f", num_samples=1, num_tokens=1, prepared=prepared)
-        return SimpleNamespace(dataset=dataset)
-
-    assert cache_mode(cfg(None)) is None and cache_mode(SimpleNamespace(dataset=None)) is None
-    assert cache_mode(cfg({"from": "conversations", "thinking": "off", "tokenizer_sha256": "x"})) == "thinking=off"
+    assert cache_mode(SimpleNamespace(chat_mode=None)) is None
+    assert cache_mode(SimpleNamespace(chat_mode={"thinking": "off", "template_kwargs": {}})) == "thinking off"
     both = {"thinking": "on", "template_kwargs": {"reasoning_effort": "high"}}
-    assert cache_mode(cfg(both)) == "reasoning_effort=high,thinking=on"
+    assert cache_mode(SimpleNamespace(chat_mode=both)) == 'thinking on, reasoning_effort="high"'

@@ -28,8 +28,9 @@ from train.drafter.model import TargetHead
 from train.eval.evaluate import evaluate_drafter
 from train.eval.run import load_drafter
 from train.eval.speculative import (
+    ChainProposer,
     decode_prompts,
-    greedy_generate,
+    plain_generate,
     read_prompts,
     speculative_generate,
 )
@@ -66,8 +67,8 @@ def test_speculative_output_equals_plain_greedy(setup):
     accepted = 0
     for s in samples[:6]:
         prompt = s.input_ids[: int(s.loss_mask.argmax())].tolist()
-        spec = speculative_generate(model, head, verifier, prompt, NEW_TOKENS)
-        plain = greedy_generate(verifier, prompt, NEW_TOKENS)
+        spec = speculative_generate(ChainProposer(model, head), verifier, prompt, NEW_TOKENS)
+        plain = plain_generate(verifier, prompt, NEW_TOKENS)
         assert spec.tokens == plain.tokens
         assert spec.tokens == s.input_ids[len(prompt) :].tolist(), "the data are the target's greedy continuation"
         assert sum(spec.step_tokens) == NEW_TOKENS - 1, "after the prefill token, the steps emit the rest exactly"
@@ -97,7 +98,7 @@ def test_walk_equals_real_speculative_decoding_on_target_greedy_data(setup):
     verifier = TargetVerifier(target, cfg.tap_layer_ids, "cpu", torch.float32)
     head = TargetHead(verifier.embed_tokens_VH, verifier.lm_head_VH)
     prompts = [s.input_ids[: int(s.loss_mask.argmax())].tolist() for s in samples]
-    report = decode_prompts(model, head, verifier, prompts, NEW_TOKENS, context_edges=edges)
+    report = decode_prompts(ChainProposer(model, head), verifier, prompts, NEW_TOKENS, context_edges=edges)
     assert report.identical == len(prompts)
     got, want = report.walk, walk.walk
     assert want.responses == len(samples)
@@ -183,3 +184,27 @@ def test_read_prompts_from_a_parquet_dataset(tmp_path):
     assert len(read_prompts(tmp_path / "d.parquet", 64, max_prompts=2)) == 2
     with pytest.raises(ValueError, match="row 2: token ids \\[5, 6\\] outside the vocabulary"):
         read_prompts(tmp_path / "d.parquet", 5)
+
+
+def test_eval_cli_samples_at_a_temperature_reproducibly(setup, tmp_path):
+    root, target, samples = setup
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps(s.input_ids[: int(s.loss_mask.argmax())].tolist()) + "\n" for s in samples[:2])
+    )
+    base = ["eval", "--drafter", str(root / "run"), "--target", str(target), "--prompts", str(prompts)]
+    args = [*base, "--max-new-tokens", "12", "--dtype", "float32", "--temperature", "0.8", "--top-k", "20"]
+    runs = []
+    for n in range(2):  # the same --seed: the same draws, the same figures
+        res = CliRunner().invoke(train_cli, [*args, "--out", str(tmp_path / f"{n}.json")], obj=entry_point())
+        assert res.exit_code == 0, res.output
+        runs.append(json.loads((tmp_path / f"{n}.json").read_text())["speculative_decoding"])
+    assert "at T=0.8, top-k 20" in res.output and "the target's distribution by the rejection rule" in res.output
+    keys = ("acceptance_length", "accepted_histogram", "temperature", "top_k", "identical_to_greedy")
+    assert [runs[0][k] for k in keys] == [runs[1][k] for k in keys]
+    assert runs[0]["temperature"] == 0.8 and runs[0]["identical_to_greedy"] is None
+    mode = json.loads((tmp_path / "0.json").read_text())["chat_mode"]
+    assert mode == {"thinking": "on", "template_kwargs": {}}  # the defaults: the mode evaluated is recorded
+    assert 1.0 <= runs[0]["acceptance_length"] <= 4.0  # tokens per verify step, block size 4
+    res = CliRunner().invoke(train_cli, [*base, "--top-p", "0.9"], obj=entry_point())
+    assert res.exit_code == 2 and "--temperature 0 is greedy" in res.output, res.output
