@@ -6,7 +6,7 @@ its --help); a bad value is refused naming the flag and the value given.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -14,6 +14,7 @@ from extract.chats.prepare import Thinking
 from extract.dataset.index import LONG_SEQ_POLICIES, LongSeqPolicy
 from extract.dataset.packing import PackingConfig
 from shards.common.cli_options import cli_field, config_error
+from shards.common.compile_cache import CompileCacheConfig
 from shards.format import STORAGE_DTYPES, StorageDtype, canonical_precision
 from shards.sample_ids import MAX_SHARD_SAMPLES
 
@@ -83,6 +84,8 @@ class ExtractConfig:
     """Seconds between progress lines (0 = after every batch)."""
     writer_buffers: int = 2
     """Pinned host buffers cycling between the forward and the writer thread."""
+    compile: CompileCacheConfig = field(default_factory=CompileCacheConfig)
+    """Where the compiled pointwise functions and tuned Triton kernels persist (--compile-cache DIR)."""
 
     def __post_init__(self) -> None:
         # Either spelling of bf16 is taken; the canonical one is stored (shards/format.py says why two).

@@ -47,6 +47,7 @@ from extract.target.kernels import select_kernels
 from extract.target.model import TargetModel
 from extract.writer import AsyncShardWriter
 from shards import CacheConfig, SampleEntry, ShardReader, read_cache_config, write_manifest
+from shards.common.compile_cache import use_compile_cache
 from shards.common.durable import check_writable
 from shards.common.errors import Stopped
 from shards.common.lock import DirectoryLock
@@ -256,6 +257,8 @@ class ExtractionStopped(Stopped, RuntimeError):
 def _extract(cfg, cache_cfg, index, todo, device, dist_info, stop: SigtermFlag | None = None) -> ExtractSummary:
     if not todo:
         return ExtractSummary(cfg.out_dir, cache_cfg.planned_batches, 0, 0, 0, 0.0, 0.0, 0)
+    if device.type == "cuda":  # where the forward compiles; before select_kernels imports fla
+        use_compile_cache(cfg.compile)
     kernels = select_kernels(device, allow_slow_kernels=cfg.allow_slow_kernels)
     with_head = cfg.target_topk > 0
     model = TargetModel.from_pretrained(

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from shards import ShardReader, load_target_head
+from shards.common.compile_cache import use_compile_cache
 from shards.common.durable import atomic_write_text, check_writable
 from shards.common.lock import DirectoryLock
 from shards.common.owned import Dir, describe
@@ -89,6 +90,8 @@ def _train(cfg: TrainConfig) -> TrainSummary:
     check_run_dir(cfg.out_dir, cfg.cache)
     check_writable(cfg.out_dir, f"--out {cfg.out_dir}")
     device = resolve_device(cfg.device, 0)
+    if device.type == "cuda" or cfg.compile_pointwise:  # where the step compiles
+        use_compile_cache(cfg.compile)
     if cfg.attention == "flex" and device.type != "cuda":
         raise ValueError(
             f"--attention flex on {device}: FlexAttention has no backward pass off CUDA, so it cannot train "

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shards.common.cli_options import at_least, cli_field, config_error
+from shards.common.compile_cache import CompileCacheConfig
 from shards.format import canonical_precision
 
 
@@ -50,6 +51,8 @@ class EvalConfig:
     """Decode only the first N prompts of --prompts; 0 = all."""
     max_new_tokens: int = 64
     """Tokens generated per prompt by --target decoding (speculative and plain greedy)."""
+    compile: CompileCacheConfig = field(default_factory=CompileCacheConfig)
+    """Where the compiled flex attention persists between runs (--compile-cache DIR)."""
 
     def __post_init__(self) -> None:
         self.dtype = canonical_precision(self.dtype, ("auto", "bfloat16", "float32"))  # bf16 taken too
