@@ -4,7 +4,10 @@ benchmarks' JSON).
 
 StartupClock.mark(name) closes the phase that began at the previous mark: it waits for the GPU (a phase
 is done when its kernels are), then records its seconds and, of those, the seconds torch.compile spent
-compiling in it (dynamo, AOTAutograd and inductor, from torch's own timers). What a phase spent beyond
+compiling in it (dynamo, AOTAutograd and inductor, from torch's own timers) and the graphs it compiled
+(`second_batch_graphs` would be a recompile: batches differ in length, and the token dimension is dynamic
+from the first call). The record ends with the process's compile counts (graphs, FX graph cache hits,
+misses, bypasses), which tell a warm run that loaded every graph from one that did not. What a phase spent beyond
 compiling on its first batch is the Triton kernels' JIT and autotuning (fla's, the FP8 feed kernels') and
 the work itself. `since_process_start_s` counts from the process's start (Python's imports included),
 which is what a user waits for.
@@ -19,6 +22,17 @@ import time
 import torch
 
 log = logging.getLogger(__name__)
+
+
+def compile_counts() -> dict[str, int]:
+    """What torch.compile did so far in this process: graphs compiled (a recompile is one more) and
+    inductor's FX graph cache hits, misses and bypasses (a warm run should hit every graph)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        **{f"fxgraph_cache_{k}": int(counters["inductor"][f"fxgraph_cache_{k}"]) for k in ("hit", "miss", "bypass")},
+    }
 
 
 def compile_seconds() -> float:
@@ -51,6 +65,7 @@ class StartupClock:
         self.phases: dict[str, float] = {}
         self._last = time.perf_counter()
         self._compiled = compile_seconds()
+        self._graphs = compile_counts()["graphs"]
 
     def mark(self, name: str) -> float:
         """Close phase `name` (after the GPU finished it); returns its seconds."""
@@ -61,18 +76,29 @@ class StartupClock:
         self.phases[f"{name}_s"] = round(seconds, 3)
         if compiled - self._compiled > 0.0005:
             self.phases[f"{name}_compile_s"] = round(compiled - self._compiled, 3)
-        self._last, self._compiled = now, compiled
+        graphs = compile_counts()["graphs"]
+        if graphs > self._graphs:  # a phase after the first batch or step that compiles is a recompile
+            self.phases[f"{name}_graphs"] = graphs - self._graphs
+        self._last, self._compiled, self._graphs = now, compiled, graphs
         return seconds
 
     def record(self) -> dict[str, float | None]:
         """The phases so far, and the seconds since the process started."""
         age = process_age_s()
-        return {**self.phases, "since_process_start_s": None if age is None else round(age, 3)}
+        return {
+            **self.phases,
+            "since_process_start_s": None if age is None else round(age, 3),
+            "compile_counts": compile_counts(),
+        }
 
     def log(self, what: str) -> dict[str, float | None]:
         """One line naming every phase; returns record()."""
         record = self.record()
-        parts = [f"{name[:-2].replace('_', ' ')} {seconds:.1f}s" for name, seconds in self.phases.items()]
+        parts = [
+            f"{name[:-2].replace('_', ' ')} {seconds:.1f}s"
+            for name, seconds in self.phases.items()
+            if name.endswith("_s")
+        ]
         since = record["since_process_start_s"]
         log.info("start-up of %s: %s%s", what, ", ".join(parts), "" if since is None else f"; {since:.1f}s since start")
         return record

@@ -65,11 +65,20 @@ def table(records: dict[str, dict[str, dict]]) -> str:
     """Phases as rows, cold and warm per stage as columns; the goal line per stage."""
     lines = []
     for stage, runs in records.items():
-        phases = [p for p in dict.fromkeys(k for r in runs.values() for k in r) if p.endswith("_s")]
+        phases = [p for p in dict.fromkeys(k for r in runs.values() for k in r) if p.endswith(("_s", "_graphs"))]
         lines.append(f"{stage:<28} {'cold':>9} {'warm':>9}")
         for phase in phases:
             cells = [runs.get(run, {}).get(phase) for run in RUNS]
             lines.append(f"  {phase:<26} " + " ".join(f"{c:>9.1f}" if c is not None else f"{'-':>9}" for c in cells))
+        counts = [runs.get(run, {}).get("compile_counts") or {} for run in RUNS]
+        lines.append(
+            "  graphs / FX cache hit, miss, bypass: "
+            + "; ".join(
+                f"{run} {c.get('graphs', '-')} / {c.get('fxgraph_cache_hit', '-')}, {c.get('fxgraph_cache_miss', '-')}, "
+                f"{c.get('fxgraph_cache_bypass', '-')}"
+                for run, c in zip(RUNS, counts)
+            )
+        )
         key, limit = GOALS[stage]
         warm = runs.get("warm", {}).get(key)
         verdict = "-" if warm is None else ("met" if warm <= limit else "NOT met")
