@@ -13,9 +13,12 @@ PTX compiles and the autotuning benchmarks, which are most of a cold start.
 
 Two ranks may share the directory: every writer in it (inductor's write_atomic, Triton's
 FileCacheManager.put) writes a temporary of a unique name and renames it over the entry, so a reader
-sees a whole entry or none, and two ranks writing the same entry write the same bytes. A damaged entry
-(a truncated pickle, a foreign file) is a cache miss to inductor: it logs, compiles again and writes the
-entry anew (tests/shards/common/test_compile_cache.py checks reuse, two ranks and a damaged entry).
+sees a whole entry or none, and two ranks writing the same entry write the same bytes. A damaged FX graph
+or AOTAutograd entry (a truncated pickle, a foreign file) is a cache miss to inductor: it logs, compiles
+again and writes the entry anew (tests/shards/common/test_compile_cache.py checks reuse, two ranks and a
+damaged entry). A damaged generated module (inductor's .py / .so, named by the hash of its source) is
+not: inductor loads what is at that name, and the compile fails; --no-compile-cache runs past it (a
+private folder), and removing the directory rebuilds it.
 
 The directories are made through shards.common.owned.Dir: the default's dflash-pipeline/compile and, in
 any cache directory, inductor/ and triton/ are ours, and a link planted where one of them belongs is
@@ -26,8 +29,11 @@ not a name a link could later redirect.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,8 +57,8 @@ class CompileCacheConfig:
     by every run and rank that names it. Default: XDG_CACHE_HOME/dflash-pipeline/compile
     (~/.cache/dflash-pipeline/compile)."""
     no_compile_cache: bool = cli_field(False, identity=False)
-    """Compile from scratch: no compiled graph or autotuning result is read or kept (Triton's own kernel
-    cache stays where Triton keeps it)."""
+    """Compile from scratch: no compiled graph, kernel or autotuning result is read or kept (all of it goes
+    to a private temporary folder, removed at exit)."""
 
     def __post_init__(self) -> None:
         if self.no_compile_cache and self.compile_cache is not None:
@@ -82,7 +88,16 @@ def use_compile_cache(cfg: CompileCacheConfig) -> str | None:
     # Every triton.autotune keeps its timings (Triton's knob; fla-core reads its own variable at import).
     os.environ["TRITON_CACHE_AUTOTUNING"] = os.environ["FLA_CACHE_RESULTS"] = "1" if enabled else "0"
     if not enabled:
-        log.info("compile cache: off (--no-compile-cache): every compile and autotuning runs from scratch")
+        # Inductor reuses any generated module already at its content-hash name, even with its caches off:
+        # a private folder, removed at exit, is what makes "from scratch" true (and what gets a run past
+        # a damaged cache directory).
+        scratch = tempfile.mkdtemp(prefix="dflash-compile-")
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch, INDUCTOR_DIR)
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(scratch, TRITON_DIR)
+        log.info(
+            "compile cache: off (--no-compile-cache): every compile and autotuning runs from scratch in %s", scratch
+        )
         return None
     root = _open_root(cfg.compile_cache)
     with root:

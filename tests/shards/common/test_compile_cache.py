@@ -136,7 +136,12 @@ def test_off_switches_the_persistent_caches_off(restored_settings):
 
     assert use_compile_cache(CompileCacheConfig(no_compile_cache=True)) is None
     assert not torch._inductor.config.fx_graph_cache and not functorch_config.enable_autograd_cache
-    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "0"
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "0" and os.environ["FLA_CACHE_RESULTS"] == "0"
+    # Nothing from an earlier run can be loaded: a new private folder each time.
+    inductor_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    assert not os.path.exists(inductor_dir) and os.path.basename(os.path.dirname(inductor_dir)).startswith("dflash-")
+    use_compile_cache(CompileCacheConfig(no_compile_cache=True))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] != inductor_dir
 
 
 def test_both_flags_are_refused_naming_them(tmp_path):
