@@ -33,6 +33,7 @@ from shards import (
     read_cache_config,
     write_target_head,
 )
+from shards.common.cli_options import to_options
 from shards.common.errors import UserError
 from shards.common.identity import differences
 from shards.common.lock import DirectoryLock
@@ -107,7 +108,7 @@ def build_cache_config(
             prepared=prepared,
             longest_response=index.report.longest_response,
         ),
-        provenance={**provenance(), "extract_config": {k: v for k, v in vars(cfg).items()}},
+        provenance={**provenance(), "extract_config": to_options(cfg)},
     )
 
 
