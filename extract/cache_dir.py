@@ -35,6 +35,7 @@ from shards import (
     read_cache_config,
     write_target_head,
 )
+from shards.common.cli_options import to_options
 from shards.common.errors import UserError
 from shards.common.identity import differences
 from shards.common.lock import DirectoryLock
@@ -113,7 +114,7 @@ def build_cache_config(
             longest_response=index.report.longest_response,
         ),
         pieces=_pieces_record(cfg, plan),
-        provenance={**provenance(), "extract_config": {k: v for k, v in vars(cfg).items()}},
+        provenance={**provenance(), "extract_config": to_options(cfg)},
         projection=_projection_record(cfg),
         chat_mode=serving_mode(cfg.data, prepared),
     )

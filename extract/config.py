@@ -7,7 +7,7 @@ its --help); a bad value is refused naming the flag and the value given.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -17,6 +17,7 @@ from extract.dataset.packing import PackingConfig
 from extract.drafter_taps import read_drafter_taps
 from shards.common.chat_mode import parse_template_kwargs
 from shards.common.cli_options import cli_field, config_error
+from shards.common.compile_cache import CompileCacheConfig
 from shards.format import (
     PROJECTION_NORMALIZE,
     STORAGE_DTYPES,
@@ -127,6 +128,8 @@ class ExtractConfig:
     """Seconds between progress lines (0 = after every batch)."""
     writer_buffers: int = 2
     """Pinned host buffers cycling between the forward and the writer thread."""
+    compile: CompileCacheConfig = field(default_factory=CompileCacheConfig)
+    """Where the compiled pointwise functions and tuned Triton kernels persist (--compile-cache DIR)."""
 
     def __post_init__(self) -> None:
         # Either spelling of bf16 is taken; the canonical one is stored (shards/format.py says why two).

@@ -15,6 +15,7 @@ Order of work, so that mistakes cost seconds and not GPU hours:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ from extract.target.kernels import select_kernels
 from extract.target.model import TargetModel
 from extract.writer import AsyncShardWriter
 from shards import CacheConfig, SampleEntry, ShardReader, read_cache_config, write_cache_config, write_manifest
+from shards.common.compile_cache import use_compile_cache
 from shards.common.durable import check_writable
 from shards.common.errors import Stopped, UserError
 from shards.common.lock import DirectoryLock
@@ -65,6 +67,7 @@ from shards.common.owned import Dir
 from shards.common.progress import ProgressLog, format_bytes, format_duration, is_interactive, plural
 from shards.common.runtime import DistInfo, all_gather_objects, barrier, process_group_scope, resolve_device
 from shards.common.sigterm import SigtermFlag
+from shards.common.startup import StartupClock
 from shards.format import CACHE_CONFIG_FILE, MANIFEST_FILE, bytes_per_shard
 from shards.ownership import LOGS_DIR
 from shards.projection import load_projection, write_projection
@@ -108,6 +111,7 @@ class ExtractSummary:
     progress_log: str | None = None  # this rank's JSONL progress records, when it extracted anything
     rank: int = 0  # the rank this summary belongs to; rank 0's covers `ranks` ranks
     ranks: int = 1
+    startup: dict = dataclasses.field(default_factory=dict)  # seconds per start-up phase (shards/common/startup.py)
 
     @property
     def tokens_per_s(self) -> float:
@@ -285,12 +289,16 @@ def _extract(
 ) -> ExtractSummary:
     if not todo:
         return ExtractSummary(cfg.out_dir, cache_cfg.planned_batches, 0, 0, 0, 0.0, 0.0, 0)
+    clock = StartupClock(device)  # with a projection, rank 0 loaded the target before: its weights took no time here
     model = model or _load_target(cfg, cache_cfg, device)
+    clock.mark("weights")
     writer = AsyncShardWriter(cfg.out_dir, cache_cfg, device, num_buffers=cfg.writer_buffers)
-    return extract_batches(model, cfg, cache_cfg, index, todo, device, writer, dist_info.rank, stop=stop)
+    return extract_batches(model, cfg, cache_cfg, index, todo, device, writer, dist_info.rank, stop=stop, clock=clock)
 
 
 def _load_target(cfg: ExtractConfig, cache_cfg: CacheConfig, device: torch.device) -> TargetModel:
+    if device.type == "cuda":  # where the forward compiles; before select_kernels imports fla
+        use_compile_cache(cfg.compile)
     kernels = select_kernels(device, allow_slow_kernels=cfg.allow_slow_kernels)
     with_head = cfg.target_topk > 0
     return TargetModel.from_pretrained(
@@ -363,9 +371,12 @@ def extract_batches(
     writer: ShardSink,
     rank: int = 0,
     stop: SigtermFlag | None = None,
+    clock: StartupClock | None = None,
 ) -> ExtractSummary:
     """Run `model` over `todo` and hand each batch's states to `writer` (an AsyncShardWriter; the
-    benchmark passes one that discards, to time the forward alone); closes `writer`.
+    benchmark passes one that discards, to time the forward alone); closes `writer`. `clock` (its
+    phases so far, e.g. the weights') gets the first two batches, each waited for (compile and tuning
+    fall in the first; the second is a steady one to set it against), logged and recorded.
 
     The loop only launches work: loading batch i+1 from the dataset overlaps the GPU's forward of
     batch i, and the writer thread's disk writes overlap both.
@@ -381,6 +392,7 @@ def extract_batches(
         records = logs.open_append(jsonl.name)
     progress = ProgressLog(log, records, len(todo), interval_s, bar=interactive and rank == 0, desc=f"rank {rank}")
     real_tokens = 0
+    startup: dict = {}  # the clock's record, once the first batches are done
     try:
         started = 0
         whole = None  # the long sample whose pieces are being written: (its first batch, sample, states)
@@ -408,6 +420,11 @@ def extract_batches(
             ]
             writer.submit(batch.batch_id, arrays, hidden, topk, samples)
             real_tokens += n
+            if clock is not None and done <= 2:
+                clock.mark("first_batch" if done == 1 else "second_batch")
+                if done == min(2, len(todo)):
+                    startup = clock.log(f"rank {rank}'s extraction")
+                    records.write(json.dumps({"rank": rank, "event": "startup", **startup}) + "\n")
             if done < len(todo):
                 _report(progress, done, len(todo), real_tokens, writer, cfg.token_budget, rank, force=False)
         writer.close()
@@ -436,6 +453,7 @@ def extract_batches(
         padding_efficiency=real_tokens / (len(todo) * cfg.token_budget),
         bytes_written=writer.bytes_written,
         progress_log=str(jsonl),
+        startup=startup,
     )
 
 

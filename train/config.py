@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from shards.common.cli_options import at_least, cli_field, config_error, to_options
+from shards.common.compile_cache import CompileCacheConfig
 from shards.format import canonical_precision
 from train.drafter.config import DrafterConfig, DrafterOptions
 from train.eval.config import TrainEvalConfig
@@ -105,6 +106,8 @@ class TrainConfig:
     """Host shard buffers of the background loader (read-ahead = N - 1 shards)."""
     drafter: DrafterOptions = field(default_factory=DrafterOptions)
     """The drafter's shape as far as pinned (--mask-token-id ... --init-from); the rest is derived."""
+    compile: CompileCacheConfig = field(default_factory=CompileCacheConfig)
+    """Where the step's compiled regions (pointwise, flex attention, loss) persist (--compile-cache DIR)."""
 
     def __post_init__(self) -> None:
         self.compute_dtype = canonical_precision(self.compute_dtype, ("bfloat16", "float32"))  # bf16 taken too

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from shards import ShardReader, load_target_head
+from shards.common.compile_cache import use_compile_cache
 from shards.common.durable import atomic_write_text, check_writable
 from shards.common.lock import DirectoryLock
 from shards.common.owned import Dir, describe
@@ -39,6 +40,7 @@ from shards.common.runtime import (
     rank_info,
     resolve_device,
 )
+from shards.common.startup import StartupClock
 from train.checkpoint.async_save import CheckpointWriter
 from train.checkpoint.serving import trained_for
 from train.checkpoint.store import (
@@ -89,6 +91,8 @@ def _train(cfg: TrainConfig) -> TrainSummary:
     check_run_dir(cfg.out_dir, cfg.cache)
     check_writable(cfg.out_dir, f"--out {cfg.out_dir}")
     device = resolve_device(cfg.device, 0)
+    if device.type == "cuda" or cfg.compile_pointwise:  # where the step compiles
+        use_compile_cache(cfg.compile)
     if cfg.attention == "flex" and device.type != "cuda":
         raise ValueError(
             f"--attention flex on {device}: FlexAttention has no backward pass off CUDA, so it cannot train "
@@ -139,6 +143,7 @@ def _train(cfg: TrainConfig) -> TrainSummary:
 class Trainer:
     def __init__(self, cfg: TrainConfig, run: ResolvedRun, dist_info: DistInfo, device: torch.device):
         self.cfg, self.run, self.dist, self.device = cfg, run, dist_info, device
+        self.clock = StartupClock(device)  # start-up per phase, logged and recorded after the first step
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.use_graphs = device.type == "cuda" and cfg.cuda_graphs is not False
@@ -168,6 +173,7 @@ class Trainer:
         head = load_target_head(cfg.cache)
         self.state = build_step_state(cfg, run, head, device, rank=dist_info.rank)
         self.model, self.head, self.batch = self.state.model, self.state.head, self.state.batch
+        self.clock.mark("model")  # the drafter built (or loaded), the target's head loaded
         self.generator = self.state.generator
         self.reader = ShardReader(cfg.cache)
         self.step, self.epoch, self.cursor, tokens_seen, skipped = 0, 0, 0, 0, 0
@@ -233,7 +239,7 @@ class Trainer:
         self.skipped: list[tuple[int, str]] = []
         self._last_record: dict[str, Any] | None = None
         self._logged_step = -1
-        self.runner = StepRunner(self.state, cuda_graphs=self.use_graphs)
+        self.runner = StepRunner(self.state, cuda_graphs=self.use_graphs, clock=self.clock)
 
     # ---- setup ---------------------------------------------------------------------------------
     def _rng_state(self) -> dict[str, str | None]:
@@ -291,11 +297,19 @@ class Trainer:
         log.info("resume: %s (step %d, epoch %d, shard %d of the epoch)", ckpt.path, self.step, self.epoch, self.cursor)
         return st["tokens_seen"], st["skipped_shards"]
 
+    def _record_startup(self) -> None:
+        """The first step done: start-up per phase into the log and metrics.jsonl (one host sync, once)."""
+        self.clock.mark("first_step")
+        record = self.clock.log(f"rank {self.dist.rank}'s training") if self.dist.is_main else self.clock.record()
+        self.metrics.write_event({"event": "startup", "step": self.step, **record})
+
     # ---- the loop ------------------------------------------------------------------------------
     def train(self) -> TrainSummary:
         run = self.run
         # A fresh run measures its starting point, so every run reports what training bought.
         eval_before = self._evaluate() if run.eval_ids and self.step == 0 else None
+        if eval_before is not None:
+            self.clock.mark("eval_before")
         batches = self._batches()
         stopped = False
         try:
@@ -359,6 +373,8 @@ class Trainer:
 
             self.step += 1
             self.runner.run(with_metrics=self.metrics.should_compute_metrics(self.step))
+            if self.step == self.step_at_start + 1:
+                self._record_startup()
             self.checkpoints.poll()  # a background write that finished: reported, or its error raised
 
             done = self.step >= run.total_steps

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from shards.common.startup import StartupClock
 from shards.projection import applied_matrix, load_projection
 from train.batch import StaticBatch
 from train.blocks import anchor_seed, sample_blocks
@@ -201,11 +202,13 @@ def _persistent_tensors(s: StepState) -> list[torch.Tensor]:
 class StepRunner:
     """Runs train_step eagerly, or replays its captured CUDA graphs."""
 
-    def __init__(self, state: StepState, *, cuda_graphs: bool, warmup_iters: int = 3):
+    def __init__(
+        self, state: StepState, *, cuda_graphs: bool, warmup_iters: int = 3, clock: StartupClock | None = None
+    ):
         self.state = state
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         if cuda_graphs:
-            self._capture(warmup_iters)
+            self._capture(warmup_iters, clock or StartupClock(state.batch.device))
 
     def run(self, *, with_metrics: bool) -> None:
         if self.graphs:
@@ -213,7 +216,7 @@ class StepRunner:
         else:
             train_step(self.state, with_metrics=with_metrics)
 
-    def _capture(self, warmup_iters: int) -> None:
+    def _capture(self, warmup_iters: int, clock: StartupClock) -> None:
         """Warm up on a side stream, capture both variants, then restore every state tensor.
 
         Warm-up and capture really execute steps (optimizer included); the snapshot taken before and
@@ -226,10 +229,13 @@ class StepRunner:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(warmup_iters):
+            for i in range(warmup_iters):
                 for with_metrics in (False, True):
                     train_step(s, with_metrics=with_metrics)
+                if i == 0:  # the first pass compiles (or loads from the compile cache) and tunes
+                    clock.mark("compile")
         torch.cuda.current_stream(device).wait_stream(side)
+        clock.mark("warmup")
         pool = None
         for with_metrics in (False, True):
             graph = torch.cuda.CUDAGraph()
@@ -238,6 +244,7 @@ class StepRunner:
             pool = graph.pool()
             self.graphs[with_metrics] = graph
         torch.cuda.synchronize(device)
+        clock.mark("capture")
         for live, saved in zip(_persistent_tensors(s), snapshot):
             live.copy_(saved)
         torch.cuda.set_rng_state(rng, device)

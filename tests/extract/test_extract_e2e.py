@@ -18,6 +18,7 @@ from extract.runner import run_extract
 from extract.target.model import TargetModel
 from extract.writer import NonFiniteHiddenError
 from shards import ShardReader, decode_hidden, read_manifest
+from shards.common.cli_options import to_options
 from shards.inspect import verify_cache
 from tests.helpers.extract import all_tensors, cli_args, extract_cfg, make_samples
 from tests.helpers.process import REPO, torchrun_command
@@ -77,6 +78,7 @@ def test_sigkill_then_resume_gives_identical_cache(target, data, tmp_path):
             import shards.writer as w
             from extract.config import ExtractConfig
             from extract.runner import run_extract
+            from shards.common.cli_options import from_options
             count = [0]
             real = w.write_container
             def dying(f, tensors, meta):
@@ -87,7 +89,7 @@ def test_sigkill_then_resume_gives_identical_cache(target, data, tmp_path):
                 real(f, tensors, meta)
             w.write_container = dying
             import json
-            run_extract(ExtractConfig(**json.loads({json.dumps(vars(extract_cfg(target, data, out)))!r})))
+            run_extract(from_options(ExtractConfig, json.loads({json.dumps(to_options(extract_cfg(target, data, out)))!r})))
         """)
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
         if proc.returncode == -signal.SIGKILL:

@@ -47,6 +47,7 @@ from extract.runner import run_extract
 from extract.target.model import TargetModel
 from extract.writer import NonFiniteHiddenError
 from shards import ShardReader, shard_path
+from shards.common.cli_options import to_options
 from shards.common.owned import OwnershipError
 from shards.inspect import verify_cache
 from tests.helpers.extract import (
@@ -74,6 +75,7 @@ KILL_SCRIPT = textwrap.dedent("""
     import shards.common.durable, shards.manifest, shards.writer
     from extract.config import ExtractConfig
     from extract.target.model import TargetModel
+    from shards.common.cli_options import from_options
     from extract.runner import run_extract
 
     calls = [0]
@@ -139,7 +141,7 @@ KILL_SCRIPT = textwrap.dedent("""
         shards.manifest.atomic_write_bytes = dying_manifest
     else:
         raise SystemExit(f"unknown kill point {point}")
-    run_extract(ExtractConfig(**json.loads(cfg_json)))
+    run_extract(from_options(ExtractConfig, json.loads(cfg_json)))
     raise SystemExit("the run finished without reaching its kill point")
 """)
 
@@ -164,7 +166,7 @@ def kill_extraction(cfg, point, k, tmp_path):
     marker = tmp_path / f"killed-{point}-{k}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
     proc = subprocess.run(
-        [sys.executable, "-c", KILL_SCRIPT, json.dumps(vars(cfg)), point, str(k), str(marker)],
+        [sys.executable, "-c", KILL_SCRIPT, json.dumps(to_options(cfg)), point, str(k), str(marker)],
         capture_output=True,
         timeout=300,
         env=env,

@@ -68,6 +68,15 @@ def test_extraction_lines_are_true_and_the_plan_is_printed_once(target, data, tm
     assert f"| {format_bytes(shard_bytes)} written |" in lines[-1], (lines[-1], shard_bytes)
     records = [json.loads(x) for x in (out / "logs" / "extract-rank0.jsonl").read_text().splitlines()]
     assert records[-1]["shards_written"] == n and records[-1]["gb_written"] * 1e9 == pytest.approx(shard_bytes)
+    # Start-up per phase, recorded once (after the second batch) and in the summary, the phases in order.
+    (startup,) = [r for r in records if r.get("event") == "startup"]
+    phases = ["weights_s", "first_batch_s", "second_batch_s", "since_process_start_s", "compile_counts"]
+    assert list(summary.startup) == phases  # on CPU nothing compiles: no compile seconds, no graphs
+    assert startup == {"rank": 0, "event": "startup", **summary.startup}
+    assert all(summary.startup[k] >= 0 for k in phases[:3]) and summary.startup["since_process_start_s"] > sum(
+        summary.startup[k] for k in phases[:3]
+    )
+    assert sum(m.startswith("start-up of rank 0's extraction: weights ") for m in messages) == 1, messages
     assert summary.bytes_written == shard_bytes and summary.complete
     cache_line = next(m for m in messages if m.startswith("cache: "))
     assert "1 rank" in cache_line and "1 ranks" not in cache_line and "0.00 GB" not in cache_line

@@ -29,6 +29,9 @@ tokens/s of the sample through the target and the GPU's peak memory (issue 31).
 Also (--hf-layers > 0): HF transformers' qwen3_5 (fla when installed) on the same samples in
 length-sorted, padded batches of the same token count, on a layer subset projected to 64
 (tools/bench/hf_padded.py).
+Start-up (under "startup"): the seconds of building the weights, the FP8 conversion (--startup-only), the
+first and the second batch of the first configuration, with torch.compile's share, as dflash-extract logs
+them; --compile-cache DIR / --no-compile-cache as dflash-extract's. tools/bench/startup.py runs it cold and warm.
 
     python -m tools.bench.extract --out bench_extract.json --cache-dir /tmp/bench_cache --hf-layers 0 \
         --configs no_write,write_fp8,fp8_no_write,fp8_write_fp8 --timed-batches 6
@@ -66,6 +69,9 @@ from extract.target.options import ForwardOptions
 from extract.writer import AsyncShardWriter
 from shards import create_cache, write_cache_config
 from shards.codec import decode_hidden, encode_hidden
+from shards.common.cli_options import build_config, config_options
+from shards.common.compile_cache import CompileCacheConfig, use_compile_cache
+from shards.common.startup import StartupClock
 from shards.ownership import survey_cache
 from shards.projection import write_projection
 from tools.bench.hf_padded import hf_padded_tokens_per_s
@@ -345,6 +351,13 @@ def _zero_head(target: TargetConfig) -> dict[str, torch.Tensor]:
 @click.option(
     "--pca-sample-tokens", default=262144, show_default=True, help="Tokens the *_pca projection is estimated from."
 )
+@click.option(
+    "--startup-only",
+    is_flag=True,
+    help="Start-up as dflash-extract sees it (tools/bench/startup.py runs it cold, then warm): the first "
+    "configuration's first batches right after the weights, no FP8-vs-dense error measured before them.",
+)
+@config_options(CompileCacheConfig)
 def main(
     out_path,
     cache_dir,
@@ -359,6 +372,8 @@ def main(
     profile,
     pca_rank,
     pca_sample_tokens,
+    startup_only,
+    **compile_options,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     names = [c.strip() for c in configs.split(",") if c.strip()]
@@ -393,6 +408,8 @@ def main(
             f"the mix packs into {len(plan.batches)} batches, need {need}: raise --num-samples or lower --timed-batches"
         )
     t0 = time.perf_counter()
+    clock = StartupClock(device)  # start-up per phase: the first configuration's, as a run's
+    compile_cache = use_compile_cache(build_config(CompileCacheConfig, compile_options)) if not tiny else None
     dtype = torch.bfloat16 if use_fp8 or not tiny else torch.float32  # FP8 compute runs on bf16
     state = random_weights(target, seed=0, device=device, with_head=False, dtype=dtype, last_layer=taps[-1])
     kernels = select_kernels(device)
@@ -409,7 +426,9 @@ def main(
         "max_len": int(lengths.max()),
         "configs": names,
         "timed_batches": timed_batches,
+        "compile_cache": compile_cache,
     }
+    clock.mark("weights")  # random weights built on the device: a run loads them from disk instead
     _save(out_path, result)
     # ExtractConfig wants a checkpoint directory: give it the config alone (weights live on the GPU).
     config_dir = work / "target"
@@ -421,6 +440,9 @@ def main(
     for name in names:
         mode, storage, write, off = CONFIGS[name]
         options = ForwardOptions(**{f.name: f.name not in off for f in dataclasses.fields(ForwardOptions)})
+        if mode == "fp8" and not model.pw.fp8 and startup_only:
+            model.use_fp8_compute()
+            clock.mark("fp8_conversion")
         if mode == "fp8" and not model.pw.fp8:  # the first FP8 configuration: convert, measure the error
             t1 = time.perf_counter()
             model.set_forward_options(ForwardOptions())
@@ -462,7 +484,11 @@ def main(
         variant = f"{mode} {options}"
         if variant not in warmed:  # compile and allocator warm-up, once per compute mode and options
             warm_sink = _sink(cfg, cache_cfg, device, write, copy_stream)
-            extract_batches(model, cfg, cache_cfg, index, plan.batches[:warm], device, warm_sink)
+            first = clock if not warmed else None
+            s = extract_batches(model, cfg, cache_cfg, index, plan.batches[:warm], device, warm_sink, clock=first)
+            if first is not None:
+                result["startup"] = {"config": name, **s.startup}
+                _save(out_path, result)
             warmed.add(variant)
         sink = _sink(cfg, cache_cfg, device, write, copy_stream)
         s = extract_batches(model, cfg, cache_cfg, index, timed, device, sink)

@@ -52,7 +52,9 @@ import click
 import torch
 
 from shards import CacheConfig, TargetInfo
-from shards.common.cli_options import config_options, from_options, option_fields
+from shards.common.cli_options import build_config, config_options, from_options, option_fields
+from shards.common.compile_cache import CompileCacheConfig, use_compile_cache
+from shards.common.startup import StartupClock
 from tools.bench.kernel_profile import format_profile, profile_kernels
 from tools.bench.train_workload import (
     SIZES,
@@ -112,6 +114,7 @@ class Peaks:
 def bench_one(size: Size, mode: str, num_blocks: int, options: RunOptions, device: torch.device, peaks: Peaks) -> dict:
     """One configuration: set-up, warm-up, `options.steps` timed steps, then the optional profile."""
     steps, cuda = options.steps, device.type == "cuda"
+    clock = StartupClock(device)  # start-up per phase; the first configuration's is a fresh process's
     dcfg = drafter_config(size, options.layer_types, options.sliding_window)
     cc = CacheConfig(
         target=TargetInfo(
@@ -160,6 +163,7 @@ def bench_one(size: Size, mode: str, num_blocks: int, options: RunOptions, devic
         torch.cuda.reset_peak_memory_stats(device)
     state = build_step_state(cfg, run, head, device)
     fill_random_batch(state, size, gen, options.position_offset, dcfg.attention_window or 0)
+    clock.mark("model")
     blocks = sample_blocks(
         input_ids_T=state.batch.input_ids_T,
         position_ids_T=state.batch.position_ids_T,
@@ -174,9 +178,11 @@ def bench_one(size: Size, mode: str, num_blocks: int, options: RunOptions, devic
     state.layout.update(blocks.seq_start_N, blocks.anchor_N)
     tiles = visited_kv_tiles(state.layout)
     t_setup = time.perf_counter()
-    runner = StepRunner(state, cuda_graphs=mode == "graphs", warmup_iters=2)
-    for _ in range(2):
-        runner.run(with_metrics=False)
+    runner = StepRunner(state, cuda_graphs=mode == "graphs", warmup_iters=2, clock=clock)
+    runner.run(with_metrics=False)
+    clock.mark("first_step")
+    startup = clock.log(f"{size.name} {mode}")
+    runner.run(with_metrics=False)
     _sync(device)
     setup_s = time.perf_counter() - t_setup
     t0 = time.perf_counter()
@@ -211,6 +217,7 @@ def bench_one(size: Size, mode: str, num_blocks: int, options: RunOptions, devic
         "kv_tiles_per_q_tile": tiles,
         "peak_mem_gib": peak_mem,
         "setup_s": setup_s,
+        "startup": startup,
         "mean_loss": loss,
         "params": count_parameters(dcfg),
         "step_options": dict(options.step_options),
@@ -352,6 +359,7 @@ def _row(r: dict) -> str:
     help="cuda, or cpu (only for the tiny size: tests; eager mode, no MFU, no peak memory).",
 )
 @config_options(TrainConfig, exclude=[o.name for o in option_fields(TrainConfig) if o.name not in STEP_FIELDS])
+@config_options(CompileCacheConfig)
 def main(
     out_path: str,
     sizes: str,
@@ -366,12 +374,18 @@ def main(
     profile: bool,
     profile_steps: int,
     device_name: str,
+    compile_cache: str | None,
+    no_compile_cache: bool,
     **step_options,
 ) -> None:
     """Drafter training throughput (query tokens/s per GPU) and MFU, CUDA graphs vs eager."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
+    if device_name == "cuda":  # where the step compiles
+        use_compile_cache(
+            build_config(CompileCacheConfig, dict(compile_cache=compile_cache, no_compile_cache=no_compile_cache))
+        )
     mode_list = [m.strip() for m in modes.split(",")]
     if device_name == "cpu":
         if "graphs" in mode_list:

@@ -10,6 +10,7 @@ from typing import Literal
 
 from shards.common.chat_mode import chat_mode, parse_template_kwargs
 from shards.common.cli_options import at_least, cli_field, config_error
+from shards.common.compile_cache import CompileCacheConfig
 from shards.format import canonical_precision
 
 # Context-length buckets of acceptance, by the anchor's absolute position: 0-2K, 2K-8K, 8K-32K, 32K+.
@@ -96,6 +97,9 @@ class EvalConfig:
     template_kwargs: list[str] = cli_field(flag="--template-kwarg", repeat=True, default_factory=list)
     """Another chat-template keyword of the serving mode evaluated, KEY=VALUE (JSON scalar, else text),
     repeatable: e.g. --template-kwarg reasoning_effort=high. Default: none."""
+
+    compile: CompileCacheConfig = field(default_factory=CompileCacheConfig)
+    """Where the compiled flex attention persists between runs (--compile-cache DIR)."""
 
     @property
     def chat_mode(self) -> dict:

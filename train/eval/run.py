@@ -17,6 +17,7 @@ import torch
 
 from shards import ShardReader
 from shards.common.chat_mode import chat_mode, describe_mode
+from shards.common.compile_cache import use_compile_cache
 from shards.common.json_input import InputFileError, read_json_object
 from shards.common.lock import DirectoryLock
 from shards.common.schema import read_field
@@ -257,6 +258,8 @@ def _evaluate(
         if loaded.trained_on is not None and loaded.trained_on[0] == reader.config.cache_id():
             trained_on = sorted(set(ids) & set(loaded.trained_on[1]))
     device = resolve_device(cfg.device, 0)
+    if device.type == "cuda":  # where flex attention compiles
+        use_compile_cache(cfg.compile)
     dtype_name = loaded.training_dtype if cfg.dtype == "auto" else cfg.dtype
     dtype = DTYPES[dtype_name]
     log.info(
