@@ -20,7 +20,7 @@ from shards.container import read_header
 from shards.format import TARGET_HEAD_FILE, shard_path, target_head_shapes
 from train.blocks import default_num_blocks
 from train.config import TrainConfig
-from train.drafter.config import DrafterConfig, DrafterOptions
+from train.drafter.config import DFLASH1, DFLASH2, DrafterConfig, DrafterOptions
 
 # MLP width / hidden of the published Qwen3.5-27B drafter (17408 / 5120); the default for other widths.
 _MLP_RATIO = 3.4
@@ -98,6 +98,8 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
     positions = {"max_position_embeddings": target.max_position_embeddings} if target.max_position_embeddings else {}
     if pinned.init_from is not None:
         drafter = _drafter_from_init(cfg, cache_cfg, mask_token_id)
+        if pinned.arch == DFLASH2 and drafter.arch == DFLASH1:  # the warm start: DFlash 1 weights, new parts inert
+            drafter = drafter.replace(arch=DFLASH2)
         # The target's own ids and context length win over whatever the published drafter recorded.
         drafter = drafter.replace(**{k: v for k, v in token_ids.items() if v is not None}, **positions)
     else:
@@ -137,6 +139,7 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
         except ValueError as e:
             raise ValueError(f"drafter shape for cache {cfg.cache}: {e}") from e
 
+    _check_trainable_logits(drafter)
     num_blocks = cfg.num_blocks or default_num_blocks(cache_cfg.token_budget, cfg.block_size)
     if num_blocks > cache_cfg.token_budget:
         raise ValueError(
@@ -176,7 +179,7 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
 
 
 # DrafterOptions fields that DrafterConfig.for_target takes under the same names (with the run's block_size).
-_FOR_TARGET_OPTIONS = ("num_layers", "rope_theta", "layer_types", "sliding_window")
+_FOR_TARGET_OPTIONS = ("num_layers", "rope_theta", "layer_types", "sliding_window", "arch")
 # DrafterOptions fields that --init-from takes from the drafter's config.json (DrafterConfig's names too).
 _INIT_SHAPE_FIELDS = (
     "num_layers",
@@ -222,6 +225,8 @@ def _drafter_from_init(cfg: TrainConfig, cache_cfg: CacheConfig, mask_token_id: 
         raise ValueError(f"--init-from {pinned.init_from}: {e}") from e
     target = cache_cfg.target
     problems = []
+    if pinned.arch == DFLASH1 and drafter.arch == DFLASH2:
+        problems.append(f"--arch {DFLASH1}: the drafter is {DFLASH2} (drop --arch)")
     for option in _INIT_SHAPE_FIELDS:
         ours, theirs = getattr(pinned, option), getattr(drafter, option)
         if ours is not None and ours != theirs:
@@ -246,6 +251,17 @@ def _drafter_from_init(cfg: TrainConfig, cache_cfg: CacheConfig, mask_token_id: 
     if problems:
         raise ValueError(f"--init-from {pinned.init_from} does not fit cache {cfg.cache}: " + "; ".join(problems))
     return drafter
+
+
+def _check_trainable_logits(drafter: DrafterConfig) -> None:
+    """The unary loss scores lm_head(h) itself: a DFlash 2 drafter whose logits are scaled or capped is
+    served with logits that training does not model, so it is refused, naming the fields."""
+    if drafter.is_dflash2 and (drafter.output_multiplier != 1.0 or drafter.final_logit_softcapping is not None):
+        raise ValueError(
+            f"the drafter's output_multiplier {drafter.output_multiplier} / final_logit_softcapping "
+            f"{drafter.final_logit_softcapping}: training models neither yet (the loss scores lm_head(h) "
+            "itself); fine-tune a drafter with output_multiplier 1 and no soft cap"
+        )
 
 
 def _check_shards_present(cfg: TrainConfig, batch_ids: list[int]) -> None:
