@@ -179,6 +179,8 @@ class DrafterConfig:
     def _check_dflash2(self) -> None:
         if self.arch not in ARCHS:
             raise ValueError(f"DrafterConfig.arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.arch != DFLASH2:  # DFlash 2's fields are unused (and unchecked) in a DFlash 1 drafter
+            return
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
