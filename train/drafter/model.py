@@ -223,6 +223,13 @@ class DFlashDrafter(nn.Module):
         unary_XK, ids_XK = torch.topk(self.draft_logits(hidden_XH, head), self.config.selector_top_k, dim=-1)
         return ids_XK, self.candidate_selector.edge_scores(unary_XK, ids_XK, predecessor_X, hidden_XH)
 
+    def greedy_drafts(self, hidden_SH: torch.Tensor, head: TargetHead, anchor_id: torch.Tensor) -> torch.Tensor:
+        """[S] greedy drafts of one block's slots: the argmaxes (DFlash 1) or the selector's greedy walk
+        from the anchor token (DFlash 2)."""
+        if not self.config.is_dflash2:
+            return self.draft_logits(hidden_SH, head).argmax(-1)
+        return self.selector_path(hidden_SH.unsqueeze(0), head, anchor_id.view(1))[0]
+
     def selector_path(self, hidden_NSH: torch.Tensor, head: TargetHead, anchor_N: torch.Tensor) -> torch.Tensor:
         """DFlash 2: [N, S] greedy selector walk over the S draft slots of N blocks from their anchor tokens."""
         N, S, H = hidden_NSH.shape
