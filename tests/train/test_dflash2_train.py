@@ -128,3 +128,59 @@ def test_a_dflash2_drafter_is_not_fine_tuned_as_dflash1(tmp_path):
     assert CliRunner().invoke(train_cli, ["export", str(run), str(tmp_path / "v2")]).exit_code == 0
     with pytest.raises(ValueError, match="--arch dflash: the drafter is dflash2"):
         resolve_run(tiny_config(cache, tmp_path / "x", arch="dflash", init_from=str(tmp_path / "v2"), num_layers=None))
+
+
+def test_the_export_holds_exactly_the_released_dflash2_tensor_names(tmp_path):
+    """The names z-lab's DFlash2DraftModel loads (0 missing, 0 unexpected), written out here for one layer."""
+    from tests.helpers.drafter import tiny_config as drafter_config
+    from train.checkpoint.export import export_drafter
+
+    cfg = drafter_config(num_layers=1, arch="dflash2", conv_group_size=8, selector_rank=4, selector_top_k=8)
+    export_drafter(DFlashDrafter(cfg), cfg, tmp_path / "d2")
+    with safe_open(tmp_path / "d2" / "model.safetensors", "pt") as f:
+        shapes = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    layer = "layers.0."
+    want = {
+        "fc.weight": [32, 3 * 32],
+        "hidden_norm.weight": [32],
+        "norm.weight": [32],
+        layer + "input_layernorm.weight": [32],
+        layer + "post_attention_layernorm.weight": [32],
+        layer + "self_attn.q_proj.weight": [32, 32],
+        layer + "self_attn.k_proj.weight": [16, 32],
+        layer + "self_attn.v_proj.weight": [16, 32],
+        layer + "self_attn.o_proj.weight": [32, 32],
+        layer + "self_attn.q_norm.weight": [8],
+        layer + "self_attn.k_norm.weight": [8],
+        layer + "mlp.gate_proj.weight": [48, 32],
+        layer + "mlp.up_proj.weight": [48, 32],
+        layer + "mlp.down_proj.weight": [32, 48],
+        # base kernel [before/after, taps, hidden]; projection to 2 x taps x (hidden / group) values
+        layer + "attention_conv.base_kernel": [2, 2, 32],
+        layer + "attention_conv.kernel_projection.weight": [2 * 2 * 4, 32],
+        layer + "mlp_conv.base_kernel": [2, 2, 32],
+        layer + "mlp_conv.kernel_projection.weight": [2 * 2 * 4, 32],
+        "candidate_selector.predecessor_codebook": [97, 4],
+        "candidate_selector.successor_codebook": [97, 4],
+        "candidate_selector.hidden_projection.weight": [4, 32],
+    }
+    assert shapes == want
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_dflash2_steps_at_the_published_block_sizes(tmp_path, block_size):
+    """Block 8 (Qwen3.8-27B-DFlash2) and 16 both train: every selector figure counted and finite."""
+    import math
+
+    from tests.helpers.train import run_steps
+    from train.metrics.sums import COUNT
+
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    out = run_steps(cache, tmp_path / "run", 2, arch="dflash2", block_size=block_size, num_blocks=4)
+    sums = out["state"].totals.sums
+    for name in ("selector_loss", "selector_recall", "selector_accuracy", "selector_accept"):
+        count = float(sums.view(name + COUNT))
+        assert count > 0 and math.isfinite(float(sums.view(name))), name
+    assert all(torch.isfinite(g).all() for g in out["grads"])
+    moved = out["params"]["candidate_selector.hidden_projection.weight"]
+    assert moved.abs().sum() > 0  # the step updates the selector from its zero start
