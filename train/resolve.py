@@ -139,7 +139,6 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
         except ValueError as e:
             raise ValueError(f"drafter shape for cache {cfg.cache}: {e}") from e
 
-    _check_trainable_logits(drafter)
     num_blocks = cfg.num_blocks or default_num_blocks(cache_cfg.token_budget, cfg.block_size)
     if num_blocks > cache_cfg.token_budget:
         raise ValueError(
@@ -251,17 +250,6 @@ def _drafter_from_init(cfg: TrainConfig, cache_cfg: CacheConfig, mask_token_id: 
     if problems:
         raise ValueError(f"--init-from {pinned.init_from} does not fit cache {cfg.cache}: " + "; ".join(problems))
     return drafter
-
-
-def _check_trainable_logits(drafter: DrafterConfig) -> None:
-    """The unary loss scores lm_head(h) itself: a DFlash 2 drafter whose logits are scaled or capped is
-    served with logits that training does not model, so it is refused, naming the fields."""
-    if drafter.is_dflash2 and (drafter.output_multiplier != 1.0 or drafter.final_logit_softcapping is not None):
-        raise ValueError(
-            f"the drafter's output_multiplier {drafter.output_multiplier} / final_logit_softcapping "
-            f"{drafter.final_logit_softcapping}: training models neither yet (the loss scores lm_head(h) "
-            "itself); fine-tune a drafter with output_multiplier 1 and no soft cap"
-        )
 
 
 def _check_shards_present(cfg: TrainConfig, batch_ids: list[int]) -> None:

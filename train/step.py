@@ -171,7 +171,16 @@ def train_step(s: StepState, *, with_metrics: bool) -> None:
             s.layout,
             checkpoint_layers=s.checkpoint_layers,
         )
-        loss = block_loss(hidden_NBH, s.head, blocks, s.loss, b.topk_ids_TK, b.topk_logprobs_TK, s.candidates)
+        loss = block_loss(
+            hidden_NBH,
+            s.head,
+            blocks,
+            s.loss,
+            b.topk_ids_TK,
+            b.topk_logprobs_TK,
+            s.candidates,
+            s.model.logit_transform(),
+        )
         objective = loss.total
         if s.candidates is not None:  # DFlash 2: the selector loss, ramped in over its warm-up
             selector = selector_loss(s.model, hidden_NBH, s.head.lm_head_VH, blocks, s.candidates)

@@ -207,6 +207,13 @@ class DFlashDrafter(nn.Module):
         scale = self.config.input_embedding_scale if self.config.is_dflash2 else 1.0
         return block_embed_XH if scale == 1.0 else block_embed_XH * scale
 
+    def logit_transform(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """DFlash 2's map from lm_head(h) to the drafter's logits; None where it is the identity."""
+        cfg = self.config
+        if not cfg.is_dflash2 or (cfg.output_multiplier == 1.0 and cfg.final_logit_softcapping is None):
+            return None
+        return partial(transform_logits, output_multiplier=cfg.output_multiplier, softcap=cfg.final_logit_softcapping)
+
     def draft_logits(self, hidden_XH: torch.Tensor, head: TargetHead) -> torch.Tensor:
         """[X, V] logits of the drafter's normed states through the target's lm_head (DFlash 2's transform)."""
         logits_XV = head.logits(hidden_XH)

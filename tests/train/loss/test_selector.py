@@ -114,3 +114,24 @@ def test_selector_metrics_match_a_loop():
     assert got["selector_recall"] == pytest.approx((recall, slots))
     assert got["selector_accuracy"] == pytest.approx((accuracy, slots))
     assert got["selector_accept"] == pytest.approx((accept, valid_blocks))
+
+
+def test_the_unary_loss_of_a_scaled_capped_drafter_scores_its_transformed_logits():
+    """output_multiplier and final_logit_softcapping: CE of softmax(tanh(m z / c) c), z = lm_head(h), and
+    its gradient, against autograd in float64 (fused requested: the autograd path runs)."""
+    model, head, blocks, hidden = _setup()
+    model.config = model.config.replace(output_multiplier=0.3, final_logit_softcapping=2.5)
+    h = hidden.clone().requires_grad_(True)
+    parts = block_loss(h, head, blocks, LossConfig(fused=True), transform=model.logit_transform())
+    (grad,) = torch.autograd.grad(parts.total, h)
+
+    h_ref = hidden.clone().requires_grad_(True)
+    logits = torch.tanh(0.3 * (h_ref @ head.lm_head_VH.T) / 2.5) * 2.5
+    logq = torch.log_softmax(logits, -1).gather(-1, blocks.labels_NB.unsqueeze(-1)).squeeze(-1)
+    w = blocks.weights_NB.double()
+    want = -(w * logq).sum() / w.sum()
+    (want_grad,) = torch.autograd.grad(want, h_ref)
+    assert torch.allclose(parts.total, want, atol=1e-12)
+    assert torch.allclose(grad, want_grad, atol=1e-12), (grad - want_grad).abs().max()
+    plain = block_loss(hidden, head, blocks, LossConfig())
+    assert not torch.allclose(plain.total, want)  # the transform matters here
