@@ -7,9 +7,10 @@ import itertools
 
 import torch
 
-from tests.helpers.drafter import blocks_and_layout, forward_blocks, make_batch, tiny_config, tiny_model_and_head
+from tests.helpers.drafter import QWEN36_27B_TARGET, blocks_and_layout, forward_blocks, make_batch, tiny_config, tiny_model_and_head
 from train.drafter.dflash2 import BlockConv, CandidateSelector
-from train.drafter.model import DFlashDrafter
+from train.drafter.config import DrafterConfig
+from train.drafter.model import DFlashDrafter, count_parameters
 
 
 def _random_conv(hidden=12, taps=3, group=4, block=5, seed=0) -> BlockConv:
@@ -115,3 +116,11 @@ def test_a_fresh_dflash2_drafter_is_dflash1_with_inert_additions():
     assert torch.equal(h1, h2)
     path = model2.selector_path(h2[:, 1:], head, blocks.block_ids_NB[:, 0])
     assert torch.equal(path, model1.draft_logits(h1[:, 1:], head).argmax(-1))
+
+
+def test_the_27b_dflash2_layout_has_the_published_size():
+    """Qwen3.8-27B-DFlash2: 1.93B parameters, 3.85 GB in bf16 (field notes 2.1), five sliding layers of 2048."""
+    cfg = DrafterConfig.for_target(**{**QWEN36_27B_TARGET, "tap_layer_ids": [5, 19, 33, 47, 61]}, arch="dflash2")
+    assert cfg.layer_types == ["sliding_attention"] * 5 and cfg.sliding_window == 2048
+    params = count_parameters(cfg)
+    assert round(params / 1e9, 2) == 1.92 and round(2 * params / 1e9, 2) == 3.85
