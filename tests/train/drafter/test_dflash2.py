@@ -7,9 +7,16 @@ import itertools
 
 import torch
 
-from tests.helpers.drafter import QWEN36_27B_TARGET, blocks_and_layout, forward_blocks, make_batch, tiny_config, tiny_model_and_head
-from train.drafter.dflash2 import BlockConv, CandidateSelector
+from tests.helpers.drafter import (
+    QWEN36_27B_TARGET,
+    blocks_and_layout,
+    forward_blocks,
+    make_batch,
+    tiny_config,
+    tiny_model_and_head,
+)
 from train.drafter.config import DrafterConfig
+from train.drafter.dflash2 import BlockConv, CandidateSelector
 from train.drafter.model import DFlashDrafter, count_parameters
 
 
