@@ -56,6 +56,10 @@ def causal_block_conv(
 class BlockConv(nn.Module):
     """Grouped dynamic causal convolution around one sublayer (attention or MLP), on the block stream."""
 
+    # train/drafter/pointwise.py sets a compiled twin on the training model's modules (one fused kernel
+    # for the taps' shifts, products and sums, instead of a pass over [Q, H] each).
+    conv_fn = staticmethod(causal_block_conv)
+
     def __init__(self, hidden_size: int, kernel_size: int, group_size: int, block_size: int):
         super().__init__()
         self.kernel_size, self.num_groups, self.block_size = kernel_size, hidden_size // group_size, block_size
@@ -65,10 +69,10 @@ class BlockConv(nn.Module):
     def prepare(self, x_QH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sublayer's convolved input, the dynamic kernel [Q, T, G] its output takes in `finish`)."""
         delta_Q2TG = self.kernel_projection(x_QH).view(x_QH.shape[0], 2, self.kernel_size, self.num_groups)
-        return causal_block_conv(x_QH, self.base_kernel[0], delta_Q2TG[:, 0], self.block_size), delta_Q2TG[:, 1]
+        return self.conv_fn(x_QH, self.base_kernel[0], delta_Q2TG[:, 0], self.block_size), delta_Q2TG[:, 1]
 
     def finish(self, y_QH: torch.Tensor, delta_QTG: torch.Tensor) -> torch.Tensor:
-        return causal_block_conv(y_QH, self.base_kernel[1], delta_QTG, self.block_size)
+        return self.conv_fn(y_QH, self.base_kernel[1], delta_QTG, self.block_size)
 
 
 class CandidateSelector(nn.Module):
