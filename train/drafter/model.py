@@ -234,7 +234,7 @@ class DFlashDrafter(nn.Module):
         """[S] greedy drafts of one block's slots: the argmaxes (DFlash 1) or the selector's greedy walk
         from the anchor token (DFlash 2)."""
         if not self.config.is_dflash2:
-            return self.draft_logits(hidden_SH, head).argmax(-1)
+            return self.draft_logits(hidden_SH, head).float().argmax(-1)
         return self.selector_path(hidden_SH.unsqueeze(0), head, anchor_id.view(1))[0]
 
     def selector_path(self, hidden_NSH: torch.Tensor, head: TargetHead, anchor_N: torch.Tensor) -> torch.Tensor:

@@ -110,7 +110,7 @@ def speculative_generate(
         block_B[0] = out[-1]
         pos = torch.arange(p + B, device=device)
         hidden_BH = model.forward_block(ctx_LKH.to(dtype), pos[:p], head.embed(block_B), pos[p:])
-        drafts = model.greedy_drafts(hidden_BH[1:].float(), head, block_B[0]).tolist()
+        drafts = model.greedy_drafts(hidden_BH[1:], head, block_B[0]).tolist()
         next_L, hidden_LKH = verifier(torch.tensor(prompt + out + drafts, device=device))
         greedy = next_L[p : p + B].tolist()  # greedy[k-1]: the target's token at position p + k
         labels = min(S, remaining)
