@@ -2,7 +2,7 @@
 
 `train_step` is what the graph captures, so it reads top to bottom with no I/O, no .item(), no
 data-dependent shapes or branches: sample blocks -> forward (fused context, blocks, drafter) ->
-chunked loss -> backward -> (metrics, on metrics steps) -> gradient all-reduce -> clip ->
+chunked loss (+ DFlash 2's selector loss on the candidates it found) -> backward -> (metrics, on metrics steps) -> gradient all-reduce -> clip ->
 optimizer -> scheduler -> zero grads. The only branch, `with_metrics`, is a host decision from the
 step number; on CUDA each of its two values is its own captured graph (sharing one memory pool).
 
