@@ -21,7 +21,7 @@ from shards.format import TARGET_HEAD_FILE, shard_path, target_head_shapes
 from shards.projection import load_projection
 from train.blocks import default_num_blocks
 from train.config import TrainConfig
-from train.drafter.config import DrafterConfig, DrafterOptions
+from train.drafter.config import DFLASH1, DFLASH2, DrafterConfig, DrafterOptions
 
 # MLP width / hidden of the published Qwen3.5-27B drafter (17408 / 5120); the default for other widths.
 _MLP_RATIO = 3.4
@@ -99,6 +99,8 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
     positions = {"max_position_embeddings": target.max_position_embeddings} if target.max_position_embeddings else {}
     if pinned.init_from is not None:
         drafter = _drafter_from_init(cfg, cache_cfg, mask_token_id)
+        if pinned.arch == DFLASH2 and drafter.arch == DFLASH1:  # the warm start: DFlash 1 weights, new parts inert
+            drafter = drafter.replace(arch=DFLASH2)
         # The target's own ids and context length win over whatever the published drafter recorded.
         drafter = drafter.replace(**{k: v for k, v in token_ids.items() if v is not None}, **positions)
     else:
@@ -179,7 +181,7 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
 
 
 # DrafterOptions fields that DrafterConfig.for_target takes under the same names (with the run's block_size).
-_FOR_TARGET_OPTIONS = ("num_layers", "rope_theta", "layer_types", "sliding_window")
+_FOR_TARGET_OPTIONS = ("num_layers", "rope_theta", "layer_types", "sliding_window", "arch")
 # DrafterOptions fields that --init-from takes from the drafter's config.json (DrafterConfig's names too).
 _INIT_SHAPE_FIELDS = (
     "num_layers",
@@ -257,6 +259,8 @@ def _drafter_from_init(cfg: TrainConfig, cache_cfg: CacheConfig, mask_token_id: 
         raise ValueError(f"--init-from {pinned.init_from}: {e}") from e
     target = cache_cfg.target
     problems = []
+    if pinned.arch == DFLASH1 and drafter.arch == DFLASH2:
+        problems.append(f"--arch {DFLASH1}: the drafter is {DFLASH2} (drop --arch)")
     for option in _INIT_SHAPE_FIELDS:
         ours, theirs = getattr(pinned, option), getattr(drafter, option)
         if ours is not None and ours != theirs:

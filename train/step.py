@@ -2,7 +2,7 @@
 
 `train_step` is what the graph captures, so it reads top to bottom with no I/O, no .item(), no
 data-dependent shapes or branches: sample blocks -> forward (fused context, blocks, drafter) ->
-chunked loss -> backward -> (metrics, on metrics steps) -> gradient all-reduce -> clip ->
+chunked loss (+ DFlash 2's selector loss on the candidates it found) -> backward -> (metrics, on metrics steps) -> gradient all-reduce -> clip ->
 optimizer -> scheduler -> zero grads. The only branch, `with_metrics`, is a host decision from the
 step number; on CUDA each of its two values is its own captured graph (sharing one memory pool).
 
@@ -38,8 +38,10 @@ from train.drafter.model import DFlashDrafter, Linear, TargetHead
 from train.drafter.pointwise import compile_pointwise_
 from train.loss.chunked import block_loss
 from train.loss.config import LossConfig
+from train.loss.selector import CandidateSet, selector_loss, selector_ramp
 from train.metrics.block_metrics import block_metrics
 from train.metrics.logger import StepTotals
+from train.metrics.selector_metrics import selector_metrics
 from train.optim import WarmupCosine, build_optimizer, optimizer_state_tensors
 from train.precision import WorkingWeights, autocast_dtype, compute_autocast, torch_dtype
 from train.resolve import ResolvedRun
@@ -70,6 +72,7 @@ class StepState:
     checkpoint_layers: bool = False  # recompute each drafter layer in backward (activation checkpointing)
     params: list[nn.Parameter] = field(default_factory=list)
     working_weights: WorkingWeights | None = None  # compute-dtype copies of the linear weights; None = cast per use
+    candidates: CandidateSet | None = None  # DFlash 2: each slot's top-K, filled by the loss; None = DFlash 1
 
     def autocast(self):
         return compute_autocast(self.batch.device, self.autocast_dtype)
@@ -133,6 +136,18 @@ def build_step_state(
             if cfg.weight_copies and autocast_dtype(compute_dtype) is not None
             else None
         ),
+        candidates=(
+            CandidateSet.empty(
+                run.num_blocks,
+                cfg.block_size,
+                run.drafter.selector_top_k,
+                cfg.loss.selector_gold,
+                device,
+                compute_dtype,
+            )
+            if run.drafter.is_dflash2
+            else None
+        ),
     )
 
 
@@ -163,8 +178,23 @@ def train_step(s: StepState, *, with_metrics: bool) -> None:
             s.layout,
             checkpoint_layers=s.checkpoint_layers,
         )
-        loss = block_loss(hidden_NBH, s.head, blocks, s.loss, b.topk_ids_TK, b.topk_logprobs_TK)
-    loss.total.backward()
+        loss = block_loss(
+            hidden_NBH,
+            s.head,
+            blocks,
+            s.loss,
+            b.topk_ids_TK,
+            b.topk_logprobs_TK,
+            s.candidates,
+            s.model.logit_transform(),
+        )
+        objective = loss.total
+        if s.candidates is not None:  # DFlash 2: the selector loss, ramped in over its warm-up
+            selector = selector_loss(s.model, hidden_NBH, s.head.lm_head_VH, blocks, s.candidates)
+            ramp = selector_ramp(s.schedule.step_t, s.loss.selector_warmup_steps)
+            objective = objective + s.loss.selector_weight * ramp * selector
+            s.totals.add_metrics({"selector_loss": (selector.detach(), torch.ones_like(selector))})
+    objective.backward()
     if with_metrics:
         with s.autocast():
             s.totals.add_metrics(
@@ -172,6 +202,10 @@ def train_step(s: StepState, *, with_metrics: bool) -> None:
                     hidden_NBH.detach(), s.head, blocks, topk=s.metrics_topk, chunk_blocks=s.loss.chunk_blocks
                 )
             )
+            if s.candidates is not None:
+                s.totals.add_metrics(
+                    selector_metrics(s.model, hidden_NBH.detach(), s.head.lm_head_VH, blocks, s.candidates)
+                )
     s.grads.average_across_ranks()
     grad_norm = torch.linalg.vector_norm(s.grads.flat)  # global L2 norm, before clipping
     if s.grad_clip > 0:

@@ -1,4 +1,4 @@
-"""tools/scripts/demo.sh and tools/scripts/fp8_acceptance.sh delete a WORK_DIR only when an earlier run of theirs made it."""
+"""tools/scripts/demo.sh, demo_dflash2.sh and fp8_acceptance.sh delete a WORK_DIR only when an earlier run of theirs made it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import pytest
 from tests.helpers.process import REPO
 
 
-@pytest.mark.parametrize("script", ["tools/scripts/demo.sh", "tools/scripts/fp8_acceptance.sh"])
+@pytest.mark.parametrize(
+    "script", ["tools/scripts/demo.sh", "tools/scripts/demo_dflash2.sh", "tools/scripts/fp8_acceptance.sh"]
+)
 def test_a_work_dir_the_script_did_not_make_is_refused_and_kept(tmp_path, script):
     foreign = tmp_path / "mine"
     foreign.mkdir()

@@ -10,6 +10,7 @@ import torch
 import train.step
 from tests.helpers.drafter import blocks_and_layout, forward_blocks, make_batch, tiny_config, tiny_model_and_head
 from tests.helpers.train import run_steps, tiny_cache
+from train.drafter.dflash2 import BlockConv
 from train.drafter.model import Linear, rms_norm
 from train.drafter.pointwise import compile_pointwise_
 from train.loss.chunked import block_loss
@@ -104,3 +105,28 @@ def test_step_with_the_cuts_equals_the_plain_step_to_fp32_rounding(tmp_path, mon
     # Not the weights themselves: Adam divides by sqrt(v), so a gradient entry near 0 turns a rounding
     # difference into a different update of up to lr; step 2's gradients, taken at step 1's weights,
     # show the updates agree.
+
+
+def test_compiled_block_convolutions_equal_eager_ones_in_float64():
+    """DFlash 2: the compiled twin of the block convolution gives the eager model's output and gradients."""
+    cfg = tiny_config(arch="dflash2", conv_group_size=8, selector_rank=4, selector_top_k=8)
+    batch = make_batch([9, 14, 3, 11], 48, 6, cfg.num_taps, cfg.hidden_size)
+    batch["hidden_TKH"] = batch["hidden_TKH"].double()
+    blocks, layout = blocks_and_layout(cfg, batch, num_blocks=12)
+    results = []
+    for compiled in (False, True):
+        model, head = tiny_model_and_head(cfg, dtype=torch.float64)
+        with torch.no_grad():  # away from the identity start, so the convolutions do something
+            for name, p in model.named_parameters():
+                if "conv" in name:
+                    p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1), dtype=p.dtype))
+        if compiled:
+            compile_for_cpu_tests(model)
+            assert model.layers[0].mlp_conv.conv_fn is not BlockConv.conv_fn
+        out = forward_blocks(model, head, batch, blocks, layout)
+        out.square().sum().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (eager, grads_eager), (comp, grads_comp) = results
+    assert torch.allclose(eager, comp, atol=1e-12)
+    for name, want in grads_eager.items():
+        assert torch.allclose(grads_comp[name], want, atol=1e-10), name

@@ -5,6 +5,9 @@ dflash-train (train.step's build_step_state and StepRunner), no metrics steps. T
   27b     the Qwen3.5-27B drafter: 5 layers, hidden 5120, MLP 17408, 32/8 heads of 128, vocab 248320,
           block 16, token budget 49152, num_blocks default (halved on out-of-memory, reported)
   4b      a launch-bound size: 4B-target width 2560 (MLP 9216, 32/8 heads of 128), budget 8192
+  27b2    the published Qwen3.8-27B-DFlash2 layout at the same width: 5 sliding layers (2048), block 8,
+          the block convolutions and the selector (rank 256, top 16) with its loss; run it next to 27b
+          (--sizes 27b,27b2) and compare ms per query token (us/q tok)
 MFU divides by the datasheet dense bf16 peak (train/metrics/flops.py, as the training CLI does: 989 TFLOP/s
 on H100/H200, the PaLM/torchtitan definition). The bf16 matmul rate this GPU actually reaches (8192^3)
 is measured too, and the step's share of it is printed as its own figure ("of matmul"): how much a
@@ -71,6 +74,7 @@ from train.blocks import default_num_blocks, sample_blocks
 from train.config import TrainConfig
 from train.drafter.model import count_parameters
 from train.metrics.flops import peak_flops
+from train.metrics.sums import COUNT
 from train.resolve import ResolvedRun
 from train.step import StepRunner, build_step_state
 
@@ -191,11 +195,15 @@ def bench_one(size: Size, mode: str, num_blocks: int, options: RunOptions, devic
     _sync(device)
     step_s = (time.perf_counter() - t0) / steps
     peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
-    loss = float(state.totals.sums.view("loss/total") / state.totals.sums.view("steps"))
+    sums = state.totals.sums
+    loss = float(sums.view("loss/total") / sums.view("steps"))
+    selector_steps = float(sums.view("selector_loss" + COUNT))  # DFlash 2 only
+    selector_loss = float(sums.view("selector_loss")) / selector_steps if selector_steps else None
     flops = step_flops(size, dcfg, num_blocks, mean_keys)
     total = sum(flops.values())
     result = {
         "size": size.name,
+        "arch": dcfg.arch,
         "mode": mode,
         "num_blocks": num_blocks,
         "query_tokens": num_blocks * size.block_size,
@@ -219,6 +227,7 @@ def bench_one(size: Size, mode: str, num_blocks: int, options: RunOptions, devic
         "setup_s": setup_s,
         "startup": startup,
         "mean_loss": loss,
+        "mean_selector_loss": selector_loss,
         "params": count_parameters(dcfg),
         "step_options": dict(options.step_options),
         "device": device.type,
@@ -309,7 +318,10 @@ def _row(r: dict) -> str:
 @click.command()
 @click.option("--out", "out_path", default="bench_train.json", show_default=True, help="JSON results file.")
 @click.option(
-    "--sizes", default="27b,4b", show_default=True, help="Comma-separated: 27b, 4b, launch, tiny (CPU tests)."
+    "--sizes",
+    default="27b,4b",
+    show_default=True,
+    help="Comma-separated: 27b, 4b, launch, 27b2 (DFlash 2), tiny and tiny2 (CPU tests).",
 )
 @click.option("--modes", default="graphs,eager", show_default=True, help="Comma-separated: graphs, eager.")
 @click.option("--steps", default=5, show_default=True, help="Timed steps per configuration (after warm-up).")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import click
 import torch
 
-from train.drafter.config import DrafterConfig
+from train.drafter.config import DFLASH2, DFLASH2_27B_LAYOUT, SLIDING_ATTENTION, DrafterConfig
 from train.drafter.model import count_parameters
 
 
@@ -36,6 +36,7 @@ class Size:
     taps: int = 5
     block_size: int = 16
     num_blocks: int | None = None  # None = dflash-train's default for the budget
+    arch: str = "dflash"  # "dflash2": the DFlash 2 drafter (all layers sliding unless --layer-types says)
 
 
 SIZES = {
@@ -45,6 +46,10 @@ SIZES = {
     "launch": Size("launch", 2560, 9216, (32, 8, 128), 248320, 5, 2048, 512, num_blocks=32),
     # CPU-sized (tests: --device cpu): 2 layers of width 64, 16 blocks of 16 per 512 tokens.
     "tiny": Size("tiny", 64, 128, (4, 2, 16), 512, 2, 512, 128, taps=3, num_blocks=16),
+    # The published Qwen3.8-27B-DFlash2 layout at 27B width: 5 sliding layers (window 2048), block 8,
+    # selector rank 256 / top 16, conv kernel 2 / group 16 (DrafterConfig's DFlash 2 defaults).
+    "27b2": Size("27b2", 5120, 17408, (32, 8, 128), 248320, 5, 49152, 4096, block_size=8, arch="dflash2"),
+    "tiny2": Size("tiny2", 64, 128, (4, 2, 16), 512, 2, 512, 128, taps=3, num_blocks=16, arch="dflash2"),
 }
 
 
@@ -69,8 +74,11 @@ def drafter_config(
     size: Size, layer_types: list[str] | None = None, sliding_window: int | None = None
 ) -> DrafterConfig:
     q, kv, d = size.heads
+    if size.arch == DFLASH2 and layer_types is None:
+        layer_types, sliding_window = [SLIDING_ATTENTION] * size.layers, DFLASH2_27B_LAYOUT["sliding_window"]
     sliding = layer_types is not None and "sliding_attention" in layer_types
     return DrafterConfig(
+        arch=size.arch,
         num_layers=size.layers,
         hidden_size=size.hidden,
         intermediate_size=size.mlp,
@@ -154,6 +162,8 @@ def step_flops(size: Size, cfg: DrafterConfig, num_blocks: int, mean_keys: list[
     Q = num_blocks * size.block_size
     fc_params = size.taps * H * H
     layer_params = count_parameters(cfg) - fc_params - 2 * H  # minus fc, hidden_norm and final norm
+    if cfg.is_dflash2:  # the codebooks are row gathers, not matmuls: Q rows read and scattered, ~0 FLOPs
+        layer_params -= 2 * cfg.vocab_size * cfg.selector_rank
     return {
         "layers": 6 * layer_params * Q,
         "ctx_kv": 6 * L * (2 * H * M * D) * T,

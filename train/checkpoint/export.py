@@ -65,7 +65,7 @@ from train.checkpoint.store import (
 )
 from train.checkpoint.train_state import train_state
 from train.checkpoint.weight_shapes import check_weight_shapes
-from train.drafter.config import DrafterConfig
+from train.drafter.config import DFLASH1, DFLASH2, DrafterConfig
 from train.drafter.model import DFlashDrafter
 
 log = logging.getLogger(__name__)
@@ -93,18 +93,45 @@ def zlab_parameter_names(cfg: DrafterConfig) -> list[str]:
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         names += [p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
         names += [p + f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+        if cfg.is_dflash2:
+            names += [p + f"{conv}.{n}" for conv in _CONVS for n in ("base_kernel", "kernel_projection.weight")]
+    if cfg.is_dflash2:  # the released checkpoint's codebooks carry no ".weight"
+        names += [f"candidate_selector.{n}" for n in _SELECTOR_TENSORS]
     return names
+
+
+_CONVS = ("attention_conv", "mlp_conv")
+_SELECTOR_TENSORS = ("predecessor_codebook", "successor_codebook", "hidden_projection.weight")
+_ARCHITECTURES = {DFLASH1: "DFlashDraftModel", DFLASH2: "DFlash2DraftModel"}
+# DFlash 2's dflash_config sizes (z-lab reads dflash_config first, then the top level; so do vLLM/SGLang).
+_DFLASH2_SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale")
+# DFlash 2's logit transform, top-level fields as the released Muse-Glimmer config carries them.
+_DFLASH2_LOGITS = ("output_multiplier", "final_logit_softcapping")
+
+
+def _dflash2_fields_to_hf(cfg: DrafterConfig) -> tuple[dict, dict]:
+    """(dflash_config additions, top-level additions) of a DFlash 2 drafter's config.json."""
+    if not cfg.is_dflash2:
+        return {}, {}
+    sizes = {"block_size": cfg.block_size, **{name: getattr(cfg, name) for name in _DFLASH2_SIZES}}
+    return sizes, {name: getattr(cfg, name) for name in _DFLASH2_LOGITS}
 
 
 def drafter_config_to_hf(cfg: DrafterConfig) -> dict:
     """config.json of the exported drafter (Qwen3Config fields plus the DFlash keys)."""
     sliding = any(cfg.sliding_layers)
+    dflash2_sizes, dflash2_logits = _dflash2_fields_to_hf(cfg)
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [_ARCHITECTURES[cfg.arch]],
         "model_type": "qwen3",
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.tap_layer_ids)},
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": list(cfg.tap_layer_ids),
+            **dflash2_sizes,
+        },
+        **dflash2_logits,
         "target_hidden_size": cfg.hidden_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -145,8 +172,11 @@ def drafter_config_from_hf(hf: dict, source: str = "config.json", mask_token_id:
         return read_field(mapping, name, annotation, source, default, where)
 
     architectures = get("architectures", list[str], [])
-    if "DFlashDraftModel" not in architectures:
-        raise ValueError(f"{source}: architectures {architectures} does not name DFlashDraftModel")
+    arch = next((a for a, name in _ARCHITECTURES.items() if name in architectures), None)
+    if arch is None:
+        raise ValueError(
+            f"{source}: architectures {architectures} names neither DFlashDraftModel nor DFlash2DraftModel"
+        )
     dflash = get("dflash_config", dict[str, Any], {})
     missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
     if missing:
@@ -220,9 +250,31 @@ def drafter_config_from_hf(hf: dict, source: str = "config.json", mask_token_id:
             bos_token_id=get("bos_token_id", int, None),
             eos_token_id=get("eos_token_id", int | list[int], None),
             pad_token_id=get("pad_token_id", int, None),
+            **_dflash2_fields_from_hf(arch, hf, dflash, get),
         )
     except ValueError as e:  # the shape's own checks (DrafterConfig.__post_init__)
         raise ValueError(f"{source}: {e}") from e
+
+
+def _dflash2_fields_from_hf(arch: str, hf: dict, dflash: dict, get) -> dict[str, Any]:
+    """DrafterConfig's DFlash 2 fields of a config.json (dflash_config first, then the top level)."""
+    if arch != DFLASH2:
+        return {"arch": arch}
+    fields: dict[str, Any] = {"arch": arch}
+    for name in _DFLASH2_SIZES + _DFLASH2_LOGITS:
+        annotation = float if name in ("input_embedding_scale", "output_multiplier") else int
+        annotation = float | None if name == "final_logit_softcapping" else annotation
+        default = (
+            REQUIRED if name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k") else None
+        )
+        where = "dflash_config." if name in dflash else ""
+        value = get(name, annotation, default, dflash if name in dflash else hf, where)
+        if value is not None:
+            fields[name] = value
+    # 0 or a negative cap means none in z-lab's reference.
+    if fields.get("final_logit_softcapping") is not None and fields["final_logit_softcapping"] <= 0:
+        fields["final_logit_softcapping"] = None
+    return fields
 
 
 def _derived_layer_types(hf: dict, num_layers: int, source: str) -> list[str] | None:
@@ -469,13 +521,19 @@ def load_drafter_weights_(
     model: DFlashDrafter, path: str | Path, projection: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> None:
     """Copy a DFlashDraftModel directory's weights into `model` in place (its dtype and device kept);
-    the directory must describe model's shape (read_drafter_weights checks names and shapes), with a full
-    fc. A projected model (`projection` = its cache's P and D) starts from fc' = W0 D^-1 P^T."""
+    the directory must describe model's shape (read_drafter_weights checks names and shapes) with a full
+    fc, or, for a DFlash 2 model, be a DFlash 1 drafter of that shape: the warm start, where the convolutions
+    and the selector keep their inert initialisation (train/drafter/dflash2.py) and the drafter is unchanged.
+    A projected model (`projection` = its cache's P and D) starts from fc' = W0 D^-1 P^T."""
     cfg = model.config
-    state = read_drafter_weights(path, cfg.replace(context_width=None, context_projection=None))
+    warm_start = cfg.is_dflash2 and read_drafter_config(path, cfg.mask_token_id).arch == DFLASH1
+    full = cfg.replace(context_width=None, context_projection=None)
+    state = read_drafter_weights(path, full.replace(arch=DFLASH1) if warm_start else full)
     if cfg.context_width is not None:
         assert projection is not None, "a projected drafter is initialised with its cache's projection"
         state["fc.weight"] = unfold_fc(state["fc.weight"], *projection)
     for name, p in model.named_parameters():
-        p.copy_(state[name].to(p.dtype))
-    log.info("initialised the drafter from %s (%d tensors)", path, len(state))
+        if name in state or not warm_start:
+            p.copy_(state[name].to(p.dtype))
+    what = "a DFlash 1 drafter (warm start: convolutions identity, selector inert)" if warm_start else "the drafter"
+    log.info("initialised %s from %s (%d tensors)", what, path, len(state))

@@ -58,6 +58,11 @@ def serve_commands(cfg: DrafterConfig, drafter_dir: str, target: str | None) -> 
         f"  SGLang: python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
         f"--speculative-draft-model-path {shlex.quote(drafter)} --speculative-num-draft-tokens {cfg.block_size}",
     ]
+    if cfg.is_dflash2:
+        lines.append(
+            "  DFlash 2: vLLM needs the target's LM head unquantised (its selector takes the top-K of the full "
+            "logits and refuses a quantised lm_head): serve a target whose lm_head is bf16"
+        )
     if sliding:
         lines.append(
             "  not llama.cpp: it runs every draft layer non-causally and its converter drops the sliding "

@@ -27,6 +27,13 @@ QWEN36_27B_TARGET = dict(
     tap_layer_ids=(1, 16, 31, 46, 61),
     mask_token_id=248070,
 )
+# The published Qwen3.8-27B-DFlash2 layout (field notes 2.1): five sliding layers of window 2048 and the
+# dflash_config sizes below; its block size is 8 (pass --block-size 8) and its taps [5, 19, 33, 47, 61]
+# come from the cache (extract with --taps 5,19,33,47,61).
+DFLASH2_27B_LAYOUT = dict(layer_types=["sliding_attention"] * 5, sliding_window=2048, block_size=8)
+# Drafter kinds: z-lab's DFlashDraftModel and DFlash2DraftModel (train/drafter/dflash2.py).
+DFLASH1, DFLASH2 = "dflash", "dflash2"
+ARCHS = (DFLASH1, DFLASH2)
 # Layer kinds, spelled as config.json layer_types spells them (HF Qwen3, vLLM, SGLang).
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -84,6 +91,23 @@ class DrafterConfig:
     context_projection: str | None = None
     """The checksum of the projection those codes were made with (cache.json projection.checksum); given
     exactly when context_width is."""
+    arch: str = DFLASH1
+    """"dflash" (DFlashDraftModel) or "dflash2" (DFlash2DraftModel: block convolutions and the candidate
+    selector); the fields below are DFlash 2's and unused by "dflash"."""
+    conv_kernel_size: int = 2
+    """Taps of each grouped dynamic causal convolution (dflash_config.conv_kernel_size)."""
+    conv_group_size: int = 16
+    """Channels sharing one dynamic kernel value (dflash_config.conv_group_size); divides hidden_size."""
+    selector_rank: int = 256
+    """Rank R of the selector's bilinear term (dflash_config.selector_rank)."""
+    selector_top_k: int = 16
+    """Candidates per slot: the top-K of the drafter's logits (dflash_config.selector_top_k)."""
+    output_multiplier: float = 1.0
+    """DFlash 2 logits = lm_head(h) * output_multiplier (then soft-capped)."""
+    final_logit_softcapping: float | None = None
+    """DFlash 2 logits soft cap c: tanh(logits / c) * c; None = none (the Qwen3.8 drafter's)."""
+    input_embedding_scale: float = 1.0
+    """DFlash 2 block embeddings are the target's, times this (dflash_config.input_embedding_scale)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -126,6 +150,7 @@ class DrafterConfig:
                 f"[0, num_target_layers={self.num_target_layers})"
             )
         self.tap_layer_ids = [int(t) for t in self.tap_layer_ids]
+        self._check_dflash2()
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
             ids = value if isinstance(value, list) else [value]
@@ -165,6 +190,36 @@ class DrafterConfig:
                 f"{SLIDING_ATTENTION} (layer_types {self.layer_types}); drop the window or make layers sliding"
             )
 
+    def _check_dflash2(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"DrafterConfig.arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.arch != DFLASH2:  # DFlash 2's fields are unused (and unchecked) in a DFlash 1 drafter
+            return
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"DrafterConfig.{name} must be a positive int, got {value!r}")
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(
+                f"DrafterConfig.conv_group_size {self.conv_group_size} does not divide hidden_size {self.hidden_size}"
+            )
+        if self.selector_top_k > self.vocab_size:
+            raise ValueError(
+                f"DrafterConfig.selector_top_k {self.selector_top_k} exceeds the vocabulary ({self.vocab_size})"
+            )
+        if not self.output_multiplier > 0:  # > 0 keeps the top-K of the raw logits the top-K of the scaled ones
+            raise ValueError(f"DrafterConfig.output_multiplier must be > 0, got {self.output_multiplier}")
+        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
+            raise ValueError(
+                f"DrafterConfig.final_logit_softcapping must be > 0 or None, got {self.final_logit_softcapping}"
+            )
+        if not self.input_embedding_scale > 0:
+            raise ValueError(f"DrafterConfig.input_embedding_scale must be > 0, got {self.input_embedding_scale}")
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.arch == DFLASH2
+
     @property
     def num_taps(self) -> int:
         """Tapped target layers, K: the context input is [T, K, hidden_size]."""
@@ -202,12 +257,18 @@ class DrafterConfig:
         **options,
     ) -> DrafterConfig:
         """Drafter at the target's width; `options` are other DrafterConfig fields (num_layers, block_size,
-        rope_theta, layer_types, ...), its defaults for the rest.
+        rope_theta, layer_types, arch, ...), its defaults for the rest; arch "dflash2" without layer_types
+        gets the published DFlash 2 layout (every layer sliding, window 2048 unless given).
 
         A 5120-wide target gets the published 27B drafter heads (32 q, 8 kv, dim 128: ~1.73B parameters
         with 5 layers and MLP 17408). Other widths use head_dim 128 from hidden 1024 up (hidden/8 below,
         so tiny test targets work), q heads = hidden/head_dim and kv heads = q heads/4 (at least 1).
         """
+        if options.get("arch") == DFLASH2 and "layer_types" not in options:
+            # The published DFlash 2 layout: every layer sliding (window 2048), as many layers as asked.
+            num_layers = options.get("num_layers", DrafterConfig.num_layers)
+            options = {**options, "layer_types": [SLIDING_ATTENTION] * num_layers}
+            options.setdefault("sliding_window", DFLASH2_27B_LAYOUT["sliding_window"])
         if hidden_size == _PUBLISHED_27B_WIDTH:
             num_heads, num_kv_heads, head_dim = _PUBLISHED_27B_HEADS
         else:
@@ -240,6 +301,11 @@ class DrafterOptions:
     """What a training run pins of the drafter; each field is a dflash-train option (the docstring is its
     --help) and unset (None) means derived: from the cache, the target's width or the --init-from drafter."""
 
+    arch: str | None = None
+    """Drafter kind: dflash (DFlash 1) or dflash2 (DFlash 2: block convolutions and the candidate selector,
+    every layer sliding with window 2048 unless --layer-types/--sliding-window say otherwise; the published
+    Qwen3.8-27B-DFlash2 uses --block-size 8). dflash2 with --init-from a DFlash 1 drafter is a warm start
+    (new parts inert). Default: the --init-from drafter's, else dflash."""
     mask_token_id: int | None = None
     """MASK token id of the drafter. Default: the cache's (cache.json mask_token_id; 248070 for
     Qwen3.5)."""
@@ -278,6 +344,8 @@ class DrafterOptions:
     def __post_init__(self) -> None:
         if self.tap_layer_ids is not None:
             self.tap_layer_ids = [int(t) for t in self.tap_layer_ids]
+        if self.arch is not None and self.arch not in ARCHS:
+            raise config_error(self, "arch", f"must be one of {', '.join(ARCHS)}")
         if self.num_layers is not None:
             at_least(self, 1, "num_layers")
         if self.rope_theta is not None and not self.rope_theta > 1:

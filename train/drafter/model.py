@@ -37,7 +37,8 @@ import torch.utils.checkpoint
 from shards.projection import codes_of
 from train.drafter.attention import BlockAttentionLayout, block_attention, full_attention, window_attention
 from train.drafter.config import DrafterConfig
-from train.precision import use_working_copy
+from train.drafter.dflash2 import BlockConv, CandidateSelector, init_dflash2_weights_, transform_logits
+from train.drafter.linear import Linear
 
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -47,24 +48,6 @@ class ContextKV(NamedTuple):
     part of a forward that depends on the batch and the weights only, not on the blocks."""
 
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k (k_norm, RoPE at the context positions), v
-
-
-class Linear(nn.Linear):
-    """nn.Linear without bias that computes with a working copy of its weight when training set one.
-
-    weight_copy: the fp32 master weight rounded to the compute dtype (precision.WorkingWeights, refreshed
-    once per step); its gradient reaches the master through use_working_copy. None = the weight itself
-    (the default, and every model outside the training step)."""
-
-    weight_copy: torch.Tensor | None = None
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_copy is None:
-            return F.linear(x, self.weight)
-        return F.linear(x, use_working_copy(self.weight, self.weight_copy))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -179,11 +162,17 @@ class DFlashDecoderLayer(nn.Module):
         self.self_attn = DFlashAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg)
+        # DFlash 2: a block convolution around each sublayer (train/drafter/dflash2.py); None in DFlash 1.
+        self.attention_conv = self.mlp_conv = None
+        if cfg.is_dflash2:
+            conv = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size)
+            self.attention_conv, self.mlp_conv = BlockConv(*conv), BlockConv(*conv)
 
     def forward(self, x_QH, ctx_kv, rope_blk, attend: AttendFn) -> torch.Tensor:
         """ctx_kv: this layer's context (k, v), from self_attn.context_kv."""
-        x_QH = x_QH + self.self_attn(self.input_layernorm(x_QH), ctx_kv, rope_blk, attend)
-        return x_QH + self.mlp(self.post_attention_layernorm(x_QH))
+        attention = partial(self.self_attn, ctx_kv=ctx_kv, rope_blk=rope_blk, attend=attend)
+        x_QH = x_QH + _around(self.attention_conv, attention, self.input_layernorm(x_QH))
+        return x_QH + _around(self.mlp_conv, self.mlp, self.post_attention_layernorm(x_QH))
 
     def forward_fused(self, x_QH, ctx_TH, rope_ctx, rope_blk, attend: AttendFn) -> torch.Tensor:
         """The layer computing its own context K/V from the fused context (training: inside the layer's
@@ -191,8 +180,17 @@ class DFlashDecoderLayer(nn.Module):
         return self(x_QH, self.self_attn.context_kv(ctx_TH, rope_ctx), rope_blk, attend)
 
 
+def _around(conv: BlockConv | None, sublayer: Callable[[torch.Tensor], torch.Tensor], x_QH: torch.Tensor):
+    """sublayer(x), or with DFlash 2's convolution before and after it."""
+    if conv is None:
+        return sublayer(x_QH)
+    x_QH, delta = conv.prepare(x_QH)
+    return conv.finish(sublayer(x_QH), delta)
+
+
 class DFlashDrafter(nn.Module):
-    """Trainable part of the drafter; see the module docstring for the architecture."""
+    """Trainable part of the drafter; see the module docstring for the architecture (and
+    train/drafter/dflash2.py for what a DFlash 2 drafter, config.arch "dflash2", adds)."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -206,7 +204,55 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.candidate_selector = (
+            CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank, cfg.selector_top_k)
+            if cfg.is_dflash2
+            else None
+        )
         init_drafter_weights(self)
+
+    def block_input(self, block_embed_XH: torch.Tensor) -> torch.Tensor:
+        """The block stream's input: the target's embeddings (DFlash 2: times input_embedding_scale)."""
+        scale = self.config.input_embedding_scale if self.config.is_dflash2 else 1.0
+        return block_embed_XH if scale == 1.0 else block_embed_XH * scale
+
+    def logit_transform(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """DFlash 2's map from lm_head(h) to the drafter's logits; None where it is the identity."""
+        cfg = self.config
+        if not cfg.is_dflash2 or (cfg.output_multiplier == 1.0 and cfg.final_logit_softcapping is None):
+            return None
+        return partial(transform_logits, output_multiplier=cfg.output_multiplier, softcap=cfg.final_logit_softcapping)
+
+    def draft_logits(self, hidden_XH: torch.Tensor, head: TargetHead) -> torch.Tensor:
+        """[X, V] logits of the drafter's normed states through the target's lm_head (DFlash 2's transform)."""
+        logits_XV = head.logits(hidden_XH)
+        if not self.config.is_dflash2:
+            return logits_XV
+        return transform_logits(logits_XV, self.config.output_multiplier, self.config.final_logit_softcapping)
+
+    def slot_candidates(
+        self, hidden_XH: torch.Tensor, head: TargetHead, predecessor_X: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DFlash 2: per row (a draft slot), its K candidate ids and their selector scores given the
+        chosen predecessor token, both [X, K]; the slot's draft distribution at temperature T is
+        softmax(scores / T) over the ids (greedy: the argmax)."""
+        unary_XK, ids_XK = torch.topk(self.draft_logits(hidden_XH, head), self.config.selector_top_k, dim=-1)
+        return ids_XK, self.candidate_selector.edge_scores(unary_XK, ids_XK, predecessor_X, hidden_XH)
+
+    def greedy_drafts(self, hidden_SH: torch.Tensor, head: TargetHead, anchor_id: torch.Tensor) -> torch.Tensor:
+        """[S] greedy drafts of one block's slots: the argmaxes (DFlash 1) or the selector's greedy walk
+        from the anchor token (DFlash 2)."""
+        if not self.config.is_dflash2:
+            return self.draft_logits(hidden_SH, head).float().argmax(-1)
+        return self.selector_path(hidden_SH.unsqueeze(0), head, anchor_id.view(1))[0]
+
+    def selector_path(self, hidden_NSH: torch.Tensor, head: TargetHead, anchor_N: torch.Tensor) -> torch.Tensor:
+        """DFlash 2: [N, S] greedy selector walk over the S draft slots of N blocks from their anchor tokens."""
+        N, S, H = hidden_NSH.shape
+        unary_XK, ids_XK = torch.topk(
+            self.draft_logits(hidden_NSH.reshape(N * S, H), head), self.config.selector_top_k, dim=-1
+        )
+        return self.candidate_selector.greedy_path(unary_XK.view(N, S, -1), ids_XK.view(N, S, -1), hidden_NSH, anchor_N)
 
     def fuse_context(self, hidden_TKH: torch.Tensor) -> torch.Tensor:
         """[T, K, H] tapped target states (a projected drafter: codes [T, 1, R]) -> [T, H] fused context
@@ -280,7 +326,7 @@ class DFlashDrafter(nn.Module):
         """
         NB, B, H = block_embed_NBH.shape
         ctx_TH = self.fuse_context(hidden_TKH.to(block_embed_NBH.dtype))
-        x_QH = block_embed_NBH.reshape(NB * B, H)
+        x_QH = self.block_input(block_embed_NBH.reshape(NB * B, H))
         attends = self._block_attends(layout)
         out_QH = self._run_layers(
             ctx_TH, position_ids_T, x_QH, block_pos_NB.reshape(NB * B), attends, checkpoint_layers
@@ -298,7 +344,7 @@ class DFlashDrafter(nn.Module):
         only the blocks' own projections, attention and MLPs run; [NB, B, H]."""
         cfg = self.config
         NB, B, H = block_embed_NBH.shape
-        x_QH = block_embed_NBH.reshape(NB * B, H)
+        x_QH = self.block_input(block_embed_NBH.reshape(NB * B, H))
         rope_blk = rope_cos_sin(block_pos_NB.reshape(NB * B), cfg.head_dim, cfg.rope_theta, x_QH.dtype)
         for layer, attend, ctx_kv in zip(self.layers, self._block_attends(layout), context.kv, strict=True):
             x_QH = layer(x_QH, ctx_kv, rope_blk, attend)
@@ -314,12 +360,13 @@ class DFlashDrafter(nn.Module):
             window_attention, q_pos_Q=block_pos_B, k_pos_L=key_pos_L, sliding_window=self.config.sliding_window
         )
         attends = [sliding if s else full_attention for s in self.config.sliding_layers]
-        return self._run_layers(ctx_LH, ctx_pos_L, block_embed_BH, block_pos_B, attends)
+        return self._run_layers(ctx_LH, ctx_pos_L, self.block_input(block_embed_BH), block_pos_B, attends)
 
 
 @torch.no_grad()
 def init_drafter_weights(model: DFlashDrafter, std: float = 0.02) -> None:
-    """Every initialisation in one place: linears N(0, std) (Qwen3 initializer_range), RMSNorm weights 1."""
+    """Every initialisation in one place: linears N(0, std) (Qwen3 initializer_range), RMSNorm weights 1,
+    then DFlash 2's convolutions and selector inert (dflash2.init_dflash2_weights_)."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             if module.weight.device.type != "meta":
@@ -327,6 +374,8 @@ def init_drafter_weights(model: DFlashDrafter, std: float = 0.02) -> None:
         elif isinstance(module, RMSNorm):
             if module.weight.device.type != "meta":
                 nn.init.ones_(module.weight)
+    for module in model.modules():
+        init_dflash2_weights_(module)
 
 
 class TargetHead(nn.Module):

@@ -19,12 +19,13 @@ import logging
 import torch
 import torch.nn as nn
 
+from train.drafter.dflash2 import BlockConv, causal_block_conv
 from train.drafter.model import DFlashAttention, RMSNorm, SwiGLU, apply_rope, rms_norm, swiglu
 
 log = logging.getLogger(__name__)
 
 # Distinct shapes per function in training: rms_norm 5 (hidden_norm, block norms, q/k norms of block
-# and context), rope 3, swiglu 1; under dynamo's recompile limit of 8. Past it (only an fp32 model
+# and context), rope 3, swiglu 1, DFlash 2's block convolution 1; under dynamo's recompile limit of 8. Past it (only an fp32 model
 # evaluated in place sees more shapes) dynamo runs the function eagerly: slower, same result.
 
 
@@ -41,7 +42,7 @@ def compile_pointwise_(model: nn.Module, backend: str = "inductor") -> None:
         options = {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else None
     fns = {
         name: torch.compile(fn, dynamic=False, fullgraph=True, backend=backend, options=options)
-        for name, fn in (("norm", rms_norm), ("act", swiglu), ("rope", apply_rope))
+        for name, fn in (("norm", rms_norm), ("act", swiglu), ("rope", apply_rope), ("conv", causal_block_conv))
     }
     for module in model.modules():
         if isinstance(module, RMSNorm):
@@ -50,4 +51,6 @@ def compile_pointwise_(model: nn.Module, backend: str = "inductor") -> None:
             module.act_fn = fns["act"]
         elif isinstance(module, DFlashAttention):
             module.rope_fn = fns["rope"]
-    log.info("pointwise: RMSNorm, SwiGLU and RoPE compiled (%s, fixed shapes)", backend)
+        elif isinstance(module, BlockConv):  # DFlash 2's block convolutions
+            module.conv_fn = fns["conv"]
+    log.info("pointwise: RMSNorm, SwiGLU, RoPE (and DFlash 2's block convolution) compiled (%s, fixed shapes)", backend)

@@ -296,7 +296,7 @@ def evaluate_drafter(
         random_layout.update(blocks.seq_start_N, blocks.anchor_N)
         hidden_NBH = model.forward_cached(context, head.embed(blocks.block_ids_NB), blocks.block_pos_NB, random_layout)
         sums.add("shards", 1.0)
-        sums.add("ce", block_loss(hidden_NBH, head, blocks, loss_cfg).ce)
+        sums.add("ce", block_loss(hidden_NBH, head, blocks, loss_cfg, transform=model.logit_transform()).ce)
         _score_random_blocks(sums, hidden_NBH, head, blocks, chunk_blocks)
         if "target_topk_ids" in tensors:
             match, positions = _target_greedy_match(tensors)

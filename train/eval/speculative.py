@@ -88,9 +88,11 @@ class DraftProposer(Protocol):
 
 @dataclass
 class ChainProposer:
-    """DFlash 1: one forward of [anchor, MASK x S] gives every slot's logits; greedy drafts are their
-    argmax, sampled drafts are drawn slot by slot from serving_probs of them (the same temperature,
-    top-k and top-p as the target's)."""
+    """One forward of [anchor, MASK x S] gives every slot's state. DFlash 1: greedy drafts are the slots'
+    argmaxes, sampled drafts are drawn slot by slot from serving_probs of their logits (the same
+    temperature, top-k and top-p as the target's). DFlash 2: greedy drafts are the selector's greedy walk
+    from the anchor; sampled drafts walk it slot by slot, each drawn from softmax(scores / T) over the
+    slot's K candidates given the token drawn before it, and that distribution is the slot's q."""
 
     model: DFlashDrafter
     head: TargetHead
@@ -112,11 +114,27 @@ class ChainProposer:
         block_B[0] = anchor
         pos = torch.arange(p + cfg.block_size, device=device)
         hidden_BH = self.model.forward_block(context_LKH.to(dtype), pos[:p], head.embed(block_B), pos[p:])
-        logits_SV = head.logits(hidden_BH[1:]).float()
         if sampling.greedy:
-            return Proposal(logits_SV.argmax(-1).tolist())
+            return Proposal(self.model.greedy_drafts(hidden_BH[1:], head, block_B[0]).tolist())
+        if cfg.is_dflash2:
+            return self._sampled_selector_walk(hidden_BH[1:], anchor, sampling.temperature, generator)
+        logits_SV = self.model.draft_logits(hidden_BH[1:], head).float()
         q = [DraftDistribution(probs_V) for probs_V in serving_probs(logits_SV, sampling)]
         return Proposal([slot.sample(generator) for slot in q], q)
+
+    def _sampled_selector_walk(
+        self, hidden_SH: torch.Tensor, anchor: int, temperature: float, generator: torch.Generator | None
+    ) -> Proposal:
+        tokens, q, predecessor = [], [], anchor
+        for hidden_1H in hidden_SH.split(1):
+            ids_1K, scores_1K = self.model.slot_candidates(
+                hidden_1H, self.head, torch.tensor([predecessor], device=hidden_1H.device)
+            )
+            slot = DraftDistribution(torch.softmax(scores_1K[0].float() / temperature, dim=-1), ids_1K[0])
+            predecessor = slot.sample(generator)
+            tokens.append(predecessor)
+            q.append(slot)
+        return Proposal(tokens, q)
 
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,8 @@ Per response (a contiguous run of supervised tokens x_first..x_last inside one p
   repeat while p < last:          tokens remain to be produced
       block  = [x_p, MASK x (B-1)] at positions pos(p)..pos(p)+B-1; the drafter sees the context of
                its sequence strictly before p (the tapped hidden states of the cache), as in training
-      a      = accepted drafts: chain = longest prefix of slots k = 1..B-1 with argmax q_k == x_{p+k};
+      a      = accepted drafts: chain = longest prefix of slots k = 1..B-1 with argmax q_k == x_{p+k}
+               (DFlash 2: the selector's greedy path from x_p in place of the argmaxes);
                tree@budget = depth of the label path inside the DDTree of the block (train/eval/tree.py);
                slots past `last` are never accepted
       tokens = min(a + 1, last - p)     (the a drafts plus the target's bonus token, cut at the end)
@@ -230,14 +231,25 @@ def draft_accepted(
     valid_NS: torch.Tensor,
     budget: int | None,
     chunk_blocks: int,
+    model: DFlashDrafter | None = None,
+    anchor_ids_N: torch.Tensor | None = None,
 ) -> list[int]:
-    """Accepted drafts per block: chain (budget None) or DDTree at `budget` nodes; labels [NB, S]."""
+    """Accepted drafts per block: chain (budget None) or DDTree at `budget` nodes; labels [NB, S].
+    model: the drafter's logits (DFlash 2's transform); a DFlash 2 chain drafts the selector's greedy
+    path from anchor_ids_N (the blocks' anchor tokens); the DDTree of a DFlash 2 drafter is built on its
+    unary logits. None = the target head's logits (a DFlash 1 drafter: the same)."""
     NB, B, H = hidden_NBH.shape
     out: list[int] = []
+    logits_fn = head.logits if model is None else lambda h: model.draft_logits(h, head)
+    selector = model is not None and model.config.is_dflash2
     for start in range(0, NB, chunk_blocks):
         sl = slice(start, start + chunk_blocks)
         C = hidden_NBH[sl].shape[0]
-        logits_CSV = head.logits(hidden_NBH[sl, 1:].reshape(C * (B - 1), H)).float().view(C, B - 1, -1)
+        if budget is None and selector:
+            path_CS = model.selector_path(hidden_NBH[sl, 1:], head, anchor_ids_N[sl])
+            out += accepted_prefix_length((path_CS == labels_NS[sl]) & valid_NS[sl]).tolist()
+            continue
+        logits_CSV = logits_fn(hidden_NBH[sl, 1:].reshape(C * (B - 1), H)).float().view(C, B - 1, -1)
         if budget is None:
             ok_CS = (logits_CSV.argmax(-1) == labels_NS[sl]) & valid_NS[sl]
             out += accepted_prefix_length(ok_CS).tolist()
@@ -323,7 +335,17 @@ def walk_shard(
         if not compact:  # the LM head and the verification rule only for the busy lanes
             keep = torch.tensor(busy, device=device)
             hidden_RBH, labels_RS, valid_RS = hidden_RBH[keep], labels_RS[keep], valid_RS[keep]
-        accepted = draft_accepted(hidden_RBH, head, labels_RS, valid_RS, budget, chunk_blocks)
+            block_ids_RB = block_ids_RB[keep]
+        accepted = draft_accepted(
+            hidden_RBH,
+            head,
+            labels_RS,
+            valid_RS,
+            budget,
+            chunk_blocks,
+            model=model if cfg.is_dflash2 else None,
+            anchor_ids_N=block_ids_RB[:, 0],
+        )
         for n, a in zip(busy, accepted, strict=True):
             seq_start, anchor, last, tokens, steps = lane[n]
             counts.add_step(a, min(S, last - anchor))

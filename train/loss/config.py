@@ -6,6 +6,7 @@ the evaluation can take their defaults from here without importing the loss (tra
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from shards.common.cli_options import at_least, cli_field, config_error
 
@@ -29,8 +30,21 @@ class LossConfig:
     pass over the bf16 logits (two compiled kernels on CUDA) instead of float32 log-softmax under
     autograd; the same loss and gradients to float32 rounding."""
 
+    selector_weight: float = 1.0
+    """DFlash 2: weight of the selector loss (K-way CE over each slot's top-K, teacher-forced predecessor)."""
+    selector_warmup_steps: int = 0
+    """DFlash 2: the selector weight ramps linearly from 1/N to its value over the first N steps; 0 = none."""
+    selector_gold: Literal["drop", "swap"] = "drop"
+    """DFlash 2, a slot whose gold token is outside the top-K: drop (no selector loss there: the strict
+    top-K, SpecForge's best served) or swap (the gold token replaces the weakest candidate, speculators')."""
+
     def __post_init__(self) -> None:
         at_least(self, 1, "chunk_blocks")
+        at_least(self, 0, "selector_warmup_steps")
+        if self.selector_weight < 0:
+            raise config_error(self, "selector_weight", "must be >= 0 (0 = off)")
+        if self.selector_gold not in ("drop", "swap"):
+            raise config_error(self, "selector_gold", "must be drop or swap")
         if not self.gamma > 0:
             raise config_error(self, "gamma", "must be > 0")
         for name in ("kl_lambda", "cap_lambda"):

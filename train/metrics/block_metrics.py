@@ -27,11 +27,13 @@ from train.drafter.model import lm_head_weight
 Counted = tuple[torch.Tensor, torch.Tensor]
 _SLOT_NAMES = ("top1_slot", "topk_slot", "ce_slot")
 _BLOCK_NAMES = ("accept_streak", "topk_streak", "expected_accept")
+# DFlash 2's selector (train/metrics/selector_metrics.py and the selector loss): counted only with DFlash 2.
+SELECTOR_NAMES = ("selector_loss", "selector_recall", "selector_accuracy", "selector_accept")
 
 
 def metric_sizes(block_size: int) -> dict[str, int]:
     """Name -> elements of each metric `block_metrics` returns: B-1 per *_slot, 1 for the rest."""
-    return {**{name: block_size - 1 for name in _SLOT_NAMES}, **{name: 1 for name in _BLOCK_NAMES}}
+    return {**{name: block_size - 1 for name in _SLOT_NAMES}, **{name: 1 for name in _BLOCK_NAMES + SELECTOR_NAMES}}
 
 
 def accepted_prefix_length(ok_CS: torch.Tensor) -> torch.Tensor:

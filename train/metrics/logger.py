@@ -38,6 +38,11 @@ _BLOCK_METRICS = (
     ("accept_streak", "accept/streak"),
     ("topk_streak", "accept/top{k}_streak"),
     ("expected_accept", "accept/expected"),
+    # DFlash 2 only (no count otherwise, so no key): the selector loss (every step) and its metrics.
+    ("selector_loss", "loss/selector"),
+    ("selector_recall", "selector/recall_at_k"),
+    ("selector_accuracy", "selector/tf_accuracy"),
+    ("selector_accept", "selector/path_accept"),
 )
 # Summed once per step and logged as the mean over the interval's steps (sum / "steps"), under these keys.
 _PER_STEP = (
@@ -265,6 +270,10 @@ class MetricsLogger:
             line += f" (steps; evaluations took {format_duration(record['perf/eval_s'])} so far)"
         if "accept/streak" in record:
             line += f" | acc1 {record.get('acc/slot_01', float('nan')):.3f} streak {record['accept/streak']:.2f}"
+        if "loss/selector" in record:
+            line += f" | selector {record['loss/selector']:.4f}"
+        if "selector/path_accept" in record:
+            line += f" recall {record['selector/recall_at_k']:.3f} path {record['selector/path_accept']:.2f}"
         if "mem/peak_gib" in record:
             line += f" | {record['mem/peak_gib']:.1f} GiB"
         if self._pending_eval is not None:

@@ -132,3 +132,23 @@ def test_mfu_is_against_the_datasheet_peak_and_the_matmul_share_is_apart(tmp_pat
     if datasheet is not None:
         assert r["mfu"] == pytest.approx(r["tflops"] * 1e12 / datasheet)
     assert r["matmul_peak_share"] == pytest.approx(r["tflops"] * 1e12 / report["measured_bf16_matmul_flops"])
+
+
+def test_one_run_benches_dflash1_and_dflash2_side_by_side(tmp_path):
+    """tiny and tiny2 (the DFlash 2 layout at the same width) in one run; the selector's codebooks are
+    not counted as matmul FLOPs."""
+    from tools.bench.train_workload import SIZES, drafter_config
+    from train.drafter.model import count_parameters
+
+    out = tmp_path / "bench.json"
+    args = ["--device", "cpu", "--sizes", "tiny,tiny2", "--modes", "eager", "--steps", "1", "--out", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    one, two = json.loads(out.read_text())["results"]
+    assert (one["arch"], two["arch"]) == ("dflash", "dflash2")
+    assert two["layer_types"] == ["sliding_attention"] * 2 and two["sliding_window"] == 2048
+    cfg2 = drafter_config(SIZES["tiny2"])
+    codebooks = 2 * cfg2.vocab_size * cfg2.selector_rank
+    assert two["params"] == count_parameters(cfg2)
+    fc_and_norms = cfg2.num_taps * cfg2.hidden_size**2 + 2 * cfg2.hidden_size
+    assert two["flops_per_step"]["layers"] == 6 * (two["params"] - fc_and_norms - codebooks) * two["query_tokens"]

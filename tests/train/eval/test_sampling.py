@@ -174,6 +174,31 @@ def test_a_dflash_drafter_samples_the_targets_distribution():
         assert not wrong, f"{sampling}: chi-square {stat:.1f} on {df} df"
 
 
+def test_a_dflash2_drafter_samples_the_targets_distribution():
+    """DFlash 2 (ChainProposer walking its selector): each slot's q is softmax(scores / T) over its K
+    candidates given the token drawn before it; K < V leaves tokens a slot can never draft."""
+    target = TableTarget(hidden_size=32)
+    cfg = tiny_config(
+        vocab_size=V,
+        mask_token_id=V - 1,
+        block_size=BLOCK,
+        tap_layer_ids=[0],
+        num_target_layers=1,
+        arch="dflash2",
+        conv_group_size=8,
+        selector_rank=4,
+        selector_top_k=V - 2,
+    )
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg).eval()
+    with torch.no_grad():  # an inert selector would make q the unary softmax: give its bilinear term weight
+        model.candidate_selector.hidden_projection.weight.normal_(0, 0.5)
+    drafter = ChainProposer(model, TargetHead(target.embed_tokens_VH, target.lm_head_VH), None)
+    for sampling in CONFIGS:
+        wrong, stat, df = rejects(sampled_outputs(drafter, sampling, N, target=target), sampling, N)
+        assert not wrong, f"{sampling}: chi-square {stat:.1f} on {df} df"
+
+
 @pytest.mark.parametrize(
     "rule",
     ["accept_always", "resample_from_p"],

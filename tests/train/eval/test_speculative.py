@@ -40,17 +40,20 @@ from train.optim import OptimConfig
 NEW_TOKENS = 20
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """Tiny target, its greedy continuations as data, a cache with target top-1, a briefly trained drafter."""
-    root = tmp_path_factory.mktemp("spec")
+@pytest.fixture(scope="module", params=["dflash", "dflash2"])
+def setup(tmp_path_factory, request):
+    """Tiny target, its greedy continuations as data, a cache with target top-1, a briefly trained drafter
+    of each kind (DFlash 2 drafts along its selector's greedy path)."""
+    root = tmp_path_factory.mktemp(f"spec-{request.param}")
     target = write_random_checkpoint(root / "target", seed=0, dtype=torch.float32, mixer_scale=0.1)
     samples = greedy_continuations(target, num_samples=24, prompt_len=(4, 12), new_tokens=NEW_TOKENS)
     write_jsonl(root / "data.jsonl", samples)
     run_extract(extract_cfg(target, root / "data.jsonl", root / "cache", target_topk=1))
     # The default warmup share, and no logging or metrics to speak of: only the trained drafter matters.
     quiet = dict(warmup_ratio=OptimConfig.warmup_ratio, log_every=1000, metrics_every=1000)
-    run_training(tiny_config(root / "cache", root / "run", epochs=30, num_blocks=32, lr=3e-3, **quiet))
+    run_training(
+        tiny_config(root / "cache", root / "run", epochs=30, num_blocks=32, lr=3e-3, arch=request.param, **quiet)
+    )
     return root, target, samples
 
 

@@ -68,11 +68,11 @@ def brute_force_walk(model, head, t, budget=None) -> WalkCounts:
                 block = torch.tensor([ids[p]] + [model.config.mask_token_id] * (B - 1))
                 with torch.no_grad():
                     out = model.forward_block(hidden[s0:p], pos[s0:p], head.embed(block), pos[p] + torch.arange(B))
-                logits = head.logits(out[1:]).float()
+                logits = model.draft_logits(out[1:], head).float()
                 labels = [ids[p + k] if p + k <= last else -1 for k in range(1, B)]
                 valid = [p + k <= last for k in range(1, B)]
                 if budget is None:
-                    pred, a = logits.argmax(-1).tolist(), 0
+                    pred, a = _chain(model, head, out[1:], logits, ids[p]), 0
                     while a < B - 1 and valid[a] and pred[a] == labels[a]:
                         a += 1
                 else:
@@ -87,6 +87,39 @@ def brute_force_walk(model, head, t, budget=None) -> WalkCounts:
                 p += a + 1
             counts.add_response(tokens, steps)
     return counts
+
+
+@torch.no_grad()
+def _chain(model, head, out_SH, logits_SV, anchor_id) -> list[int]:
+    """The chain's drafts: the argmaxes, or for DFlash 2 the selector's greedy walk, one slot and one
+    candidate at a time (score = unary + sum_r P[prev, r] (W h)_r S[c, r])."""
+    if not model.config.is_dflash2:
+        return logits_SV.argmax(-1).tolist()
+    sel = model.candidate_selector
+    prev, path = anchor_id, []
+    for s in range(logits_SV.shape[0]):
+        projected = sel.hidden_projection.weight @ out_SH[s]
+        candidates = logits_SV[s].topk(model.config.selector_top_k).indices.tolist()
+        scores = {
+            c: float(logits_SV[s, c])
+            + float((sel.predecessor_codebook[prev] * projected * sel.successor_codebook[c]).sum())
+            for c in candidates
+        }
+        prev = max(candidates, key=scores.get)
+        path.append(prev)
+    return path
+
+
+def _slot_states(model, head, t):
+    """(slot states, draft logits, anchor id) of one block at the shard's first supervised token."""
+    p = int(t["loss_mask"].nonzero()[0])
+    pos = t["position_ids"].long()
+    block = torch.tensor([int(t["input_ids"][p])] + [model.config.mask_token_id] * (B - 1))
+    with torch.no_grad():
+        out = model.forward_block(
+            decode_hidden(t["hidden"]).double()[:p], pos[:p], head.embed(block), pos[p] + torch.arange(B)
+        )
+    return out[1:], model.draft_logits(out[1:], head), int(block[0])
 
 
 def _walk(model, head, t, layout, budget=None, dtype=torch.float64) -> WalkCounts:
@@ -257,3 +290,40 @@ def test_evaluate_drafter_reports_the_walk_and_the_diagnostics(tmp_path):
     d = res.to_dict()
     assert d["batch_ids"] == [0, 1] and d["dtype"] == "float64"
     assert res.heldout_loss > 0 and res.random_anchor_chain_length >= 1.0
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("lanes,backend", [(2, "sdpa"), (4, "flex")])
+def test_a_dflash2_walk_drafts_the_selector_path(tmp_path, lanes, backend):
+    """DFlash 2 (convolutions and selector away from their inert start): the walk equals the loop."""
+    cache = _multi_turn_cache(tmp_path)
+    cfg = drafter_for_target(
+        32, 64, VOCAB, num_layers=1, block_size=B, arch="dflash2", selector_top_k=4, sliding_window=5
+    )
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg).double()
+    with torch.no_grad():
+        model.norm.weight.mul_(20)
+        for name, p in model.named_parameters():
+            if "conv" in name or "candidate_selector" in name:
+                p.add_(torch.randn_like(p))
+    head_t = load_target_head(cache)
+    head = TargetHead(head_t["embed_tokens"].double(), head_t["lm_head"].double())
+    reader = ShardReader(cache)
+    t, _ = reader.read(0)
+    layout = BlockAttentionLayout(
+        num_ctx=reader.config.token_budget,
+        num_blocks=lanes,
+        block_size=B,
+        backend=backend,
+        tile_size=8,
+        compile_flex=False,
+        sliding_window=cfg.attention_window,
+    )
+    got, ref = _walk(model, head, t, layout), brute_force_walk(model, head, t)
+    assert got.as_vector() == pytest.approx(ref.as_vector(), abs=1e-9)
+    assert sum(got.accepted_histogram[1:]) > 0
+    # The selector matters here: the unary argmax chain walks differently.
+    plain = DFlashDrafter(cfg.replace(arch="dflash")).double()
+    plain.load_state_dict(model.state_dict(), strict=False)
+    assert _chain(model, head, *_slot_states(model, head, t)) != _chain(plain, head, *_slot_states(model, head, t))
