@@ -28,7 +28,7 @@ from train.drafter.model import DFlashDrafter, TargetHead
 from train.eval.config import EvalConfig
 from train.eval.evaluate import evaluate_drafter
 from train.eval.run import load_drafter, run_eval
-from train.eval.speculative import decode_prompts
+from train.eval.speculative import ChainProposer, decode_prompts
 from train.loop import run_training
 from train.optim import OptimConfig
 from train.resolve import resolve_run
@@ -177,7 +177,8 @@ def test_real_decoding_projects_the_live_taps_as_the_walk_reads_the_codes(tmp_pa
     ).walk
     verifier = TargetVerifier(target, loaded.config.tap_layer_ids, "cpu", torch.float32)
     prompts = [s.input_ids[: int(s.loss_mask.argmax())].tolist() for s in samples]
-    real = decode_prompts(model, TargetHead(verifier.embed_tokens_VH, verifier.lm_head_VH), verifier, prompts, 20)
+    proposer = ChainProposer(model, TargetHead(verifier.embed_tokens_VH, verifier.lm_head_VH))
+    real = decode_prompts(proposer, verifier, prompts, 20)
     assert real.identical == len(prompts), "speculative decoding stays lossless"
     assert sum(walk.accepted_histogram[1:]) >= 10, f"the test needs accepted drafts to mean anything ({walk})"
     assert (real.walk.steps, real.walk.tokens) != (0, 0)
