@@ -15,8 +15,10 @@ December 2026):
   32768 when absent and runs the drafter at the target's context length).
 - Layer kinds: layer_types per layer; sliding layers need sliding_window and use_sliding_window true
   (HF Qwen3Config drops sliding_window when use_sliding_window is false, and vLLM / SGLang then refuse
-  the sliding layers). vLLM makes a layer causal iff it is sliding unless is_causal or
-  dflash_config.causal say otherwise, so neither is written.
+  the sliding layers). vLLM makes a layer causal iff it is sliding unless is_causal (top level, read
+  first) or dflash_config.causal say otherwise: is_causal is written exactly when the drafter was read
+  with one (published DFlash 2 configs: false, its sliding layers bidirectional in the window), and
+  dflash_config.causal never.
 - Taps: dflash_config.target_layer_ids in z-lab's "output of layer j" convention; vLLM and SGLang add 1
   for their "input of layer j+1" capture. eagle_aux_hidden_state_layer_ids is not written: vLLM would
   take it as-is in place of target_layer_ids + 1.
@@ -28,8 +30,8 @@ December 2026):
 - The target's bos / eos / pad ids, as the published configs carry them.
 
 load_exported_drafter reads ours and published directories (model.safetensors, or shards listed in
-model.safetensors.index.json) and refuses fields whose meaning we do not train (is_causal, use_swa,
-attention sinks, rope scaling), naming them.
+model.safetensors.index.json) and refuses fields whose meaning we do not train (dflash_config.causal,
+use_swa, attention sinks, rope scaling), naming them.
 
 Export is for serving and evaluation, never a resume source (checkpoints are the loop's business).
 """
@@ -75,7 +77,6 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"  # sharded checkpoints: {"weight_map": {name: file}}
 # Fields whose presence would make an engine read the drafter differently from how it was trained here.
 _FOREIGN_FIELDS = (
-    "is_causal",
     "use_swa",
     "swa_window_size",
     "causal",
@@ -150,6 +151,7 @@ def drafter_config_to_hf(cfg: DrafterConfig) -> dict:
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": False,
         "layer_types": list(cfg.layer_types),
+        **({"is_causal": cfg.is_causal} if cfg.is_causal is not None else {}),
         "sliding_window": cfg.sliding_window if sliding else None,
         "use_sliding_window": sliding,
         "max_window_layers": cfg.num_layers,
@@ -182,10 +184,12 @@ def drafter_config_from_hf(hf: dict, source: str = "config.json", mask_token_id:
     if missing:
         raise ValueError(f"{source}: dflash_config lacks {missing}")
 
-    def foreign_in(d: dict) -> set[str]:  # is_causal / causal override vLLM's per-layer causality either way
+    def foreign_in(d: dict) -> set[str]:  # causal overrides vLLM's per-layer causality either way
         return {k for k in _FOREIGN_FIELDS if d.get(k) is not None and (d[k] is not False or "causal" in k)}
 
-    foreign = sorted(foreign_in(hf) | {f"dflash_config.{k}" for k in foreign_in(dflash)})
+    # vLLM also reads dflash_config.is_causal (after the top level's): one spelling is read here, the top level's.
+    nested_is_causal = {"dflash_config.is_causal"} if dflash.get("is_causal") is not None else set()
+    foreign = sorted(foreign_in(hf) | {f"dflash_config.{k}" for k in foreign_in(dflash)} | nested_is_causal)
     if foreign:
         raise ValueError(
             f"{source}: {foreign} change how engines run this drafter's attention or vocabulary, "
@@ -247,6 +251,7 @@ def drafter_config_from_hf(hf: dict, source: str = "config.json", mask_token_id:
             vocab_size=get("vocab_size", int),
             layer_types=layer_types,
             sliding_window=window,
+            is_causal=get("is_causal", bool, None),
             bos_token_id=get("bos_token_id", int, None),
             eos_token_id=get("eos_token_id", int | list[int], None),
             pad_token_id=get("pad_token_id", int, None),
