@@ -309,7 +309,7 @@ class DFlashDrafter(nn.Module):
             raise ValueError(
                 f"the drafter's sliding layers use window {cfg.sliding_window} (causal {cfg.sliding_causal}), the "
                 f"attention layout has {layout.sliding_window} (causal {layout.sliding_causal}): build it with "
-                "BlockAttentionLayout.for_drafter"
+                "BlockAttentionLayout.for_drafter (sliding_window and sliding_causal of the DrafterConfig)"
             )
         return [partial(block_attention, layout=layout, sliding=s) for s in self.config.sliding_layers]
 

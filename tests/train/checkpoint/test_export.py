@@ -211,7 +211,9 @@ def test_sharded_published_directory_loads(tmp_path):
 @pytest.mark.parametrize(
     "change,field",
     [
-        ({"is_causal": False}, "is_causal"),
+        ({"is_causal": True}, "is_causal"),
+        ({"dflash_config": {"mask_token_id": 96, "target_layer_ids": [0, 2, 3], "causal": False}}, "causal"),
+        ({"dflash_config": {"mask_token_id": 96, "target_layer_ids": [0, 2, 3], "is_causal": False}}, "is_causal"),
         ({"dflash_config": {"mask_token_id": 96, "target_layer_ids": [0, 2, 3], "use_swa": True}}, "use_swa"),
         ({"use_sliding_window": False}, "use_sliding_window"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, "rope_theta"),
