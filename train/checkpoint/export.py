@@ -106,22 +106,21 @@ _SELECTOR_TENSORS = ("predecessor_codebook", "successor_codebook", "hidden_proje
 _ARCHITECTURES = {DFLASH1: "DFlashDraftModel", DFLASH2: "DFlash2DraftModel"}
 # DFlash 2's dflash_config sizes (z-lab reads dflash_config first, then the top level; so do vLLM/SGLang).
 _DFLASH2_SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale")
-# DFlash 2's logit transform, top-level fields as the released Muse-Glimmer config carries them.
+# DFlash 2's logit transform: in dflash_config, as the released Muse-Glimmer config carries them and
+# vLLM's qwen3_dflash2.py reads them (from dflash_config only: a top-level copy would serve unscaled logits).
 _DFLASH2_LOGITS = ("output_multiplier", "final_logit_softcapping")
 
 
-def _dflash2_fields_to_hf(cfg: DrafterConfig) -> tuple[dict, dict]:
-    """(dflash_config additions, top-level additions) of a DFlash 2 drafter's config.json."""
+def _dflash2_fields_to_hf(cfg: DrafterConfig) -> dict:
+    """dflash_config's additions for a DFlash 2 drafter's config.json."""
     if not cfg.is_dflash2:
-        return {}, {}
-    sizes = {"block_size": cfg.block_size, **{name: getattr(cfg, name) for name in _DFLASH2_SIZES}}
-    return sizes, {name: getattr(cfg, name) for name in _DFLASH2_LOGITS}
+        return {}
+    return {"block_size": cfg.block_size, **{name: getattr(cfg, name) for name in _DFLASH2_SIZES + _DFLASH2_LOGITS}}
 
 
 def drafter_config_to_hf(cfg: DrafterConfig) -> dict:
     """config.json of the exported drafter (Qwen3Config fields plus the DFlash keys)."""
     sliding = any(cfg.sliding_layers)
-    dflash2_sizes, dflash2_logits = _dflash2_fields_to_hf(cfg)
     return {
         "architectures": [_ARCHITECTURES[cfg.arch]],
         "model_type": "qwen3",
@@ -130,9 +129,8 @@ def drafter_config_to_hf(cfg: DrafterConfig) -> dict:
         "dflash_config": {
             "mask_token_id": cfg.mask_token_id,
             "target_layer_ids": list(cfg.tap_layer_ids),
-            **dflash2_sizes,
+            **_dflash2_fields_to_hf(cfg),
         },
-        **dflash2_logits,
         "target_hidden_size": cfg.hidden_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
