@@ -56,7 +56,7 @@ from shards.common.schema import REQUIRED, read_field
 from shards.container import read_header, write_container
 from shards.format import CacheFormatError
 from shards.projection import fold_fc, unfold_fc
-from train.checkpoint.serving import TRAINING_KEY
+from train.checkpoint.serving import EXPORTED_TRAINING, TRAINING_KEY
 from train.checkpoint.store import (
     MODEL_FILE,
     STATE_FILE,
@@ -417,8 +417,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, overwrite: bool =
             "model.safetensors, optimizer.pt) nor a run directory holding one"
         )
     model, cfg = drafter_from_checkpoint(ckpt)
-    longest = ckpt.state.get("longest_response")
-    export_drafter(model, cfg, out, overwrite=overwrite, training={"longest_response": longest} if longest else None)
+    state = train_state(ckpt)
+    training = {k: getattr(state, k) for k in EXPORTED_TRAINING if getattr(state, k) is not None}
+    export_drafter(model, cfg, out, overwrite=overwrite, training=training or None)
     return ckpt
 
 

@@ -17,9 +17,10 @@ Read from the engines' newest DFlash loaders (December 2026):
   DECODER layer whatever is_causal says, so it would serve such a drafter with attention it never trained.
 
 trained_for(cache) is what a checkpoint records of its training cache (train_state.json): the target
-the cache came from (for the printed commands) and the longest reply in it (shards.DatasetRecord), which
-an export carries in config.json under TRAINING_KEY (engines ignore it) so that `eval --target` can say
-when it decodes past what the drafter ever drafted.
+the cache came from (for the printed commands), the longest reply in it (shards.DatasetRecord) and the
+serving mode its data were rendered in (cache.json chat_mode: --thinking, --template-kwarg); an export
+carries the last two in config.json under TRAINING_KEY (engines ignore it) so that `eval --target` can
+say when it decodes past what the drafter ever drafted, or in another mode than it was trained for.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from typing import Any
 from shards import CacheConfig
 from train.drafter.config import DrafterConfig
 
-TRAINING_KEY = "dflash_training"  # config.json: {"longest_response": N}, what training saw
+TRAINING_KEY = "dflash_training"  # config.json: {"longest_response": N, "chat_mode": {...}}, what training saw
+# The trained_for entries an export carries under TRAINING_KEY (target_name is for the printed commands only).
+EXPORTED_TRAINING = ("longest_response", "chat_mode")
 
 
 def trained_for(cache: CacheConfig) -> dict[str, Any]:
@@ -39,6 +42,7 @@ def trained_for(cache: CacheConfig) -> dict[str, Any]:
     return {
         "target_name": cache.target.name,
         "longest_response": cache.dataset.longest_response if cache.dataset is not None else None,
+        "chat_mode": cache.chat_mode,
     }
 
 
