@@ -194,8 +194,10 @@ def test_flex_rejects_partial_query_tiles():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("window", [None, 7, 300, 100_000])
-def test_flex_compiled_matches_dense_bf16_forward_backward(window):
+@pytest.mark.parametrize(
+    "window,causal", [(None, True), (7, True), (300, True), (100_000, True), (7, False), (300, False)]
+)
+def test_flex_compiled_matches_dense_bf16_forward_backward(window, causal):
     device = "cuda"
     num_ctx, nb, bs, heads, kv_heads, dim = 3000, 64, 16, 8, 2, 128
     seq_start, anchor = ranges_at_sequence_starts(num_ctx, nb, 7)
@@ -205,10 +207,16 @@ def test_flex_compiled_matches_dense_bf16_forward_backward(window):
     k, v = torch.randn(2, num_ctx + nb * bs, kv_heads, dim, device=device, generator=g, dtype=torch.bfloat16)
     grad_out = torch.randn_like(q)
     flex = BlockAttentionLayout(
-        num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", device=device, sliding_window=window
+        num_ctx=num_ctx,
+        num_blocks=nb,
+        block_size=bs,
+        backend="flex",
+        device=device,
+        sliding_window=window,
+        sliding_causal=causal,
     )
     flex.update(seq_start, anchor)
-    mask = block_mask_dense(seq_start, anchor, num_ctx=num_ctx, block_size=bs, sliding_window=window)
+    mask = block_mask_dense(seq_start, anchor, num_ctx=num_ctx, block_size=bs, sliding_window=window, causal=causal)
     results = []
     for fn in (
         lambda a, b, c: block_attention(a, b, c, flex, sliding=window is not None),
