@@ -28,7 +28,7 @@ QWEN36_27B_TARGET = dict(
     mask_token_id=248070,
 )
 # The published Qwen3.8-27B-DFlash2 layout (field notes 2.1): five sliding layers of window 2048 and the
-# dflash_config sizes below; its block size is 8 (pass --block-size 8) and its taps [5, 19, 33, 47, 61]
+# dflash_config sizes below; its block size is 8 (--arch dflash2's default --block-size) and its taps [5, 19, 33, 47, 61]
 # come from the cache (extract with --taps 5,19,33,47,61).
 DFLASH2_27B_LAYOUT = dict(layer_types=["sliding_attention"] * 5, sliding_window=2048, block_size=8)
 # Drafter kinds: z-lab's DFlashDraftModel and DFlash2DraftModel (train/drafter/dflash2.py).
@@ -320,8 +320,8 @@ class DrafterOptions:
 
     arch: str | None = None
     """Drafter kind: dflash (DFlash 1) or dflash2 (DFlash 2: block convolutions and the candidate selector,
-    every layer sliding with window 2048 unless --layer-types/--sliding-window say otherwise; the published
-    Qwen3.8-27B-DFlash2 uses --block-size 8). dflash2 with --init-from a DFlash 1 drafter is a warm start
+    every layer sliding with window 2048 unless --layer-types/--sliding-window say otherwise, and block 8 unless
+    --block-size says otherwise: the published Qwen3.8-27B-DFlash2). dflash2 with --init-from a DFlash 1 drafter is a warm start
     (new parts inert). Default: the --init-from drafter's, else dflash."""
     mask_token_id: int | None = None
     """MASK token id of the drafter. Default: the cache's (cache.json mask_token_id; 248070 for
