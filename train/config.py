@@ -21,7 +21,7 @@ from typing import Any, Literal
 from shards.common.cli_options import at_least, cli_field, config_error, to_options
 from shards.common.compile_cache import CompileCacheConfig
 from shards.format import canonical_precision
-from train.drafter.config import DrafterConfig, DrafterOptions
+from train.drafter.config import DrafterOptions
 from train.eval.config import TrainEvalConfig
 from train.loss.config import LossConfig
 from train.optim import OptimConfig
@@ -53,8 +53,9 @@ class TrainConfig:
     """Draft blocks (anchors) per packed batch (x block size = query tokens per step). Default: one per
     24 context tokens, rounded to 128-token tiles (2048 for a 49152 budget: fits the 27B-width drafter
     on one H200)."""
-    block_size: int = DrafterConfig.block_size
-    """Tokens per draft block: anchor plus block_size-1 MASK slots (published drafters: 16)."""
+    block_size: int | None = None
+    """Tokens per draft block: anchor plus block_size-1 MASK slots. Default: the --init-from drafter's, else
+    8 for --arch dflash2 (the published DFlash 2 layout) and 16 for dflash (the published DFlash drafters)."""
     loss: LossConfig = field(default_factory=LossConfig)
     """Loss weights and chunking (--gamma ... --fused-loss)."""
     metrics_every: int = cli_field(8, identity=False)
@@ -111,12 +112,14 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.compute_dtype = canonical_precision(self.compute_dtype, ("bfloat16", "float32"))  # bf16 taken too
-        at_least(self, 1, "epochs", "block_size", "metrics_topk", "log_every", "keep_checkpoints", "num_buffers")
+        at_least(self, 1, "epochs", "metrics_topk", "log_every", "keep_checkpoints", "num_buffers")
         at_least(self, 0, "checkpoint_every", "seed")
         if self.max_steps != -1 and self.max_steps < 1:
             raise config_error(self, "max_steps", "must be >= 1, or -1 for no limit")
-        if self.block_size < 2:
-            raise config_error(self, "block_size", "must be >= 2 (an anchor plus at least one draft slot)")
+        if self.block_size is not None:
+            at_least(self, 1, "block_size")
+            if self.block_size < 2:
+                raise config_error(self, "block_size", "must be >= 2 (an anchor plus at least one draft slot)")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise config_error(self, "num_blocks", "must be >= 1; omit it for the default density")
         if self.metrics_every < 1:

@@ -134,8 +134,9 @@ def announce_run(
     )
     if run.drafter.attention_window is not None:
         log.info(
-            "drafter layers: %s (sliding: causal, window %d tokens)",
+            "drafter layers: %s (sliding: %s, window %d tokens)",
             ",".join("sliding" if s else "full" for s in run.drafter.sliding_layers),
+            "causal" if run.drafter.sliding_causal else "block both ways (is_causal false)",
             run.drafter.attention_window,
         )
     log.info(

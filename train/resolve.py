@@ -21,7 +21,7 @@ from shards.format import TARGET_HEAD_FILE, shard_path, target_head_shapes
 from shards.projection import load_projection
 from train.blocks import default_num_blocks
 from train.config import TrainConfig
-from train.drafter.config import DFLASH1, DFLASH2, DrafterConfig, DrafterOptions
+from train.drafter.config import DFLASH1, DFLASH2, DFLASH2_27B_LAYOUT, DrafterConfig, DrafterOptions
 
 # MLP width / hidden of the published Qwen3.5-27B drafter (17408 / 5120); the default for other widths.
 _MLP_RATIO = 3.4
@@ -62,6 +62,12 @@ def planned_batch_ids(cache_cfg: CacheConfig, cache_dir: str | Path) -> list[int
     missing file is refused by name (or skipped under --skip-bad-shards) instead of shifting the split."""
     planned = cache_cfg.planned_batches
     return list(range(planned)) if isinstance(planned, int) else ShardReader(cache_dir).batch_ids()
+
+
+def default_block_size(arch: str | None) -> int:
+    """--block-size when neither the flag nor an --init-from drafter gives one: the published layout of
+    the drafter kind (DFlash 2: Qwen3.8-27B-DFlash2's 8; DFlash 1: z-lab's 16)."""
+    return DFLASH2_27B_LAYOUT["block_size"] if arch == DFLASH2 else DrafterConfig.block_size
 
 
 def default_intermediate_size(hidden_size: int) -> int:
@@ -142,7 +148,7 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
 
     drafter = _projected(drafter, cache_cfg, cfg.cache)
     refuse_unseen_context(cache_cfg, drafter, cfg.cache)
-    num_blocks = cfg.num_blocks or default_num_blocks(cache_cfg.token_budget, cfg.block_size)
+    num_blocks = cfg.num_blocks or default_num_blocks(cache_cfg.token_budget, drafter.block_size)
     if num_blocks > cache_cfg.token_budget:
         raise ValueError(
             f"--num-blocks {num_blocks} exceeds the cache's --token-budget {cache_cfg.token_budget} "
@@ -232,7 +238,7 @@ def _shape_options(cfg: TrainConfig) -> dict[str, Any]:
     alone sets the layer count."""
     pinned = cfg.drafter
     given = {name: getattr(pinned, name) for name in _FOR_TARGET_OPTIONS if getattr(pinned, name) is not None}
-    given["block_size"] = cfg.block_size
+    given["block_size"] = cfg.block_size or default_block_size(pinned.arch)
     if pinned.layer_types is not None:
         given.setdefault("num_layers", len(pinned.layer_types))
     return given
@@ -275,7 +281,7 @@ def _drafter_from_init(cfg: TrainConfig, cache_cfg: CacheConfig, mask_token_id: 
     ):
         if theirs != cache_value:
             problems.append(f"{name}: drafter {theirs!r}, cache {cache_value!r}")
-    if drafter.block_size != cfg.block_size:
+    if cfg.block_size is not None and drafter.block_size != cfg.block_size:
         problems.append(
             f"block_size: drafter {drafter.block_size}, this run {cfg.block_size} "
             f"(pass --block-size {drafter.block_size})"

@@ -123,7 +123,7 @@ def build_step_state(
         optimizer=optimizer,
         schedule=schedule,
         grads=grads,
-        totals=StepTotals(cfg.block_size, device),
+        totals=StepTotals(run.drafter.block_size, device),
         loss=cfg.loss,
         grad_clip=cfg.optim.grad_clip,
         metrics_topk=cfg.metrics_topk,
@@ -139,7 +139,7 @@ def build_step_state(
         candidates=(
             CandidateSet.empty(
                 run.num_blocks,
-                cfg.block_size,
+                run.drafter.block_size,
                 run.drafter.selector_top_k,
                 cfg.loss.selector_gold,
                 device,

@@ -139,9 +139,7 @@ def blocks_and_layout(cfg, batch, num_blocks):
         mask_token_id=cfg.mask_token_id,
         generator=torch.Generator().manual_seed(0),
     )
-    layout = BlockAttentionLayout(
-        num_ctx=48, num_blocks=num_blocks, block_size=cfg.block_size, sliding_window=cfg.attention_window
-    )
+    layout = BlockAttentionLayout.for_drafter(cfg, num_ctx=48, num_blocks=num_blocks)
     return blocks, layout.update(blocks.seq_start_N, blocks.anchor_N)
 
 

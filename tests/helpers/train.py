@@ -75,7 +75,7 @@ def hand_step_loss(model, drafter: DrafterConfig, cache: Path, cfg: TrainConfig,
     blocks = sample_shard_blocks(
         t,
         num_blocks=cfg.num_blocks,
-        block_size=cfg.block_size,
+        block_size=drafter.block_size,
         mask_token_id=drafter.mask_token_id,
         gamma=cfg.loss.gamma,
         generator=torch.Generator().manual_seed(anchor_seed(cfg.seed, rank=rank)),

@@ -184,3 +184,25 @@ def test_dflash2_steps_at_the_published_block_sizes(tmp_path, block_size):
     assert all(torch.isfinite(g).all() for g in out["grads"])
     moved = out["params"]["candidate_selector.hidden_projection.weight"]
     assert moved.abs().sum() > 0  # the step updates the selector from its zero start
+
+
+def test_a_published_is_causal_false_drafter_fine_tunes_and_exports_as_published(tmp_path):
+    """The published DFlash 2 configs (Muse-Glimmer, SpecForge's Qwen3.6-27B layout) set is_causal false over
+    all-sliding layers: --init-from such a directory trains, and the export says is_causal false again."""
+    cache, run, _ = _train(tmp_path, "run", *DFLASH2_FLAGS)
+    assert CliRunner().invoke(train_cli, ["export", str(run), str(tmp_path / "published")]).exit_code == 0
+    config_path = tmp_path / "published" / "config.json"
+    published = json.loads(config_path.read_text()) | {"is_causal": False}
+    config_path.write_text(json.dumps(published))
+
+    _, tuned, _ = _train(
+        tmp_path, "tuned", "--max-steps", "1", "--init-from", str(tmp_path / "published"), "--num-layers", "1"
+    )
+    state = train_state(resolve_checkpoint(tuned))
+    assert state.drafter.is_causal is False and state.drafter.arch == "dflash2" and state.step == 1
+    assert CliRunner().invoke(train_cli, ["export", str(tuned), str(tmp_path / "again")]).exit_code == 0
+    again = json.loads((tmp_path / "again" / "config.json").read_text())
+    for key in ("is_causal", "layer_types", "sliding_window", "use_sliding_window", "dflash_config", "block_size"):
+        assert again[key] == published[key], key
+    loaded, loaded_cfg = load_exported_drafter(tmp_path / "again", dtype=torch.float32)
+    assert loaded_cfg.is_causal is False and not loaded_cfg.sliding_causal

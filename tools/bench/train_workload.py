@@ -114,7 +114,9 @@ def mean_keys_per_layer(blocks, cfg: DrafterConfig) -> list[float]:
     if cfg.attention_window is None:
         return [full] * cfg.num_layers
     W = cfg.attention_window
-    sliding = float((ctx_N1.clamp(max=W - 1 - k_1B).clamp(min=0) + (k_1B + 1).clamp(max=W)).mean())
+    behind_1B = (k_1B + 1).clamp(max=W)  # block slots at or behind the query, inside the window
+    ahead_1B = 0 if cfg.sliding_causal else (B - 1 - k_1B).clamp(max=W - 1)  # is_causal false: those ahead too
+    sliding = float((ctx_N1.clamp(max=W - 1 - k_1B).clamp(min=0) + behind_1B + ahead_1B).mean())
     return [sliding if s else full for s in cfg.sliding_layers]
 
 

@@ -15,8 +15,10 @@ December 2026):
   32768 when absent and runs the drafter at the target's context length).
 - Layer kinds: layer_types per layer; sliding layers need sliding_window and use_sliding_window true
   (HF Qwen3Config drops sliding_window when use_sliding_window is false, and vLLM / SGLang then refuse
-  the sliding layers). vLLM makes a layer causal iff it is sliding unless is_causal or
-  dflash_config.causal say otherwise, so neither is written.
+  the sliding layers). vLLM makes a layer causal iff it is sliding unless is_causal (top level, read
+  first) or dflash_config.causal say otherwise: is_causal is written exactly when the drafter was read
+  with one (published DFlash 2 configs: false, its sliding layers bidirectional in the window), and
+  dflash_config.causal never.
 - Taps: dflash_config.target_layer_ids in z-lab's "output of layer j" convention; vLLM and SGLang add 1
   for their "input of layer j+1" capture. eagle_aux_hidden_state_layer_ids is not written: vLLM would
   take it as-is in place of target_layer_ids + 1.
@@ -28,8 +30,8 @@ December 2026):
 - The target's bos / eos / pad ids, as the published configs carry them.
 
 load_exported_drafter reads ours and published directories (model.safetensors, or shards listed in
-model.safetensors.index.json) and refuses fields whose meaning we do not train (is_causal, use_swa,
-attention sinks, rope scaling), naming them.
+model.safetensors.index.json) and refuses fields whose meaning we do not train (dflash_config.causal,
+use_swa, attention sinks, rope scaling), naming them.
 
 Export is for serving and evaluation, never a resume source (checkpoints are the loop's business).
 """
@@ -54,7 +56,7 @@ from shards.common.schema import REQUIRED, read_field
 from shards.container import read_header, write_container
 from shards.format import CacheFormatError
 from shards.projection import fold_fc, unfold_fc
-from train.checkpoint.serving import TRAINING_KEY
+from train.checkpoint.serving import EXPORTED_TRAINING, TRAINING_KEY
 from train.checkpoint.store import (
     MODEL_FILE,
     STATE_FILE,
@@ -75,7 +77,6 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"  # sharded checkpoints: {"weight_map": {name: file}}
 # Fields whose presence would make an engine read the drafter differently from how it was trained here.
 _FOREIGN_FIELDS = (
-    "is_causal",
     "use_swa",
     "swa_window_size",
     "causal",
@@ -105,22 +106,21 @@ _SELECTOR_TENSORS = ("predecessor_codebook", "successor_codebook", "hidden_proje
 _ARCHITECTURES = {DFLASH1: "DFlashDraftModel", DFLASH2: "DFlash2DraftModel"}
 # DFlash 2's dflash_config sizes (z-lab reads dflash_config first, then the top level; so do vLLM/SGLang).
 _DFLASH2_SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale")
-# DFlash 2's logit transform, top-level fields as the released Muse-Glimmer config carries them.
+# DFlash 2's logit transform: in dflash_config, as the released Muse-Glimmer config carries them and
+# vLLM's qwen3_dflash2.py reads them (from dflash_config only: a top-level copy would serve unscaled logits).
 _DFLASH2_LOGITS = ("output_multiplier", "final_logit_softcapping")
 
 
-def _dflash2_fields_to_hf(cfg: DrafterConfig) -> tuple[dict, dict]:
-    """(dflash_config additions, top-level additions) of a DFlash 2 drafter's config.json."""
+def _dflash2_fields_to_hf(cfg: DrafterConfig) -> dict:
+    """dflash_config's additions for a DFlash 2 drafter's config.json."""
     if not cfg.is_dflash2:
-        return {}, {}
-    sizes = {"block_size": cfg.block_size, **{name: getattr(cfg, name) for name in _DFLASH2_SIZES}}
-    return sizes, {name: getattr(cfg, name) for name in _DFLASH2_LOGITS}
+        return {}
+    return {"block_size": cfg.block_size, **{name: getattr(cfg, name) for name in _DFLASH2_SIZES + _DFLASH2_LOGITS}}
 
 
 def drafter_config_to_hf(cfg: DrafterConfig) -> dict:
     """config.json of the exported drafter (Qwen3Config fields plus the DFlash keys)."""
     sliding = any(cfg.sliding_layers)
-    dflash2_sizes, dflash2_logits = _dflash2_fields_to_hf(cfg)
     return {
         "architectures": [_ARCHITECTURES[cfg.arch]],
         "model_type": "qwen3",
@@ -129,9 +129,8 @@ def drafter_config_to_hf(cfg: DrafterConfig) -> dict:
         "dflash_config": {
             "mask_token_id": cfg.mask_token_id,
             "target_layer_ids": list(cfg.tap_layer_ids),
-            **dflash2_sizes,
+            **_dflash2_fields_to_hf(cfg),
         },
-        **dflash2_logits,
         "target_hidden_size": cfg.hidden_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -150,6 +149,7 @@ def drafter_config_to_hf(cfg: DrafterConfig) -> dict:
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": False,
         "layer_types": list(cfg.layer_types),
+        **({"is_causal": cfg.is_causal} if cfg.is_causal is not None else {}),
         "sliding_window": cfg.sliding_window if sliding else None,
         "use_sliding_window": sliding,
         "max_window_layers": cfg.num_layers,
@@ -182,10 +182,12 @@ def drafter_config_from_hf(hf: dict, source: str = "config.json", mask_token_id:
     if missing:
         raise ValueError(f"{source}: dflash_config lacks {missing}")
 
-    def foreign_in(d: dict) -> set[str]:  # is_causal / causal override vLLM's per-layer causality either way
+    def foreign_in(d: dict) -> set[str]:  # causal overrides vLLM's per-layer causality either way
         return {k for k in _FOREIGN_FIELDS if d.get(k) is not None and (d[k] is not False or "causal" in k)}
 
-    foreign = sorted(foreign_in(hf) | {f"dflash_config.{k}" for k in foreign_in(dflash)})
+    # vLLM also reads dflash_config.is_causal (after the top level's): one spelling is read here, the top level's.
+    nested_is_causal = {"dflash_config.is_causal"} if dflash.get("is_causal") is not None else set()
+    foreign = sorted(foreign_in(hf) | {f"dflash_config.{k}" for k in foreign_in(dflash)} | nested_is_causal)
     if foreign:
         raise ValueError(
             f"{source}: {foreign} change how engines run this drafter's attention or vocabulary, "
@@ -247,6 +249,7 @@ def drafter_config_from_hf(hf: dict, source: str = "config.json", mask_token_id:
             vocab_size=get("vocab_size", int),
             layer_types=layer_types,
             sliding_window=window,
+            is_causal=get("is_causal", bool, None),
             bos_token_id=get("bos_token_id", int, None),
             eos_token_id=get("eos_token_id", int | list[int], None),
             pad_token_id=get("pad_token_id", int, None),
@@ -414,8 +417,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, overwrite: bool =
             "model.safetensors, optimizer.pt) nor a run directory holding one"
         )
     model, cfg = drafter_from_checkpoint(ckpt)
-    longest = ckpt.state.get("longest_response")
-    export_drafter(model, cfg, out, overwrite=overwrite, training={"longest_response": longest} if longest else None)
+    state = train_state(ckpt)
+    training = {k: getattr(state, k) for k in EXPORTED_TRAINING if getattr(state, k) is not None}
+    export_drafter(model, cfg, out, overwrite=overwrite, training=training or None)
     return ckpt
 
 

@@ -11,11 +11,16 @@ Read from the engines' newest DFlash loaders (December 2026):
   block, anchor included) and warns when it differs from config.json's block_size; the command gives it.
 - llama.cpp runs every draft layer non-causally and its converter drops the sliding window, so a drafter
   with sliding layers is for vLLM and SGLang only.
+- A drafter whose config.json says is_causal false (published DFlash 2 configs: sliding layers attending
+  their block both ways): vLLM reads the top-level is_causal first (_dflash_layer_causal, PR #52816);
+  SGLang's DFlash loader (models/dflash.py as read in December 2026) runs every sliding layer as a causal
+  DECODER layer whatever is_causal says, so it would serve such a drafter with attention it never trained.
 
 trained_for(cache) is what a checkpoint records of its training cache (train_state.json): the target
-the cache came from (for the printed commands) and the longest reply in it (shards.DatasetRecord), which
-an export carries in config.json under TRAINING_KEY (engines ignore it) so that `eval --target` can say
-when it decodes past what the drafter ever drafted.
+the cache came from (for the printed commands), the longest reply in it (shards.DatasetRecord) and the
+serving mode its data were rendered in (cache.json chat_mode: --thinking, --template-kwarg); an export
+carries the last two in config.json under TRAINING_KEY (engines ignore it) so that `eval --target` can
+say when it decodes past what the drafter ever drafted, or in another mode than it was trained for.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from typing import Any
 from shards import CacheConfig
 from train.drafter.config import DrafterConfig
 
-TRAINING_KEY = "dflash_training"  # config.json: {"longest_response": N}, what training saw
+TRAINING_KEY = "dflash_training"  # config.json: {"longest_response": N, "chat_mode": {...}}, what training saw
+# The trained_for entries an export carries under TRAINING_KEY (target_name is for the printed commands only).
+EXPORTED_TRAINING = ("longest_response", "chat_mode")
 
 
 def trained_for(cache: CacheConfig) -> dict[str, Any]:
@@ -35,6 +42,7 @@ def trained_for(cache: CacheConfig) -> dict[str, Any]:
     return {
         "target_name": cache.target.name,
         "longest_response": cache.dataset.longest_response if cache.dataset is not None else None,
+        "chat_mode": cache.chat_mode,
     }
 
 
@@ -62,6 +70,11 @@ def serve_commands(cfg: DrafterConfig, drafter_dir: str, target: str | None) -> 
         lines.append(
             "  DFlash 2: vLLM needs the target's LM head unquantised (its selector takes the top-K of the full "
             "logits and refuses a quantised lm_head): serve a target whose lm_head is bf16"
+        )
+    if sliding and not cfg.sliding_causal:
+        lines.append(
+            "  is_causal false (sliding layers see their block both ways): vLLM honours it; SGLang's DFlash loader "
+            "runs sliding layers causally whatever is_causal says, so serve this drafter with vLLM"
         )
     if sliding:
         lines.append(

@@ -60,6 +60,7 @@ class TrainState:
     state_checksum: str | None = None  # of this file (store.state_checksum)
     target_name: str | None = None  # the target's name, for the serve commands export prints
     longest_response: int | None = None  # the longest supervised run in the cache (eval --target warns past it)
+    chat_mode: dict[str, Any] | None = None  # the cache's serving mode (eval --target warns in another one)
 
     def __post_init__(self) -> None:
         for name in ("step", "epoch", "cursor", "tokens_seen", "skipped_shards"):

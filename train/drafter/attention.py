@@ -12,6 +12,9 @@ n = q // B, at position pos(anchor[n]) + k. Query (n, k) may attend key j iff
   sliding layer (sliding_attention, window W):
       max(seq_start[n], anchor[n] + k - (W-1)) <= j < anchor[n]
    or j = T + n*B + s with s <= k and k - s <= W-1      its block, causal, inside the window
+  bidirectional sliding layer (sliding_attention under config.json is_causal false, window W):
+      max(seq_start[n], anchor[n] + k - (W-1)) <= j < anchor[n]
+   or j = T + n*B + s with |k - s| <= W-1               its block both ways, inside the window
 
 Blocks with weight 0 (padding) get seq_start == anchor: they see only their own block, so no
 softmax row is ever empty (slot k always sees itself). Packed indices measure distance in positions
@@ -33,6 +36,12 @@ So a sliding query at position p sees every key at positions [p - (W-1), p], con
   it); it is not the reference for sliding layers.
 - llama.cpp runs every draft layer non-causally and its converter drops the window: a drafter with
   sliding layers is for vLLM and SGLang only (`dflash-train export` says so).
+- Published DFlash 2 configs (Muse-Glimmer-30B, SpecForge's Qwen3.6-27B layout) set a top-level
+  is_causal false over all-sliding layers. z-lab's reference (_attention_mask, DFlash 2 era) then keeps
+  |query position - key position| < W and drops the causal bound, and vLLM (_dflash_layer_causal: top-level
+  is_causal first, PR #52816) runs such a layer as a non-causal one with the same per-layer window: the
+  block is attended both ways, the context (all of it behind the query) through the same window as a
+  causal sliding layer. DrafterConfig.sliding_causal says which a drafter's sliding layers are.
 
 Two backends behind `block_attention`:
   "sdpa": a dense [Q, L] boolean mask and torch SDPA; the reference, for CPU and tests.
@@ -79,10 +88,12 @@ def block_mask_dense(
     num_ctx: int,
     block_size: int,
     sliding_window: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Boolean [Q, L] mask (True = may attend) of the block-attention rule above.
 
-    sliding_window: None = a full layer's mask; W = a sliding layer's (causal block, window W)."""
+    sliding_window: None = a full layer's mask; W = a sliding layer's (window W; its block causal, or
+    both ways when causal is False)."""
     num_blocks = seq_start_N.shape[0]
     num_keys = num_ctx + num_blocks * block_size
     device = seq_start_N.device
@@ -99,7 +110,7 @@ def block_mask_dense(
     own_block_QL = key_block_L == block_of_q_Q.unsqueeze(1)
     if sliding_window is not None:
         behind_QL = slot_of_q_Q1 - (key_L - num_ctx) % block_size  # slots from the key up to the query
-        own_block_QL &= (behind_QL >= 0) & (behind_QL <= sliding_window - 1)
+        own_block_QL &= (behind_QL >= (0 if causal else 1 - sliding_window)) & (behind_QL <= sliding_window - 1)
     return in_context_QL | own_block_QL
 
 
@@ -150,7 +161,7 @@ class _FlexMask:
     def __init__(self, layout: BlockAttentionLayout, sliding_window: int | None, device: torch.device):
         from torch.nn.attention.flex_attention import BlockMask
 
-        self.sliding_window = sliding_window
+        self.sliding_window, self.causal = sliding_window, layout.sliding_causal
         num_q_tiles = layout.num_queries // layout.tile_size
         num_kv_tiles = -(-layout.num_keys // layout.tile_size)
         i32 = dict(dtype=torch.int32, device=device)
@@ -170,6 +181,7 @@ class _FlexMask:
                 return in_context | own_block
         else:
             window = sliding_window
+            nearest = 0 if layout.sliding_causal else 1 - window  # the furthest-ahead block key, in slots behind
 
             def mask_mod(b, h, q_idx, kv_idx):
                 n, k = q_idx // block_size, q_idx % block_size
@@ -180,7 +192,7 @@ class _FlexMask:
                 own_block = (
                     (kv_idx >= num_ctx)
                     & ((kv_idx - num_ctx) // block_size == n)
-                    & (behind >= 0)
+                    & (behind >= nearest)
                     & (behind <= window - 1)
                 )
                 return in_context | own_block
@@ -197,7 +209,7 @@ class _FlexMask:
         )
 
     def refresh(self, layout: BlockAttentionLayout) -> None:
-        partial_IJ, full_IJ = _tile_flags(layout, self.sliding_window, self.kv[1].shape[-1])
+        partial_IJ, full_IJ = _tile_flags(layout, self.sliding_window, self.causal, self.kv[1].shape[-1])
         _fill_ordered(partial_IJ, *self.kv)
         _fill_ordered(full_IJ, *self.full_kv)
         _fill_ordered(partial_IJ.T, *self.q)
@@ -205,7 +217,7 @@ class _FlexMask:
 
 
 def _tile_flags(
-    layout: BlockAttentionLayout, sliding_window: int | None, num_kv_tiles: int
+    layout: BlockAttentionLayout, sliding_window: int | None, causal: bool, num_kv_tiles: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial, full) tile flags [q tiles, kv tiles]: partial tiles need mask_mod, full ones do not.
 
@@ -222,9 +234,12 @@ def _tile_flags(
         cover_ranges = touch_ranges
     else:
         # Slot 0 reaches furthest back (anchor - (W-1)); the last slot's window bounds what all slots see.
-        # The block itself is causal, so no query sees all of it: it is touched, never covered.
+        # A causal block is touched, never covered (no query sees all of it); a bidirectional one is seen
+        # whole by every slot iff the window spans it.
         touch_ranges = ((torch.maximum(seq_start_N, anchor_N - (sliding_window - 1)), anchor_N), (own_lo_N, own_hi_N))
         cover_ranges = ((torch.maximum(seq_start_N, anchor_N + block_size - sliding_window), anchor_N),)
+        if not causal and sliding_window >= block_size:
+            cover_ranges += ((own_lo_N, own_hi_N),)
     touch_NJ = torch.zeros(layout.num_blocks, num_kv_tiles, dtype=torch.bool, device=device)
     cover_NJ = torch.zeros_like(touch_NJ)
     for lo_N, hi_N in touch_ranges:
@@ -253,6 +268,7 @@ class BlockAttentionLayout:
     rebuilds the masks from them, so every tensor the attention reads keeps its address (CUDA graphs)
     and each flex mask_mod keeps its identity (torch.compile does not recompile).
     sliding_window: W when the drafter has sliding layers (a second mask is then kept), else None.
+    sliding_causal: whether the sliding layers attend their block causally (else both ways, in the window).
     """
 
     def __init__(
@@ -266,6 +282,7 @@ class BlockAttentionLayout:
         tile_size: int = 128,
         compile_flex: bool = True,
         sliding_window: int | None = None,
+        sliding_causal: bool = True,
     ):
         if backend not in ("sdpa", "flex"):
             raise ValueError(f"attention backend must be 'sdpa' or 'flex', got {backend!r}")
@@ -284,7 +301,7 @@ class BlockAttentionLayout:
                 )
         self.num_ctx, self.num_blocks, self.block_size = num_ctx, num_blocks, block_size
         self.backend, self.tile_size, self.compile_flex = backend, tile_size, compile_flex
-        self.sliding_window = sliding_window
+        self.sliding_window, self.sliding_causal = sliding_window, sliding_causal
         self.num_queries = num_blocks * block_size
         self.num_keys = num_ctx + self.num_queries
         device = torch.device(device)
@@ -301,10 +318,15 @@ class BlockAttentionLayout:
     @classmethod
     def for_drafter(cls, drafter: DrafterConfig, *, num_ctx: int, num_blocks: int, **options) -> BlockAttentionLayout:
         """The layout a drafter's forward needs: its block size, and its sliding window when it has
-        sliding layers (else no sliding mask is built); options are the constructor's (backend, device, ...)."""
-        block_size, sliding_window = drafter.block_size, drafter.attention_window
+        sliding layers (else no sliding mask is built), and whether they are causal; options are the
+        constructor's (backend, device, ...)."""
         return cls(
-            num_ctx=num_ctx, num_blocks=num_blocks, block_size=block_size, sliding_window=sliding_window, **options
+            num_ctx=num_ctx,
+            num_blocks=num_blocks,
+            block_size=drafter.block_size,
+            sliding_window=drafter.attention_window,
+            sliding_causal=drafter.sliding_causal,
+            **options,
         )
 
     # The full layers' flex mask (the sliding one: flex_mask(sliding=True)).
@@ -344,6 +366,7 @@ class BlockAttentionLayout:
                     num_ctx=self.num_ctx,
                     block_size=self.block_size,
                     sliding_window=self.sliding_window,
+                    causal=self.sliding_causal,
                 )
             return self
         for mask in self._flex.values():
@@ -395,11 +418,13 @@ def window_attention(
     q_pos_Q: torch.Tensor,
     k_pos_L: torch.Tensor,
     sliding_window: int,
+    causal: bool = True,
 ) -> torch.Tensor:
     """A sliding layer at inference (one block over its prefix): query at position p attends the keys
-    at positions [p - (W-1), p], causal like vLLM's and SGLang's sliding DFlash layers; [Q, A, D]."""
+    at positions [p - (W-1), p], causal like vLLM's and SGLang's sliding DFlash layers, or (causal False)
+    [p - (W-1), p + (W-1)] as z-lab's and vLLM's non-causal sliding layers; [Q, A, D]."""
     behind_QL = q_pos_Q.unsqueeze(1) - k_pos_L.unsqueeze(0)
-    mask_QL = (behind_QL >= 0) & (behind_QL <= sliding_window - 1)
+    mask_QL = (behind_QL >= (0 if causal else 1 - sliding_window)) & (behind_QL <= sliding_window - 1)
     out_1AQD = F.scaled_dot_product_attention(
         q_QAD.transpose(0, 1).unsqueeze(0),
         k_LMD.transpose(0, 1).unsqueeze(0),

@@ -28,7 +28,7 @@ QWEN36_27B_TARGET = dict(
     mask_token_id=248070,
 )
 # The published Qwen3.8-27B-DFlash2 layout (field notes 2.1): five sliding layers of window 2048 and the
-# dflash_config sizes below; its block size is 8 (pass --block-size 8) and its taps [5, 19, 33, 47, 61]
+# dflash_config sizes below; its block size is 8 (--arch dflash2's default --block-size) and its taps [5, 19, 33, 47, 61]
 # come from the cache (extract with --taps 5,19,33,47,61).
 DFLASH2_27B_LAYOUT = dict(layer_types=["sliding_attention"] * 5, sliding_window=2048, block_size=8)
 # Drafter kinds: z-lab's DFlashDraftModel and DFlash2DraftModel (train/drafter/dflash2.py).
@@ -79,6 +79,11 @@ class DrafterConfig:
     sliding_window: int | None = None
     """Tokens a sliding layer's query sees, itself included (config.json sliding_window); needed iff a
     layer is sliding. The published Qwen3.6-27B layout: 4 sliding + 1 full, window 2048."""
+    is_causal: bool | None = None
+    """config.json's top-level is_causal, kept as published: None (absent) = each layer by its kind (sliding
+    causal, full bidirectional); False = sliding layers attend their block both ways, still through the
+    window (the published DFlash 2 configs; train/drafter/attention.py); True = every layer causal, which
+    only sliding layers can be here."""
     bos_token_id: int | None = None
     """The target's bos id (config.json bos_token_id, copied from the target); None = unknown."""
     eos_token_id: int | list[int] | None = None
@@ -174,6 +179,13 @@ class DrafterConfig:
                 f"DrafterConfig.layer_types must give one of {LAYER_TYPES} for each of the "
                 f"{self.num_layers} layers, got {self.layer_types}"
             )
+        if self.is_causal is not None and not isinstance(self.is_causal, bool):
+            raise ValueError(f"DrafterConfig.is_causal must be true, false or None, got {self.is_causal!r}")
+        if self.is_causal and not all(self.sliding_layers):
+            raise ValueError(
+                f"DrafterConfig.is_causal true makes the {FULL_ATTENTION} layers of {self.layer_types} causal, "
+                "which is not implemented: drop is_causal or make every layer sliding"
+            )
         if any(self.sliding_layers):
             if (
                 not isinstance(self.sliding_window, int)
@@ -232,8 +244,13 @@ class DrafterConfig:
 
     @property
     def sliding_layers(self) -> list[bool]:
-        """Per layer: True for a sliding-window (causal) layer, False for a full (bidirectional) one."""
+        """Per layer: True for a sliding-window layer, False for a full (bidirectional) one."""
         return [t == SLIDING_ATTENTION for t in self.layer_types]
+
+    @property
+    def sliding_causal(self) -> bool:
+        """Whether the sliding layers attend their block causally (else both ways: is_causal false)."""
+        return self.is_causal is not False
 
     @property
     def attention_window(self) -> int | None:
@@ -303,8 +320,8 @@ class DrafterOptions:
 
     arch: str | None = None
     """Drafter kind: dflash (DFlash 1) or dflash2 (DFlash 2: block convolutions and the candidate selector,
-    every layer sliding with window 2048 unless --layer-types/--sliding-window say otherwise; the published
-    Qwen3.8-27B-DFlash2 uses --block-size 8). dflash2 with --init-from a DFlash 1 drafter is a warm start
+    every layer sliding with window 2048 unless --layer-types/--sliding-window say otherwise, and block 8 unless
+    --block-size says otherwise: the published Qwen3.8-27B-DFlash2). dflash2 with --init-from a DFlash 1 drafter is a warm start
     (new parts inert). Default: the --init-from drafter's, else dflash."""
     mask_token_id: int | None = None
     """MASK token id of the drafter. Default: the cache's (cache.json mask_token_id; 248070 for

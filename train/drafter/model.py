@@ -14,7 +14,8 @@ What is unusual about this model (z-lab's DFlashDraftModel, which serving engine
 - RoPE rotates the whole head; context key t sits at its position id, block slot k at
   pos(anchor)+k; queries at the block positions.
 - Layers are full (the block sees all its context and itself bidirectionally) or sliding
-  (config.layer_types "sliding_attention": causal, window sliding_window), as attention.py defines.
+  (config.layer_types "sliding_attention": window sliding_window, the block causal, or both ways under
+  config.json is_causal false), as attention.py defines.
 
 Parameter names equal z-lab's: fc, hidden_norm, norm, layers.N.{input_layernorm,
 post_attention_layernorm}, layers.N.self_attn.{q,k,v,o}_proj / {q,k}_norm, layers.N.mlp.{gate,up,down}_proj.
@@ -300,11 +301,15 @@ class DFlashDrafter(nn.Module):
 
     def _block_attends(self, layout: BlockAttentionLayout) -> list[AttendFn]:
         """One block attention per layer (full or sliding) under `layout`, whose window must be the drafter's."""
-        if any(self.config.sliding_layers) and layout.sliding_window != self.config.sliding_window:
+        cfg = self.config
+        if any(cfg.sliding_layers) and (layout.sliding_window, layout.sliding_causal) != (
+            cfg.sliding_window,
+            cfg.sliding_causal,
+        ):
             raise ValueError(
-                f"the drafter's sliding layers use window {self.config.sliding_window}, the attention "
-                f"layout has {layout.sliding_window}: build BlockAttentionLayout with "
-                "sliding_window=DrafterConfig.attention_window"
+                f"the drafter's sliding layers use window {cfg.sliding_window} (causal {cfg.sliding_causal}), the "
+                f"attention layout has {layout.sliding_window} (causal {layout.sliding_causal}): build it with "
+                "BlockAttentionLayout.for_drafter (sliding_window and sliding_causal of the DrafterConfig)"
             )
         return [partial(block_attention, layout=layout, sliding=s) for s in self.config.sliding_layers]
 
@@ -356,10 +361,15 @@ class DFlashDrafter(nn.Module):
         """Inference forward: one block over one sequence's prefix (all of it visible, its full taps); [B, H]."""
         ctx_LH = self.fuse_context(self.context_of_taps(hidden_LKH.to(block_embed_BH.dtype)))
         key_pos_L = torch.cat([ctx_pos_L, block_pos_B])
+        cfg = self.config
         sliding = partial(
-            window_attention, q_pos_Q=block_pos_B, k_pos_L=key_pos_L, sliding_window=self.config.sliding_window
+            window_attention,
+            q_pos_Q=block_pos_B,
+            k_pos_L=key_pos_L,
+            sliding_window=cfg.sliding_window,
+            causal=cfg.sliding_causal,
         )
-        attends = [sliding if s else full_attention for s in self.config.sliding_layers]
+        attends = [sliding if s else full_attention for s in cfg.sliding_layers]
         return self._run_layers(ctx_LH, ctx_pos_L, self.block_input(block_embed_BH), block_pos_B, attends)
 
 

@@ -103,6 +103,7 @@ class LoadedDrafter:
     source: str  # what was loaded, for the output
     trained_on: tuple[str, list[int]] | None = None  # (cache id, batch ids) of a checkpoint's training
     longest_response: int | None = None  # the longest reply in its training cache; None = not recorded
+    chat_mode: dict[str, Any] | None = None  # the serving mode its training data were rendered in; None = unknown
 
 
 def _trained_on(state: dict[str, Any]) -> tuple[str, list[int]] | None:
@@ -139,6 +140,7 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
             dtype if isinstance(dtype, str) and dtype in DTYPES else "bfloat16",
             f"export {path}",
             longest_response=_count(training.get("longest_response")),
+            chat_mode=_mode(training.get("chat_mode")),
         )
     # A named checkpoint is verified as export verifies it, the weights only: eval never reads the optimizer.
     ckpt = resolve_checkpoint(path, files=(MODEL_FILE,))
@@ -160,7 +162,13 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
         f"checkpoint {ckpt.path}",
         _trained_on(ckpt.state),
         longest_response=_count(ckpt.state.get("longest_response")),
+        chat_mode=_mode(ckpt.state.get("chat_mode")),
     )
+
+
+def _mode(value: Any) -> dict[str, Any] | None:
+    """A recorded serving mode, or None where absent or not a mode record (older or edited files)."""
+    return value if isinstance(value, dict) and "thinking" in value else None
 
 
 def _count(value: Any) -> int | None:
@@ -175,7 +183,7 @@ class EvalOutput:
     walk: EvalResult | None
     decoding: Any | None  # train.eval.speculative.DecodeReport
     trained_on: list[int] = field(default_factory=list)  # evaluated shards the drafter was trained on
-    mode_warning: str | None = None  # the serving mode evaluated differs from the cache's
+    mode_warning: str | None = None  # the serving mode evaluated differs from the cache's or the training data's
     chat_mode: dict[str, Any] | None = None  # the serving mode evaluated (--thinking, --template-kwarg)
 
     def to_dict(self) -> dict[str, Any]:
@@ -251,10 +259,10 @@ def _evaluate(
                 "re-run dflash-extract to write them, or choose present ones with --shards"
             )
     loaded = load_drafter(cfg.drafter)
-    mode_warning = None
+    mode_warnings = []
     if reader is not None:
         check_fits(loaded.config, reader.config, cfg.drafter, cfg.cache)
-        mode_warning = mode_mismatch(cfg, reader.config.chat_mode)
+        mode_warnings.append(mode_mismatch(cfg, reader.config.chat_mode))
         if loaded.trained_on is not None and loaded.trained_on[0] == reader.config.cache_id():
             trained_on = sorted(set(ids) & set(loaded.trained_on[1]))
     device = resolve_device(cfg.device, 0)
@@ -291,6 +299,9 @@ def _evaluate(
     if cfg.target is not None:
         from train.eval.speculative import ChainProposer, build_verifier, decode_prompts, read_prompts
 
+        if reader is None or loaded.chat_mode != reader.config.chat_mode:  # one warning per mode
+            mode_warnings.append(mode_mismatch(cfg, loaded.chat_mode, f"the training data of {loaded.source}"))
+
         render = prompt_renderer(cfg.target, cfg.thinking, cfg.template_kwargs) if prompt_renderer else None
         # User input checked before the target loads.
         prompts = read_prompts(cfg.prompts, loaded.config.vocab_size, cfg.max_prompts, render=render)
@@ -320,22 +331,23 @@ def _evaluate(
             context_edges=tuple(cfg.context_buckets),
         )
         decoding.longest_trained_response = loaded.longest_response  # the table warns when decoding ran past it
+    mode_warning = "\n".join(w for w in mode_warnings if w) or None
     return EvalOutput(walk, decoding, trained_on, mode_warning, cfg.chat_mode)
 
 
-def mode_mismatch(cfg: EvalConfig, cache_mode: dict | None) -> str | None:
+def mode_mismatch(cfg: EvalConfig, recorded: dict | None, rendered: str | None = None) -> str | None:
     """A warning (logged, and returned for the table) when the serving mode evaluated (--thinking,
-    --template-kwarg) differs from the one --cache's data were rendered in; None when they agree or
-    the cache does not record it."""
-    if cache_mode is None:
+    --template-kwarg) differs from a recorded one: that of the data `rendered` names (default: --cache's;
+    a drafter's training data, from its checkpoint or export); None when they agree or none is recorded."""
+    if recorded is None:
         return None
-    kwargs, ours = cache_mode.get("template_kwargs"), cfg.chat_mode
-    if chat_mode(cache_mode.get("thinking"), kwargs if isinstance(kwargs, dict) else {}) == ours:
+    kwargs, ours = recorded.get("template_kwargs"), cfg.chat_mode
+    if chat_mode(recorded.get("thinking"), kwargs if isinstance(kwargs, dict) else {}) == ours:
         return None
     warning = (
-        f"WARNING: evaluating in serving mode {describe_mode(ours)}, but cache {cfg.cache} was rendered in "
-        f"{describe_mode(cache_mode)}: acceptance collapses when a drafter is served in another mode than its "
-        "data; pass that mode's --thinking and --template-kwarg, or evaluate on a cache made in this one"
+        f"WARNING: evaluating in serving mode {describe_mode(ours)}, but {rendered or f'cache {cfg.cache}'} was "
+        f"rendered in {describe_mode(recorded)}: acceptance collapses when a drafter is served in another mode "
+        "than its data; pass that mode's --thinking and --template-kwarg, or evaluate on a cache made in this one"
     )
     log.warning("%s", warning)
     return warning

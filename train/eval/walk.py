@@ -312,6 +312,7 @@ def walk_shard(
                 backend="sdpa",
                 device=device,
                 sliding_window=layout.sliding_window,
+                sliding_causal=layout.sliding_causal,
             )
         else:
             # Idle lanes: anchor 0 with an empty context (seq_start == anchor), ignored below.

@@ -7,7 +7,13 @@ import torch
 from safetensors import safe_open
 
 from tests.helpers.drafter import tiny_config, tiny_model_and_head
-from train.checkpoint.export import export_drafter, load_exported_drafter, zlab_parameter_names
+from train.checkpoint.export import (
+    drafter_config_from_hf,
+    drafter_config_to_hf,
+    export_drafter,
+    load_exported_drafter,
+    zlab_parameter_names,
+)
 
 
 def zlab_names_written_out(num_layers: int) -> list[str]:
@@ -211,7 +217,9 @@ def test_sharded_published_directory_loads(tmp_path):
 @pytest.mark.parametrize(
     "change,field",
     [
-        ({"is_causal": False}, "is_causal"),
+        ({"is_causal": True}, "is_causal"),
+        ({"dflash_config": {"mask_token_id": 96, "target_layer_ids": [0, 2, 3], "causal": False}}, "causal"),
+        ({"dflash_config": {"mask_token_id": 96, "target_layer_ids": [0, 2, 3], "is_causal": False}}, "is_causal"),
         ({"dflash_config": {"mask_token_id": 96, "target_layer_ids": [0, 2, 3], "use_swa": True}}, "use_swa"),
         ({"use_sliding_window": False}, "use_sliding_window"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, "rope_theta"),
@@ -228,3 +236,64 @@ def test_reload_refuses_fields_we_do_not_train(tmp_path, change, field):
     (tmp_path / "config.json").write_text(json.dumps({**hf, **change}))
     with pytest.raises(ValueError, match=field):
         load_exported_drafter(tmp_path)
+
+
+# z-lab/dflash tests/fixtures/dflash2-config.json: the released Muse-Glimmer-30B-DFlash2 config.json.
+MUSE_GLIMMER_DFLASH2 = {
+    "architectures": ["DFlash2DraftModel"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 200000,
+    "is_causal": False,
+    "dflash_config": {
+        "block_size": 16,
+        "conv_group_size": 16,
+        "conv_kernel_size": 2,
+        "final_logit_softcapping": 20.0,
+        "mask_token_id": 201818,
+        "output_multiplier": 0.19611613513818404,
+        "selector_rank": 256,
+        "selector_top_k": 16,
+        "target_layer_ids": [1, 13, 25, 37, 49],
+    },
+    "dtype": "bfloat16",
+    "eos_token_id": 200001,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 6656,
+    "initializer_range": 0.02,
+    "intermediate_size": 19968,
+    "layer_types": ["sliding_attention"] * 5,
+    "max_position_embeddings": 131072,
+    "max_window_layers": 5,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 5,
+    "num_key_value_heads": 8,
+    "num_target_layers": 52,
+    "pad_token_id": 200018,
+    "rms_norm_eps": 1e-05,
+    "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+    "sliding_window": 2048,
+    "tie_word_embeddings": False,
+    "transformers_version": "5.15.0",
+    "use_cache": False,
+    "use_sliding_window": True,
+    "vocab_size": 202048,
+}
+
+
+def test_the_released_dflash2_config_reads_and_writes_back_as_published():
+    """Every field of the released config.json that engines read comes back with its published value and
+    where it was published: is_causal at the top level, the logit transform in dflash_config (where vLLM's
+    qwen3_dflash2.py reads output_multiplier and final_logit_softcapping)."""
+    cfg = drafter_config_from_hf(MUSE_GLIMMER_DFLASH2)
+    assert cfg.is_causal is False and not cfg.sliding_causal and cfg.arch == "dflash2"
+    assert (cfg.output_multiplier, cfg.final_logit_softcapping) == (0.19611613513818404, 20.0)
+    written = drafter_config_to_hf(cfg)
+    not_ours = {"transformers_version", "use_cache"}  # HF bookkeeping no engine reads for the drafter
+    for key in MUSE_GLIMMER_DFLASH2.keys() - not_ours - {"dflash_config"}:
+        assert written[key] == MUSE_GLIMMER_DFLASH2[key], key
+    for key, value in MUSE_GLIMMER_DFLASH2["dflash_config"].items():
+        assert written["dflash_config"][key] == value, f"dflash_config.{key}"
+    assert drafter_config_from_hf(written) == cfg

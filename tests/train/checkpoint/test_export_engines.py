@@ -133,7 +133,8 @@ def sglang_fc_input(cfg: dict) -> int:
 # ---- the engines' visibility rule, for comparing with our training mask -----------------------------
 def engine_mask(seq_start, anchor, num_ctx, block_size, causal: bool, window_left: int):
     """Key visibility the engine implies for each training query: its sequence's context before the
-    anchor and its own block, then (causal layers) keys at positions p - window_left .. p only."""
+    anchor and its own block, then (causal layers) keys at positions p - window_left .. p only, or
+    (non-causal windowed layers: flash-attn's window (W-1, W-1)) p - window_left .. p + window_left."""
     rows = []
     for q in range(len(anchor) * block_size):
         n, k = divmod(q, block_size)
@@ -145,6 +146,8 @@ def engine_mask(seq_start, anchor, num_ctx, block_size, causal: bool, window_lef
             key_pos = j if j < num_ctx else anchor[n] + (j - num_ctx) % block_size
             if causal:
                 seen = seen and 0 <= p - key_pos and (window_left < 0 or p - key_pos <= window_left)
+            elif window_left >= 0:
+                seen = seen and abs(p - key_pos) <= window_left
             row.append(seen)
         rows.append(row)
     return torch.tensor(rows)
@@ -223,6 +226,30 @@ def test_engine_attention_rule_equals_our_training_mask(name):
             sliding_window=cfg.sliding_window if cfg.sliding_layers[i] else None,
         )
         assert torch.equal(ours, engine_mask(seq_start, anchor, num_ctx, bs, causal, window_left)), f"layer {i}"
+
+
+@pytest.mark.parametrize("window", [3, 8])
+def test_vllm_runs_an_is_causal_false_export_as_we_train_it(window):
+    """is_causal false (published DFlash 2 configs) is written back, and vLLM (top-level is_causal first)
+    resolves every sliding layer non-causal with its window: our training mask, the block both ways."""
+    cfg = tiny_config(layer_types=[SLIDING, SLIDING], sliding_window=window, is_causal=False)
+    raw = json.loads(json.dumps(drafter_config_to_hf(cfg)))
+    assert raw["is_causal"] is False
+    hf = hf_qwen3_view(raw)
+    num_ctx, bs = 30, cfg.block_size
+    seq_start, anchor = [0, 0, 0, 12, 12, 20], [2, 5, 11, 12, 17, 27]
+    for i in range(cfg.num_layers):
+        assert not vllm_layer_causal(hf, i) and vllm_layer_window(hf, i) == window
+        ours = block_mask_dense(
+            torch.tensor(seq_start),
+            torch.tensor(anchor),
+            num_ctx=num_ctx,
+            block_size=bs,
+            sliding_window=window,
+            causal=cfg.sliding_causal,
+        )
+        assert torch.equal(ours, engine_mask(seq_start, anchor, num_ctx, bs, False, window - 1)), f"layer {i}"
+    assert "is_causal" not in drafter_config_to_hf(cfg.replace(is_causal=None))  # absent stays absent
 
 
 def test_without_rope_parameters_vllm_would_use_1e6():

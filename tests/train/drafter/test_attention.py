@@ -1,5 +1,7 @@
 """Block attention mask and backends (train/drafter/attention.py) against masks built with plain loops."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,10 +10,12 @@ from tests.helpers.drafter import random_ranges, ranges_at_sequence_starts
 from train.drafter.attention import BlockAttentionLayout, block_attention, block_mask_dense
 
 
-def loop_mask(seq_start, anchor, num_ctx, block_size, window=None):
+def loop_mask(seq_start, anchor, num_ctx, block_size, window=None, causal=True):
     """Pair by pair. A sliding layer (window W) is a causal window over positions: the query at
     position p sees a visible key at position p' iff 0 <= p - p' <= W - 1 (context token j sits at
-    position j relative to its sequence, block slot s at anchor + s, the query of slot k at anchor + k)."""
+    position j relative to its sequence, block slot s at anchor + s, the query of slot k at anchor + k).
+    A non-causal one (config.json is_causal false; z-lab's _attention_mask): iff |p - p'| <= W - 1."""
+    nearest = 0 if causal else -(window - 1) if window else 0
     nb = len(anchor)
     rows = []
     for q in range(nb * block_size):
@@ -23,8 +27,8 @@ def loop_mask(seq_start, anchor, num_ctx, block_size, window=None):
             if window is not None:
                 key_pos = j if j < num_ctx else anchor[n] + (j - num_ctx) % block_size
                 query_pos = anchor[n] + k
-                ctx = ctx and 0 <= query_pos - key_pos <= window - 1
-                own = own and 0 <= query_pos - key_pos <= window - 1
+                ctx = ctx and nearest <= query_pos - key_pos <= window - 1
+                own = own and nearest <= query_pos - key_pos <= window - 1
             row.append(bool(ctx or own))
         rows.append(row)
     return torch.tensor(rows)
@@ -42,14 +46,15 @@ def test_dense_mask_matches_loops(seed):
     assert torch.equal(got, loop_mask(seq_start.tolist(), anchor.tolist(), num_ctx, bs))
 
 
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("ranges", [random_ranges, ranges_at_sequence_starts])
-def test_dense_mask_with_windows_matches_loops(seed, window, ranges):
+def test_dense_mask_with_windows_matches_loops(seed, window, ranges, causal):
     num_ctx, nb, bs = 37, 6, 4
     seq_start, anchor = ranges(num_ctx, nb, seed)
-    got = block_mask_dense(seq_start, anchor, num_ctx=num_ctx, block_size=bs, sliding_window=window)
-    want = loop_mask(seq_start.tolist(), anchor.tolist(), num_ctx, bs, window)
+    got = block_mask_dense(seq_start, anchor, num_ctx=num_ctx, block_size=bs, sliding_window=window, causal=causal)
+    want = loop_mask(seq_start.tolist(), anchor.tolist(), num_ctx, bs, window, causal)
     assert torch.equal(got, want)
     assert want.any(1).all(), "every query must see at least itself"
 
@@ -69,6 +74,7 @@ def ordered_to_set(num, idx):
     return {(i, int(idx[i, c])) for i in range(num.shape[0]) for c in range(int(num[i]))}
 
 
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize(
     "seed,num_ctx,ranges",
@@ -80,16 +86,22 @@ def ordered_to_set(num, idx):
         (4, 200, random_ranges),
     ],
 )
-def test_flex_block_mask_tiles_match_loops(seed, num_ctx, ranges, window):
+def test_flex_block_mask_tiles_match_loops(seed, num_ctx, ranges, window, causal):
     nb, bs, tile = 8, 4, 8
     seq_start, anchor = ranges(num_ctx, nb, seed)
     layout = BlockAttentionLayout(
-        num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", tile_size=tile, sliding_window=window
+        num_ctx=num_ctx,
+        num_blocks=nb,
+        block_size=bs,
+        backend="flex",
+        tile_size=tile,
+        sliding_window=window,
+        sliding_causal=causal,
     )
     layout.update(seq_start, anchor)
     flex = layout.flex_mask(sliding=window is not None)
     bm, mask_mod = flex.block_mask, flex.mask_mod
-    dense = loop_mask(seq_start.tolist(), anchor.tolist(), num_ctx, bs, window)
+    dense = loop_mask(seq_start.tolist(), anchor.tolist(), num_ctx, bs, window, causal)
     nq, nkv = bm.kv_indices.shape[-2:]
     partial = ordered_to_set(bm.kv_num_blocks[0, 0], bm.kv_indices[0, 0])
     full = ordered_to_set(bm.full_kv_num_blocks[0, 0], bm.full_kv_indices[0, 0])
@@ -182,8 +194,10 @@ def test_flex_rejects_partial_query_tiles():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("window", [None, 7, 300, 100_000])
-def test_flex_compiled_matches_dense_bf16_forward_backward(window):
+@pytest.mark.parametrize(
+    "window,causal", [(None, True), (7, True), (300, True), (100_000, True), (7, False), (300, False)]
+)
+def test_flex_compiled_matches_dense_bf16_forward_backward(window, causal):
     device = "cuda"
     num_ctx, nb, bs, heads, kv_heads, dim = 3000, 64, 16, 8, 2, 128
     seq_start, anchor = ranges_at_sequence_starts(num_ctx, nb, 7)
@@ -193,10 +207,16 @@ def test_flex_compiled_matches_dense_bf16_forward_backward(window):
     k, v = torch.randn(2, num_ctx + nb * bs, kv_heads, dim, device=device, generator=g, dtype=torch.bfloat16)
     grad_out = torch.randn_like(q)
     flex = BlockAttentionLayout(
-        num_ctx=num_ctx, num_blocks=nb, block_size=bs, backend="flex", device=device, sliding_window=window
+        num_ctx=num_ctx,
+        num_blocks=nb,
+        block_size=bs,
+        backend="flex",
+        device=device,
+        sliding_window=window,
+        sliding_causal=causal,
     )
     flex.update(seq_start, anchor)
-    mask = block_mask_dense(seq_start, anchor, num_ctx=num_ctx, block_size=bs, sliding_window=window)
+    mask = block_mask_dense(seq_start, anchor, num_ctx=num_ctx, block_size=bs, sliding_window=window, causal=causal)
     results = []
     for fn in (
         lambda a, b, c: block_attention(a, b, c, flex, sliding=window is not None),
@@ -242,3 +262,56 @@ def test_compiled_flex_runs_with_a_raised_recompile_limit_and_fails_loudly(monke
     if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
         assert seen["fail_on_recompile_limit_hit"] is True
     assert {name: getattr(dynamo_config, name) for name in before} == before  # restored after the call
+
+
+def attention_loop_float64(q, k, v, seq_start, anchor, num_ctx, block_size, window, causal):
+    """Softmax attention written out query by query in float64, visibility decided from positions alone
+    (key j of the context at position j, block slot s at anchor + s; the query of slot k at anchor + k):
+    context keys of its own sequence before the anchor, its own block's keys, and of both only those with
+    |query pos - key pos| <= W - 1 and (causal) key pos <= query pos."""
+    q, k, v = q.double(), k.double(), v.double()
+    num_heads, num_kv = q.shape[1], k.shape[1]
+    out = torch.zeros_like(q)
+    for qi in range(q.shape[0]):
+        n, slot = divmod(qi, block_size)
+        query_pos = anchor[n] + slot
+        keys = [j for j in range(seq_start[n], anchor[n])]
+        keys += [num_ctx + n * block_size + s for s in range(block_size)]
+        visible = []
+        for j in keys:
+            key_pos = j if j < num_ctx else anchor[n] + (j - num_ctx) % block_size
+            behind = query_pos - key_pos
+            if behind <= window - 1 and (behind >= 0 if causal else behind >= -(window - 1)):
+                visible.append(j)
+        for h in range(num_heads):
+            kv_head = h // (num_heads // num_kv)
+            scores = [float(q[qi, h] @ k[j, kv_head]) / q.shape[-1] ** 0.5 for j in visible]
+            top = max(scores)
+            weights = [math.exp(s - top) for s in scores]
+            total = sum(weights)
+            for w, j in zip(weights, visible, strict=True):
+                out[qi, h] += w / total * v[j, kv_head]
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("window", [2, 5, 64])
+def test_bidirectional_sliding_attention_matches_a_float64_loop(window):
+    """is_causal false over sliding layers (published DFlash 2 configs): both backends against the loop,
+    and the block is really seen both ways (the causal layer differs from it)."""
+    num_ctx, nb, bs = 45, 8, 4
+    seq_start, anchor = ranges_at_sequence_starts(num_ctx, nb, 2)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(nb * bs, 4, 8, generator=g, dtype=torch.float64)
+    k, v = torch.randn(2, num_ctx + nb * bs, 2, 8, generator=g, dtype=torch.float64)
+    want = attention_loop_float64(q, k, v, seq_start.tolist(), anchor.tolist(), num_ctx, bs, window, causal=False)
+    causal = attention_loop_float64(q, k, v, seq_start.tolist(), anchor.tolist(), num_ctx, bs, window, causal=True)
+    assert (want - causal).abs().max() > 1e-3, "the bidirectional block must differ from the causal one"
+    common = dict(num_ctx=num_ctx, num_blocks=nb, block_size=bs, sliding_window=window, sliding_causal=False)
+    dense = BlockAttentionLayout(**common)
+    flex = BlockAttentionLayout(**common, backend="flex", tile_size=8, compile_flex=False)
+    with torch.no_grad():
+        for layout in (dense.update(seq_start, anchor), flex.update(seq_start, anchor)):
+            got = block_attention(q.float(), k.float(), v.float(), layout, sliding=True).double()
+            diff = (got - want).abs().max().item()
+            assert diff < 1e-5, f"{layout.backend}: max abs diff {diff}"

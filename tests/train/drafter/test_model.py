@@ -110,7 +110,8 @@ def ref_rope(x, pos, theta):
 
 def ref_forward_block(params, cfg, ctx_hidden_LKH, ctx_pos, block_embed_BH, block_pos):
     """One block attending to its whole context and itself, in float64 with explicit softmax loops.
-    A sliding layer's query at position p only sees keys at positions p-(W-1) .. p (causal window)."""
+    A sliding layer's query at position p only sees keys at positions p-(W-1) .. p (causal window), or
+    p-(W-1) .. p+(W-1) under is_causal false (z-lab's DFlash 2 reference)."""
     P = {k: v.detach().double() for k, v in params.items()}
     eps, N, M, D = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     ctx = ref_rms(ctx_hidden_LKH.double().flatten(1) @ P["fc.weight"].T, P["hidden_norm.weight"], eps)
@@ -139,7 +140,9 @@ def ref_forward_block(params, cfg, ctx_hidden_LKH, ctx_pos, block_embed_BH, bloc
                 kvh = head // (N // M)
                 scores = [float(q[qi, head] @ k[j, kvh]) / math.sqrt(D) for j in range(L + B)]
                 if cfg.layer_types[i] == "sliding_attention":
-                    seen = [0 <= int(block_pos[qi]) - int(kv_pos[j]) < cfg.sliding_window for j in range(L + B)]
+                    nearest = 0 if cfg.is_causal is not False else 1 - cfg.sliding_window
+                    behind = [int(block_pos[qi]) - int(kv_pos[j]) for j in range(L + B)]
+                    seen = [nearest <= b < cfg.sliding_window for b in behind]
                     scores = [sc if ok else -math.inf for sc, ok in zip(scores, seen)]
                 mx = max(scores)
                 ws = [math.exp(s - mx) for s in scores]
@@ -159,6 +162,8 @@ LAYOUTS = {
     "sliding_w3": dict(layer_types=[SLIDING, "full_attention"], sliding_window=3),
     "sliding_w7": dict(layer_types=["full_attention", SLIDING], sliding_window=7),
     "all_sliding_w100": dict(layer_types=[SLIDING, SLIDING], sliding_window=100),
+    "bidirectional_w2": dict(layer_types=[SLIDING, "full_attention"], sliding_window=2, is_causal=False),
+    "bidirectional_w100": dict(layer_types=[SLIDING, SLIDING], sliding_window=100, is_causal=False),
 }
 
 
