@@ -1,11 +1,11 @@
 """The rows of the acceptance table: one numerics choice each, declared as data.
 
 A row says only what differs from the baseline in how its drafters are made: dflash-extract options (how
-the cache is made: storage, FP8 compute; later compact caches) and dflash-train train options (how the
-drafter trains: sliding layers; later DFlash 2 objectives, FP8 training, window reuse). The table's own
-options come first and a row's replace them flag by flag (the baseline row is the table's options alone). Data, steps,
-seeds and evaluation belong to the table and are the same for every row, so a difference between two
-rows is the row's doing. The issue that adds a numerics choice adds an entry to ROWS.
+the cache is made: storage, FP8 compute, compact caches) and dflash-train train options (how the drafter
+trains: sliding layers, DFlash 2 and its objective choice; later FP8 training, window reuse). The table's
+own options come first and a row's replace them flag by flag (the baseline row is the table's options
+alone). Data, steps, seeds, block size and evaluation belong to the table and are the same for every row,
+so a difference between two rows is the row's doing. The issue that adds a numerics choice adds an entry to ROWS.
 
 A value in braces names a table setting ("{sliding_window}"), filled in from the run's TableConfig: a
 window, say, has to fit the lengths of the data at hand. "{pca_rank_N}" is 1/N of the target's taps'
@@ -88,6 +88,25 @@ ROWS: tuple[Row, ...] = (
         )
         for normalize in ("per-tap", "none")
         for n in PCA_FRACTIONS
+    ),
+    # DFlash 2 (issue 29) in the published layout, every layer sliding: sliding-all is DFlash 1 in that
+    # layout, so dflash2 against it is the architecture alone; dflash2-swap against dflash2 the objective's
+    # one open choice (gold token outside the top-K: slot dropped, or swapped into the candidates).
+    Row(
+        name="sliding-all",
+        what="all 5 drafter layers sliding-window ({sliding_window} tokens): the DFlash 2 rows' layout in DFlash 1",
+        train_options={"--layer-types": ",".join(["sliding"] * 5), "--sliding-window": "{sliding_window}"},
+    ),
+    Row(
+        name="dflash2",
+        what="a DFlash 2 drafter (block convolutions, candidate selector; --selector-gold drop, the default) in the "
+        "published layout: 5 sliding layers, window {sliding_window} tokens",
+        train_options={"--arch": "dflash2", "--sliding-window": "{sliding_window}"},
+    ),
+    Row(
+        name="dflash2-swap",
+        what="dflash2 with --selector-gold swap: a gold token outside the top-K replaces the weakest candidate",
+        train_options={"--arch": "dflash2", "--sliding-window": "{sliding_window}", "--selector-gold": "swap"},
     ),
 )
 BASELINE = ROWS[0].name  # the row every other one is compared with
