@@ -130,6 +130,7 @@ def test_reduced_table_end_to_end_then_resumed(target, tmp_path):
             recorded = json.loads(run.read_text())
             assert (recorded["drafter"]["arch"], recorded["drafter"]["block_size"]) == ("dflash2", BLOCK_SIZE)
             assert recorded["config"]["selector_gold"] == gold and recorded["drafter"]["sliding_window"] == 8
+            assert recorded["drafter"]["layer_types"] == ["sliding_attention"] * 5  # the published layout
     sampled = rows["dflash2"]["vs_baseline"]["sampled_acceptance"]
     assert sampled["within_spread"] == (abs(sampled["delta"]) <= sampled["spread"])
     assert "| real decoding acceptance (greedy) | real decoding acceptance (T=0.7) | held-out loss |" in first.markdown

@@ -4,7 +4,8 @@ baseline row are within the spread; as JSON (table.json) and Markdown (table.md,
 Spread of a row = max - min over its seeds (std is given too). A row's difference from the baseline is
 "within the spread" when |mean - baseline mean| is at most the larger of the two rows' spreads: a
 difference smaller than the seeds' own scatter is no difference. Cache bytes per token has no seed
-scatter; it is compared as a ratio.
+scatter; it is compared as a ratio. The figures with a spread are `seeded_figures`: the decoding walk, real
+decoding greedy and (with the table's --eval-temperature > 0) at that temperature, and the held-out loss.
 """
 
 from __future__ import annotations
