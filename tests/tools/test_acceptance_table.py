@@ -1,8 +1,9 @@
 """The acceptance table (tools/testbed/table) end to end on the tiny target, and its refusals.
 
 The end-to-end run is very reduced (a few prompts, tokens and steps) but real: the tiny server answers,
-dflash-data prepares, dflash-extract writes bf16 and fp8 caches, dflash-train trains and evaluates three
-seeds per row. Its figures are checked against what they must be (acceptance within [1, block size],
+dflash-data prepares, dflash-extract writes bf16 and fp8 caches, dflash-train trains DFlash 1 and DFlash 2
+drafters (both selector-gold choices) at the table's block size and evaluates three seeds per row, greedy
+and at T > 0. Its figures are checked against what they must be (acceptance within [1, block size],
 bytes per token from the shard files on disk), then the table is run again: nothing is recomputed; a
 result removed is recomputed alone; a changed row definition recomputes that row and only it.
 """
@@ -13,6 +14,7 @@ import dataclasses
 import json
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,13 +26,13 @@ from tools.fixtures.demo_data import demo_conversations
 from tools.fixtures.tiny_target import tiny_config_dict
 from tools.testbed.table.cli import main as table_cli
 from tools.testbed.table.config import TableConfig
-from tools.testbed.table.report import compare, spread_stats
+from tools.testbed.table.report import build_table, compare, markdown, seeded_figures, spread_stats
 from tools.testbed.table.rows import PCA_FRACTIONS, ROWS
 from tools.testbed.table.run import SKIPPED_NO_CUDA, run_table
-from tools.testbed.table.steps import Plan
+from tools.testbed.table.steps import RESULT_VERSION, Plan
 from tools.testbed.table.store import WorkDir, WorkDirError
 
-BLOCK_SIZE = 16  # dflash-train's default block size: acceptance counts at most this many tokens per step
+BLOCK_SIZE = 8  # the table's --block-size in these runs (not dflash-train's default 16, so that it shows)
 NUM_TAPS = 5  # dflash-extract's default number of taps
 
 
@@ -52,13 +54,15 @@ def _config(target: Path, tmp_path: Path, **changes) -> TableConfig:
         target=str(target),
         prompts=str(_prompts(tmp_path / "prompts.jsonl", 20)),
         work=str(tmp_path / "work"),
-        rows=["bf16-storage", "fp8-storage", "fp8-compute"],
+        rows=["bf16-storage", "fp8-storage", "fp8-compute", "dflash2", "dflash2-swap"],
         heldout_prompts=3,
         max_tokens=10,
         token_budget=512,
         max_seqs=16,
         steps=3,
         max_new_tokens=6,
+        block_size=BLOCK_SIZE,
+        sliding_window=8,
         concurrency=16,
         device="cpu",
     )
@@ -94,7 +98,8 @@ def test_reduced_table_end_to_end_then_resumed(target, tmp_path):
     logged = [p.read_text() for p in data_logs]
     first = run_table(cfg)
     assert [p.read_text() for p in data_logs] == logged, "the data made by --data-only are reused"
-    pairs = [(row, seed) for row in ("bf16-storage", "fp8-storage") for seed in (0, 1, 2)]
+    trained_rows = ("bf16-storage", "fp8-storage", "dflash2", "dflash2-swap")
+    pairs = sorted((row, seed) for row in trained_rows for seed in (0, 1, 2))
     assert sorted(first.computed) == pairs and first.reused == []
 
     rows = {entry["name"]: entry for entry in first.table["rows"]}
@@ -106,10 +111,7 @@ def test_reduced_table_end_to_end_then_resumed(target, tmp_path):
         entry = rows[name]
         assert entry["status"] == "done" and entry["seeds"] == [0, 1, 2] and entry["real_lossless"]
         results = [json.loads((work / "results" / name / f"seed-{s}.json").read_text()) for s in (0, 1, 2)]
-        for result in results:
-            figures = result["figures"]
-            assert 1.0 <= figures["walk_acceptance"] <= BLOCK_SIZE and 1.0 <= figures["real_acceptance"] <= BLOCK_SIZE
-            assert figures["heldout_loss"] > 0
+        _check_figures(results)
         # Bytes per token: the cache's own figure equals the shard files' bytes, and taps x (hidden x dtype
         # bytes, + a 4-byte scale per tap in fp8) + 10 bytes of ids, positions, loss and anchor masks + cu_seqlens' share.
         cache = _cache_of(work, storage)
@@ -119,6 +121,20 @@ def test_reduced_table_end_to_end_then_resumed(target, tmp_path):
         walk = [r["figures"]["walk_acceptance"] for r in results]
         assert entry["stats"]["walk_acceptance"]["mean"] == pytest.approx(sum(walk) / 3)
         assert entry["stats"]["walk_acceptance"]["spread"] == pytest.approx(max(walk) - min(walk))
+    for name, gold in (("dflash2", "drop"), ("dflash2-swap", "swap")):
+        assert rows[name]["status"] == "done" and rows[name]["real_lossless"]
+        _check_figures([json.loads((work / "results" / name / f"seed-{s}.json").read_text()) for s in (0, 1, 2)])
+        runs = sorted(work.glob(f"runs/{name}/*/run/run.json"))  # what dflash-train recorded of each seed's drafter
+        assert len(runs) == 3
+        for run in runs:
+            recorded = json.loads(run.read_text())
+            assert (recorded["drafter"]["arch"], recorded["drafter"]["block_size"]) == ("dflash2", BLOCK_SIZE)
+            assert recorded["config"]["selector_gold"] == gold and recorded["drafter"]["sliding_window"] == 8
+            assert recorded["drafter"]["layer_types"] == ["sliding_attention"] * 5  # the published layout
+    sampled = rows["dflash2"]["vs_baseline"]["sampled_acceptance"]
+    assert sampled["within_spread"] == (abs(sampled["delta"]) <= sampled["spread"])
+    assert "| real decoding acceptance (greedy) | real decoding acceptance (T=0.7) | held-out loss |" in first.markdown
+    assert "real decoding also at T=0.7, its draws seeded with the drafter's training seed" in first.markdown
     versus = rows["fp8-storage"]["vs_baseline"]["walk_acceptance"]
     assert versus["within_spread"] == (abs(versus["delta"]) <= versus["spread"])
     assert ("within the spread" if versus["within_spread"] else "beyond the spread") in first.markdown
@@ -145,7 +161,16 @@ def test_reduced_table_end_to_end_then_resumed(target, tmp_path):
     ]
     rerun = run_table(cfg, rows=changed)
     assert sorted(rerun.computed) == [("fp8-storage", s) for s in (0, 1, 2)]
-    assert sorted(rerun.reused) == [("bf16-storage", s) for s in (0, 1, 2)]
+    assert sorted(rerun.reused) == [(row, s) for row in ("bf16-storage", "dflash2", "dflash2-swap") for s in (0, 1, 2)]
+
+
+def _check_figures(results: list[dict]) -> None:
+    """Each seed's figures are real: acceptances in [1, block size], greedy and at T > 0, a positive loss."""
+    for result in results:
+        figures = result["figures"]
+        for key in ("walk_acceptance", "real_acceptance", "sampled_acceptance"):
+            assert isinstance(figures[key], float) and 1.0 <= figures[key] <= BLOCK_SIZE, (key, figures)
+        assert figures["heldout_loss"] > 0
 
 
 def test_spread_and_comparison_against_hand_computed_figures():
@@ -165,6 +190,8 @@ def test_spread_and_comparison_against_hand_computed_figures():
         (["--seeds", "0,1"], "--seeds 0,1: give at least 3 different seeds"),
         (["--rows", "bf16-storage,fp9-storage"], "--rows fp9-storage: no such row"),
         (["--train-temperatures", ""], "--train-temperatures"),
+        (["--eval-temperature", "-0.5"], "--eval-temperature -0.5: must be a finite temperature >= 0"),
+        (["--block-size", "1"], "--block-size 1: must be an integer >= 2"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_flag(target, tmp_path, flags, said):
@@ -244,3 +271,55 @@ def test_the_compact_cache_rows_take_their_rank_from_the_targets_width(target, t
             options = plan.extract_options(next(row for row in ROWS if row.name == name))
             assert options["--pca-rank"] == str(taps_width // n) and options["--pca-normalize"] == normalize
             assert options["--storage"] == "fp8"
+
+
+def test_the_fingerprint_covers_the_block_size_and_the_sampled_evaluation(target, tmp_path):
+    """Results made before the T > 0 column, or at another temperature, seed or block size, are never reused."""
+    dataset = SimpleNamespace(identity={"data": "one data set for every plan"})  # only its identity is read
+
+    def plan(**changes) -> Plan:
+        return Plan(_config(target, tmp_path, **changes), dataset, device_type="cpu")
+
+    row = ROWS[0]
+    table = plan()
+    assert table.sampled_eval_options(2) == {"--temperature": "0.7", "--seed": "2", "--max-new-tokens": "6"}
+    assert table.train_options(row, 2)["--block-size"] == str(BLOCK_SIZE)
+    assert plan(eval_temperature=0).sampled_eval_options(2) is None
+    fingerprints = [
+        table.fingerprint(row, 0),
+        table.fingerprint(row, 1),
+        plan(eval_temperature=0.9).fingerprint(row, 0),
+        plan(eval_temperature=0).fingerprint(row, 0),
+        plan(block_size=16).fingerprint(row, 0),
+    ]
+    assert len(set(fingerprints)) == len(fingerprints)
+    assert table.result_identity(row, 0)["version"] == RESULT_VERSION == 2  # version 1 results had no T > 0 figure
+
+
+def test_the_sampled_column_is_tabulated_beside_the_greedy_one_or_left_out_at_t0():
+    def record(seed: int, sampled: float | None) -> dict:
+        figures = dict(walk_acceptance=2.0, real_acceptance=1.5, heldout_loss=3.0, bytes_per_token=100.0)
+        return {"seed": seed, "figures": {**figures, "sampled_acceptance": sampled, "real_lossless": True}}
+
+    def rows(sampled: dict[str, list[float | None]]) -> list[dict]:
+        return [
+            {"name": name, "what": name, "status": "done", "results": [record(s, v) for s, v in enumerate(values)]}
+            for name, values in sampled.items()
+        ]
+
+    figures = seeded_figures(0.7)
+    table = build_table(rows({"base": [1.2, 1.4, 1.3], "new": [2.0, 2.1, 2.2]}), "base", figures)
+    new = table["rows"][1]
+    assert new["stats"]["sampled_acceptance"]["mean"] == pytest.approx(2.1)
+    assert new["vs_baseline"]["sampled_acceptance"] == pytest.approx(
+        {"delta": 0.8, "spread": 0.2, "within_spread": False}
+    )
+    text = markdown(table, "caption", figures)
+    assert "| real decoding acceptance (T=0.7) |" in text and "| new | 2.000 [2.000, 2.000] | 1.500" in text
+    assert (
+        "2.100 [2.000, 2.200]" in text and "real decoding acceptance (T=0.7) +0.800 (beyond the spread 0.200)" in text
+    )
+    greedy_only = seeded_figures(0)
+    assert [f.key for f in greedy_only] == ["walk_acceptance", "real_acceptance", "heldout_loss"]
+    text = markdown(build_table(rows({"base": [None] * 3}), "base", greedy_only), "caption", greedy_only)
+    assert "T=" not in text and "| base (baseline) | 2.000 [2.000, 2.000] | 1.500 [1.500, 1.500] | 3.0000" in text

@@ -40,14 +40,16 @@ def _console_logging() -> None:
 @config_options(TableConfig)
 @user_errors(ValueError, OSError)  # refused settings, a --work of other files, a failed pipeline command
 def main(**options) -> None:
-    """Train drafters for every numerics choice (row) on the same data, steps and seeds, and tabulate their
-    acceptance (decoding walk and real decoding), held-out loss and cache bytes per token.
+    """Train drafters for every numerics choice (row) on the same data, steps, block size and seeds, and
+    tabulate their acceptance (decoding walk, real decoding greedy and at --eval-temperature), held-out loss
+    and cache bytes per token.
 
     \b
     Data: the target answers --prompts through dflash-data regenerate (tiny server), dflash-data prepare,
     then dflash-extract per row. Rows: bf16-storage (baseline), fp8-storage, fp8-compute (CUDA only),
-    sliding-layers. Each row is trained with every seed; the table gives mean [min, max] and says which
-    differences from the baseline are within the seeds' spread.
+    sliding-layers, pca-8/16/32 (and -raw), sliding-all, dflash2, dflash2-swap. Each row is trained with
+    every seed; the table gives mean [min, max] and says which differences from the baseline are within
+    the seeds' spread.
     """
     _console_logging()
     cfg = build_config(TableConfig, options)

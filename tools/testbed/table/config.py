@@ -3,7 +3,7 @@
 The defaults size the run for a small trained target on one GPU (the proxy target of issue 27 on an
 H200 in about ten minutes); the reduced CPU run of docs/GUIDE.md gives smaller sizes by flag. Settings
 that decide a figure (data, steps, seeds, evaluation) are part of each result's fingerprint
-(tools/testbed/table/fingerprint.py); paths, the server's batch and kernel permissions are not.
+(tools/testbed/table/steps.py: Plan.result_identity); paths, the server's batch and kernel permissions are not.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shards.common.cli_options import at_least, cli_field, config_error
+from train.drafter.config import DrafterConfig
 
 
 @dataclass(kw_only=True)
@@ -29,7 +30,7 @@ class TableConfig:
     command again continues where the last run stopped; results of changed settings are recomputed."""
     rows: list[str] = field(default_factory=list)
     """Rows to run, comma-separated (bf16-storage, fp8-storage, fp8-compute, sliding-layers, pca-8 / -16 / -32 and
-    their -raw twins). Default: all."""
+    their -raw twins, sliding-all, dflash2, dflash2-swap). Default: all."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """Training seeds, the same for every row; at least 3 (each figure is a mean and a spread over them)."""
     num_prompts: int = 0
@@ -60,10 +61,17 @@ class TableConfig:
     """Optimizer steps per drafter (one shard per step)."""
     lr: float = 3e-3
     """Peak learning rate (small drafters learn at 3e-3, as the demo's does; the 27B recipe is 6e-4)."""
+    block_size: int = DrafterConfig.block_size
+    """Tokens per draft block of every row's drafters (dflash-train --block-size): rows are compared at one
+    block size, so a DFlash 2 row meets DFlash 1 rows of its own (the published DFlash 2 drafter uses 8)."""
     sliding_window: int = 64
-    """Window of the sliding-layers row's sliding layers, in tokens: keep it below the data's lengths."""
+    """Window of the sliding rows' sliding layers (sliding-layers, sliding-all, the DFlash 2 rows), in tokens:
+    keep it below the data's lengths."""
     max_new_tokens: int = 64
     """Tokens generated per held-out prompt by real speculative decoding (and by plain greedy decoding)."""
+    eval_temperature: float = 0.7
+    """Temperature of the second real-decoding column (dflash-train eval --target --temperature: rejection
+    sampling, seeded with the drafter's training seed), beside the greedy one; 0 = no such column."""
     device: str = "auto"
     """Where extraction, training and evaluation run: auto (cuda when there is one), cpu or cuda."""
     data_only: bool = False
@@ -77,6 +85,9 @@ class TableConfig:
         at_least(self, 0, "num_prompts", "sample_seed")
         at_least(self, 1, "heldout_prompts", "max_tokens", "concurrency", "token_budget", "max_seqs")
         at_least(self, 1, "steps", "sliding_window", "max_new_tokens")
+        at_least(self, 2, "block_size")  # an anchor plus at least one draft slot
+        if not 0 <= self.eval_temperature < math.inf:
+            raise config_error(self, "eval_temperature", "must be a finite temperature >= 0 (0 = no T > 0 column)")
         if len(set(self.seeds)) < 3 or len(set(self.seeds)) != len(self.seeds):
             raise config_error(self, "seeds", "give at least 3 different seeds: a spread needs them")
         if any(s < 0 for s in self.seeds):

@@ -1,11 +1,11 @@
 """The rows of the acceptance table: one numerics choice each, declared as data.
 
 A row says only what differs from the baseline in how its drafters are made: dflash-extract options (how
-the cache is made: storage, FP8 compute; later compact caches) and dflash-train train options (how the
-drafter trains: sliding layers; later DFlash 2 objectives, FP8 training, window reuse). The table's own
-options come first and a row's replace them flag by flag (the baseline row is the table's options alone). Data, steps,
-seeds and evaluation belong to the table and are the same for every row, so a difference between two
-rows is the row's doing. The issue that adds a numerics choice adds an entry to ROWS.
+the cache is made: storage, FP8 compute, compact caches) and dflash-train train options (how the drafter
+trains: sliding layers, DFlash 2 and its objective choice; later FP8 training, window reuse). The table's
+own options come first and a row's replace them flag by flag (the baseline row is the table's options
+alone). Data, steps, seeds, block size and evaluation belong to the table and are the same for every row,
+so a difference between two rows is the row's doing. The issue that adds a numerics choice adds an entry to ROWS.
 
 A value in braces names a table setting ("{sliding_window}"), filled in from the run's TableConfig: a
 window, say, has to fit the lengths of the data at hand. "{pca_rank_N}" is 1/N of the target's taps'
@@ -56,6 +56,11 @@ def words(options: Mapping[str, str | None]) -> list[str]:
 
 
 PCA_FRACTIONS = (8, 16, 32)  # the compact-cache rows' ranks: 1/N of the taps' width (issue 30)
+# The DFlash 2 rows' selector losses where the gold token is outside the top-K (dflash-train --selector-gold).
+SELECTOR_GOLD = {
+    "drop": "its slot gets no selector loss (the strict top-K, as SpecForge and NeMo)",
+    "swap": "it replaces the weakest candidate (as speculators)",
+}
 
 ROWS: tuple[Row, ...] = (
     Row(
@@ -88,6 +93,24 @@ ROWS: tuple[Row, ...] = (
         )
         for normalize in ("per-tap", "none")
         for n in PCA_FRACTIONS
+    ),
+    # DFlash 2 (issue 29) in the published layout, every layer sliding: sliding-all is DFlash 1 in that
+    # layout, so dflash2 against it is the architecture alone; dflash2-swap against dflash2 the objective's
+    # one open choice (gold token outside the top-K: slot dropped, or swapped into the candidates).
+    Row(
+        name="sliding-all",
+        what="all 5 drafter layers sliding-window ({sliding_window} tokens): the DFlash 2 rows' layout in DFlash 1",
+        train_options={"--layer-types": ",".join(["sliding"] * 5), "--sliding-window": "{sliding_window}"},
+    ),
+    *(
+        Row(
+            name="dflash2" if gold == "drop" else f"dflash2-{gold}",
+            what=f"a DFlash 2 drafter (block convolutions, candidate selector) in the published layout (5 sliding "
+            f"layers, window {{sliding_window}} tokens); a gold token outside the top-K: {meaning} (--selector-gold "
+            f"{gold})",
+            train_options={"--arch": "dflash2", "--sliding-window": "{sliding_window}", "--selector-gold": gold},
+        )
+        for gold, meaning in SELECTOR_GOLD.items()
     ),
 )
 BASELINE = ROWS[0].name  # the row every other one is compared with

@@ -22,7 +22,7 @@ from shards.common.progress import format_duration
 from shards.common.provenance import provenance
 from tools.testbed.table.config import TableConfig
 from tools.testbed.table.data import make_dataset
-from tools.testbed.table.report import build_table, markdown
+from tools.testbed.table.report import build_table, markdown, seeded_figures
 from tools.testbed.table.rows import BASELINE, ROWS, Row, select_rows
 from tools.testbed.table.steps import Plan, make_caches, train_and_evaluate
 from tools.testbed.table.store import WorkDir
@@ -142,9 +142,10 @@ class _Table:
                 {"name": row.name, "what": row.describe(vars(self.cfg)), "status": status, "results": results}
             )
         baseline = BASELINE if any(r.name == BASELINE for r in self.rows) else self.rows[0].name
-        table = build_table(entries, baseline)
+        figures = seeded_figures(self.cfg.eval_temperature)
+        table = build_table(entries, baseline, figures)
         table["run"] = _provenance(self.cfg, device, self.command)
-        self.run.table, self.run.markdown = table, markdown(table, _caption(table["run"]))
+        self.run.table, self.run.markdown = table, markdown(table, _caption(table["run"]), figures)
         self.work.write_text("table.json", json.dumps(table, indent=2, sort_keys=True) + "\n")
         self.work.write_text("table.md", self.run.markdown)
 
@@ -164,9 +165,15 @@ def _provenance(cfg: TableConfig, device: str, command: str) -> dict:
 
 def _caption(run: dict) -> str:
     cfg, made = run["config"], run["provenance"]
+    sampled = (
+        f"; real decoding also at T={cfg['eval_temperature']:g}, its draws seeded with the drafter's training seed "
+        "(random: its spread includes the draws')"
+        if cfg["eval_temperature"] > 0
+        else ""
+    )
     return (
-        f"Target {Path(run['target']).name}; {cfg['steps']} steps per drafter, seeds "
-        f"{','.join(str(s) for s in cfg['seeds'])}; {run['machine']}, torch {made['versions']['torch']}, "
+        f"Target {Path(run['target']).name}; {cfg['steps']} steps per drafter, block size {cfg['block_size']}, seeds "
+        f"{','.join(str(s) for s in cfg['seeds'])}{sampled}; {run['machine']}, torch {made['versions']['torch']}, "
         f"git {(made['git_sha'] or 'unknown')[:7]}, {run['date']}; command: `{run['command']}`"
     )
 

@@ -5,11 +5,14 @@
     dflash-train train   --max-steps steps on the training cache, the seed, the table's and the row's options;
                     --resume, so a run cut by a time limit continues from its last checkpoint
     dflash-train eval    the decoding walk on the held-out cache (acceptance, held-out loss) and real greedy
-                    speculative decoding with the target in the loop on the held-out prompts
+                    speculative decoding with the target in the loop on the held-out prompts; then, with
+                    --eval-temperature T > 0, real decoding of the same prompts at T (rejection sampling,
+                    seeded with the training seed: each seed's drafter meets its own draws)
 
 Figures of a result: walk_acceptance, real_acceptance (tokens per target forward, mean over responses),
-heldout_loss (random-anchor blocks of the held-out cache), bytes_per_token (the training cache's own
-figure, as `dflash-shards info` prints it) and real_lossless (real decoding gave plain greedy's tokens).
+sampled_acceptance (the same at T; None when T = 0), heldout_loss (random-anchor blocks of the held-out
+cache), bytes_per_token (the training cache's own figure, as `dflash-shards info` prints it) and
+real_lossless (greedy real decoding gave plain greedy's tokens).
 
 Each result carries the fingerprint of everything it depends on (`result_identity`): the data's content,
 the cache options, the training and evaluation options, the seed and the device; nothing else.
@@ -36,7 +39,9 @@ from tools.testbed.table.store import WorkDir, digest
 from train.cli import main as train_cli
 
 EXTRACT_DTYPE = "bfloat16"  # the target runs in bf16, as for a real target (and as FP8 compute needs)
-RESULT_VERSION = 1  # bumped when a result's figures change meaning: older results are then recomputed
+# Bumped when a result's figures change meaning: older results are then recomputed. 2: sampled_acceptance and
+# the table's --block-size (results of 1 have no T > 0 figure).
+RESULT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -71,11 +76,28 @@ class Plan:
 
     def train_options(self, row: Row, seed: int) -> dict[str, str | None]:
         """dflash-train train's options that decide the drafter: the table's, then the row's over them."""
-        table = {"--max-steps": str(self.cfg.steps), "--lr": f"{self.cfg.lr:g}", "--seed": str(seed)}
+        table = {
+            "--max-steps": str(self.cfg.steps),
+            "--lr": f"{self.cfg.lr:g}",
+            "--seed": str(seed),
+            "--block-size": str(self.cfg.block_size),
+        }
         return {**table, **row.train_settings(self.settings)}
 
     def eval_options(self) -> dict[str, str | None]:
+        """dflash-train eval's options of the walk and greedy real decoding (the anchors' seed: eval's default)."""
         return {"--holdout-frac": "1", "--budgets": "", "--max-new-tokens": str(self.cfg.max_new_tokens)}
+
+    def sampled_eval_options(self, seed: int) -> dict[str, str | None] | None:
+        """dflash-train eval's options of real decoding at --eval-temperature, drawn with the training seed;
+        None when the table has no T > 0 column."""
+        if self.cfg.eval_temperature == 0:
+            return None
+        return {
+            "--temperature": f"{self.cfg.eval_temperature:g}",
+            "--seed": str(seed),
+            "--max-new-tokens": str(self.cfg.max_new_tokens),
+        }
 
     def cache_identity(self, row: Row) -> dict:
         return {"data": self.dataset.identity, "extract": self.extract_options(row), "device": self.device_type}
@@ -86,6 +108,7 @@ class Plan:
             "cache": self.cache_identity(row),
             "train": self.train_options(row, seed),
             "eval": self.eval_options(),
+            "eval_sampled": self.sampled_eval_options(seed),
         }
 
     def fingerprint(self, row: Row, seed: int) -> str:
@@ -128,17 +151,12 @@ def train_and_evaluate(plan: Plan, work: WorkDir, row: Row, seed: int, caches: C
         work.log(f"{row.name}-seed{seed}-train"),
     )
     trained = time.monotonic()
-    out = folder / "eval.json"
-    args = ["eval", "--drafter", str(folder / "run"), "--cache", str(caches.heldout), "--target", plan.cfg.target]
-    args += ["--prompts", str(plan.dataset.heldout), "--device", plan.cfg.device, "--out", str(out)]
-    run_cli(
-        "dflash-train",
-        train_cli,
-        [*args, *words(plan.eval_options())],
-        work.log(f"{row.name}-seed{seed}-eval"),
-        entry_point(),
-    )
-    figures = _figures(json.loads(out.read_text()), summary)
+    label, heldout = f"{row.name}-seed{seed}", ["--prompts", str(plan.dataset.heldout)]
+    inputs = ["--cache", str(caches.heldout), *heldout]
+    greedy = _evaluate(plan, work, folder, inputs, plan.eval_options(), label, "eval")
+    sampled_options = plan.sampled_eval_options(seed)
+    sampled = sampled_options and _evaluate(plan, work, folder, heldout, sampled_options, label, "eval-sampled")
+    figures = _figures(greedy, sampled, summary)
     return {
         "row": row.name,
         "seed": seed,
@@ -150,12 +168,28 @@ def train_and_evaluate(plan: Plan, work: WorkDir, row: Row, seed: int, caches: C
     }
 
 
-def _figures(evaluation: dict, train_cache: dict) -> dict:
-    decoding = evaluation["speculative_decoding"]
+def _evaluate(plan: Plan, work: WorkDir, folder: Path, inputs: list[str], options: dict, label: str, kind: str) -> dict:
+    """dflash-train eval of FOLDER/run's drafter with the target in the loop: its JSON report (FOLDER/KIND.json;
+    the whole output in WORK/logs/LABEL-KIND.log)."""
+    out = folder / f"{kind}.json"
+    args = ["eval", "--drafter", str(folder / "run"), "--target", plan.cfg.target, *inputs, "--device", plan.cfg.device]
+    run_cli(
+        "dflash-train",
+        train_cli,
+        [*args, "--out", str(out), *words(options)],
+        work.log(f"{label}-{kind}"),
+        entry_point(),
+    )
+    return json.loads(out.read_text())
+
+
+def _figures(greedy: dict, sampled: dict | None, train_cache: dict) -> dict:
+    decoding = greedy["speculative_decoding"]
     return {
-        "walk_acceptance": evaluation["acceptance_length"],
+        "walk_acceptance": greedy["acceptance_length"],
         "real_acceptance": decoding["acceptance_length"],
-        "heldout_loss": evaluation["heldout_loss"],
+        "sampled_acceptance": None if sampled is None else sampled["speculative_decoding"]["acceptance_length"],
+        "heldout_loss": greedy["heldout_loss"],
         "bytes_per_token": train_cache["bytes_per_token"],
         "real_lossless": decoding["identical_to_greedy"] == decoding["num_prompts"],
     }
