@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shards.common.chat_mode import chat_mode, parse_template_kwargs
+from shards.common.chat_mode import parse_template_kwargs
 from shards.common.cli_options import at_least, cli_field, config_error
 from shards.common.compile_cache import CompileCacheConfig
 from shards.format import canonical_precision
@@ -91,20 +91,17 @@ class EvalConfig:
     """Acceptance is also reported per context-length bucket of the anchor's position: the buckets'
     lower edges in tokens, from 0, increasing (the last bucket is open)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    thinking: Literal["on", "off"] = "on"
+    thinking: Literal["on", "off"] | None = None
     """The serving mode evaluated (with --template-kwarg): thinking on or off, as the target is served;
-    conversation --prompts are rendered in it. A warning when it differs from --cache's recorded mode."""
+    conversation --prompts are rendered in it. A warning when it differs from the mode the drafter's
+    training data or --cache were rendered in. Default: that recorded mode (with its template keywords),
+    else on."""
     template_kwargs: list[str] = cli_field(flag="--template-kwarg", repeat=True, default_factory=list)
     """Another chat-template keyword of the serving mode evaluated, KEY=VALUE (JSON scalar, else text),
     repeatable: e.g. --template-kwarg reasoning_effort=high. Default: none."""
 
     compile: CompileCacheConfig = field(default_factory=CompileCacheConfig)
     """Where the compiled flex attention persists between runs (--compile-cache DIR)."""
-
-    @property
-    def chat_mode(self) -> dict:
-        """The serving mode evaluated (shards/common/chat_mode.py)."""
-        return chat_mode(self.thinking, parse_template_kwargs(self.template_kwargs))
 
     def __post_init__(self) -> None:
         self.dtype = canonical_precision(self.dtype, ("auto", "bfloat16", "float32"))  # bf16 taken too

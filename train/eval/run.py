@@ -7,6 +7,7 @@ train/eval/evaluate.py.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shards import ShardReader
-from shards.common.chat_mode import chat_mode, describe_mode
+from shards.common.chat_mode import chat_mode, describe_mode, parse_template_kwargs
 from shards.common.compile_cache import use_compile_cache
 from shards.common.json_input import InputFileError, read_json_object
 from shards.common.lock import DirectoryLock
@@ -259,10 +260,13 @@ def _evaluate(
                 "re-run dflash-extract to write them, or choose present ones with --shards"
             )
     loaded = load_drafter(cfg.drafter)
+    cache_mode = recorded_mode(reader.config.chat_mode) if reader is not None else None
+    trained_mode = recorded_mode(loaded.chat_mode)
+    mode = evaluated_mode(cfg, trained_mode or cache_mode)
     mode_warnings = []
     if reader is not None:
         check_fits(loaded.config, reader.config, cfg.drafter, cfg.cache)
-        mode_warnings.append(mode_mismatch(cfg, reader.config.chat_mode))
+        mode_warnings.append(mode_mismatch(mode, cache_mode, f"cache {cfg.cache}"))
         if loaded.trained_on is not None and loaded.trained_on[0] == reader.config.cache_id():
             trained_on = sorted(set(ids) & set(loaded.trained_on[1]))
     device = resolve_device(cfg.device, 0)
@@ -299,10 +303,10 @@ def _evaluate(
     if cfg.target is not None:
         from train.eval.speculative import ChainProposer, build_verifier, decode_prompts, read_prompts
 
-        if reader is None or loaded.chat_mode != reader.config.chat_mode:  # one warning per mode
-            mode_warnings.append(mode_mismatch(cfg, loaded.chat_mode, f"the training data of {loaded.source}"))
-
-        render = prompt_renderer(cfg.target, cfg.thinking, cfg.template_kwargs) if prompt_renderer else None
+        if reader is None or trained_mode != cache_mode:  # one warning per mode
+            mode_warnings.append(mode_mismatch(mode, trained_mode, f"the training data of {loaded.source}"))
+        kwargs = [f"{key}={json.dumps(value)}" for key, value in mode["template_kwargs"].items()]
+        render = prompt_renderer(cfg.target, mode["thinking"], kwargs) if prompt_renderer else None
         # User input checked before the target loads.
         prompts = read_prompts(cfg.prompts, loaded.config.vocab_size, cfg.max_prompts, render=render)
         verifier = build_verifier(verifier_factory, cfg.target, loaded.config.tap_layer_ids, device, dtype)
@@ -332,20 +336,33 @@ def _evaluate(
         )
         decoding.longest_trained_response = loaded.longest_response  # the table warns when decoding ran past it
     mode_warning = "\n".join(w for w in mode_warnings if w) or None
-    return EvalOutput(walk, decoding, trained_on, mode_warning, cfg.chat_mode)
+    return EvalOutput(walk, decoding, trained_on, mode_warning, mode)
 
 
-def mode_mismatch(cfg: EvalConfig, recorded: dict | None, rendered: str | None = None) -> str | None:
-    """A warning (logged, and returned for the table) when the serving mode evaluated (--thinking,
-    --template-kwarg) differs from a recorded one: that of the data `rendered` names (default: --cache's;
-    a drafter's training data, from its checkpoint or export); None when they agree or none is recorded."""
-    if recorded is None:
+def recorded_mode(value: Any) -> dict | None:
+    """A mode record read from a file (cache.json, a checkpoint, an export), normalised; None = unknown."""
+    if not isinstance(value, dict) or value.get("thinking") not in ("on", "off"):
         return None
-    kwargs, ours = recorded.get("template_kwargs"), cfg.chat_mode
-    if chat_mode(recorded.get("thinking"), kwargs if isinstance(kwargs, dict) else {}) == ours:
+    kwargs = value.get("template_kwargs")
+    return chat_mode(value["thinking"], kwargs if isinstance(kwargs, dict) else {})
+
+
+def evaluated_mode(cfg: EvalConfig, recorded: dict | None) -> dict:
+    """The serving mode evaluated: --thinking / --template-kwarg where given, else the recorded one (the
+    drafter's training data's, else --cache's), else the chat template's default (thinking on)."""
+    if cfg.thinking is None and not cfg.template_kwargs and recorded is not None:
+        return recorded
+    return chat_mode(cfg.thinking or "on", parse_template_kwargs(cfg.template_kwargs))
+
+
+def mode_mismatch(ours: dict, recorded: dict | None, rendered: str) -> str | None:
+    """A warning (logged, and returned for the table) when the serving mode evaluated differs from a
+    recorded one: that of the data `rendered` names (--cache, or a drafter's training data from its
+    checkpoint or export); None when they agree or none is recorded."""
+    if recorded is None or recorded == ours:
         return None
     warning = (
-        f"WARNING: evaluating in serving mode {describe_mode(ours)}, but {rendered or f'cache {cfg.cache}'} was "
+        f"WARNING: evaluating in serving mode {describe_mode(ours)}, but {rendered} was "
         f"rendered in {describe_mode(recorded)}: acceptance collapses when a drafter is served in another mode "
         "than its data; pass that mode's --thinking and --template-kwarg, or evaluate on a cache made in this one"
     )

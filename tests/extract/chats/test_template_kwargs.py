@@ -22,7 +22,7 @@ from tests.helpers.extract import cli_args
 from tools.cli.dflash_train import entry_point
 from tools.fixtures.tiny_server import TinyChatModel, make_server
 from train.eval.config import EvalConfig
-from train.eval.run import mode_mismatch
+from train.eval.run import evaluated_mode, mode_mismatch
 from train.eval.speculative import read_prompts
 
 # What Qwen3.8's template does with the keyword, in miniature: a system line naming the effort.
@@ -154,19 +154,19 @@ def test_regenerate_sends_the_mode_and_records_it(target, tmp_path):
 
 
 def test_eval_warns_when_the_mode_differs_from_the_caches(tmp_path, caplog):
-    cfg = EvalConfig(
-        drafter=str(tmp_path), cache=str(tmp_path), eval_shards=1, template_kwargs=["reasoning_effort=xhigh"]
-    )
     cache_mode = {"thinking": "on", "template_kwargs": {"reasoning_effort": "high"}}
+
+    def evaluated(*kwargs: str) -> dict:
+        cfg = EvalConfig(drafter=str(tmp_path), cache=str(tmp_path), eval_shards=1, template_kwargs=list(kwargs))
+        return evaluated_mode(cfg, cache_mode)
+
     with caplog.at_level(logging.WARNING):
-        warning = mode_mismatch(cfg, cache_mode)
-    assert warning is not None and warning in caplog.text
+        warning = mode_mismatch(evaluated("reasoning_effort=xhigh"), cache_mode, "cache C")
+    assert warning is not None and warning in caplog.text and "but cache C was rendered in" in warning
     assert 'thinking on, reasoning_effort="xhigh"' in warning and 'thinking on, reasoning_effort="high"' in warning
-    same = EvalConfig(
-        drafter=str(tmp_path), cache=str(tmp_path), eval_shards=1, template_kwargs=["reasoning_effort=high"]
-    )
-    assert mode_mismatch(same, cache_mode) is None
-    assert mode_mismatch(cfg, None) is None  # a cache that does not record it: nothing to compare
+    assert mode_mismatch(evaluated("reasoning_effort=high"), cache_mode, "cache C") is None
+    assert evaluated() == cache_mode  # no mode given: the recorded one is evaluated
+    assert mode_mismatch(evaluated("reasoning_effort=xhigh"), None, "cache C") is None  # nothing recorded
 
 
 def test_eval_renders_conversation_prompts_in_the_mode_evaluated(target, tmp_path):

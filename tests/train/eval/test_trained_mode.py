@@ -1,6 +1,6 @@
 """The serving mode a drafter was trained for (its cache's chat_mode) travels in its checkpoint
-(train_state.json) and export (config.json, under dflash_training), and `dflash-train eval --target`
-with either warns when --thinking / --template-kwarg say another mode."""
+(train_state.json) and export (config.json, under dflash_training); `dflash-train eval --target` with
+either evaluates that mode by default and warns when --thinking / --template-kwarg say another."""
 
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ def test_eval_target_warns_when_the_mode_differs_from_the_training_data(tmp_path
     for drafter, source in ((tmp_path / "run", "checkpoint"), (tmp_path / "export", "export")):
         base = ["eval", "--drafter", str(drafter), "--target", str(target), "--prompts", str(prompts)]
         base += ["--max-new-tokens", "4", "--dtype", "float32"]
-        other = CliRunner().invoke(train_cli, [*base, "--out", str(tmp_path / "e.json")], obj=entry_point())
+        other = CliRunner().invoke(
+            train_cli, [*base, "--thinking", "on", "--out", str(tmp_path / "e.json")], obj=entry_point()
+        )
         assert other.exit_code == 0, other.output
         assert other.output.startswith(WARNING), other.output
         assert f"but the training data of {source}" in other.output
@@ -44,3 +46,7 @@ def test_eval_target_warns_when_the_mode_differs_from_the_training_data(tmp_path
         same = [*base, "--thinking", "off", "--template-kwarg", "reasoning_effort=high"]
         res = CliRunner().invoke(train_cli, same, obj=entry_point())
         assert res.exit_code == 0 and WARNING not in res.output, res.output
+        # No mode given: the drafter's own is evaluated, without a warning.
+        res = CliRunner().invoke(train_cli, [*base, "--out", str(tmp_path / "d.json")], obj=entry_point())
+        assert res.exit_code == 0 and WARNING not in res.output, res.output
+        assert json.loads((tmp_path / "d.json").read_text())["chat_mode"] == TRAINED_MODE
