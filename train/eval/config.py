@@ -94,11 +94,11 @@ class EvalConfig:
     thinking: Literal["on", "off"] | None = None
     """The serving mode evaluated (with --template-kwarg): thinking on or off, as the target is served;
     conversation --prompts are rendered in it. A warning when it differs from the mode the drafter's
-    training data or --cache were rendered in. Default: that recorded mode (with its template keywords),
-    else on."""
+    training data or --cache were rendered in. Default: that recorded mode, else on."""
     template_kwargs: list[str] = cli_field(flag="--template-kwarg", repeat=True, default_factory=list)
     """Another chat-template keyword of the serving mode evaluated, KEY=VALUE (JSON scalar, else text),
-    repeatable: e.g. --template-kwarg reasoning_effort=high. Default: none."""
+    repeatable: e.g. --template-kwarg reasoning_effort=high; over the recorded mode's keywords (the others
+    stay). Default: the recorded mode's."""
 
     compile: CompileCacheConfig = field(default_factory=CompileCacheConfig)
     """Where the compiled flex attention persists between runs (--compile-cache DIR)."""

@@ -348,11 +348,11 @@ def recorded_mode(value: Any) -> dict | None:
 
 
 def evaluated_mode(cfg: EvalConfig, recorded: dict | None) -> dict:
-    """The serving mode evaluated: --thinking / --template-kwarg where given, else the recorded one (the
-    drafter's training data's, else --cache's), else the chat template's default (thinking on)."""
-    if cfg.thinking is None and not cfg.template_kwargs and recorded is not None:
-        return recorded
-    return chat_mode(cfg.thinking or "on", parse_template_kwargs(cfg.template_kwargs))
+    """The serving mode evaluated: the recorded one (the drafter's training data's, else --cache's; else
+    the chat template's default, thinking on), with what --thinking and --template-kwarg give over it."""
+    base = recorded or chat_mode("on", {})
+    given = parse_template_kwargs(cfg.template_kwargs)
+    return chat_mode(cfg.thinking or base["thinking"], {**base["template_kwargs"], **given})
 
 
 def mode_mismatch(ours: dict, recorded: dict | None, rendered: str) -> str | None:

@@ -166,6 +166,14 @@ def test_eval_warns_when_the_mode_differs_from_the_caches(tmp_path, caplog):
     assert 'thinking on, reasoning_effort="xhigh"' in warning and 'thinking on, reasoning_effort="high"' in warning
     assert mode_mismatch(evaluated("reasoning_effort=high"), cache_mode, "cache C") is None
     assert evaluated() == cache_mode  # no mode given: the recorded one is evaluated
+    # One flag given: the rest of the recorded mode stays.
+    thinking_off = {"thinking": "off", "template_kwargs": {"reasoning_effort": "high"}}
+    cfg = EvalConfig(drafter=str(tmp_path), cache=str(tmp_path), eval_shards=1, thinking="off")
+    assert evaluated_mode(cfg, cache_mode) == thinking_off
+    other = {"thinking": "off", "template_kwargs": {}}
+    assert evaluated_mode(cfg, None) == other
+    both = EvalConfig(drafter=str(tmp_path), cache=str(tmp_path), eval_shards=1, template_kwargs=["verbosity=2"])
+    assert evaluated_mode(both, thinking_off)["template_kwargs"] == {"reasoning_effort": "high", "verbosity": 2}
     assert mode_mismatch(evaluated("reasoning_effort=xhigh"), None, "cache C") is None  # nothing recorded
 
 
