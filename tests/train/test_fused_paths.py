@@ -130,3 +130,14 @@ def test_compiled_block_convolutions_equal_eager_ones_in_float64():
     assert torch.allclose(eager, comp, atol=1e-12)
     for name, want in grads_eager.items():
         assert torch.allclose(grads_comp[name], want, atol=1e-10), name
+
+
+def test_compiled_norm_takes_more_shapes_than_dynamos_default_limit():
+    # Dynamo shares a function's compile cache across models, so one process training a DFlash 1 and
+    # then a DFlash 2 model sees more than its default 8 shapes of rms_norm; fullgraph must not fail there.
+    cfg = tiny_config()
+    model, _ = tiny_model_and_head(cfg, dtype=torch.float64)
+    compile_for_cpu_tests(model)
+    for rows in range(1, 13):
+        x = torch.randn(rows, cfg.hidden_size, dtype=torch.float64)
+        torch.testing.assert_close(model.norm(x), rms_norm(x, model.norm.weight, model.norm.eps))

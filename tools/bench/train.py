@@ -27,7 +27,7 @@ Kernel-time split (--profile): after the timed steps, --profile-steps more run u
 and every CUDA kernel is classified by name (tools/bench/kernel_profile.py: GEMM, attention, softmax/loss,
 elementwise, copy/cast, reduction, optimizer, other); the table is printed and stored per result
 under "profile". The step's own options (STEP_FIELDS: --checkpoint-layers, the compute dtype, the
-loss chunk and the elementwise cuts) are dflash-train's flags, generated from TrainConfig, so one
+loss chunk, the elementwise cuts and DFlash 2's --selector-gold) are dflash-train's flags, generated from TrainConfig, so one
 run can compare a setting on and off; --num-blocks overrides the density (e.g. 4096 per 49152 tokens
 with --checkpoint-layers). Each result also reports ms per query token (step time / query tokens).
 
@@ -89,6 +89,7 @@ STEP_FIELDS = (
     "weight_copies",
     "fused_loss",
     "compile_pointwise",
+    "selector_gold",
 )
 # The elementwise cuts (train/precision.py, fused_loss.py, pointwise.py) and how the table names them.
 CUTS = {"weight_copies": "copies", "fused_loss": "loss", "compile_pointwise": "compile"}
