@@ -322,7 +322,8 @@ def _row(r: dict) -> str:
     "--sizes",
     default="27b,4b",
     show_default=True,
-    help="Comma-separated: 27b, 4b, launch, 27b2 (DFlash 2), tiny and tiny2 (CPU tests).",
+    help="Comma-separated: 27b, 4b, launch, 27b2 (DFlash 2 in the published layout), 27b1-8 (DFlash 1 in "
+    "that layout: 27b2's baseline), tiny and tiny2 (CPU tests).",
 )
 @click.option("--modes", default="graphs,eager", show_default=True, help="Comma-separated: graphs, eager.")
 @click.option("--steps", default=5, show_default=True, help="Timed steps per configuration (after warm-up).")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import click
 import torch
 
-from train.drafter.config import DFLASH2, DFLASH2_27B_LAYOUT, SLIDING_ATTENTION, DrafterConfig
+from train.drafter.config import DFLASH2_27B_LAYOUT, SLIDING_ATTENTION, DrafterConfig
 from train.drafter.model import count_parameters
 
 
@@ -36,7 +36,8 @@ class Size:
     taps: int = 5
     block_size: int = 16
     num_blocks: int | None = None  # None = dflash-train's default for the budget
-    arch: str = "dflash"  # "dflash2": the DFlash 2 drafter (all layers sliding unless --layer-types says)
+    arch: str = "dflash"  # "dflash2": the DFlash 2 drafter
+    published_layout: bool = False  # every layer sliding at the published window unless --layer-types says
 
 
 SIZES = {
@@ -48,8 +49,16 @@ SIZES = {
     "tiny": Size("tiny", 64, 128, (4, 2, 16), 512, 2, 512, 128, taps=3, num_blocks=16),
     # The published Qwen3.8-27B-DFlash2 layout at 27B width: 5 sliding layers (window 2048), block 8,
     # selector rank 256 / top 16, conv kernel 2 / group 16 (DrafterConfig's DFlash 2 defaults).
-    "27b2": Size("27b2", 5120, 17408, (32, 8, 128), 248320, 5, 49152, 4096, block_size=8, arch="dflash2"),
-    "tiny2": Size("tiny2", 64, 128, (4, 2, 16), 512, 2, 512, 128, taps=3, num_blocks=16, arch="dflash2"),
+    "27b2": Size(
+        "27b2", 5120, 17408, (32, 8, 128), 248320, 5, 49152, 4096, block_size=8, arch="dflash2", published_layout=True
+    ),
+    # DFlash 1 in that same layout: what 27b2's cost per query token is compared with. At block 8 a step
+    # has half 27b's query tokens over the same context, so the context's fc and K/V cost twice as much
+    # per query token whatever the architecture.
+    "27b1-8": Size("27b1-8", 5120, 17408, (32, 8, 128), 248320, 5, 49152, 4096, block_size=8, published_layout=True),
+    "tiny2": Size(
+        "tiny2", 64, 128, (4, 2, 16), 512, 2, 512, 128, taps=3, num_blocks=16, arch="dflash2", published_layout=True
+    ),
 }
 
 
@@ -74,7 +83,7 @@ def drafter_config(
     size: Size, layer_types: list[str] | None = None, sliding_window: int | None = None
 ) -> DrafterConfig:
     q, kv, d = size.heads
-    if size.arch == DFLASH2 and layer_types is None:
+    if size.published_layout and layer_types is None:
         layer_types, sliding_window = [SLIDING_ATTENTION] * size.layers, DFLASH2_27B_LAYOUT["sliding_window"]
     sliding = layer_types is not None and "sliding_attention" in layer_types
     return DrafterConfig(
