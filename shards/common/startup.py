@@ -94,11 +94,13 @@ class StartupClock:
     def log(self, what: str) -> dict[str, float | None]:
         """One line naming every phase; returns record()."""
         record = self.record()
-        parts = [
-            f"{name[:-2].replace('_', ' ')} {seconds:.1f}s"
-            for name, seconds in self.phases.items()
-            if name.endswith("_s")
-        ]
+        parts = []
+        for name, seconds in self.phases.items():
+            if not name.endswith("_s") or name.endswith("_compile_s"):
+                continue
+            compiling = self.phases.get(f"{name[:-2]}_compile_s")
+            spent = "" if compiling is None else f" ({compiling:.1f}s of it compiling)"
+            parts.append(f"{name[:-2].replace('_', ' ')} {seconds:.1f}s{spent}")
         since = record["since_process_start_s"]
         log.info("start-up of %s: %s%s", what, ", ".join(parts), "" if since is None else f"; {since:.1f}s since start")
         return record
