@@ -2,12 +2,14 @@
 independent SVD, resume, verify, the refusals, and version 2 caches still read."""
 
 import shutil
+import time
 
 import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 
+import extract.runner
 from extract.cache_dir import CacheMismatchError
 from extract.cli import main as extract_cli
 from extract.dataset.packing import PackedBatch
@@ -124,6 +126,32 @@ def test_resume_keeps_the_projection_and_redoes_a_lost_shard(target, data, tmp_p
         run_extract(projected(target, data, out, storage_dtype="fp8", pca_sample_tokens=300, pca_rank=RANK // 2))
     with pytest.raises(CacheMismatchError, match="projection.normalize"):
         run_extract(projected(target, data, out, storage_dtype="fp8", pca_sample_tokens=300, pca_normalize="none"))
+
+
+def test_start_up_records_the_weights_then_the_projection(target, data, tmp_path, monkeypatch):
+    """Rank 0 loads the target for the estimate: its record shows that load and the estimate, each slowed
+    by delay_s here so that leaving either out (or merging them) cannot pass."""
+    delay_s = 0.3
+    load, estimate = TargetModel.from_pretrained, extract.runner.estimate_projection
+
+    def slow(fn):
+        def wrapped(*args, **kw):
+            time.sleep(delay_s)
+            return fn(*args, **kw)
+
+        return wrapped
+
+    monkeypatch.setattr(TargetModel, "from_pretrained", slow(load))
+    monkeypatch.setattr(extract.runner, "estimate_projection", slow(estimate))
+    began = time.monotonic()
+    summary = run_extract(projected(target, data, tmp_path / "cache", pca_sample_tokens=300))
+    wall_s = time.monotonic() - began
+    phases = {k: v for k, v in summary.startup.items() if k.endswith("_s") and k != "since_process_start_s"}
+    assert list(phases) == ["weights_s", "projection_s", "first_batch_s", "second_batch_s"]
+    assert phases["weights_s"] >= delay_s and phases["projection_s"] >= delay_s, phases
+    # The phases are contiguous from the target's load: together they are the run's start-up, within its wall.
+    assert 2 * delay_s <= sum(phases.values()) <= wall_s, (phases, wall_s)
+    assert summary.startup["since_process_start_s"] > sum(phases.values())
 
 
 def test_a_replaced_projection_is_refused(target, data, tmp_path):
