@@ -47,6 +47,7 @@ from extract.dataset.packing import (
 )
 from extract.distributed import init_distributed, run_on_main
 from extract.projection import estimate_projection
+from extract.projection_source import copy_source_projection
 from extract.refusals import (
     refuse_impossible_settings,
     refuse_unsupervised,
@@ -70,7 +71,7 @@ from shards.common.sigterm import SigtermFlag
 from shards.common.startup import StartupClock
 from shards.format import CACHE_CONFIG_FILE, MANIFEST_FILE, bytes_per_shard
 from shards.ownership import LOGS_DIR
-from shards.projection import load_projection, write_projection
+from shards.projection import write_projection
 
 log = logging.getLogger(__name__)
 
@@ -333,6 +334,7 @@ def _estimate_projection(cfg, cache_cfg, index, plan, device, clock: StartupCloc
     """Rank 0: estimate a projected cache's projection, write projection.safetensors and record its
     checksum and variance kept in cache.json (before any shard: the codes are made with it). Returns the
     target, loaded for it (the clock's weights phase), for the extraction to use."""
+    copied = copy_source_projection(cfg, cache_cfg) if cfg.pca_from is not None else None  # before the load
     model = _load_target(cfg, cache_cfg, device)
     clock.mark("weights")
     loader = SampleLoader(index)
@@ -343,15 +345,8 @@ def _estimate_projection(cfg, cache_cfg, index, plan, device, clock: StartupCloc
             *_device_inputs(arrays, batch.num_tokens, len(batch.sample_ids), device), cache_cfg.tap_layer_ids
         )
 
-    if cfg.pca_from is not None:  # another cache's projection, as its sample estimated it
-        source = read_cache_config(cfg.pca_from)
-        if (source.tap_layer_ids, source.target.hidden_size) != (cache_cfg.tap_layer_ids, cache_cfg.target.hidden_size):
-            raise UserError(
-                f"--pca-from {cfg.pca_from}: projects taps {source.tap_layer_ids} of width {source.target.hidden_size}, "
-                f"this cache stores taps {cache_cfg.tap_layer_ids} of width {cache_cfg.target.hidden_size}"
-            )
-        projection_RF, scale_F = load_projection(cfg.pca_from, source)
-        kept = source.projection.variance_kept
+    if copied is not None:  # another cache's projection, as its sample estimated it
+        projection_RF, scale_F, kept = copied
     else:
         # Packed batches only: a long sample's pieces come from one forward over the whole sample, which
         # the estimate would have to run for a few of its tokens.

@@ -465,7 +465,7 @@ def main(
             tap_layer_ids=taps,
             storage_dtype="fp8" if storage == "pca" else storage,
             pca_rank=pca_rank if storage == "pca" else 0,
-            pca_sample_tokens=pca_sample_tokens,
+            pca_sample_tokens=pca_sample_tokens if storage == "pca" else None,
             token_budget=token_budget,
             progress_interval_s=5.0,
             compute=mode,
