@@ -250,6 +250,8 @@ def test_pca_from_refuses_settings_given_that_differ_from_the_sources(target, da
     assert result.exit_code == 0, result.output
     assert (tmp_path / "heldout" / PROJECTION_FILE).read_bytes() == (train / PROJECTION_FILE).read_bytes()
     assert read_cache_config(tmp_path / "heldout").projection == read_cache_config(train).projection
+    again = _extract_from(target, data, tmp_path / "heldout", train)  # a resume, the settings left to the source
+    assert again.exit_code == 0 and "nothing to extract" in again.output, again.output
 
 
 def test_pca_from_refuses_another_targets_projection(target, data, tmp_path):
