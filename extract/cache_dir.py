@@ -12,7 +12,6 @@ shards/ownership.py; every refusal of that kind is OwnershipError (shards/common
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import logging
 from pathlib import Path
@@ -22,6 +21,7 @@ from extract.config import ExtractConfig
 from extract.dataset.files import data_would_read, is_glob
 from extract.dataset.index import dataset_fingerprint
 from extract.dataset.packing import PACKING_ALGORITHM, PackedBatch, PackingPlan
+from extract.projection_source import source_record
 from extract.target.config import TargetConfig, max_position_embeddings, special_token_ids
 from extract.target.fp8.quantization import checkpoint_quantization
 from extract.target.weights import load_target_head
@@ -80,20 +80,21 @@ def build_cache_config(
     cfg: ExtractConfig, target: TargetConfig, taps: list[int], plan: PackingPlan, index, prepared: dict | None = None
 ) -> CacheConfig:
     """What cache.json will say for this run (the target head checksum is filled in by prepare_cache)."""
+    info = TargetInfo(
+        name=str(Path(cfg.target).resolve()),
+        config_hash=target.fingerprint(),
+        hidden_size=target.hidden_size,
+        num_layers=target.num_hidden_layers,
+        vocab_size=target.vocab_size,
+        dtype=cfg.dtype,
+        intermediate_size=target.intermediate_size,
+        quantization=_quantization_record(cfg.target, cfg.compute),
+        **special_token_ids(cfg.target),
+        max_position_embeddings=max_position_embeddings(cfg.target),
+        compute=cfg.compute,
+    )
     return CacheConfig(
-        target=TargetInfo(
-            name=str(Path(cfg.target).resolve()),
-            config_hash=target.fingerprint(),
-            hidden_size=target.hidden_size,
-            num_layers=target.num_hidden_layers,
-            vocab_size=target.vocab_size,
-            dtype=cfg.dtype,
-            intermediate_size=target.intermediate_size,
-            quantization=_quantization_record(cfg.target, cfg.compute),
-            **special_token_ids(cfg.target),
-            max_position_embeddings=max_position_embeddings(cfg.target),
-            compute=cfg.compute,
-        ),
+        target=info,
         tap_layer_ids=list(taps),
         **{name: getattr(cfg, name) for name in RECORDED_SETTINGS},
         packing=PackingRecord(
@@ -115,23 +116,16 @@ def build_cache_config(
         ),
         pieces=_pieces_record(cfg, plan),
         provenance={**provenance(), "extract_config": to_options(cfg)},
-        projection=_projection_record(cfg),
+        projection=_projection_record(cfg, info, taps),
         chat_mode=serving_mode(cfg.data, prepared),
     )
 
 
-def _projection_record(cfg: ExtractConfig) -> ProjectionRecord | None:
+def _projection_record(cfg: ExtractConfig, target: TargetInfo, taps: list[int]) -> ProjectionRecord | None:
     """--pca-rank's settings (the estimate fills in the checksum and the variance kept), or --pca-from's
     cache's (the copy of its projection fills them in)."""
     if cfg.pca_from is not None:
-        source = read_cache_config(cfg.pca_from).projection
-        if source is None or source.checksum is None:
-            raise UserError(f"--pca-from {cfg.pca_from}: not a projected cache with its projection estimated")
-        if cfg.pca_rank not in (0, source.rank):
-            raise UserError(
-                f"--pca-rank {cfg.pca_rank}: --pca-from {cfg.pca_from} has rank {source.rank}; drop --pca-rank"
-            )
-        return dataclasses.replace(source, group_size=cfg.pca_group_size, checksum=None, variance_kept=None)
+        return source_record(cfg, target, taps)
     if cfg.pca_rank == 0:
         return None
     return ProjectionRecord(

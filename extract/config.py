@@ -35,6 +35,10 @@ ComputeMode = Literal["dense", "fp8"]
 COMPUTE_MODES = get_args(ComputeMode)
 
 
+# The projection estimate's settings where neither given nor taken from --pca-from's cache.
+ESTIMATE_DEFAULTS = {"pca_normalize": "per-tap", "pca_sample_tokens": 262144, "pca_seed": 0}
+
+
 @dataclass(kw_only=True)
 class ExtractConfig:
     """One extraction run: target x dataset -> cache."""
@@ -70,18 +74,21 @@ class ExtractConfig:
     principal directions, uncentred, estimated from a sample of the dataset; --storage is the codes' dtype,
     fp8 with one scale per --pca-group-size codes). A drafter trained on them exports exactly (fc = fc' P D).
     E.g. 3200 = 1/8 of 5 taps x 5120. 0 = store the taps."""
-    pca_normalize: ProjectionNormalize = "per-tap"
+    pca_normalize: ProjectionNormalize | None = None
     """The fixed scaling D before the projection: per-tap (each tap divided by its rms over the sample, so
-    the deep taps' massive activations do not take the leading components) or none."""
+    the deep taps' massive activations do not take the leading components) or none. Default: per-tap;
+    with --pca-from, the source cache's."""
     pca_group_size: int = 64
     """fp8 codes: one fp32 scale per this many consecutive codes (4 / G bytes per code on top of 1)."""
-    pca_sample_tokens: int = 262144
-    """Tokens whose taps estimate P: whole batches drawn at random (seeded) across the dataset."""
-    pca_seed: int = 0
-    """Seed of the batches drawn for the estimate."""
+    pca_sample_tokens: int | None = None
+    """Tokens whose taps estimate P: whole batches drawn at random (seeded) across the dataset. Default:
+    262144; with --pca-from, the source cache's."""
+    pca_seed: int | None = None
+    """Seed of the batches drawn for the estimate. Default: 0; with --pca-from, the source cache's."""
     pca_from: str | None = cli_field(None, path="existing_dir")
-    """Take the projection of this projected cache instead of estimating one (its rank, scaling and sample
-    settings with it): a held-out cache whose codes a drafter trained on that cache reads. Default: estimate."""
+    """Take the projection of this projected cache of the same target (same taps) instead of estimating one:
+    a held-out cache whose codes a drafter trained on that cache reads. Its rank, scaling and sample settings
+    come with it; one given here that differs is refused. Default: estimate."""
     target_topk: int = 0
     """Also store the target's top-K next tokens and log-probs per position (for KL training); 0 = off."""
     # The packing defaults are PackingConfig's: written once, there.
@@ -147,7 +154,7 @@ class ExtractConfig:
             raise config_error(self, "thinking", f"must be one of {', '.join(get_args(Thinking))}")
         if self.compute == "fp8" and self.dtype != "bfloat16":
             raise config_error(self, "dtype", "must be bfloat16 with --compute fp8 (the FP8 matmuls write bf16)")
-        if self.pca_normalize not in PROJECTION_NORMALIZE:
+        if self.pca_normalize not in (None, *PROJECTION_NORMALIZE):
             raise config_error(self, "pca_normalize", f"must be one of {', '.join(PROJECTION_NORMALIZE)}")
         if self.pca_rank < 0:
             raise config_error(self, "pca_rank", "must be >= 0 (0 = store the taps)")
@@ -160,6 +167,10 @@ class ExtractConfig:
                         name,
                         "applies to projected caches only: add --pca-rank R (or --pca-from CACHE), or drop it",
                     )
+        elif self.pca_from is None:  # an estimate of our own; --pca-from's source fills in what is not given
+            for name, default in ESTIMATE_DEFAULTS.items():
+                if getattr(self, name) is None:
+                    setattr(self, name, default)
         for name in (
             "num_taps",
             "token_budget",
@@ -169,7 +180,8 @@ class ExtractConfig:
             "pca_group_size",
             "pca_sample_tokens",
         ):
-            if getattr(self, name) < 1:
+            value = getattr(self, name)
+            if value is not None and value < 1:  # None: --pca-from's source says
                 raise config_error(self, name, "must be >= 1")
         if min(self.max_seqs, self.token_budget) > MAX_SHARD_SAMPLES:  # a shard holds at most token_budget samples
             raise config_error(

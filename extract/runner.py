@@ -47,6 +47,7 @@ from extract.dataset.packing import (
 )
 from extract.distributed import init_distributed, run_on_main
 from extract.projection import estimate_projection
+from extract.projection_source import copy_source_projection
 from extract.refusals import (
     refuse_impossible_settings,
     refuse_unsupervised,
@@ -70,7 +71,7 @@ from shards.common.sigterm import SigtermFlag
 from shards.common.startup import StartupClock
 from shards.format import CACHE_CONFIG_FILE, MANIFEST_FILE, bytes_per_shard
 from shards.ownership import LOGS_DIR
-from shards.projection import load_projection, write_projection
+from shards.projection import write_projection
 
 log = logging.getLogger(__name__)
 
@@ -236,14 +237,19 @@ def _extract_dataset(
         # Every rank writes shards under the identity rank 0 recorded (target head checksum included).
         cache_cfg = read_cache_config(cfg.out_dir)
         model = None
+        # Start-up (weights, first batches) starts where the target loads: here when rank 0 loads it for
+        # the projection's estimate (a phase of its own), else in _extract, after the resume check.
+        clock = None
         if cache_cfg.projection is not None and cache_cfg.projection.checksum is None:
+            clock = StartupClock(device)
 
             def estimate() -> None:
                 nonlocal model
-                model = _estimate_projection(cfg, cache_cfg, index, plan, device)
+                model = _estimate_projection(cfg, cache_cfg, index, plan, device, clock)
 
             run_on_main(dist_info, estimate)
             barrier()
+            clock.mark("projection")  # the other ranks: waiting for rank 0's
             cache_cfg = read_cache_config(cfg.out_dir)  # with the projection's checksum: the shards' cache_id
         mine = shard_batches_for_rank(plan, dist_info.rank, dist_info.world_size)
         todo, resumed = pending_batches(cfg, mine)
@@ -256,7 +262,9 @@ def _extract_dataset(
                 len(todo),
             )
         with SigtermFlag() as stop:
-            summary = _extract(cfg, cache_cfg, index, todo, device, dist_info, stop, model)
+            summary = _extract(
+                cfg, cache_cfg, index, todo, device, dist_info, clock or StartupClock(device), stop, model
+            )
         summary.resumed, summary.rank = resumed, dist_info.rank
         barrier()
         # Through run_on_main: a failure there fails every rank with its message, before the gather below.
@@ -285,13 +293,23 @@ class ExtractionStopped(Stopped, RuntimeError):
 
 
 def _extract(
-    cfg, cache_cfg, index, todo, device, dist_info, stop: SigtermFlag | None = None, model: TargetModel | None = None
+    cfg,
+    cache_cfg,
+    index,
+    todo,
+    device,
+    dist_info,
+    clock: StartupClock,
+    stop: SigtermFlag | None = None,
+    model: TargetModel | None = None,
 ) -> ExtractSummary:
+    """Extract `todo` with `model` (rank 0's, loaded for the projection estimate) or the target loaded
+    here; `clock` holds the start-up phases so far."""
     if not todo:
         return ExtractSummary(cfg.out_dir, cache_cfg.planned_batches, 0, 0, 0, 0.0, 0.0, 0)
-    clock = StartupClock(device)  # with a projection, rank 0 loaded the target before: its weights took no time here
-    model = model or _load_target(cfg, cache_cfg, device)
-    clock.mark("weights")
+    if model is None:
+        model = _load_target(cfg, cache_cfg, device)
+        clock.mark("weights")
     writer = AsyncShardWriter(cfg.out_dir, cache_cfg, device, num_buffers=cfg.writer_buffers)
     return extract_batches(model, cfg, cache_cfg, index, todo, device, writer, dist_info.rank, stop=stop, clock=clock)
 
@@ -312,11 +330,13 @@ def _load_target(cfg: ExtractConfig, cache_cfg: CacheConfig, device: torch.devic
     )
 
 
-def _estimate_projection(cfg, cache_cfg, index, plan, device) -> TargetModel:
+def _estimate_projection(cfg, cache_cfg, index, plan, device, clock: StartupClock) -> TargetModel:
     """Rank 0: estimate a projected cache's projection, write projection.safetensors and record its
     checksum and variance kept in cache.json (before any shard: the codes are made with it). Returns the
-    target, loaded for it, for the extraction to use."""
+    target, loaded for it (the clock's weights phase), for the extraction to use."""
+    copied = copy_source_projection(cfg, cache_cfg) if cfg.pca_from is not None else None  # before the load
     model = _load_target(cfg, cache_cfg, device)
+    clock.mark("weights")
     loader = SampleLoader(index)
 
     def forward_taps(batch: PackedBatch) -> torch.Tensor:
@@ -325,15 +345,8 @@ def _estimate_projection(cfg, cache_cfg, index, plan, device) -> TargetModel:
             *_device_inputs(arrays, batch.num_tokens, len(batch.sample_ids), device), cache_cfg.tap_layer_ids
         )
 
-    if cfg.pca_from is not None:  # another cache's projection, as its sample estimated it
-        source = read_cache_config(cfg.pca_from)
-        if (source.tap_layer_ids, source.target.hidden_size) != (cache_cfg.tap_layer_ids, cache_cfg.target.hidden_size):
-            raise UserError(
-                f"--pca-from {cfg.pca_from}: projects taps {source.tap_layer_ids} of width {source.target.hidden_size}, "
-                f"this cache stores taps {cache_cfg.tap_layer_ids} of width {cache_cfg.target.hidden_size}"
-            )
-        projection_RF, scale_F = load_projection(cfg.pca_from, source)
-        kept = source.projection.variance_kept
+    if copied is not None:  # another cache's projection, as its sample estimated it
+        projection_RF, scale_F, kept = copied
     else:
         # Packed batches only: a long sample's pieces come from one forward over the whole sample, which
         # the estimate would have to run for a few of its tokens.

@@ -13,7 +13,8 @@ A = P D [R, F] (P's columns scaled): what the extractor applies and what export 
 
 projection.safetensors holds "projection" P and "scale" D, fp32, and its checksum in the header; cache.json
 records the same checksum (ProjectionRecord.checksum), which every shard's cache_id covers: a tampered
-file is refused by load_projection, a swapped pair of file and cache.json by the shards.
+file is refused by load_projection (as is a link in its place: never followed), a swapped pair of file and
+cache.json by the shards.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from shards.common.durable import atomic_write
+from shards.common.owned import Dir
 from shards.container import write_container
 from shards.format import FORMAT_VERSION, PROJECTION_FILE, CacheConfig, CacheFormatError, checksum
 from shards.reader import read_checked_tensors
@@ -49,7 +51,11 @@ def load_projection(cache_dir: str | Path, cfg: CacheConfig) -> tuple[torch.Tens
     record = cfg.projection
     if record is None:
         raise ValueError(f"{cache_dir}: not a projected cache (cache.json has no projection)")
-    if not path.is_file():
+    with Dir.open(cache_dir) as d:
+        # A link there is refused, never followed; one swapped in after this look is caught by the checksums below.
+        d.refuse_other_than_file(PROJECTION_FILE)
+        present = d.lstat(PROJECTION_FILE) is not None
+    if not present:
         raise CacheFormatError(f"{path}: not found; the projected cache lacks its projection: re-run dflash-extract")
     tensors, found = read_checked_tensors(path, PROJECTION_TENSORS)
     width = cfg.num_taps * cfg.target.hidden_size

@@ -2,17 +2,20 @@
 independent SVD, resume, verify, the refusals, and version 2 caches still read."""
 
 import shutil
+import time
 
 import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 
+import extract.runner
 from extract.cache_dir import CacheMismatchError
 from extract.cli import main as extract_cli
 from extract.dataset.packing import PackedBatch
 from extract.projection import sample_batches
 from extract.runner import run_extract
+from extract.target.config import TargetConfig
 from extract.target.model import TargetModel
 from shards import (
     CacheFormatError,
@@ -29,6 +32,7 @@ from shards.inspect import summarize_cache, verify_cache
 from shards.projection import applied_matrix, load_projection, write_projection
 from tests.helpers.extract import all_tensors, cli_args, extract_cfg, make_samples
 from tools.cli.dflash_shards import main as shards_cli
+from tools.fixtures.tiny_target import tiny_config_dict, write_random_checkpoint
 
 RANK = 40  # of 5 taps x 64 = 320 dims: 1/8
 ALL_TOKENS = 10**6  # a sample larger than the dataset: the estimate sees every token
@@ -126,6 +130,32 @@ def test_resume_keeps_the_projection_and_redoes_a_lost_shard(target, data, tmp_p
         run_extract(projected(target, data, out, storage_dtype="fp8", pca_sample_tokens=300, pca_normalize="none"))
 
 
+def test_start_up_records_the_weights_then_the_projection(target, data, tmp_path, monkeypatch):
+    """Rank 0 loads the target for the estimate: its record shows that load and the estimate, each slowed
+    by delay_s here so that leaving either out (or merging them) cannot pass."""
+    delay_s = 0.3
+    load, estimate = TargetModel.from_pretrained, extract.runner.estimate_projection
+
+    def slow(fn):
+        def wrapped(*args, **kw):
+            time.sleep(delay_s)
+            return fn(*args, **kw)
+
+        return wrapped
+
+    monkeypatch.setattr(TargetModel, "from_pretrained", slow(load))
+    monkeypatch.setattr(extract.runner, "estimate_projection", slow(estimate))
+    began = time.monotonic()
+    summary = run_extract(projected(target, data, tmp_path / "cache", pca_sample_tokens=300))
+    wall_s = time.monotonic() - began
+    phases = {k: v for k, v in summary.startup.items() if k.endswith("_s") and k != "since_process_start_s"}
+    assert list(phases) == ["weights_s", "projection_s", "first_batch_s", "second_batch_s"]
+    assert phases["weights_s"] >= delay_s and phases["projection_s"] >= delay_s, phases
+    # The phases are contiguous from the target's load: together they are the run's start-up, within its wall.
+    assert 2 * delay_s <= sum(phases.values()) <= wall_s, (phases, wall_s)
+    assert summary.startup["since_process_start_s"] > sum(phases.values())
+
+
 def test_a_replaced_projection_is_refused(target, data, tmp_path):
     out = tmp_path / "cache"
     run_extract(projected(target, data, out))
@@ -194,3 +224,64 @@ def test_a_held_out_cache_takes_the_training_caches_projection(target, data, tmp
     run_extract(extract_cfg(target, data, unprojected))
     with pytest.raises(UserError, match="not a projected cache"):
         run_extract(extract_cfg(target, data, tmp_path / "y", pca_from=str(unprojected)))
+
+
+def _extract_from(target, data, out, source, *extra):
+    return CliRunner().invoke(extract_cli, cli_args(target, data, out, "--pca-from", str(source), *extra))
+
+
+def test_pca_from_refuses_settings_given_that_differ_from_the_sources(target, data, tmp_path):
+    train = tmp_path / "train"  # estimated with rank 40, per-tap, 300 sample tokens, seed 0
+    run_extract(projected(target, data, train, pca_sample_tokens=300))
+    for flags, value, theirs in [
+        (("--pca-sample-tokens", "262144"), "262144", "sample tokens 300"),  # the estimate's default, given
+        (("--pca-normalize", "none"), "none", "normalize per-tap"),
+        (("--pca-seed", "5"), "5", "seed 0"),
+        (("--pca-rank", "8"), "8", "rank 40"),
+    ]:
+        out = tmp_path / f"refused{flags[0]}"
+        result = _extract_from(target, data, out, train, *flags)
+        assert result.exit_code == 1, result.output
+        assert f"{flags[0]} {value}: --pca-from {train} has {theirs}; drop {flags[0]}" in result.output
+        assert not out.exists()
+    # The same values given explicitly are the source's: the same projection, byte for byte.
+    same = ("--pca-rank", "40", "--pca-normalize", "per-tap", "--pca-sample-tokens", "300", "--pca-seed", "0")
+    result = _extract_from(target, data, tmp_path / "heldout", train, *same)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "heldout" / PROJECTION_FILE).read_bytes() == (train / PROJECTION_FILE).read_bytes()
+    assert read_cache_config(tmp_path / "heldout").projection == read_cache_config(train).projection
+    again = _extract_from(target, data, tmp_path / "heldout", train)  # a resume, the settings left to the source
+    assert again.exit_code == 0 and "nothing to extract" in again.output, again.output
+
+
+def test_pca_from_refuses_another_targets_projection(target, data, tmp_path):
+    other = write_random_checkpoint(
+        tmp_path / "other", tiny_config_dict(partial_rotary_factor=0.5), dtype=torch.float32
+    )
+    elsewhere = tmp_path / "elsewhere"  # same width and taps, another architecture
+    run_extract(projected(target=other, data=data, out=elsewhere, pca_sample_tokens=300))
+    result = _extract_from(target, data, tmp_path / "a", elsewhere)
+    theirs, mine = read_cache_config(elsewhere).target.config_hash, TargetConfig.from_dir(target).fingerprint()
+    assert result.exit_code == 1 and f"config_hash {theirs}, --target {target} has {mine}" in result.output
+    # Same config.json, other weights: the head checksums the caches recorded tell them apart.
+    twin = write_random_checkpoint(tmp_path / "twin", seed=2, dtype=torch.float32)
+    (twin / "config.json").write_bytes((target / "config.json").read_bytes())
+    train = tmp_path / "train"
+    run_extract(projected(target, data, train, pca_sample_tokens=300))
+    result = _extract_from(twin, data, tmp_path / "b", train)
+    theirs = read_cache_config(train).target_head_checksum
+    assert result.exit_code == 1 and f"head checksum {theirs}, --target {twin}'s is " in result.output
+    assert not (tmp_path / "b").exists(), "the refused run takes its empty cache away"
+
+
+@pytest.mark.parametrize("name", [PROJECTION_FILE, "cache.json"])
+def test_pca_from_follows_no_link_in_the_source(target, data, tmp_path, name):
+    train = tmp_path / "train"
+    run_extract(projected(target, data, train, pca_sample_tokens=300))
+    linked = tmp_path / "linked"
+    shutil.copytree(train, linked)
+    (linked / name).unlink()
+    (linked / name).symlink_to(train / name)  # the very same bytes: only the link is wrong
+    result = _extract_from(target, data, tmp_path / "out", linked)
+    assert result.exit_code == 1 and f"{linked / name} is a symbolic link" in result.output, result.output
+    assert not (tmp_path / "out").exists()

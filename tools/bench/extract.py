@@ -47,7 +47,6 @@ import dataclasses
 import json
 import logging
 import queue
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -71,10 +70,11 @@ from shards import create_cache, write_cache_config
 from shards.codec import decode_hidden, encode_hidden
 from shards.common.cli_options import build_config, config_options
 from shards.common.compile_cache import CompileCacheConfig, use_compile_cache
+from shards.common.errors import user_errors
 from shards.common.startup import StartupClock
-from shards.ownership import survey_cache
 from shards.projection import write_projection
 from tools.bench.hf_padded import hf_padded_tokens_per_s
+from tools.bench.scratch import CACHE, DATA, claim_scratch_dir, fresh_folder, remove_folder
 from tools.fixtures.tiny_target import qwen35_27b_config_dict, random_weights, tiny_config_dict
 
 log = logging.getLogger("bench_extract")
@@ -255,32 +255,16 @@ def kernel_profile(
     }
 
 
-def _refuse_foreign(cache_dir: Path, work: Path) -> None:
-    """The benchmark deletes --cache-dir between configurations and rewrites its data folder: both must
-    be new, or hold only what an earlier benchmark run wrote there."""
-    if cache_dir.exists() and (not cache_dir.is_dir() or survey_cache(cache_dir).foreign):
-        raise click.UsageError(f"--cache-dir {cache_dir} holds files that are not a cache's; name a new directory")
-    ours = {"mix.parquet", "target"}
-    if work.exists() and (not work.is_dir() or {p.name for p in work.iterdir() if not _is_long(p.name)} - ours):
-        raise click.UsageError(
-            f"{work} (the benchmark's data beside --cache-dir) holds other files; name a new --cache-dir"
-        )
-
-
-def _is_long(name: str) -> bool:
-    return name.startswith("long-") and name.endswith(".parquet")
-
-
-def long_sample_run(model, target, taps, base: ExtractConfig, length: int, write: bool, work: Path, device) -> dict:
+def long_sample_run(model, target, taps, base: ExtractConfig, length: int, write: bool, root: Path, device) -> dict:
     """One sample of `length` tokens extracted whole and stored as pieces, twice; the second run's figures."""
-    data = work / f"long-{length}.parquet"
+    data = root / DATA / f"long-{length}.parquet"
     write_mix(data, np.array([length]), target.vocab_size, seed=length)
     cfg = dataclasses.replace(base, data=str(data), max_seq_len=length)
     index = scan_dataset(data, vocab_size=target.vocab_size, token_budget=length)
     plan = plan_batches(index, cfg.packing)
     runs = []
     for _ in range(2):  # the first compiles and grows the allocator
-        shutil.rmtree(cfg.out_dir, ignore_errors=True)
+        remove_folder(root, CACHE)
         cache_cfg = build_cache_config(cfg, target, taps, plan, index)
         create_cache(cfg.out_dir, cache_cfg, _zero_head(target))
         if device.type == "cuda":
@@ -304,7 +288,13 @@ def _zero_head(target: TargetConfig) -> dict[str, torch.Tensor]:
 
 @click.command()
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False))
-@click.option("--cache-dir", default="/tmp/bench_extract_cache", show_default=True)
+@click.option(
+    "--cache-dir",
+    default="/tmp/bench_extract_cache",
+    show_default=True,
+    help="The benchmark's own directory (new, empty or made by an earlier run: another is refused, untouched): "
+    "each configuration's cache in cache/, the length mix in data/ (tools/bench/scratch.py).",
+)
 @click.option("--num-samples", default=400, show_default=True, help="Samples in the length mix (~2K tokens each).")
 @click.option(
     "--timed-batches",
@@ -358,6 +348,7 @@ def _zero_head(target: TargetConfig) -> dict[str, torch.Tensor]:
     "configuration's first batches right after the weights, no FP8-vs-dense error measured before them.",
 )
 @config_options(CompileCacheConfig)
+@user_errors()
 def main(
     out_path,
     cache_dir,
@@ -385,10 +376,8 @@ def main(
     names = sorted(dict.fromkeys(names), key=lambda c: CONFIGS[c][0] == "fp8")  # dense first: FP8 is in place
     use_fp8 = any(CONFIGS[c][0] == "fp8" for c in names)
     device = torch.device("cpu" if tiny else "cuda")
-    cache_dir = Path(cache_dir)
-    work = cache_dir.parent / (cache_dir.name + "-data")
-    _refuse_foreign(cache_dir, work)  # both are emptied and rewritten below
-    work.mkdir(parents=True, exist_ok=True)
+    root = claim_scratch_dir(cache_dir)  # before any work: a directory of the user's is refused, untouched
+    work, cache_dir = fresh_folder(root, DATA), root / CACHE
     cfg_dict = tiny_config_dict() if tiny else qwen35_27b_config_dict(num_hidden_layers=layers)
     target = TargetConfig.from_hf_dict(cfg_dict)
     taps = target.default_tap_layer_ids(5) if layers >= 8 else list(range(1, layers))
@@ -457,7 +446,7 @@ def main(
             del dense_nKH, fp8_nKH, stored
             _save(out_path, result)
             log.info("FP8 compute vs dense, relative L2 per tap: %s", result["fp8_vs_dense_rel_err_per_tap"])
-        shutil.rmtree(cache_dir, ignore_errors=True)
+        remove_folder(root, CACHE)
         cfg = ExtractConfig(
             target=str(config_dir),
             data=str(data),
@@ -465,7 +454,7 @@ def main(
             tap_layer_ids=taps,
             storage_dtype="fp8" if storage == "pca" else storage,
             pca_rank=pca_rank if storage == "pca" else 0,
-            pca_sample_tokens=pca_sample_tokens,
+            pca_sample_tokens=pca_sample_tokens if storage == "pca" else None,
             token_budget=token_budget,
             progress_interval_s=5.0,
             compute=mode,
@@ -513,10 +502,10 @@ def main(
         base = dataclasses.replace(cfg, piece_context=min(2048, token_budget // 4), piece_label_reach=15)
         write = CONFIGS[names[-1]][2]
         result["long_samples"] = {
-            str(n): long_sample_run(model, target, taps, base, n, write, work, device) for n in long_lengths
+            str(n): long_sample_run(model, target, taps, base, n, write, root, device) for n in long_lengths
         }
         _save(out_path, result)
-    shutil.rmtree(cache_dir, ignore_errors=True)
+    remove_folder(root, CACHE)
     if profile:
         result["profile"] = {"config": names[-1], **kernel_profile(model, index, timed[0], taps, device, token_budget)}
         _save(out_path, result)
