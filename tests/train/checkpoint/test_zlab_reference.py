@@ -219,6 +219,7 @@ def bigram_target(tmp_path_factory):
 
     from tools.fixtures.tiny_target import write_random_checkpoint
 
+    zlab_reference()  # before building the target, which only their generate needs
     path = write_random_checkpoint(tmp_path_factory.mktemp("zlab") / "target", dtype=torch.float32, mixer_scale=0.0)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.no_grad():
