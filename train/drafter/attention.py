@@ -31,9 +31,9 @@ So a sliding query at position p sees every key at positions [p - (W-1), p], con
 - SpecForge's training mask (create_dflash_block_mask / create_dflash_sdpa_mask) has the same context
   bound (anchor + k - (W-1)) and causal block keys, but does not clip block keys by the window. The two
   differ only when W < block_size; we follow the engines, which is what serving runs.
-- z-lab's HF reference (dflash/model.py, as of December 2026) still runs every layer with is_causal=False
-  and only hands sliding_window to HF's attention function (the sdpa and eager paths build no window from
-  it); it is not the reference for sliding layers.
+- z-lab's HF reference as released (the `dflash` 0.1.0 package, dflash/model.py: Qwen3DFlashAttention and
+  _attention_mask) makes a sliding layer causal unless is_causal says otherwise and windows it the same
+  way, the context included; tests/train/checkpoint/test_zlab_reference.py runs it against this rule.
 - llama.cpp runs every draft layer non-causally and its converter drops the window: a drafter with
   sliding layers is for vLLM and SGLang only (`dflash-train export` says so).
 - Published DFlash 2 configs (Muse-Glimmer-30B, SpecForge's Qwen3.6-27B layout) set a top-level

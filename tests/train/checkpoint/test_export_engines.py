@@ -16,6 +16,7 @@ only when the file has it), the stricter case: transformers 5 also converts a ba
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -273,3 +274,87 @@ def test_transformers_reads_the_same_fields(tmp_path):
     assert hf.rope_parameters["rope_theta"] == cfg.rope_theta
     assert (hf.bos_token_id, hf.eos_token_id) == (4, [5, 6])
     assert [vllm_layer_causal(hf.to_dict(), i) for i in range(2)] == [True, False]
+
+
+# ---- vLLM's DFlash 2 loader -------------------------------------------------------------------------
+# vllm/model_executor/models/qwen3_dflash2.py at 030da624231c394ea975df15248edd9adc9315da (PR #52816), which
+# reads these from config.dflash_config only (a top-level copy is never read), each required unless noted:
+#   L172 conv_kernel_size, L173 conv_group_size        DFlash2Qwen3DecoderLayer.__init__
+#   L175 the convolution's block = 1 + num_speculative_tokens (--speculative-config, not block_size)
+#   L296 input_embedding_scale (default 1.0)            DFlash2Qwen3Model.__init__
+#   L301 selector_rank, L302 selector_top_k             DFlash2Qwen3Model.__init__
+#   L317 output_multiplier (default 1.0), L318 final_logit_softcapping (null or <= 0: none)
+# and builds, under its "model." prefix, the modules
+#   L178 layers.N.attention_conv, L181 layers.N.mlp_conv, each L109 base_kernel + L113 kernel_projection
+#   (.weight: a ReplicatedLinear), L298 candidate_selector: L244 predecessor_codebook, L247
+#   successor_codebook (bare nn.Parameters: no ".weight"), L250 hidden_projection (.weight).
+# Its compute_candidates (L324-330) refuses a quantised target lm_head.
+VLLM_DFLASH2_TENSORS = (
+    "attention_conv.base_kernel",
+    "attention_conv.kernel_projection.weight",
+    "mlp_conv.base_kernel",
+    "mlp_conv.kernel_projection.weight",
+    "candidate_selector.predecessor_codebook",
+    "candidate_selector.successor_codebook",
+    "candidate_selector.hidden_projection.weight",
+)
+
+
+def vllm_dflash2(cfg: dict, num_speculative_tokens: int) -> dict:
+    draft = cfg["dflash_config"]
+    softcap = float(draft.get("final_logit_softcapping") or 0.0)
+    return {
+        "conv_kernel_size": int(draft["conv_kernel_size"]),
+        "conv_group_size": int(draft["conv_group_size"]),
+        "conv_block": 1 + num_speculative_tokens,
+        "input_embedding_scale": float(draft.get("input_embedding_scale", 1.0)),
+        "selector_rank": int(draft["selector_rank"]),
+        "selector_top_k": int(draft["selector_top_k"]),
+        "output_multiplier": float(draft.get("output_multiplier", 1.0)),
+        "final_logit_softcapping": softcap if softcap > 0 else None,
+    }
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_vllm_dflash2_loader_finds_every_field_and_tensor_of_our_export(softcap, tmp_path):
+    """Every DFlash 2 field vLLM reads resolves to the drafter's own value from the written config.json
+    (its block from the serve command we print), every DFlash 2 module it builds has our tensor, and the
+    export says vLLM needs the target's LM head unquantised."""
+    from safetensors import safe_open
+
+    from train.checkpoint.serving import serve_commands
+
+    cfg = tiny_config(
+        arch="dflash2",
+        block_size=8,
+        conv_kernel_size=3,
+        conv_group_size=8,
+        selector_rank=4,
+        selector_top_k=8,
+        input_embedding_scale=1.5,
+        output_multiplier=0.25,
+        final_logit_softcapping=softcap,
+    )
+    model, _ = tiny_model_and_head(cfg)
+    export_drafter(model, cfg, tmp_path / "d2")
+    raw = json.loads((tmp_path / "d2" / "config.json").read_text())
+    commands = serve_commands(cfg, str(tmp_path / "d2"), "TARGET")
+    words = shlex.split(next(line for line in commands if "vllm serve" in line))
+    speculative = json.loads(words[words.index("--speculative-config") + 1])
+    resolved = vllm_dflash2(raw, speculative["num_speculative_tokens"])
+    assert resolved == {
+        "conv_kernel_size": 3,
+        "conv_group_size": 8,
+        "conv_block": cfg.block_size,
+        "input_embedding_scale": 1.5,
+        "selector_rank": 4,
+        "selector_top_k": 8,
+        "output_multiplier": 0.25,
+        "final_logit_softcapping": softcap,
+    }
+    with safe_open(str(tmp_path / "d2" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    wanted = {f"layers.{i}.{t}" for i in range(cfg.num_layers) for t in VLLM_DFLASH2_TENSORS[:4]}
+    wanted |= set(VLLM_DFLASH2_TENSORS[4:])
+    assert wanted <= names, sorted(wanted - names)
+    assert any("LM head unquantised" in line for line in commands)
