@@ -75,12 +75,14 @@ def pieced_samples(rows: Iterable[tuple[str, int]]) -> dict[str, list[int]]:
     return {sample_id: sorted(ids) for sample_id, ids in batches.items() if len(ids) > 1}
 
 
-def header_rows(reader: ShardReader) -> Iterator[tuple[str, int]]:
-    """(sample id, batch id) of every sample the readable shard headers list (the truth the manifest is
-    rebuilt from); a shard whose header cannot be read lists none."""
+def header_rows(reader: ShardReader, skip_unreadable: bool) -> Iterator[tuple[str, int]]:
+    """(sample id, batch id) of every sample the shard headers list (the truth the manifest is rebuilt
+    from); a header that cannot be read raises ShardError, or lists nothing with skip_unreadable."""
     for batch_id in reader.batch_ids():
         try:
             entries = reader.info(batch_id).samples
         except ShardError:
+            if not skip_unreadable:
+                raise
             continue
         yield from ((s.sample_id, batch_id) for s in entries)

@@ -71,7 +71,8 @@ def _long_sample_spans(all_ids: list[int], cache_cfg: CacheConfig, cache: str | 
     pieces = cache_cfg.pieces
     if pieces is None or pieces.num_pieced_samples == 0:
         return {}
-    batches = pieced_samples(header_rows(ShardReader(cache)))
+    # An unreadable header names no sample: training refuses or skips (--skip-bad-shards) that shard itself.
+    batches = pieced_samples(header_rows(ShardReader(cache), skip_unreadable=True))
     return {
         sample_id: (bisect_left(all_ids, ids[0]), bisect_left(all_ids, ids[-1]) + 1)
         for sample_id, ids in batches.items()
