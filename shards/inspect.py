@@ -414,7 +414,7 @@ def _locate(cache_dir: str | Path, reader: ShardReader, sample_id: str) -> list[
             return found
     except CacheFormatError:
         pass  # no usable manifest: fall back to the shard headers
-    rows = list(header_rows(reader, skip_unreadable=False))
+    rows = list(header_rows(reader))
     found = sorted(b for s, b in rows if s == sample_id)
     if found:
         return found

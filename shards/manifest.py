@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from shards.common.durable import atomic_write_bytes
 from shards.format import MANIFEST_FILE, CacheFormatError
-from shards.reader import ShardError, ShardInfo, ShardReader
+from shards.reader import ShardInfo, ShardReader
 
 SCHEMA = pa.schema(
     [
@@ -75,14 +75,8 @@ def pieced_samples(rows: Iterable[tuple[str, int]]) -> dict[str, list[int]]:
     return {sample_id: sorted(ids) for sample_id, ids in batches.items() if len(ids) > 1}
 
 
-def header_rows(reader: ShardReader, skip_unreadable: bool) -> Iterator[tuple[str, int]]:
+def header_rows(reader: ShardReader) -> Iterator[tuple[str, int]]:
     """(sample id, batch id) of every sample the shard headers list (the truth the manifest is rebuilt
-    from); a header that cannot be read raises ShardError, or lists nothing with skip_unreadable."""
+    from); a header that cannot be read raises ShardError."""
     for batch_id in reader.batch_ids():
-        try:
-            entries = reader.info(batch_id).samples
-        except ShardError:
-            if not skip_unreadable:
-                raise
-            continue
-        yield from ((s.sample_id, batch_id) for s in entries)
+        yield from ((s.sample_id, batch_id) for s in reader.info(batch_id).samples)

@@ -1,5 +1,5 @@
 """The config resolved against the cache: `resolve_run(cfg)` reads only the cache's JSON, the target
-head's shapes and shard headers (no model, no GPU) and returns a `ResolvedRun`: the drafter shape (the
+head's shapes and a few shard headers (no model, no GPU) and returns a `ResolvedRun`: the drafter shape (the
 options pinned in cfg.drafter, the rest derived from the target's width or the --init-from drafter), the
 train / held-out shard split (on a sample boundary: train/holdout.py) and the step budget, refusing a
 cache that does not fit the config with both sides named.

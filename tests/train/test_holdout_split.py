@@ -4,11 +4,12 @@ hold out the count nearest the one asked, refuse a cache that is one long sample
 cache's split as it was (the last N shards)."""
 
 import logging
+import shutil
 
 import pytest
 from click.testing import CliRunner
 
-from shards import ShardReader
+from shards import ShardReader, read_manifest, shard_path
 from tests.helpers.extract import PIECE_CONTEXT, extract_pieced_cache
 from tests.helpers.train import tiny_cache, tiny_cli_args, tiny_config
 from train.cli import main as train_cli
@@ -62,6 +63,18 @@ def test_a_moved_split_is_announced(pieced, tmp_path, caplog):
     assert len(run.eval_ids) > 1
     assert "--eval-shards 1 would split long sample 'long-b'" in caplog.text
     assert f"holding out {len(run.eval_ids)} shards instead of 1" in caplog.text
+
+
+def test_a_piece_missing_at_the_boundary_still_keeps_its_sample_on_one_side(pieced, tmp_path):
+    """Under --skip-bad-shards a missing shard names no sample: the pieces either side of it still do."""
+    cache = tmp_path / "cache"
+    shutil.copytree(pieced, cache)
+    all_ids = ShardReader(cache).batch_ids()
+    shard_path(cache, all_ids[-2]).unlink()
+    sample_of = dict(zip(read_manifest(cache)["batch_id"].to_pylist(), read_manifest(cache)["sample_id"].to_pylist()))
+    run = resolve_run(tiny_config(cache, tmp_path / "run", eval_shards=2, skip_bad_shards=True, **SLIDING))
+    assert len(run.eval_ids) > 2
+    assert not {sample_of[b] for b in run.train_ids} & {sample_of[b] for b in run.eval_ids}
 
 
 def test_eval_holdout_frac_holds_out_whole_samples(pieced):
