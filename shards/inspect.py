@@ -274,8 +274,7 @@ def find_sample(cache_dir: str | Path, sample_id: str, position: int | None = No
     ValueError when the cache stores no top-k or the position is outside the sample.
     """
     reader = ShardReader(cache_dir)
-    k = reader.config.target_topk
-    if position is not None and k == 0:
+    if position is not None and reader.config.target_topk == 0:
         raise ValueError(
             f"{cache_dir} stores no target top-k (extracted with --target-topk 0); "
             "re-extract with --target-topk K to have it"
@@ -344,7 +343,7 @@ def _own_part(reader: ShardReader, batch_id: int, sample_id: str, position: int 
         row, n = row + int(own[0]), len(own)
         start = int(tensors["position_ids"][row])
     span = slice(row, row + n)
-    hidden = decode_context(tensors, reader.config)[span].double()
+    hidden = decode_context(tensors, reader.config)[span].float()  # [n, K, H]: float64 one tap at a time
     topk = None
     if position is not None and start <= position < start + n:
         at = row + position - start
@@ -360,7 +359,7 @@ def _own_part(reader: ShardReader, batch_id: int, sample_id: str, position: int 
         end=start + n,
         input_ids=tensors["input_ids"][span].tolist(),
         loss_mask=tensors["loss_mask"][span].tolist(),
-        moments=[_moments(hidden[:, j]) for j in range(hidden.shape[1])],
+        moments=[_moments(hidden[:, j].double()) for j in range(hidden.shape[1])],
         topk=topk,
     )
 
