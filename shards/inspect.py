@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import shlex
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from shards.format import (
     bytes_per_shard,
     shard_path,
 )
-from shards.manifest import manifest_table, read_manifest
+from shards.manifest import header_rows, manifest_table, pieced_samples, read_manifest
 from shards.ownership import QUARANTINE_DIR, is_our_shard
 from shards.projection import load_projection
 from shards.reader import ShardError, ShardInfo, ShardReader, load_target_head
@@ -37,7 +38,9 @@ def expected_batch_ids(reader: ShardReader) -> list[int] | None:
 
 
 def summarize_cache(cache_dir: str | Path) -> dict:
-    """Config, counts, tokens, padding efficiency and bytes on disk, from headers only."""
+    """Config, counts, tokens, padding efficiency and bytes on disk, from headers only. A long sample
+    stored as pieces counts as one sample (num_long_samples, in num_pieces shards); tokens and supervised
+    tokens are those stored, a piece's context and label overlap counted in each piece holding it."""
     reader = ShardReader(cache_dir)
     cfg = reader.config
     infos, bad = [], []
@@ -47,6 +50,7 @@ def summarize_cache(cache_dir: str | Path) -> dict:
         except ShardError as e:
             bad.append({"batch_id": b, "reason": e.reason})
     real = sum(i.num_tokens for i in infos)
+    pieced = pieced_samples((s.sample_id, i.batch_id) for i in infos for s in i.samples)
     # Quarantined shards are no part of the cache (verify --quarantine moved them out): counted apart.
     quarantine = Path(cache_dir) / QUARANTINE_DIR
     files = [p for p in Path(cache_dir).rglob("*") if p.is_file()]
@@ -70,7 +74,9 @@ def summarize_cache(cache_dir: str | Path) -> dict:
         "num_shards": len(infos),
         "num_shards_expected": len(expected) if expected is not None else None,
         "num_bad_shard_headers": len(bad),
-        "num_samples": sum(len(i.samples) for i in infos),
+        "num_samples": sum(len(i.samples) for i in infos) - sum(len(b) - 1 for b in pieced.values()),
+        "num_long_samples": len(pieced),  # samples stored as pieces, each counted once in num_samples
+        "num_pieces": sum(len(b) for b in pieced.values()),
         "num_tokens": real,
         "num_loss_tokens": sum(s.loss_tokens for i in infos for s in i.samples),
         "padding_efficiency": real / (len(infos) * cfg.token_budget) if infos else 0.0,
@@ -260,86 +266,158 @@ def _quarantine(cache_dir: Path, path: Path) -> Path | None:
 
 def find_sample(cache_dir: str | Path, sample_id: str, position: int | None = None) -> dict:
     """A sample's tokens, loss mask and per-tap hidden-state statistics (of a projected cache: of its
-    codes, as one "tap" named "codes").
+    codes, as one "tap" named "codes"). A long sample stored as pieces is read whole: each position from
+    the own part of the piece that holds it (never from a context overlap), "pieces" listing them.
 
-    position: also the target's stored top-k next tokens at this position of the sample (0-based),
-    with the data's own next token and its rank among them. Raises ValueError when the cache stores
-    no top-k or the position is outside the sample.
+    position: also the target's stored top-k next tokens at this position of the sample (0-based, the
+    sample's absolute position), with the data's own next token and its rank among them. Raises
+    ValueError when the cache stores no top-k or the position is outside the sample.
     """
     reader = ShardReader(cache_dir)
-    batch_id = _locate(cache_dir, reader, sample_id)
-    tensors, info = reader.read(batch_id, verify_checksum=True)
-    entry = next(s for s in info.samples if s.sample_id == sample_id)
-    span = slice(entry.offset, entry.offset + entry.length)
-    hidden = decode_context(tensors, reader.config)[span].float()
-    layers = reader.config.tap_layer_ids if reader.config.projection is None else ["codes"]
-    taps = []
-    for j, layer in enumerate(layers):
-        h = hidden[:, j]
-        taps.append(
-            {
-                "layer": layer,
-                "mean": h.mean().item(),
-                "std": h.std().item() if h.numel() > 1 else 0.0,
-                "rms": h.pow(2).mean().sqrt().item(),
-                "absmax": h.abs().max().item(),
-                "finite": bool(torch.isfinite(h).all()),
-            }
-        )
-    out = {
-        "sample_id": sample_id,
-        "batch_id": batch_id,
-        "offset": entry.offset,
-        "length": entry.length,
-        "loss_tokens": entry.loss_tokens,
-        "input_ids": tensors["input_ids"][span].tolist(),
-        "loss_mask": tensors["loss_mask"][span].tolist(),
-        "hidden": taps,
-    }
-    if position is not None:
-        out["target_topk"] = _topk_at(tensors, reader.config.target_topk, entry, position, cache_dir)
-    return out
-
-
-def _topk_at(tensors: dict, k: int, entry, position: int, cache_dir) -> dict:
-    if k == 0:
+    if position is not None and reader.config.target_topk == 0:
         raise ValueError(
             f"{cache_dir} stores no target top-k (extracted with --target-topk 0); "
             "re-extract with --target-topk K to have it"
         )
-    if not 0 <= position < entry.length:
-        raise ValueError(
-            f"--position {position} is outside sample {entry.sample_id!r} (positions 0..{entry.length - 1})"
-        )
-    row = entry.offset + position
-    ids = tensors["target_topk_ids"][row].tolist()
-    logprobs = tensors["target_topk_logprobs"][row].float().tolist()
-    # The stored distribution at position p is the target's prediction of the token at p + 1.
-    next_id = int(tensors["input_ids"][row + 1]) if position + 1 < entry.length else None
+    batch_ids = _locate(cache_dir, reader, sample_id)
+    parts = [_own_part(reader, b, sample_id, position, piece=len(batch_ids) > 1) for b in batch_ids]
+    _check_tiling(parts, sample_id, cache_dir)
+    length = parts[-1].end
+    input_ids = [t for part in parts for t in part.input_ids]
+    loss_mask = [m for part in parts for m in part.loss_mask]
+    layers = reader.config.tap_layer_ids if reader.config.projection is None else ["codes"]
+    out = {
+        "sample_id": sample_id,
+        "batch_id": batch_ids[0],
+        "offset": parts[0].row if len(parts) == 1 else None,
+        "length": length,
+        "loss_tokens": sum(loss_mask),
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "hidden": [_tap_stats(layer, [part.moments[j] for part in parts]) for j, layer in enumerate(layers)],
+        "pieces": [part.describe() for part in parts] if len(parts) > 1 else None,
+    }
+    if position is not None:
+        if not 0 <= position < length:
+            raise ValueError(f"--position {position} is outside sample {sample_id!r} (positions 0..{length - 1})")
+        topk = next(part.topk for part in parts if part.start <= position < part.end)
+        # The stored distribution at position p is the target's prediction of the token at p + 1.
+        next_id = input_ids[position + 1] if position + 1 < length else None
+        out["target_topk"] = {
+            "position": position,
+            "batch_id": topk["batch_id"],
+            "token_id": input_ids[position],
+            "next_token_id": next_id,
+            "next_token_rank": topk["ids"].index(next_id) + 1 if next_id in topk["ids"] else None,
+            "ids": topk["ids"],
+            "logprobs": topk["logprobs"],
+        }
+    return out
+
+
+@dataclass
+class _OwnPart:
+    """What one shard holds of a sample at the sample's positions [start, end): the whole sample, or a
+    piece's own part (anchor_mask), with per-tap moments of its hidden states and the top-k at the
+    asked position when it falls here."""
+
+    batch_id: int
+    row: int  # the shard row of position `start`
+    start: int
+    end: int
+    input_ids: list[int]
+    loss_mask: list[int]
+    moments: list[dict]  # per tap: n, sum, sum of squares, absmax, finite (float64)
+    topk: dict | None
+
+    def describe(self) -> dict:
+        return {"batch_id": self.batch_id, "own_start": self.start, "own_end": self.end}
+
+
+def _own_part(reader: ShardReader, batch_id: int, sample_id: str, position: int | None, piece: bool) -> _OwnPart:
+    tensors, info = reader.read(batch_id, verify_checksum=True)
+    entry = next(s for s in info.samples if s.sample_id == sample_id)
+    row, n, start = entry.offset, entry.length, 0
+    if piece:  # its own part, one run of rows marked by anchor_mask, at the sample's absolute positions
+        own = torch.nonzero(tensors["anchor_mask"][row : row + n]).flatten()
+        row, n = row + int(own[0]), len(own)
+        start = int(tensors["position_ids"][row])
+    span = slice(row, row + n)
+    hidden = decode_context(tensors, reader.config)[span].float()  # [n, K, H]: float64 one tap at a time
+    topk = None
+    if position is not None and start <= position < start + n:
+        at = row + position - start
+        topk = {
+            "batch_id": batch_id,
+            "ids": tensors["target_topk_ids"][at].tolist(),
+            "logprobs": tensors["target_topk_logprobs"][at].float().tolist(),
+        }
+    return _OwnPart(
+        batch_id=batch_id,
+        row=row,
+        start=start,
+        end=start + n,
+        input_ids=tensors["input_ids"][span].tolist(),
+        loss_mask=tensors["loss_mask"][span].tolist(),
+        moments=[_moments(hidden[:, j].double()) for j in range(hidden.shape[1])],
+        topk=topk,
+    )
+
+
+def _moments(h: torch.Tensor) -> dict:
     return {
-        "position": position,
-        "token_id": int(tensors["input_ids"][row]),
-        "next_token_id": next_id,
-        "next_token_rank": ids.index(next_id) + 1 if next_id in ids else None,
-        "ids": ids,
-        "logprobs": logprobs,
+        "n": h.numel(),
+        "sum": h.sum().item(),
+        "sumsq": h.pow(2).sum().item(),
+        "absmax": h.abs().max().item(),
+        "finite": bool(torch.isfinite(h).all()),
     }
 
 
-def _locate(cache_dir: str | Path, reader: ShardReader, sample_id: str) -> int:
+def _tap_stats(layer, moments: list[dict]) -> dict:
+    """One tap's mean, std (unbiased), rms, absmax and finiteness over every part of a sample."""
+    n = sum(m["n"] for m in moments)
+    total, squares = sum(m["sum"] for m in moments), sum(m["sumsq"] for m in moments)
+    mean = total / n
+    return {
+        "layer": layer,
+        "mean": mean,
+        "std": math.sqrt(max(squares - n * mean * mean, 0.0) / (n - 1)) if n > 1 else 0.0,
+        "rms": math.sqrt(squares / n),
+        "absmax": max(m["absmax"] for m in moments),
+        "finite": all(m["finite"] for m in moments),
+    }
+
+
+def _check_tiling(parts: list[_OwnPart], sample_id: str, cache_dir: str | Path) -> None:
+    """A sample's parts must cover its positions 0..length-1 once, in order (a piece missing from the
+    manifest, or one that is not this sample's, would shift every position after it)."""
+    expected = 0
+    for part in parts:
+        if part.start != expected:
+            raise ValueError(
+                f"sample {sample_id!r}: its shard {part.batch_id} holds positions {part.start}..{part.end - 1}, "
+                f"expected to start at {expected}; check the cache with `dflash-shards verify {cache_dir}`"
+            )
+        expected = part.end
+
+
+def _locate(cache_dir: str | Path, reader: ShardReader, sample_id: str) -> list[int]:
+    """The batch ids holding the sample (a long sample's pieces, in order): the manifest's, else the
+    shard headers'."""
     try:
         table = read_manifest(cache_dir)
-        ids = table.column("sample_id").to_pylist()
-        if sample_id in ids:
-            return int(table.column("batch_id")[ids.index(sample_id)].as_py())
+        rows = zip(table.column("sample_id").to_pylist(), table.column("batch_id").to_pylist())
+        found = sorted(b for s, b in rows if s == sample_id)
+        if found:
+            return found
     except CacheFormatError:
         pass  # no usable manifest: fall back to the shard headers
-    known: list[str] = []
-    for b in reader.batch_ids():
-        entries = reader.info(b).samples
-        if any(s.sample_id == sample_id for s in entries):
-            return b
-        known += [s.sample_id for s in entries]
+    rows = list(header_rows(reader))
+    found = sorted(b for s, b in rows if s == sample_id)
+    if found:
+        return found
+    known = list(dict.fromkeys(s for s, _ in rows))  # a long sample's id once, not once per piece
     # The nearest ids by spelling: `chats:17` finds `chat-17` (the derived `file:row` form vs the data's ids).
     near = difflib.get_close_matches(sample_id, known, n=_NEAREST_IDS, cutoff=0.5)
     hint = f"; nearest ids: {', '.join(near)}" if near else ""

@@ -1,4 +1,5 @@
-"""manifest.parquet: one row per sample (sample id, batch, offset, length, loss tokens).
+"""manifest.parquet: one row per sample (sample id, batch, offset, length, loss tokens); a long sample
+stored as pieces (cache.json "pieces") has one row per piece, in as many shards.
 
 Written at the end of an extraction and rebuildable at any time from the shard headers, so it is a
 convenience index, never the source of truth.
@@ -7,6 +8,7 @@ convenience index, never the source of truth.
 from __future__ import annotations
 
 import io
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -62,3 +64,19 @@ def rebuild_manifest(cache_dir: str | Path) -> Path:
     """Rewrite manifest.parquet from the shard headers (bad shards raise ShardError)."""
     reader = ShardReader(cache_dir)
     return write_manifest(cache_dir, [reader.info(b) for b in reader.batch_ids()])
+
+
+def pieced_samples(rows: Iterable[tuple[str, int]]) -> dict[str, list[int]]:
+    """Each long sample's batch ids, ascending, from (sample id, batch id) rows: a sample id is unique in
+    a cache, so one that more than one shard holds is a sample stored as pieces."""
+    batches: dict[str, list[int]] = {}
+    for sample_id, batch_id in rows:
+        batches.setdefault(sample_id, []).append(batch_id)
+    return {sample_id: sorted(ids) for sample_id, ids in batches.items() if len(ids) > 1}
+
+
+def header_rows(reader: ShardReader) -> Iterator[tuple[str, int]]:
+    """(sample id, batch id) of every sample the shard headers list (the truth the manifest is rebuilt
+    from); a header that cannot be read raises ShardError."""
+    for batch_id in reader.batch_ids():
+        yield from ((s.sample_id, batch_id) for s in reader.info(batch_id).samples)

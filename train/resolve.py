@@ -1,7 +1,8 @@
-"""The config resolved against the cache: `resolve_run(cfg)` reads only the cache's JSON and the target
-head's shapes (no model, no GPU) and returns a `ResolvedRun`: the drafter shape (the options pinned in
-cfg.drafter, the rest derived from the target's width or the --init-from drafter), the train / held-out
-shard split and the step budget, refusing a cache that does not fit the config with both sides named.
+"""The config resolved against the cache: `resolve_run(cfg)` reads only the cache's JSON, the target
+head's shapes and a few shard headers (no model, no GPU) and returns a `ResolvedRun`: the drafter shape (the
+options pinned in cfg.drafter, the rest derived from the target's width or the --init-from drafter), the
+train / held-out shard split (on a sample boundary: train/holdout.py) and the step budget, refusing a
+cache that does not fit the config with both sides named.
 `resolved_identity` is what a resume compares: the config's identity with each derived value filled in.
 """
 
@@ -22,6 +23,7 @@ from shards.projection import load_projection
 from train.blocks import default_num_blocks
 from train.config import TrainConfig
 from train.drafter.config import DFLASH1, DFLASH2, DFLASH2_27B_LAYOUT, DrafterConfig, DrafterOptions
+from train.holdout import split_held_out
 
 # MLP width / hidden of the published Qwen3.5-27B drafter (17408 / 5120); the default for other widths.
 _MLP_RATIO = 3.4
@@ -162,8 +164,12 @@ def resolve_run(cfg: TrainConfig, world_size: int = 1) -> ResolvedRun:
             f"--eval-shards {cfg.eval.shards} leaves no training shards: cache "
             f"{cfg.cache} has {len(all_ids)}; pass --eval-shards {max(0, len(all_ids) - 1)} or fewer"
         )
-    train_ids = all_ids[: len(all_ids) - cfg.eval.shards]
-    eval_ids = all_ids[len(train_ids) :]
+    train_ids, eval_ids = all_ids, []
+    if cfg.eval.shards > 0:
+        asked = f"--eval-shards {cfg.eval.shards}"
+        train_ids, eval_ids = split_held_out(
+            all_ids, cfg.eval.shards, cache_cfg, cfg.cache, asked=asked, keep_training=True
+        )
     steps_per_epoch = len(train_ids) // world_size
     if steps_per_epoch < 1:
         raise ValueError(

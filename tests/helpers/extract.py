@@ -7,7 +7,9 @@ import struct
 
 import numpy as np
 import torch
+from click.testing import CliRunner
 
+from extract.cli import main as extract_cli
 from extract.config import ExtractConfig
 from extract.dataset.index import Sample, write_jsonl
 from extract.runner import run_extract
@@ -166,3 +168,24 @@ def snapshot(cache):
         for p in sorted(cache.rglob("*"))
         if p.is_file() and p.name != ".dflash.lock"
     }
+
+
+# A pieced cache's settings (dflash-extract --max-seq-len): shards of PIECE_BUDGET tokens, pieces keeping
+# PIECE_CONTEXT tokens before their own part and PIECE_REACH after it.
+PIECE_BUDGET, PIECE_CONTEXT, PIECE_REACH = 128, 24, 7
+
+
+def extract_pieced_cache(target, tmp, lengths: dict[str, int], *extra: str):
+    """dflash-extract by the tiny target of random samples of the given lengths (those over PIECE_BUDGET
+    stored as pieces) into tmp/cache, with its top-4 stored; returns (cache, {sample id: Sample})."""
+    rng = np.random.default_rng(7)
+    samples = {
+        sid: Sample(sid, rng.integers(0, VOCAB - 1, n), (np.arange(n) % 11 > 2).astype(np.uint8))
+        for sid, n in lengths.items()
+    }
+    write_jsonl(tmp / "d.jsonl", list(samples.values()))
+    args = cli_args(target, tmp / "d.jsonl", tmp / "cache", token_budget=PIECE_BUDGET)
+    args += ["--max-seq-len", "4096", "--piece-context", str(PIECE_CONTEXT), "--piece-label-reach", str(PIECE_REACH)]
+    result = CliRunner().invoke(extract_cli, [*args, "--target-topk", "4", *extra])
+    assert result.exit_code == 0, result.output
+    return tmp / "cache", samples

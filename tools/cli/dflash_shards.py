@@ -19,6 +19,8 @@ from shards.common.progress import format_bytes, plural
 from shards.common.terminal import echo
 from shards.inspect import QUARANTINE_DIR, find_sample, summarize_cache, verify_cache
 
+_PIECES_LISTED = 6  # pieces `show` names in its text output
+
 
 def _emit(obj: object, as_json: bool, text: str) -> None:
     echo(json.dumps(obj, indent=2) if as_json else text)
@@ -57,8 +59,10 @@ def info(cache: str, as_json: bool) -> None:
             f"packing          token budget {s['token_budget']}, max {s['max_seqs']} seqs/shard",
             f"shards           {s['num_shards']}{expected}"
             + (f", {s['num_bad_shard_headers']} with bad headers" if s["num_bad_shard_headers"] else ""),
-            f"samples          {s['num_samples']}",
-            f"tokens           {s['num_tokens']} ({s['num_loss_tokens']} supervised)",
+            f"samples          {s['num_samples']}"
+            + (f" ({s['num_long_samples']} long, stored as {s['num_pieces']} pieces)" if s["num_long_samples"] else ""),
+            f"tokens           {s['num_tokens']} ({s['num_loss_tokens']} supervised)"
+            + (", pieces' overlaps counted in each piece" if s["num_long_samples"] else ""),
             f"padding eff.     {100 * s['padding_efficiency']:.2f}%",
             f"on disk          {format_bytes(s['bytes_on_disk'])}"
             + (
@@ -202,7 +206,8 @@ def verify(cache: str, quarantine: bool, as_json: bool) -> None:
     "--position",
     type=click.IntRange(min=0),
     default=None,
-    help="Also print the target's stored top-k next tokens at this position of the sample (0-based). Default: none.",
+    help="Also print the target's stored top-k next tokens at this position of the sample (0-based; a long "
+    "sample's absolute position, read from the piece whose own part holds it). Default: none.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @user_errors(ValueError)  # and a --position past the sample
@@ -215,8 +220,7 @@ def show(cache: str, sample_id: str, max_tokens: int, position: int | None, as_j
     n = s["length"] if max_tokens == 0 else min(max_tokens, s["length"])
     more = f" ... ({s['length'] - n} more; --max-tokens 0 shows all)" if n < s["length"] else ""
     lines = [
-        f"sample {s['sample_id']}: batch {s['batch_id']}, offset {s['offset']}, length {s['length']}, "
-        f"{s['loss_tokens']} supervised",
+        f"sample {s['sample_id']}: {_where(s)}, length {s['length']}, {s['loss_tokens']} supervised",
         f"input_ids  {' '.join(map(str, s['input_ids'][:n]))}{more}",
         f"loss_mask  {''.join(map(str, s['loss_mask'][:n]))}{more}",
         f"{'layer':>6} {'mean':>10} {'std':>10} {'rms':>10} {'absmax':>10} finite",
@@ -228,6 +232,16 @@ def show(cache: str, sample_id: str, max_tokens: int, position: int | None, as_j
     if "target_topk" in s:
         lines += _topk_lines(s["target_topk"])
     _emit(s, as_json, "\n".join(lines))
+
+
+def _where(s: dict) -> str:
+    """Its shard and offset, or a long sample's pieces: each shard with the positions of its own part."""
+    if s["pieces"] is None:
+        return f"batch {s['batch_id']}, offset {s['offset']}"
+    parts = [f"{p['batch_id']} ({p['own_start']}..{p['own_end'] - 1})" for p in s["pieces"]]
+    if len(parts) > _PIECES_LISTED:  # a 128K-token sample in 2K shards: the first and the last few
+        parts = [*parts[: _PIECES_LISTED // 2], "...", *parts[-(_PIECES_LISTED // 2) :]]
+    return f"{len(s['pieces'])} pieces in batches {', '.join(parts)} (--json lists all)"
 
 
 def _topk_lines(t: dict) -> list[str]:
@@ -244,7 +258,8 @@ def _topk_lines(t: dict) -> list[str]:
         )
     )
     lines = [
-        f"target top-{len(t['ids'])} at position {t['position']} (token {t['token_id']}); data's next token {nxt}",
+        f"target top-{len(t['ids'])} at position {t['position']} (token {t['token_id']}, batch {t['batch_id']}); "
+        f"data's next token {nxt}",
         f"{'rank':>6} {'token':>10} {'logprob':>10} {'prob':>8}",
     ]
     lines += [

@@ -60,11 +60,11 @@ class EvalConfig:
     shards: list[int] | None = None
     """Held-out batch ids. No default: give exactly one of --shards, --eval-shards, --holdout-frac."""
     eval_shards: int | None = None
-    """The last N shards of the cache (as dflash-train train --eval-shards). No default: exactly one of
-    --shards, --eval-shards, --holdout-frac."""
+    """The last N shards of the cache, as dflash-train train --eval-shards splits them (a long sample's
+    pieces all on one side). No default: exactly one of --shards, --eval-shards, --holdout-frac."""
     holdout_frac: float | None = None
-    """The last ceil(F x shards) shards of the cache, 0 < F <= 1. No default: exactly one of --shards,
-    --eval-shards, --holdout-frac."""
+    """The last ceil(F x shards) shards of the cache, 0 < F <= 1 (a long sample's pieces all on one side).
+    No default: exactly one of --shards, --eval-shards, --holdout-frac."""
     num_blocks: int | None = None
     """Random-anchor blocks per shard (held-out loss, diagnostics); None = one per 24 context tokens."""
     budgets: list[int] = field(default_factory=lambda: [16, 32, 64])
@@ -157,7 +157,8 @@ class TrainEvalConfig:
     are held out decides the trajectory; when and how much is evaluated a resumed run may change."""
 
     shards: int = cli_field(0, name="eval_shards")
-    """Hold out the last N shards of the cache (highest batch ids) for evaluation; never trained on."""
+    """Hold out the last N shards of the cache (highest batch ids) for evaluation; never trained on. A split
+    that would cut a long sample's pieces moves to the sample's nearer end (a warning says so)."""
     every: int = cli_field(0, name="eval_every", identity=False)
     """Evaluate on the held-out shards every N steps; 0 = at the end of every epoch (with --eval-shards > 0; also before training and at the end)."""
     max_shards: int = cli_field(8, name="eval_max_shards", identity=False)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shards import ShardReader
+from shards import CacheConfig, ShardReader
 from shards.common.chat_mode import chat_mode, describe_mode, parse_template_kwargs
 from shards.common.compile_cache import use_compile_cache
 from shards.common.json_input import InputFileError, read_json_object
@@ -27,6 +27,7 @@ from train.drafter.config import DrafterConfig
 from train.drafter.model import DFlashDrafter, TargetHead
 from train.eval.config import EvalConfig
 from train.eval.evaluate import EvalResult, eval_copy, evaluate_drafter
+from train.holdout import split_held_out
 from train.precision import DTYPES
 
 if TYPE_CHECKING:  # speculative decoding is imported only when --target asks for it
@@ -36,9 +37,16 @@ log = logging.getLogger(__name__)
 
 
 def select_eval_shards(
-    all_ids: list[int], *, shards: list[int] | None, eval_shards: int | None, holdout_frac: float | None, cache: str
+    all_ids: list[int],
+    cache_cfg: CacheConfig,
+    *,
+    shards: list[int] | None,
+    eval_shards: int | None,
+    holdout_frac: float | None,
+    cache: str,
 ) -> list[int]:
-    """The held-out batch ids named by exactly one of --shards, --eval-shards, --holdout-frac."""
+    """The held-out batch ids named by exactly one of --shards, --eval-shards, --holdout-frac (the last two
+    split as training splits: whole samples)."""
     if sum(x is not None for x in (shards, eval_shards, holdout_frac)) != 1:
         raise ValueError("give exactly one of --shards, --eval-shards, --holdout-frac")
     if shards is not None:
@@ -54,7 +62,8 @@ def select_eval_shards(
     n = eval_shards if eval_shards is not None else math.ceil(holdout_frac * len(all_ids))
     if not 1 <= n <= len(all_ids):
         raise ValueError(f"held-out shard count {n} outside [1, {len(all_ids)}] for cache {cache}")
-    return all_ids[-n:]
+    asked = f"--eval-shards {eval_shards}" if eval_shards is not None else f"--holdout-frac {holdout_frac}"
+    return split_held_out(all_ids, n, cache_cfg, cache, asked=asked, keep_training=False)[1]
 
 
 def check_fits(cfg: DrafterConfig, cache_config, drafter: str, cache: str) -> None:
@@ -248,6 +257,7 @@ def _evaluate(
     if reader is not None:
         ids = select_eval_shards(  # the planned ids, split as training splits them
             planned_batch_ids(reader.config, cfg.cache),
+            reader.config,
             shards=cfg.shards,
             eval_shards=cfg.eval_shards,
             holdout_frac=cfg.holdout_frac,
