@@ -16,14 +16,16 @@ import sys
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import train.step
 from shards.common.errors import UserError
 from tests.helpers.drafter import blocks_and_layout, forward_blocks, make_batch, tiny_config, tiny_model_and_head
-from tests.helpers.train import run_steps, tiny_cache
+from tests.helpers.train import run_steps, tiny_cache, tiny_cli_args
 from train.checkpoint.export import export_drafter, load_exported_drafter
 from train.checkpoint.store import MODEL_FILE
+from train.cli import main
 from train.drafter.fp8 import float8_linears_, require_fp8
 from train.drafter.linear import Linear
 from train.drafter.model import TargetHead
@@ -126,7 +128,8 @@ def test_fp8_step_in_bf16_with_weight_copies(tmp_path, arch):
     linears that stay bf16 (DFlash 2's kernel and selector projections) keep them, and two steps' losses
     and gradients stay within FP8's rounding of the bf16 step's yet differ from it."""
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
-    extra = dict(arch="dflash2", selector_gold="swap") if arch == "dflash2" else {}
+    # DFlash 2 with activation checkpointing: the FP8 linears recompute in backward
+    extra = dict(arch="dflash2", selector_gold="swap", checkpoint_layers=True) if arch == "dflash2" else {}
     common = dict(compute_dtype="bfloat16", **STEP, **extra)
     plain = run_steps(cache, tmp_path / "a", 2, **common)
     fp8 = run_steps(cache, tmp_path / "b", 2, fp8="linears+head", fp8_emulate=True, **common)
@@ -196,3 +199,17 @@ def test_fp8_refused_without_torchao(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import fails as if not installed
     with pytest.raises(UserError, match=r"pip install 'dflash-pipeline\[fp8\]'"):
         require_fp8(torch.device("cpu"), emulate=True)
+
+
+def test_dflash_train_refuses_fp8_on_cpu_before_the_run_directory(tmp_path):
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    res = CliRunner().invoke(main, tiny_cli_args(cache, tmp_path / "run", "--fp8", "linears"))
+    assert res.exit_code == 1, res.output
+    assert "Error: --fp8 needs a CUDA GPU of compute capability 8.9+" in res.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_dflash_train_help_teaches_fp8():
+    text = " ".join(CliRunner().invoke(main, ["train", "--help"]).output.split())
+    for phrase in ("--fp8 [off|linears|linears+head]", "8.9+", "off until the acceptance testbed", "--fp8-recipe"):
+        assert phrase in text, phrase
