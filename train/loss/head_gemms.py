@@ -49,9 +49,10 @@ class HeadGemms:
 
 
 def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x / s in `dtype`, s) with s = amax(|x|) / max(dtype), a float32 device scalar (all-zero x: s tiny)."""
+    """(x / s in `dtype`, row-major, as _scaled_mm's first operand must be; s = amax(|x|) / max(dtype), a
+    float32 device scalar (all-zero x: s tiny))."""
     scale = x.abs().amax().float().clamp_min(1e-30) / torch.finfo(dtype).max
-    return (x.float() / scale).to(dtype), scale
+    return (x.float() / scale).to(dtype).contiguous(), scale
 
 
 _compiled_to_fp8 = None
