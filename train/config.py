@@ -22,6 +22,7 @@ from shards.common.cli_options import at_least, cli_field, config_error, to_opti
 from shards.common.compile_cache import CompileCacheConfig
 from shards.format import canonical_precision
 from train.drafter.config import DrafterOptions
+from train.drafter.fp8 import FP8_MODES, FP8_RECIPES
 from train.eval.config import TrainEvalConfig
 from train.loss.config import LossConfig
 from train.optim import OptimConfig
@@ -85,6 +86,15 @@ class TrainConfig:
     """Keep compute-dtype working copies of the drafter's linear weights, refreshed once per step inside
     the step, instead of autocast casting each fp32 master weight at every use (forward and recompute);
     the same step bit for bit, ~2 bytes per parameter more memory. Only with --compute-dtype bfloat16."""
+    fp8: Literal["off", "linears", "linears+head"] = "off"
+    """FP8 matmuls in training (off until the acceptance testbed says otherwise): linears = the drafter's
+    linear layers (fc, q/k/v/o, MLP) run torchao float8 training, e4m3 forward and e5m2 gradients, over
+    the same fp32 master weights and optimizer; linears+head = also the frozen LM head's logits GEMM and
+    its input-gradient GEMM in the loss (e4m3 head, per-tensor scales). Needs a CUDA GPU of compute
+    capability 8.9+ (H100/H200, Ada) and torchao: pip install 'dflash-pipeline[fp8]'."""
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """With --fp8: the linears' scaling (torchao's recipes): tensorwise = one scale per tensor (cuBLAS, the
+    fastest); rowwise = one per row, e4m3 gradients too, power-of-two scales (CUTLASS, more accurate)."""
     compile_pointwise: bool | None = cli_field(None, identity=False)
     """torch.compile the drafter's pointwise regions (RMSNorm, SwiGLU, RoPE) for the fixed shapes, captured
     with the step (train/drafter/pointwise.py). Default: on with CUDA, off on CPU."""
@@ -129,6 +139,10 @@ class TrainConfig:
             raise config_error(self, "attention", "must be auto, flex or sdpa")
         if self.checkpoint_write not in ("async", "sync"):
             raise config_error(self, "checkpoint_write", "must be async or sync")
+        if self.fp8 not in FP8_MODES:
+            raise config_error(self, "fp8", f"must be one of {', '.join(FP8_MODES)}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise config_error(self, "fp8_recipe", f"must be one of {', '.join(FP8_RECIPES)}")
         if self.compute_dtype not in ("bfloat16", "float32"):
             raise config_error(self, "compute_dtype", "must be bfloat16 or float32")
         if not Path(self.cache).is_dir():

@@ -61,6 +61,7 @@ from train.console import TrainSummary, announce_run
 from train.data import Batch, rank_batches
 from train.distributed import init_distributed
 from train.drafter.attention import choose_backend
+from train.drafter.fp8 import require_fp8
 from train.eval.evaluate import EvalResult, eval_copy, evaluate_drafter
 from train.metrics.flops import drafter_step_flops, peak_flops
 from train.metrics.logger import MetricsLogger
@@ -91,6 +92,8 @@ def _train(cfg: TrainConfig) -> TrainSummary:
     check_run_dir(cfg.out_dir, cfg.cache)
     check_writable(cfg.out_dir, f"--out {cfg.out_dir}")
     device = resolve_device(cfg.device, 0)
+    if cfg.fp8 != "off":  # no torchao, a CPU, a GPU before FP8 tensor cores: refused before the run directory
+        require_fp8(device, emulate=False)
     if device.type == "cuda" or cfg.compile_pointwise:  # where the step compiles
         use_compile_cache(cfg.compile)
     if cfg.attention == "flex" and device.type != "cuda":

@@ -10,7 +10,9 @@ Precision: fp32 master parameters and optimizer state, activations in bf16 under
 cast weights are not cached across graph replays: autocast's cache is off), loss and metrics in
 fp32. With working weights (precision.WorkingWeights) the linear weights are rounded to bf16 once,
 at the top of the step (= after the previous step's optimizer update, and after a resume or the
-capture's state restore), instead of at each use. The learning rate lives in a device tensor that
+capture's state restore), instead of at each use. With --fp8 the drafter's linears run FP8 GEMMs
+(train/drafter/fp8.py) and, with "linears+head", the loss's lm_head GEMMs too (loss/head_gemms.py); both
+scale on the device, nothing syncs. The learning rate lives in a device tensor that
 the scheduler rewrites inside the step, so a replayed graph always uses the current value (the
 optimizer and the schedule are train/optim.py's). `build_step_state` builds everything the step
 touches, once, before capture.
@@ -34,10 +36,12 @@ from train.checkpoint.export import load_drafter_weights_
 from train.config import TrainConfig
 from train.distributed import FlatGrads, broadcast_parameters
 from train.drafter.attention import BlockAttentionLayout, choose_backend
+from train.drafter.fp8 import float8_linears_, require_fp8
 from train.drafter.model import DFlashDrafter, Linear, TargetHead
 from train.drafter.pointwise import compile_pointwise_
 from train.loss.chunked import block_loss
 from train.loss.config import LossConfig
+from train.loss.head_gemms import Fp8HeadGemms, HeadGemms
 from train.loss.selector import CandidateSet, selector_loss, selector_ramp
 from train.metrics.block_metrics import block_metrics
 from train.metrics.logger import StepTotals
@@ -73,19 +77,29 @@ class StepState:
     params: list[nn.Parameter] = field(default_factory=list)
     working_weights: WorkingWeights | None = None  # compute-dtype copies of the linear weights; None = cast per use
     candidates: CandidateSet | None = None  # DFlash 2: each slot's top-K, filled by the loss; None = DFlash 1
+    head_gemms: HeadGemms | None = None  # the loss's lm_head GEMMs (--fp8 linears+head: FP8); None = plain
 
     def autocast(self):
         return compute_autocast(self.batch.device, self.autocast_dtype)
 
 
 def build_step_state(
-    cfg: TrainConfig, run: ResolvedRun, head: dict[str, torch.Tensor], device: torch.device, rank: int = 0
+    cfg: TrainConfig,
+    run: ResolvedRun,
+    head: dict[str, torch.Tensor],
+    device: torch.device,
+    rank: int = 0,
+    *,
+    fp8_emulate: bool = False,
 ) -> StepState:
     """Everything train_step touches, on `device`: seeded fp32 drafter (rank 0's weights on every rank),
     frozen head in the compute dtype, flat grads, schedule, optimizer, static batch, attention layout,
     totals, the seeded anchor generator, and the elementwise options (working weight copies, compiled
-    pointwise regions)."""
+    pointwise regions, FP8 linears). fp8_emulate: --fp8 in torchao's emulation on any device (tests on
+    CPU; not a user flag, train/drafter/fp8.py)."""
     compute_dtype = torch_dtype(cfg.compute_dtype)
+    if cfg.fp8 != "off":  # before any weight is built
+        require_fp8(device, emulate=fp8_emulate)
     torch.manual_seed(cfg.seed)  # identical init on every rank; the broadcast makes sure
     model = DFlashDrafter(run.drafter).to(device)  # fp32 master weights
     projection = None
@@ -95,6 +109,8 @@ def build_step_state(
     if cfg.drafter.init_from is not None:  # a resumed run overwrites these with its checkpoint's
         load_drafter_weights_(model, cfg.drafter.init_from, projection)
     broadcast_parameters(model)
+    if cfg.fp8 != "off":
+        float8_linears_(model, cfg.fp8_recipe, emulate=fp8_emulate)
     if cfg.pointwise_compiled(device.type):
         compile_pointwise_(model)
     target_head = TargetHead(head["embed_tokens"].to(device, compute_dtype), head["lm_head"].to(device, compute_dtype))
@@ -131,11 +147,7 @@ def build_step_state(
         generator=generator,
         checkpoint_layers=cfg.checkpoint_layers,
         params=params,
-        working_weights=(
-            WorkingWeights([m for m in model.modules() if isinstance(m, Linear)], compute_dtype)
-            if cfg.weight_copies and autocast_dtype(compute_dtype) is not None
-            else None
-        ),
+        working_weights=_working_weights(cfg, model, compute_dtype),
         candidates=(
             CandidateSet.empty(
                 run.num_blocks,
@@ -148,7 +160,17 @@ def build_step_state(
             if run.drafter.is_dflash2
             else None
         ),
+        head_gemms=Fp8HeadGemms(target_head.lm_head_VH) if cfg.fp8 == "linears+head" else None,
     )
+
+
+def _working_weights(cfg: TrainConfig, model: DFlashDrafter, compute_dtype: torch.dtype) -> WorkingWeights | None:
+    """Copies of the linears that compute in the compute dtype (an FP8 linear is no longer a Linear: it
+    casts its master to FP8 itself); None without --weight-copies, in float32, or with no such linear."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if not (cfg.weight_copies and autocast_dtype(compute_dtype) is not None and linears):
+        return None
+    return WorkingWeights(linears, compute_dtype)
 
 
 def train_step(s: StepState, *, with_metrics: bool) -> None:
@@ -187,6 +209,7 @@ def train_step(s: StepState, *, with_metrics: bool) -> None:
             b.topk_logprobs_TK,
             s.candidates,
             s.model.logit_transform(),
+            s.head_gemms,
         )
         objective = loss.total
         if s.candidates is not None:  # DFlash 2: the selector loss, ramped in over its warm-up

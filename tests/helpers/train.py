@@ -121,15 +121,18 @@ def make_learnable(cache: Path, stride: int = 1) -> None:
     write_manifest(cache, [reader.info(b) for b in reader.batch_ids()])
 
 
-def run_steps(cache: Path, out: Path, num_steps: int, **overrides) -> dict:
+def run_steps(cache: Path, out: Path, num_steps: int, *, fp8_emulate: bool = False, **overrides) -> dict:
     """num_steps train_steps of tiny_config(**overrides) on the cache's first shard (CPU), with metrics:
-    the step sums, each step's flat gradient just before its optimizer update, and the final weights."""
+    the step sums, each step's flat gradient just before its optimizer update, and the final weights.
+    fp8_emulate: --fp8 runs torchao's emulation (build_step_state's test-only switch)."""
     from shards import LoadedShard, load_target_head
     from train.resolve import resolve_run
     from train.step import build_step_state, train_step
 
     cfg = tiny_config(cache, out, **overrides)
-    state = build_step_state(cfg, resolve_run(cfg), load_target_head(cache), torch.device("cpu"))
+    state = build_step_state(
+        cfg, resolve_run(cfg), load_target_head(cache), torch.device("cpu"), fp8_emulate=fp8_emulate
+    )
     tensors, info = ShardReader(cache).read(0)
     state.batch.load(LoadedShard(0, tensors, info, release=lambda: None))
     grads: list[torch.Tensor] = []

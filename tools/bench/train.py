@@ -8,7 +8,8 @@ dflash-train (train.step's build_step_state and StepRunner), no metrics steps. T
   27b2    the published Qwen3.8-27B-DFlash2 layout at the same width: 5 sliding layers (2048), block 8,
           the block convolutions and the selector (rank 256, top 16) with its loss; run it next to 27b
           (--sizes 27b,27b2) and compare ms per query token (us/q tok)
-MFU divides by the datasheet dense bf16 peak (train/metrics/flops.py, as the training CLI does: 989 TFLOP/s
+MFU divides by the datasheet dense bf16 peak (with --fp8 too: the FLOPs are the same, so FP8's speed-up
+shows as MFU above what bf16 can reach) (train/metrics/flops.py, as the training CLI does: 989 TFLOP/s
 on H100/H200, the PaLM/torchtitan definition). The bf16 matmul rate this GPU actually reaches (8192^3)
 is measured too, and the step's share of it is printed as its own figure ("of matmul"): how much a
 faster kernel could still win, not MFU.
@@ -37,6 +38,8 @@ Usage: python -m tools.bench.train --out bench_train.json [--sizes 27b,4b] [--st
        python -m tools.bench.train --sizes 27b --modes graphs --steps 3 --profile
        python -m tools.bench.train --sizes 27b --modes graphs --steps 3 --profile --compare-plain
            (the step without the elementwise cuts, then with them; or give --no-weight-copies etc.)
+       python -m tools.bench.train --sizes 27b --modes graphs --steps 5 --compare-fp8
+           (bf16, --fp8 linears and --fp8 linears+head side by side; needs torchao, SM 8.9+)
        python -m tools.bench.train --sizes 27b --modes graphs --steps 3 --num-blocks 4096 --checkpoint-layers
 """
 
@@ -90,7 +93,11 @@ STEP_FIELDS = (
     "fused_loss",
     "compile_pointwise",
     "selector_gold",
+    "fp8",
+    "fp8_recipe",
 )
+# --compare-fp8: every configuration with these --fp8 values, one after the other.
+FP8_COMPARED = ("off", "linears", "linears+head")
 # The elementwise cuts (train/precision.py, fused_loss.py, pointwise.py) and how the table names them.
 CUTS = {"weight_copies": "copies", "fused_loss": "loss", "compile_pointwise": "compile"}
 
@@ -166,7 +173,7 @@ def bench_one(size: Size, mode: str, num_blocks: int, options: RunOptions, devic
     }
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    state = build_step_state(cfg, run, head, device)
+    state = build_step_state(cfg, run, head, device, fp8_emulate=not cuda)  # CPU: the tests' tiny sizes
     fill_random_batch(state, size, gen, options.position_offset, dcfg.attention_window or 0)
     clock.mark("model")
     blocks = sample_blocks(
@@ -279,6 +286,15 @@ def bench_size(size: Size, modes: list[str], options: RunOptions, device: torch.
     return results
 
 
+def _step_variants(step_options: dict, compare_plain: bool, compare_fp8: bool) -> list[dict]:
+    """The step options of each configuration to run: as given; --compare-plain adds the step without the
+    elementwise cuts before it; --compare-fp8 runs each of those with every FP8_COMPARED value."""
+    variants = [{**step_options, **{name: False for name in CUTS}}, step_options] if compare_plain else [step_options]
+    if compare_fp8:
+        variants = [{**v, "fp8": fp8} for v in variants for fp8 in FP8_COMPARED]
+    return variants
+
+
 def _layout_name(r: dict) -> str:
     types = r.get("layer_types") or []
     if not any(t == "sliding_attention" for t in types):
@@ -296,6 +312,11 @@ def _step_name(r: dict) -> str:
         if opts.get(name) or (name == "compile_pointwise" and opts.get(name) is None and cuda)
     ]
     names += ["ckpt"] if opts.get("checkpoint_layers") else []
+    fp8 = opts.get("fp8") or "off"
+    if fp8 != "off":
+        names.append(
+            ("fp8" if fp8 == "linears" else "fp8+head") + ("/row" if opts.get("fp8_recipe") == "rowwise" else "")
+        )
     return "+".join(names) or "plain"
 
 
@@ -363,6 +384,12 @@ def _row(r: dict) -> str:
     help="Run every configuration twice: first with the elementwise cuts off (the step before them), then "
     "with the step flags as given.",
 )
+@click.option(
+    "--compare-fp8",
+    is_flag=True,
+    help="Run every configuration three times: --fp8 off (bf16), linears, linears+head (the step flags as "
+    "given otherwise), so one run shows FP8's speed-up next to bf16. MFU stays against the bf16 datasheet peak.",
+)
 @click.option("--profile", is_flag=True, help="Profile --profile-steps more steps: kernel time by category.")
 @click.option("--profile-steps", default=3, show_default=True, help="Steps under torch.profiler with --profile.")
 @click.option(
@@ -370,7 +397,7 @@ def _row(r: dict) -> str:
     "device_name",
     default="cuda",
     show_default=True,
-    help="cuda, or cpu (only for the tiny size: tests; eager mode, no MFU, no peak memory).",
+    help="cuda, or cpu (only for the tiny size: tests; eager mode, no MFU, no peak memory, --fp8 emulated).",
 )
 @config_options(TrainConfig, exclude=[o.name for o in option_fields(TrainConfig) if o.name not in STEP_FIELDS])
 @config_options(CompileCacheConfig)
@@ -385,6 +412,7 @@ def main(
     num_blocks: int | None,
     position_offset: int,
     compare_plain: bool,
+    compare_fp8: bool,
     profile: bool,
     profile_steps: int,
     device_name: str,
@@ -436,8 +464,7 @@ def main(
                 if types is not None and len(types) != base.layers:
                     raise click.BadParameter(f"--layer-types {','.join(types)}: {base.name} has {base.layers} layers")
                 size = dataclasses.replace(base, seq_len=length)
-                plain = {**step_options, **{name: False for name in CUTS}}
-                for chosen in [plain, step_options] if compare_plain else [step_options]:
+                for chosen in _step_variants(step_options, compare_plain, compare_fp8):
                     options = RunOptions(
                         steps=steps,
                         profile_steps=profile_steps if profile else 0,

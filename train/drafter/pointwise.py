@@ -8,6 +8,9 @@ call site's shape is one compile, done in the warm-up before CUDA-graph capture;
 plain launches, captured with the rest of the step. Inductor's emulate_precision_casts keeps eager's
 intermediate roundings (silu(gate) rounded to bf16 before the product, as eager does).
 
+With --fp8 the FP8 linears' forwards are compiled as well: their amax, scale and cast are pointwise
+work of the same kind around each GEMM (train/drafter/fp8.py).
+
 Only the training model's modules get the compiled twins (model.py's norm_fn / act_fn / rope_fn
 class attributes, set per instance); evaluation twins and exported drafters run eagerly.
 """
@@ -21,6 +24,7 @@ import torch.nn as nn
 
 from train.drafter.attention import flex_dynamo_config
 from train.drafter.dflash2 import BlockConv, causal_block_conv
+from train.drafter.fp8 import float8_modules
 from train.drafter.model import DFlashAttention, RMSNorm, SwiGLU, apply_rope, rms_norm, swiglu
 
 log = logging.getLogger(__name__)
@@ -57,6 +61,10 @@ def compile_pointwise_(model: nn.Module, backend: str = "inductor") -> None:
             module.rope_fn = fns["rope"]
         elif isinstance(module, BlockConv):  # DFlash 2's block convolutions
             module.conv_fn = fns["conv"]
+    for linear in float8_modules(model):  # --fp8: the casts around each FP8 GEMM fuse (train/drafter/fp8.py)
+        linear.forward = _with_raised_limit(
+            torch.compile(linear.forward, dynamic=False, fullgraph=True, backend=backend, options=options)
+        )
     log.info("pointwise: RMSNorm, SwiGLU, RoPE (and DFlash 2's block convolution) compiled (%s, fixed shapes)", backend)
 
 

@@ -32,6 +32,7 @@ from train.blocks import TrainingBlocks
 from train.drafter.model import lm_head_weight
 from train.loss.config import LossConfig
 from train.loss.fused import ChunkTargets, compiled_loss_and_logit_grad, loss_and_logit_grad
+from train.loss.head_gemms import HeadGemms
 from train.loss.selector import CandidateSet
 
 
@@ -50,14 +51,15 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _chunk_sums(
-    hidden_CBH: torch.Tensor, lm_head_VH: torch.Tensor, targets: ChunkTargets, with_cap: bool, transform=None
+    hidden_CBH: torch.Tensor, gemms: HeadGemms, targets: ChunkTargets, with_cap: bool, transform=None
 ) -> tuple[torch.Tensor, ...]:
     """Unnormalised (ce_sum, kl_sum, cap_sum) of a chunk of blocks; differentiable in hidden.
-    transform: applied to the float logits first (DFlash 2's scale and soft cap); None = none."""
+    gemms: the lm_head's GEMMs (head_gemms.py); transform: applied to the float logits first (DFlash 2's
+    scale and soft cap); None = none."""
     labels_CB, label_valid_CB, weights_CB, kl_ids_CBK, kl_logp_CBK = targets
     C, B, H = hidden_CBH.shape
     fdt = _float_dtype(hidden_CBH.dtype)
-    logits_XV = (hidden_CBH.reshape(C * B, H) @ lm_head_VH.T).to(fdt)
+    logits_XV = gemms.logits(hidden_CBH.reshape(C * B, H)).to(fdt)
     if transform is not None:
         logits_XV = transform(logits_XV)
     logp_XV = torch.log_softmax(logits_XV, dim=-1)
@@ -110,7 +112,7 @@ def _combine(sums, ce_norm, cap_norm, cfg: LossConfig):
 
 class _ChunkedBlockLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_NBH, lm_head_VH, blocks, cfg, ids_TK, logp_TK, candidates, transform):
+    def forward(ctx, hidden_NBH, gemms, blocks, cfg, ids_TK, logp_TK, candidates, transform):
         needs_grad = ctx.needs_input_grad[0]
         fdt = _float_dtype(hidden_NBH.dtype)
         ce_norm, cap_norm = norms = _normalisers(blocks, fdt)
@@ -120,15 +122,15 @@ class _ChunkedBlockLoss(torch.autograd.Function):
             sl = slice(start, start + cfg.chunk_blocks)
             targets = _chunk_targets(blocks, cfg, ids_TK, logp_TK, sl)
             if needs_grad and cfg.fused and transform is None:  # fused_loss's derivative knows no transform
-                terms, grad_NBH[sl] = _fused_chunk(hidden_NBH[sl], lm_head_VH, targets, cfg, norms, candidates, sl)
+                terms, grad_NBH[sl] = _fused_chunk(hidden_NBH[sl], gemms, targets, cfg, norms, candidates, sl)
                 parts += torch.stack(terms)
                 continue
             if candidates is not None:
                 C, B, H = hidden_NBH[sl].shape
-                candidates.take(sl, hidden_NBH[sl].detach().reshape(C * B, H) @ lm_head_VH.T, targets.labels_CB)
+                candidates.take(sl, gemms.logits(hidden_NBH[sl].detach().reshape(C * B, H)), targets.labels_CB)
             h_CBH = hidden_NBH[sl].detach().requires_grad_(needs_grad)
             with torch.enable_grad():
-                sums = _chunk_sums(h_CBH, lm_head_VH, targets, cfg.cap_lambda > 0, transform)
+                sums = _chunk_sums(h_CBH, gemms, targets, cfg.cap_lambda > 0, transform)
                 terms = _combine(sums, ce_norm, cap_norm, cfg)
             if needs_grad:
                 grad_NBH[sl] = torch.autograd.grad(terms[0], h_CBH)[0]
@@ -143,16 +145,16 @@ class _ChunkedBlockLoss(torch.autograd.Function):
         return (grad_NBH * grad_total.to(grad_NBH.dtype), None, None, None, None, None, None, None)
 
 
-def _fused_chunk(h_CBH, lm_head_VH, targets: ChunkTargets, cfg: LossConfig, norms, candidates=None, sl=None):
+def _fused_chunk(h_CBH, gemms: HeadGemms, targets: ChunkTargets, cfg: LossConfig, norms, candidates=None, sl=None):
     """(the chunk's (total, ce, kl, cap) terms, d total / d h_CBH) by fused_loss's derivative; records the
     chunk's top-K in `candidates` (DFlash 2's selector) from the same logits."""
     C, B, H = h_CBH.shape
-    logits_XV = h_CBH.detach().reshape(C * B, H) @ lm_head_VH.T
+    logits_XV = gemms.logits(h_CBH.detach().reshape(C * B, H))
     if candidates is not None:
         candidates.take(sl, logits_XV, targets.labels_CB)
     chunk_fn = compiled_loss_and_logit_grad() if logits_XV.is_cuda else loss_and_logit_grad
     *sums, grad_XV = chunk_fn(logits_XV, targets, *norms, kl_lambda=cfg.kl_lambda, cap_lambda=cfg.cap_lambda)
-    return _combine(sums, *norms, cfg), (grad_XV @ lm_head_VH).view(C, B, H)
+    return _combine(sums, *norms, cfg), gemms.input_grad(grad_XV).view(C, B, H)
 
 
 def _frozen_lm_head(head) -> torch.Tensor:
@@ -173,8 +175,11 @@ def block_loss(
     target_topk_logprobs_TK: torch.Tensor | None = None,
     candidates: CandidateSet | None = None,
     transform=None,
+    gemms: HeadGemms | None = None,
 ) -> LossParts:
     """Chunked loss of the drafter's normed block states [NB, B, H]; lm_head is a TargetHead or [V, H].
+    gemms: how the lm_head's two GEMMs run (head_gemms.py: Fp8HeadGemms for --fp8 linears+head); None =
+    plain matmuls over lm_head.
     candidates: DFlash 2's selector candidate set, filled from the chunks' raw logits (train/loss/selector.py).
     transform: DFlash 2's logit transform (DFlashDrafter.logit_transform), applied before the softmax;
     it runs the autograd path (the fused derivative has no transform)."""
@@ -182,7 +187,7 @@ def block_loss(
         hidden_NBH = hidden_NBH.detach()  # evaluation: skip the in-forward gradient work
     total, parts = _ChunkedBlockLoss.apply(
         hidden_NBH,
-        _frozen_lm_head(lm_head),
+        gemms or HeadGemms(_frozen_lm_head(lm_head)),
         blocks,
         cfg,
         target_topk_ids_TK,
@@ -205,6 +210,6 @@ def block_loss_unchunked(
     fdt = _float_dtype(hidden_NBH.dtype)
     ce_norm, cap_norm = _normalisers(blocks, fdt)
     targets = _chunk_targets(blocks, cfg, target_topk_ids_TK, target_topk_logprobs_TK, slice(0, blocks.num_blocks))
-    sums = _chunk_sums(hidden_NBH, _frozen_lm_head(lm_head), targets, cfg.cap_lambda > 0)
+    sums = _chunk_sums(hidden_NBH, HeadGemms(_frozen_lm_head(lm_head)), targets, cfg.cap_lambda > 0)
     total, ce, kl, cap = _combine(sums, ce_norm, cap_norm, cfg)
     return LossParts(total, ce.detach(), kl.detach(), cap.detach())

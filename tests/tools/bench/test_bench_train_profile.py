@@ -152,3 +152,19 @@ def test_one_run_benches_dflash1_and_dflash2_side_by_side(tmp_path):
     assert two["params"] == count_parameters(cfg2)
     fc_and_norms = cfg2.num_taps * cfg2.hidden_size**2 + 2 * cfg2.hidden_size
     assert two["flops_per_step"]["layers"] == 6 * (two["params"] - fc_and_norms - codebooks) * two["query_tokens"]
+
+
+def test_one_run_compares_bf16_fp8_linears_and_fp8_head(tmp_path):
+    """--compare-fp8: bf16, --fp8 linears and --fp8 linears+head of one size in one run (CPU: emulated),
+    named apart in the table; the same FLOPs, and FP8's rounding moves the loss."""
+    out = tmp_path / "bench.json"
+    args = ["--device", "cpu", "--sizes", "tiny", "--modes", "eager", "--steps", "1", "--compare-fp8"]
+    result = CliRunner().invoke(main, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    results = json.loads(out.read_text())["results"]
+    assert [r["step_options"]["fp8"] for r in results] == ["off", "linears", "linears+head"]
+    assert [r["flops_per_step"] for r in results[1:]] == [results[0]["flops_per_step"]] * 2
+    losses = [r["mean_loss"] for r in results]
+    assert len(set(losses)) == 3 and max(losses) - min(losses) < 1e-2 * abs(losses[0]), losses
+    rows = [line.split() for line in result.output.splitlines() if line.startswith("tiny ")]
+    assert [row[2] for row in rows] == ["copies+loss", "copies+loss+fp8", "copies+loss+fp8+head"]
