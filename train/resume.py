@@ -9,6 +9,10 @@ Compared, in this order (a refusal lists every difference, in this order):
   world size the data cursor is per rank
   cache      the target's config hash, then the cache identity (target head checksum, dataset
              fingerprint, shard count, cache id; checked only when the checkpoint recorded it)
+
+A setting or drafter field added after a checkpoint was written is absent from its record: that run
+trained as the field's default does (every new option defaults to the behaviour before it), so an absent
+key counts as its default. Run now with another value, it differs and is named.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from shards.common.identity import differences
 from train.checkpoint.store import STATE_FILE, Checkpoint, CheckpointError
 from train.checkpoint.train_state import TrainState, train_state
 from train.config import TrainConfig
+from train.drafter.config import DrafterConfig
 from train.resolve import ResolvedRun, resolved_identity
 
 
@@ -37,6 +42,23 @@ def cache_identity(run: ResolvedRun) -> dict[str, Any]:
     }
 
 
+def _field_defaults(cls: type) -> dict[str, Any]:
+    """{key: default as train_state.json holds it} of every option of config class `cls` that has one."""
+    defaults = {}
+    for o in option_fields(cls):
+        if o.field.default is not dataclasses.MISSING:
+            defaults[o.name] = o.field.default
+        elif o.field.default_factory is not dataclasses.MISSING:
+            defaults[o.name] = o.field.default_factory()
+    return json.loads(json.dumps(defaults))
+
+
+def _absent_as_default(recorded: dict, now: dict, cls: type) -> dict:
+    """`recorded` with each key it lacks and `now` has set to that field's default (module docstring)."""
+    defaults = _field_defaults(cls)
+    return {**{k: defaults[k] for k in now.keys() - recorded.keys() if k in defaults}, **recorded}
+
+
 def check_resume(ckpt: Checkpoint, cfg: TrainConfig, run: ResolvedRun, world_size: int) -> None:
     """Refuse (ValueError naming each flag) to resume `ckpt` under other resolved settings or another cache;
     first, a train_state.json with a field of another type, an unknown or a missing one (naming it)."""
@@ -47,7 +69,7 @@ def check_resume(ckpt: Checkpoint, cfg: TrainConfig, run: ResolvedRun, world_siz
         recorded, now = state.get("config_identity", {}), cfg.identity()
     elif _same_directory(recorded.get("init_from"), cfg.drafter.init_from):  # before --init-from was hashed
         now["init_from"] = recorded["init_from"]
-    settings = differences(recorded, now)
+    settings = differences(_absent_as_default(recorded, now, TrainConfig), now)
     diffs = [d.describe("checkpoint", "now", _setting, shown) for d in settings]
     recorded_drafter = state.get("drafter")
     if isinstance(recorded_drafter, dict):
@@ -55,7 +77,7 @@ def check_resume(ckpt: Checkpoint, cfg: TrainConfig, run: ResolvedRun, world_siz
         differ = {d.key for d in settings}  # named once, as a setting
         diffs += [
             d.describe("checkpoint", "now", _drafter_field, shown)
-            for d in differences(recorded_drafter, drafter_now)
+            for d in differences(_absent_as_default(recorded_drafter, drafter_now, DrafterConfig), drafter_now)
             if d.key not in differ
         ]
     diffs += [

@@ -3,6 +3,7 @@ run stopped cleanly at a checkpoint or was SIGKILLed mid-run."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -10,10 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from tests.helpers.process import child_env, sigkill_when
 from tests.helpers.train import read_records, tiny_cache, tiny_cli_args, tiny_config
 from train.checkpoint.store import latest_checkpoint, list_checkpoints
+from train.cli import main as train_cli
 from train.loop import run_training
 
 
@@ -79,3 +82,26 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted_run(tmp_path):
     after = losses(killed)
     assert sorted(after) == list(range(1, total + 1))
     assert_same_losses(after, reference, range(1, total + 1))
+
+
+def test_a_checkpoint_from_before_a_setting_existed_resumes_as_its_default(tmp_path):
+    """A setting (or drafter field) added after the checkpoint was written is absent from its record: it
+    trained as the default does, so the resume goes on; run now with another value, it is refused."""
+    cache, run = tiny_cache(tmp_path / "cache", num_batches=3), tmp_path / "run"
+    args = tiny_cli_args(cache, run, "--max-steps", "2", "--checkpoint-every", "1")
+    assert CliRunner().invoke(train_cli, args).exit_code == 0
+    state_path = run / "step-00000001" / "train_state.json"
+    state = json.loads(state_path.read_text())
+    for key in ("fp8", "fp8_recipe", "selector_gold"):
+        del state["resolved_identity"][key]
+    del state["drafter"]["input_embedding_scale"], state["state_checksum"]
+    state_path.write_text(json.dumps(state))
+
+    shutil.rmtree(run / "step-00000002")
+    result = CliRunner().invoke(train_cli, [*args, "--resume"])
+    assert result.exit_code == 0, result.output
+    assert (run / "step-00000002").is_dir()
+
+    shutil.rmtree(run / "step-00000002")
+    result = CliRunner().invoke(train_cli, [*args, "--resume", "--selector-gold", "swap"])
+    assert result.exit_code == 1 and "--selector-gold" in result.output, result.output
