@@ -7,6 +7,8 @@ Compared, in this order (a refusal lists every difference, in this order):
              raw cfg.identity() with its "config_identity"
   drafter    the resolved DrafterConfig with the checkpoint's, field by field (what the settings left out)
   world size the data cursor is per rank
+  shards     the batch ids it trained on (the data cursor indexes them): another held-out split or
+             another set of shards found
   cache      the target's config hash, then the cache identity (target head checksum, dataset
              fingerprint, shard count, cache id; checked only when the checkpoint recorded it)
 
@@ -89,6 +91,13 @@ def check_resume(ckpt: Checkpoint, cfg: TrainConfig, run: ResolvedRun, world_siz
         d.describe("checkpoint", "now", lambda key: f"cache target {key}")
         for d in differences({"config_hash": state.get("target_config_hash")}, {"config_hash": target_hash})
     ]
+    recorded_ids = state.get("train_ids")
+    if isinstance(recorded_ids, list) and recorded_ids != run.train_ids:  # the cursor indexes this list
+        diffs.append(
+            f"--eval-shards: checkpoint trained on {len(recorded_ids)} shards, now {len(run.train_ids)} "
+            f"(first difference at shard id {_first_difference(recorded_ids, run.train_ids)}; the held-out "
+            "split or the shards found differ)"
+        )
     recorded_cache, cache_now = state.get("cache_identity"), cache_identity(run)
     if isinstance(recorded_cache, dict):  # checkpoints written before it was recorded are checked without it
         diffs += [
@@ -100,6 +109,10 @@ def check_resume(ckpt: Checkpoint, cfg: TrainConfig, run: ResolvedRun, world_siz
             f"cannot resume from {ckpt.path}: settings differ ({'; '.join(diffs)}); "
             "use the original settings or a new --out directory"
         )
+
+
+def _first_difference(a: list[int], b: list[int]):
+    return next((x for x, y in zip(a, b) if x != y), (a if len(a) > len(b) else b)[min(len(a), len(b))])
 
 
 def _check_position(state: TrainState, ckpt: Checkpoint, cfg: TrainConfig, run: ResolvedRun, world_size: int) -> None:

@@ -105,3 +105,21 @@ def test_a_checkpoint_from_before_a_setting_existed_resumes_as_its_default(tmp_p
     shutil.rmtree(run / "step-00000002")
     result = CliRunner().invoke(train_cli, [*args, "--resume", "--selector-gold", "swap"])
     assert result.exit_code == 1 and "--selector-gold" in result.output, result.output
+
+
+def test_a_checkpoint_trained_on_other_shards_is_refused(tmp_path):
+    """The data cursor indexes the run's training shards. A checkpoint whose split differs under the same
+    flags (a run from before the split moved to a long sample's boundary) must not resume over other shards."""
+    cache, run = tiny_cache(tmp_path / "cache", num_batches=4), tmp_path / "run"
+    args = tiny_cli_args(cache, run, "--max-steps", "2", "--checkpoint-every", "1", "--eval-shards", "1")
+    assert CliRunner().invoke(train_cli, args).exit_code == 0
+    shutil.rmtree(run / "step-00000002")
+    state_path = run / "step-00000001" / "train_state.json"
+    state = json.loads(state_path.read_text())
+    assert state["train_ids"] == [0, 1, 2]
+    state["train_ids"] = [0, 1]  # as if the split had held out the last two shards
+    del state["state_checksum"]
+    state_path.write_text(json.dumps(state))
+    result = CliRunner().invoke(train_cli, [*args, "--resume"])
+    assert result.exit_code == 1, result.output
+    assert "--eval-shards: checkpoint trained on 2 shards, now 3 (first difference at shard id 2" in result.output
