@@ -92,7 +92,7 @@ class TrainConfig:
     the same fp32 master weights and optimizer; linears+head = also the frozen LM head's logits GEMM and
     its input-gradient GEMM in the loss (e4m3 head, per-tensor scales). Needs a CUDA GPU of compute
     capability 8.9+ (H100/H200, Ada) and torchao: pip install 'dflash-pipeline[fp8]'."""
-    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    fp8_recipe: Literal["tensorwise", "rowwise"] = FP8_RECIPES[0]
     """With --fp8: the linears' scaling (torchao's recipes): tensorwise = one scale per tensor (cuBLAS, the
     fastest); rowwise = one per row, e4m3 gradients too, power-of-two scales (CUTLASS, more accurate)."""
     compile_pointwise: bool | None = cli_field(None, identity=False)
@@ -143,6 +143,10 @@ class TrainConfig:
             raise config_error(self, "fp8", f"must be one of {', '.join(FP8_MODES)}")
         if self.fp8_recipe not in FP8_RECIPES:
             raise config_error(self, "fp8_recipe", f"must be one of {', '.join(FP8_RECIPES)}")
+        if self.fp8 == "off" and self.fp8_recipe != FP8_RECIPES[0]:  # part of the run's identity: no silent no-op
+            raise config_error(
+                self, "fp8_recipe", "applies only with --fp8 linears or linears+head; drop it or add --fp8"
+            )
         if self.compute_dtype not in ("bfloat16", "float32"):
             raise config_error(self, "compute_dtype", "must be bfloat16 or float32")
         if not Path(self.cache).is_dir():

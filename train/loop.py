@@ -63,6 +63,7 @@ from train.distributed import init_distributed
 from train.drafter.attention import choose_backend
 from train.drafter.fp8 import require_fp8
 from train.eval.evaluate import EvalResult, eval_copy, evaluate_drafter
+from train.loss.head_gemms import require_fp8_head
 from train.metrics.flops import drafter_step_flops, peak_flops
 from train.metrics.logger import MetricsLogger
 from train.optim import load_optimizer_state_
@@ -94,6 +95,8 @@ def _train(cfg: TrainConfig) -> TrainSummary:
     device = resolve_device(cfg.device, 0)
     if cfg.fp8 != "off":  # no torchao, a CPU, a GPU before FP8 tensor cores: refused before the run directory
         require_fp8(device, emulate=False)
+        if cfg.fp8 == "linears+head":
+            require_fp8_head(run.cache_config.target.vocab_size, run.cache_config.target.hidden_size)
     if device.type == "cuda" or cfg.compile_pointwise:  # where the step compiles
         use_compile_cache(cfg.compile)
     if cfg.attention == "flex" and device.type != "cuda":

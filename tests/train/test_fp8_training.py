@@ -213,3 +213,20 @@ def test_dflash_train_help_teaches_fp8():
     text = " ".join(CliRunner().invoke(main, ["train", "--help"]).output.split())
     for phrase in ("--fp8 [off|linears|linears+head]", "8.9+", "off until the acceptance testbed", "--fp8-recipe"):
         assert phrase in text, phrase
+
+
+def test_fp8_recipe_without_fp8_is_refused_before_the_run_directory(tmp_path):
+    # The recipe is part of the run's identity: accepted with --fp8 off, it would do nothing yet make a
+    # later resume without it refused.
+    cache = tiny_cache(tmp_path / "cache", num_batches=2)
+    res = CliRunner().invoke(main, tiny_cli_args(cache, tmp_path / "run", "--fp8-recipe", "rowwise"))
+    assert res.exit_code != 0 and "--fp8-recipe" in res.output and "--fp8 linears" in res.output, res.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_fp8_head_refused_for_sizes_no_fp8_gemm_takes():
+    from train.loss.head_gemms import require_fp8_head
+
+    require_fp8_head(248320, 5120)
+    with pytest.raises(UserError, match=r"LM head is 250 x 64; .*use --fp8 linears"):
+        require_fp8_head(250, 64)

@@ -75,6 +75,7 @@ from tools.bench.train_workload import (
 )
 from train.blocks import default_num_blocks, sample_blocks
 from train.config import TrainConfig
+from train.drafter.fp8 import FP8_MODES, FP8_RECIPES
 from train.drafter.model import count_parameters
 from train.metrics.flops import peak_flops
 from train.metrics.sums import COUNT
@@ -96,8 +97,6 @@ STEP_FIELDS = (
     "fp8",
     "fp8_recipe",
 )
-# --compare-fp8: every configuration with these --fp8 values, one after the other.
-FP8_COMPARED = ("off", "linears", "linears+head")
 # The elementwise cuts (train/precision.py, fused_loss.py, pointwise.py) and how the table names them.
 CUTS = {"weight_copies": "copies", "fused_loss": "loss", "compile_pointwise": "compile"}
 
@@ -288,10 +287,14 @@ def bench_size(size: Size, modes: list[str], options: RunOptions, device: torch.
 
 def _step_variants(step_options: dict, compare_plain: bool, compare_fp8: bool) -> list[dict]:
     """The step options of each configuration to run: as given; --compare-plain adds the step without the
-    elementwise cuts before it; --compare-fp8 runs each of those with every FP8_COMPARED value."""
+    elementwise cuts before it; --compare-fp8 runs each of those with every FP8_MODES value."""
     variants = [{**step_options, **{name: False for name in CUTS}}, step_options] if compare_plain else [step_options]
     if compare_fp8:
-        variants = [{**v, "fp8": fp8} for v in variants for fp8 in FP8_COMPARED]
+        variants = [
+            {**v, "fp8": fp8} if fp8 != "off" else {**v, "fp8": fp8, "fp8_recipe": FP8_RECIPES[0]}
+            for v in variants
+            for fp8 in FP8_MODES
+        ]
     return variants
 
 

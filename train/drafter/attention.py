@@ -138,19 +138,24 @@ def flex_dynamo_config() -> dict:
     return options
 
 
+def with_raised_recompile_limit(compiled):
+    """`compiled` called under flex_dynamo_config: every compiled function of the step (flex, the pointwise
+    regions, the FP8 head's casts) shares its code object's cache across models and shapes in a process."""
+    options = flex_dynamo_config()
+
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(**options):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
 def _get_compiled_flex():
     global _compiled_flex
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        compiled = torch.compile(flex_attention, dynamic=False)
-        options = flex_dynamo_config()
-
-        def flex_with_limit(*args, **kwargs):
-            with torch._dynamo.config.patch(**options):
-                return compiled(*args, **kwargs)
-
-        _compiled_flex = flex_with_limit
+        _compiled_flex = with_raised_recompile_limit(torch.compile(flex_attention, dynamic=False))
         log.info("attention: flex_attention compiled once (fixed shapes), block mask built analytically")
     return _compiled_flex
 

@@ -40,7 +40,7 @@ from train.drafter.linear import Linear
 log = logging.getLogger(__name__)
 
 FP8_MODES = ("off", "linears", "linears+head")  # TrainConfig.fp8
-FP8_RECIPES = ("tensorwise", "rowwise")  # TrainConfig.fp8_recipe: torchao's recipe names
+FP8_RECIPES = ("tensorwise", "rowwise")  # TrainConfig.fp8_recipe: torchao's recipe names, the default first
 MIN_CAPABILITY = (8, 9)  # the first compute capability with FP8 tensor cores (Ada); Hopper is 9.0
 BF16_LINEARS = ("kernel_projection", "hidden_projection")  # DFlash 2's, see the module docstring
 INSTALL_HINT = "pip install 'dflash-pipeline[fp8]'"
@@ -87,7 +87,13 @@ def float8_linears_(model: nn.Module, recipe: str, *, emulate: bool = False) -> 
         raise ValueError(f"fp8 recipe must be one of {FP8_RECIPES}, got {recipe!r}")
     float8 = _torchao_float8()
     chosen = [name for name, module in model.named_modules() if _goes_fp8(module, name)]
-    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    config = dataclasses.replace(
+        # pad_inner_dim: _scaled_mm needs inner dimensions that are multiples of 16, and the weight
+        # gradient's inner dimension is the row count (the cache's token budget, the blocks' tokens).
+        float8.Float8LinearConfig.from_recipe_name(recipe),
+        emulate=emulate,
+        pad_inner_dim=True,
+    )
     float8.convert_to_float8_training(model, config=config, module_filter_fn=_goes_fp8)
     kept = [name for name, module in model.named_modules() if isinstance(module, Linear)]
     log.info(

@@ -22,7 +22,7 @@ import logging
 import torch
 import torch.nn as nn
 
-from train.drafter.attention import flex_dynamo_config
+from train.drafter.attention import with_raised_recompile_limit
 from train.drafter.dflash2 import BlockConv, causal_block_conv
 from train.drafter.fp8 import float8_modules
 from train.drafter.model import DFlashAttention, RMSNorm, SwiGLU, apply_rope, rms_norm, swiglu
@@ -49,7 +49,9 @@ def compile_pointwise_(model: nn.Module, backend: str = "inductor") -> None:
         # Older torch has no such option (and rounds intermediates its own way): compile without it.
         options = {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else None
     fns = {
-        name: _with_raised_limit(torch.compile(fn, dynamic=False, fullgraph=True, backend=backend, options=options))
+        name: with_raised_recompile_limit(
+            torch.compile(fn, dynamic=False, fullgraph=True, backend=backend, options=options)
+        )
         for name, fn in (("norm", rms_norm), ("act", swiglu), ("rope", apply_rope), ("conv", causal_block_conv))
     }
     for module in model.modules():
@@ -62,17 +64,7 @@ def compile_pointwise_(model: nn.Module, backend: str = "inductor") -> None:
         elif isinstance(module, BlockConv):  # DFlash 2's block convolutions
             module.conv_fn = fns["conv"]
     for linear in float8_modules(model):  # --fp8: the casts around each FP8 GEMM fuse (train/drafter/fp8.py)
-        linear.forward = _with_raised_limit(
+        linear.forward = with_raised_recompile_limit(
             torch.compile(linear.forward, dynamic=False, fullgraph=True, backend=backend, options=options)
         )
     log.info("pointwise: RMSNorm, SwiGLU, RoPE (and DFlash 2's block convolution) compiled (%s, fixed shapes)", backend)
-
-
-def _with_raised_limit(compiled):
-    options = flex_dynamo_config()
-
-    def call(*args, **kwargs):
-        with torch._dynamo.config.patch(**options):
-            return compiled(*args, **kwargs)
-
-    return call

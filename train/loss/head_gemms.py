@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from shards.common.errors import UserError
+from train.drafter.attention import with_raised_recompile_limit
 
 FORWARD_DTYPE = torch.float8_e4m3fn  # h and W
 GRAD_DTYPE = torch.float8_e5m2  # the logits' gradient
@@ -63,8 +64,18 @@ def _cast(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tens
     if not x.is_cuda:
         return to_fp8(x, dtype)
     if _compiled_to_fp8 is None:
-        _compiled_to_fp8 = torch.compile(to_fp8, dynamic=False, fullgraph=True)
+        # Under the step's raised limit: each chunk shape, dtype and stride is one more cache entry.
+        _compiled_to_fp8 = with_raised_recompile_limit(torch.compile(to_fp8, dynamic=False, fullgraph=True))
     return _compiled_to_fp8(x, dtype)
+
+
+def require_fp8_head(vocab_size: int, hidden_size: int) -> None:
+    """Refuse --fp8 linears+head for a head whose sizes no FP8 GEMM takes (multiples of 16)."""
+    if vocab_size % 16 or hidden_size % 16:
+        raise UserError(
+            f"--fp8 linears+head: the LM head is {vocab_size} x {hidden_size}; FP8 GEMMs need both multiples of "
+            "16: use --fp8 linears"
+        )
 
 
 class Fp8HeadGemms(HeadGemms):
@@ -72,11 +83,8 @@ class Fp8HeadGemms(HeadGemms):
 
     def __init__(self, lm_head_VH: torch.Tensor):
         super().__init__(lm_head_VH)
-        V, H = lm_head_VH.shape
-        if lm_head_VH.is_cuda and (V % 16 or H % 16):
-            raise UserError(
-                f"--fp8 linears+head: the LM head is {V} x {H}; FP8 GEMMs need both multiples of 16: use --fp8 linears"
-            )
+        if lm_head_VH.is_cuda:
+            require_fp8_head(*lm_head_VH.shape)
         self.w_VH, self.w_scale = to_fp8(lm_head_VH, FORWARD_DTYPE)
         self.w_HV = self.w_VH.t().contiguous()  # the same values, row-major transposed: dh's operand
 
