@@ -21,7 +21,7 @@ from extract.config import ExtractConfig
 from extract.dataset.files import data_would_read, is_glob
 from extract.dataset.index import dataset_fingerprint
 from extract.dataset.packing import PACKING_ALGORITHM, PackedBatch, PackingPlan
-from extract.projection_source import source_record
+from extract.projection_source import check_source_weights, source_record
 from extract.target.config import TargetConfig, max_position_embeddings, special_token_ids
 from extract.target.fp8.quantization import checkpoint_quantization
 from extract.target.weights import load_target_head
@@ -211,13 +211,15 @@ def prepare_cache(cfg: ExtractConfig, cache_cfg: CacheConfig, lock: DirectoryLoc
     """Rank 0: take the cache's lock, then create the cache, check it for resume, or (--overwrite)
     delete our files in it and create it again. Nothing that is not ours is ever deleted."""
     out = Path(cfg.out_dir)
-    refuse_foreign_out(out)  # again under the lock's creation: a foreign directory stays untouched
-    Dir.open(out, create=True).close()
-    lock.acquire()
     raw = load_target_head(cfg.target)
     head = {"embed_tokens": raw["embed_tokens"], "lm_head": raw["lm_head"], "final_norm": raw["norm"]}
     # Part of the cache's identity: the same architecture with other weights must not resume into it.
     cache_cfg.target_head_checksum = checksum({k: v.contiguous() for k, v in head.items()})
+    if cfg.pca_from is not None:  # other weights of the same architecture: refused before --out is made
+        check_source_weights(cfg, cache_cfg.target_head_checksum)
+    refuse_foreign_out(out)  # again under the lock's creation: a foreign directory stays untouched
+    Dir.open(out, create=True).close()
+    lock.acquire()
     if _has_cache_config(out) and not cfg.overwrite:  # a resume: no file is deleted
         _check_resumable(out, cache_cfg)
         recorded = read_cache_config(out)

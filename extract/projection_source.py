@@ -47,7 +47,8 @@ def source_record(cfg: ExtractConfig, target: TargetInfo, taps: list[int]) -> Pr
         raise ProjectionSourceError(f"--pca-from {cfg.pca_from}: not a projected cache with its projection estimated")
     for option, field in ESTIMATE_SETTINGS.items():
         given, theirs = getattr(cfg, option), getattr(projection, field)
-        if given not in (None, 0) and given != theirs:  # --pca-rank 0: not given (it means no projection)
+        unset = given is None or (option == "pca_rank" and given == 0)  # --pca-rank 0 means no projection
+        if not unset and given != theirs:
             flag = flag_name(ExtractConfig, option)
             raise ProjectionSourceError(
                 f"{flag} {shown(given)}: --pca-from {cfg.pca_from} has {field.replace('_', ' ')} {shown(theirs)}; "
@@ -66,16 +67,23 @@ def source_record(cfg: ExtractConfig, target: TargetInfo, taps: list[int]) -> Pr
     return dataclasses.replace(projection, group_size=cfg.pca_group_size, checksum=None, variance_kept=None)
 
 
+def check_source_weights(cfg: ExtractConfig, head_checksum: str) -> CacheConfig:
+    """--pca-from's cache.json, once its target's weights are this run's (the head checksum both caches
+    record; the config hash only names the architecture). Checked before this cache is created, and
+    again when the projection is copied."""
+    source = _read_source(cfg.pca_from)
+    if source.target_head_checksum != head_checksum:
+        raise ProjectionSourceError(
+            f"--pca-from {cfg.pca_from}: its target's weights differ (head checksum {source.target_head_checksum}, "
+            f"--target {cfg.target}'s is {head_checksum}); a projection fits only the target it was estimated on"
+        )
+    return source
+
+
 def copy_source_projection(cfg: ExtractConfig, cache_cfg: CacheConfig) -> tuple[torch.Tensor, torch.Tensor, float]:
     """P, D and the variance kept of --pca-from's cache (source_record checked its settings and target
     architecture), once its target's weights are this run's (the head checksum both caches recorded)."""
-    source = _read_source(cfg.pca_from)
-    if source.target_head_checksum != cache_cfg.target_head_checksum:
-        raise ProjectionSourceError(
-            f"--pca-from {cfg.pca_from}: its target's weights differ (head checksum {source.target_head_checksum}, "
-            f"--target {cfg.target}'s is {cache_cfg.target_head_checksum}); a projection fits only the target it "
-            "was estimated on"
-        )
+    source = check_source_weights(cfg, cache_cfg.target_head_checksum)
     projection_RF, scale_F = load_projection(cfg.pca_from, source)
     return projection_RF, scale_F, source.projection.variance_kept
 

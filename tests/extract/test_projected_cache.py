@@ -252,6 +252,11 @@ def test_pca_from_refuses_settings_given_that_differ_from_the_sources(target, da
     assert read_cache_config(tmp_path / "heldout").projection == read_cache_config(train).projection
     again = _extract_from(target, data, tmp_path / "heldout", train)  # a resume, the settings left to the source
     assert again.exit_code == 0 and "nothing to extract" in again.output, again.output
+    # --pca-seed 0 given is a seed like any other (only --pca-rank 0 means "not given").
+    seeded = tmp_path / "seeded"
+    run_extract(projected(target, data, seeded, pca_sample_tokens=300, pca_seed=7))
+    result = _extract_from(target, data, tmp_path / "zero", seeded, "--pca-seed", "0")
+    assert result.exit_code == 1 and f"--pca-seed 0: --pca-from {seeded} has seed 7" in result.output, result.output
 
 
 def test_pca_from_refuses_another_targets_projection(target, data, tmp_path):

@@ -63,7 +63,8 @@ class EvalConfig:
     """The last N shards of the cache, as dflash-train train --eval-shards splits them (a long sample's
     pieces all on one side). No default: exactly one of --shards, --eval-shards, --holdout-frac."""
     holdout_frac: float | None = None
-    """The last ceil(F x shards) shards of the cache, 0 < F <= 1 (a long sample's pieces all on one side).
+    """About the last ceil(F x shards) shards of the cache, 0 < F <= 1: a split that would cut a long sample's
+    pieces moves to that sample's nearer end (warned), so no sample is on both sides.
     No default: exactly one of --shards, --eval-shards, --holdout-frac."""
     num_blocks: int | None = None
     """Random-anchor blocks per shard (held-out loss, diagnostics); None = one per 24 context tokens."""
