@@ -255,8 +255,11 @@ def kernel_profile(
     }
 
 
-def long_sample_run(model, target, taps, base: ExtractConfig, length: int, write: bool, root: Path, device) -> dict:
-    """One sample of `length` tokens extracted whole and stored as pieces, twice; the second run's figures."""
+def long_sample_run(
+    model, target, taps, base: ExtractConfig, length: int, write: bool, root: Path, device, projection=None
+) -> dict:
+    """One sample of `length` tokens extracted whole and stored as pieces, twice; the second run's figures.
+    projection: (P, D) when `base` stores a projected cache (the last configuration was a *_pca one)."""
     data = root / DATA / f"long-{length}.parquet"
     write_mix(data, np.array([length]), target.vocab_size, seed=length)
     cfg = dataclasses.replace(base, data=str(data), max_seq_len=length)
@@ -267,6 +270,9 @@ def long_sample_run(model, target, taps, base: ExtractConfig, length: int, write
         remove_folder(root, CACHE)
         cache_cfg = build_cache_config(cfg, target, taps, plan, index)
         create_cache(cfg.out_dir, cache_cfg, _zero_head(target))
+        if projection is not None:
+            cache_cfg.projection.checksum = write_projection(cfg.out_dir, *projection)
+            write_cache_config(cfg.out_dir, cache_cfg)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         sink = _sink(cfg, cache_cfg, device, write, True)
@@ -500,9 +506,10 @@ def main(
     if long_lengths:
         model.set_forward_options(ForwardOptions())
         base = dataclasses.replace(cfg, piece_context=min(2048, token_budget // 4), piece_label_reach=15)
-        write = CONFIGS[names[-1]][2]
+        write, pca = CONFIGS[names[-1]][2], CONFIGS[names[-1]][1] == "pca"
         result["long_samples"] = {
-            str(n): long_sample_run(model, target, taps, base, n, write, root, device) for n in long_lengths
+            str(n): long_sample_run(model, target, taps, base, n, write, root, device, projection if pca else None)
+            for n in long_lengths
         }
         _save(out_path, result)
     remove_folder(root, CACHE)

@@ -2,6 +2,7 @@
 directory it made; one of the user's, a real dflash-extract cache included, is refused before any work and
 left as it was."""
 
+import json
 import os
 
 import pytest
@@ -49,3 +50,15 @@ def test_the_benchmark_runs_again_in_the_directory_it_made(tmp_path):
         result = bench(tmp_path, scratch)
         assert result.exit_code == 0, result.output
         assert sorted(p.name for p in scratch.iterdir()) == [MARKER, "data"], "each cache is deleted after use"
+
+
+@pytest.mark.slow
+def test_long_samples_after_a_projected_configuration_store_the_projection(tmp_path):
+    """--long-samples takes the last configuration's storage: after write_pca, its pieces go into a projected
+    cache, which needs the estimated projection written beside it (the benchmark once failed there)."""
+    args = ["--out", str(tmp_path / "bench.json"), "--cache-dir", str(tmp_path / "scratch"), *TINY]
+    args += ["--configs", "write_pca", "--pca-rank", "32", "--pca-sample-tokens", "512", "--long-samples", "600"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    long_run = json.loads((tmp_path / "bench.json").read_text())["long_samples"]["600"]
+    assert long_run["pieces"] >= 2 and long_run["sample_tokens_per_s"] > 0
