@@ -400,7 +400,9 @@ def drafter_from_checkpoint(ckpt: Checkpoint) -> tuple[DFlashDrafter, DrafterCon
     cfg = train_state(ckpt).drafter
     weights = ckpt.path / MODEL_FILE
     check_weight_shapes([weights], cfg, weights, described_by=str(ckpt.path / STATE_FILE))  # before allocating
-    model = DFlashDrafter(cfg)
+    with torch.device("meta"):  # no initialisation of weights that the checkpoint's replace
+        model = DFlashDrafter(cfg)
+    model = model.to_empty(device="cpu")
     model.load_state_dict(load_model_state(ckpt), strict=True)
     return model, cfg
 
