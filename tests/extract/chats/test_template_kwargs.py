@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 
 import pyarrow.parquet as pq
 import pytest
@@ -117,9 +116,10 @@ def test_extract_records_the_mode_in_cache_json(target, tmp_path):
     result = CliRunner().invoke(extract_cli, cli_args(target, prepared, two_step, token_budget=64, max_seqs=4))
     assert result.exit_code == 0, result.output
     assert json.loads((two_step / "cache.json").read_text())["chat_mode"] == want
-    # Token rows without a record: the mode is unknown, and --template-kwarg is refused with them.
+    # Token rows without a record (no summary, no chat_mode column): the mode is unknown, and
+    # --template-kwarg is refused with them.
     bare = tmp_path / "bare.parquet"
-    shutil.copy(prepared, bare)
+    pq.write_table(pq.read_table(prepared).drop_columns(["chat_mode"]), bare)
     result = CliRunner().invoke(extract_cli, cli_args(target, bare, tmp_path / "c3", token_budget=64, max_seqs=4))
     assert result.exit_code == 0 and json.loads((tmp_path / "c3/cache.json").read_text())["chat_mode"] is None
     result = CliRunner().invoke(
