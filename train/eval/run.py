@@ -271,12 +271,14 @@ def _evaluate(
             )
     loaded = load_drafter(cfg.drafter)
     cache_mode = recorded_mode(reader.config.chat_mode) if reader is not None else None
+    # A cache of several modes (chat_modes): the evaluated mode is compared with each one present.
+    cache_modes = [m for m in map(recorded_mode, reader.config.modes) if m] if reader is not None else []
     trained_mode = recorded_mode(loaded.chat_mode)
     mode = evaluated_mode(cfg, trained_mode or cache_mode)
     mode_warnings = []
     if reader is not None:
         check_fits(loaded.config, reader.config, cfg.drafter, cfg.cache)
-        mode_warnings.append(mode_mismatch(mode, cache_mode, f"cache {cfg.cache}"))
+        mode_warnings.append(mode_mismatch(mode, cache_modes or None, f"cache {cfg.cache}"))
         if loaded.trained_on is not None and loaded.trained_on[0] == reader.config.cache_id():
             trained_on = sorted(set(ids) & set(loaded.trained_on[1]))
     device = resolve_device(cfg.device, 0)
@@ -311,14 +313,19 @@ def _evaluate(
             context_edges=cfg.context_buckets,
         )
     if cfg.target is not None:
-        from train.eval.speculative import ChainProposer, build_verifier, decode_prompts, read_prompts
+        from train.eval.speculative import ChainProposer, PromptModes, build_verifier, decode_prompts, read_prompts
 
         if reader is None or trained_mode != cache_mode:  # one warning per mode
             mode_warnings.append(mode_mismatch(mode, trained_mode, f"the training data of {loaded.source}"))
         kwargs = [f"{key}={json.dumps(value)}" for key, value in mode["template_kwargs"].items()]
         render = prompt_renderer(cfg.target, mode["thinking"], kwargs) if prompt_renderer else None
         # User input checked before the target loads.
-        prompts = read_prompts(cfg.prompts, loaded.config.vocab_size, cfg.max_prompts, render=render)
+        modes = (
+            PromptModes()
+        )  # each prompt's: a row may state its own (chat_mode, enable_thinking, chat_template_kwargs)
+        prompts = read_prompts(
+            cfg.prompts, loaded.config.vocab_size, cfg.max_prompts, render=render, modes=modes, evaluated=mode
+        )
         verifier = build_verifier(verifier_factory, cfg.target, loaded.config.tap_layer_ids, device, dtype)
         if verifier.lm_head_VH.shape != (loaded.config.vocab_size, loaded.config.hidden_size):
             raise ValueError(
@@ -343,6 +350,7 @@ def _evaluate(
             sampling=cfg.sampling,
             seed=cfg.seed,
             context_edges=tuple(cfg.context_buckets),
+            modes=modes,
         )
         decoding.longest_trained_response = loaded.longest_response  # the table warns when decoding ran past it
     mode_warning = "\n".join(w for w in mode_warnings if w) or None
@@ -365,15 +373,18 @@ def evaluated_mode(cfg: EvalConfig, recorded: dict | None) -> dict:
     return chat_mode(cfg.thinking or base["thinking"], {**base["template_kwargs"], **given})
 
 
-def mode_mismatch(ours: dict, recorded: dict | None, rendered: str) -> str | None:
+def mode_mismatch(ours: dict, recorded: dict | list[dict] | None, rendered: str) -> str | None:
     """A warning (logged, and returned for the table) when the serving mode evaluated differs from a
-    recorded one: that of the data `rendered` names (--cache, or a drafter's training data from its
-    checkpoint or export); None when they agree or none is recorded."""
-    if recorded is None or recorded == ours:
+    recorded one (or from every one of a list: a cache of several modes): that of the data `rendered`
+    names (--cache, or a drafter's training data from its checkpoint or export); None when they agree or
+    none is recorded."""
+    present = [recorded] if isinstance(recorded, dict) else list(recorded or [])
+    if not present or ours in present:
         return None
+    modes = " | ".join(map(describe_mode, present))
     warning = (
         f"WARNING: evaluating in serving mode {describe_mode(ours)}, but {rendered} was "
-        f"rendered in {describe_mode(recorded)}: acceptance collapses when a drafter is served in another mode "
+        f"rendered in {'one of ' if len(present) > 1 else ''}{modes}: acceptance collapses when a drafter is served in another mode "
         "than its data; pass that mode's --thinking and --template-kwarg, or evaluate on a cache made in this one"
     )
     log.warning("%s", warning)
