@@ -133,12 +133,18 @@ def test_extract_records_the_modes_and_each_samples_mode(target, tmp_path):
     assert {s: m[0] for s, m in _header_modes(cache).items()} == expected
     manifest = read_manifest(cache)
     assert dict(zip(manifest["sample_id"].to_pylist(), manifest["mode"].to_pylist())) == expected
-    # Extracting again into the same --out finds every shard done: the recorded modes are the same cache's.
+    # A resume (a shard lost, the manifest with it) writes it again with the same modes.
+    reader = ShardReader(cache)
+    num_shards = len(reader.batch_ids())
+    reader.info(reader.batch_ids()[-1]).path.unlink()
+    (cache / "manifest.parquet").unlink()
     again = CliRunner().invoke(
         extract_cli, cli_args(target, _chats(tmp_path / "c.jsonl"), cache, token_budget=96, max_seqs=2)
     )
     assert again.exit_code == 0, again.output
+    assert len(ShardReader(cache).batch_ids()) == num_shards, "the lost shard is written again"
     assert json.loads((cache / "cache.json").read_text())["chat_modes"] == distinct
+    assert {s: m[0] for s, m in _header_modes(cache).items()} == expected
     # dflash-shards info: samples and tokens per mode, against the headers counted here.
     info = CliRunner().invoke(shards_cli, ["info", "--json", str(cache)])
     assert info.exit_code == 0, info.output
