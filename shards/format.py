@@ -29,6 +29,9 @@ hidden_scale, codes z = (P D) concat_k(h_k) of every token:
 
 Shard metadata (safetensors __metadata__, all strings): format_version, batch_id, cache_id (the
 CacheConfig.cache_id() of the cache it was written for), storage_dtype, num_tokens, samples, checksum.
+samples is a JSON list of [id, offset, length, loss tokens] per sequence, in cu_seqlens order; in a cache
+of data in several serving modes (cache.json "chat_modes") each carries a fifth element, the sample's
+index into that list. Caches of one mode (or none recorded) keep four elements: still version 3.
 
 Long samples (cache.json "pieces", PiecesRecord): a sample longer than T went through the target whole and
 is stored as pieces of T tokens, one per shard, each holding `context` tokens before its own part (the
