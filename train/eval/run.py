@@ -114,6 +114,7 @@ class LoadedDrafter:
     trained_on: tuple[str, list[int]] | None = None  # (cache id, batch ids) of a checkpoint's training
     longest_response: int | None = None  # the longest reply in its training cache; None = not recorded
     chat_mode: dict[str, Any] | None = None  # the serving mode its training data were rendered in; None = unknown
+    chat_modes: list[dict[str, Any]] | None = None  # training data in several modes: each known one
 
 
 def _trained_on(state: dict[str, Any]) -> tuple[str, list[int]] | None:
@@ -151,6 +152,7 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
             f"export {path}",
             longest_response=_count(training.get("longest_response")),
             chat_mode=_mode(training.get("chat_mode")),
+            chat_modes=_modes(training.get("chat_modes")),
         )
     # A named checkpoint is verified as export verifies it, the weights only: eval never reads the optimizer.
     ckpt = resolve_checkpoint(path, files=(MODEL_FILE,))
@@ -173,12 +175,19 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
         _trained_on(ckpt.state),
         longest_response=_count(ckpt.state.get("longest_response")),
         chat_mode=_mode(ckpt.state.get("chat_mode")),
+        chat_modes=_modes(ckpt.state.get("chat_modes")),
     )
 
 
 def _mode(value: Any) -> dict[str, Any] | None:
     """A recorded serving mode, or None where absent or not a mode record (older or edited files)."""
     return value if isinstance(value, dict) and "thinking" in value else None
+
+
+def _modes(value: Any) -> list[dict[str, Any]] | None:
+    """The recorded modes of training data in several, the unreadable ones left out; None where absent."""
+    modes = [m for m in map(_mode, value) if m is not None] if isinstance(value, list) else []
+    return modes or None
 
 
 def _count(value: Any) -> int | None:
@@ -274,6 +283,7 @@ def _evaluate(
     # A cache of several modes (chat_modes): the evaluated mode is compared with each one present.
     cache_modes = [m for m in map(recorded_mode, reader.config.modes) if m] if reader is not None else []
     trained_mode = recorded_mode(loaded.chat_mode)
+    trained_modes = [m for m in map(recorded_mode, loaded.chat_modes or [trained_mode]) if m]
     mode = evaluated_mode(cfg, trained_mode or cache_mode)
     mode_warnings = []
     if reader is not None:
@@ -315,8 +325,8 @@ def _evaluate(
     if cfg.target is not None:
         from train.eval.speculative import ChainProposer, PromptModes, build_verifier, decode_prompts, read_prompts
 
-        if reader is None or trained_mode != cache_mode:  # one warning per mode
-            mode_warnings.append(mode_mismatch(mode, trained_mode, f"the training data of {loaded.source}"))
+        if reader is None or trained_modes != cache_modes:  # one warning per set of modes
+            mode_warnings.append(mode_mismatch(mode, trained_modes or None, f"the training data of {loaded.source}"))
         kwargs = [f"{key}={json.dumps(value)}" for key, value in mode["template_kwargs"].items()]
         render = prompt_renderer(cfg.target, mode["thinking"], kwargs) if prompt_renderer else None
         # User input checked before the target loads.
