@@ -225,3 +225,19 @@ def test_a_cache_of_one_mode_keeps_the_header_and_manifest_it_always_had(target,
     assert manifest.schema.names == SCHEMA.names and set(manifest["mode"].to_pylist()) == {0}
     info = json.loads(CliRunner().invoke(shards_cli, ["info", "--json", str(cache)]).output)
     assert [c["described"] for c in info["modes"]] == ["thinking off"]
+
+
+def test_parquet_conversations_state_their_modes_in_a_struct(target, tmp_path):
+    # pyarrow merges struct fields over rows: row 0 reads back {"enable_thinking": None, "reasoning_effort": "low"},
+    # and a null keyword counts as not stated.
+    rows = [
+        {"id": "p0", "messages": _messages(0), "chat_template_kwargs": {"reasoning_effort": "low"}},
+        {"id": "p1", "messages": _messages(1), "chat_template_kwargs": {"enable_thinking": False}},
+    ]
+    data, out = tmp_path / "c.parquet", tmp_path / "o.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    assert pq.read_table(data).to_pylist()[0]["chat_template_kwargs"]["enable_thinking"] is None
+    result = CliRunner().invoke(data_cli, ["prepare", "--target", str(target), "--data", str(data), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    modes = [json.loads(m) for m in pq.read_table(out).column("chat_mode").to_pylist()]
+    assert modes == [_mode("on", {"reasoning_effort": "low"}), _mode("off", {})]
