@@ -13,10 +13,10 @@ shards/ownership.py; every refusal of that kind is OwnershipError (shards/common
 from __future__ import annotations
 
 import glob
+import json
 import logging
 from pathlib import Path
 
-from extract.chats.prepare import serving_mode
 from extract.config import ExtractConfig
 from extract.dataset.files import data_would_read, is_glob
 from extract.dataset.index import dataset_fingerprint
@@ -117,8 +117,15 @@ def build_cache_config(
         pieces=_pieces_record(cfg, plan),
         provenance={**provenance(), "extract_config": to_options(cfg)},
         projection=_projection_record(cfg, info, taps),
-        chat_mode=serving_mode(cfg.data, prepared),
+        **_cache_modes(index.modes),
     )
+
+
+def _cache_modes(modes: list[str | None]) -> dict:
+    """cache.json's mode fields: "chat_mode" for data in one mode (None = unknown), else "chat_modes", the
+    list the shard headers' per-sample mode indices point into."""
+    records = [json.loads(m) if m is not None else None for m in modes]
+    return {"chat_mode": records[0]} if len(records) == 1 else {"chat_modes": records}
 
 
 def _projection_record(cfg: ExtractConfig, target: TargetInfo, taps: list[int]) -> ProjectionRecord | None:

@@ -33,7 +33,7 @@ from extract.cache_dir import (
     refuse_nesting,
     remove_if_no_shard,
 )
-from extract.chats.prepare import tokens_for_extraction
+from extract.chats.prepare import file_mode_text, tokens_for_extraction
 from extract.config import ExtractConfig
 from extract.dataset.index import SampleLoader, scan_dataset
 from extract.dataset.packing import (
@@ -199,7 +199,12 @@ def _extract_dataset(
     """Scan the token dataset `data` (cfg.data, or its on-the-fly preparation), plan, extract, finish."""
     limit = "--max-seq-len" if cfg.packing.pieced else "--token-budget"  # --long-seqs applies past it
     index = scan_dataset(
-        data, vocab_size=target.vocab_size, token_budget=cfg.packing.longest, long_seqs=cfg.long_seqs, limit_flag=limit
+        data,
+        vocab_size=target.vocab_size,
+        token_budget=cfg.packing.longest,
+        long_seqs=cfg.long_seqs,
+        limit_flag=limit,
+        file_mode=file_mode_text,
     )
     if len(index) == 0:
         raise ValueError(f"{cfg.data}: no non-empty samples ({index.report.summary()})")
@@ -405,6 +410,9 @@ def extract_batches(
         records = logs.open_append(jsonl.name)
     progress = ProgressLog(log, records, len(todo), interval_s, bar=interactive and rank == 0, desc=f"rank {rank}")
     real_tokens = 0
+    # Each sample's index into cache.json's modes (a long sample's pieces carry their sample's): data in
+    # one mode have none, and every sample is in mode 0.
+    mode_of = {} if index.mode_ids is None else dict(zip(index.sample_ids, index.mode_ids.tolist()))
     startup: dict = {}  # the clock's record, once the first batches are done
     try:
         started = 0
@@ -426,7 +434,7 @@ def extract_batches(
                 hidden = whole[2][start : start + n]
                 topk = None if whole[3] is None else tuple(t[start : start + n] for t in whole[3])
             samples = [
-                SampleEntry(sid, int(o), int(length), int(m))
+                SampleEntry(sid, int(o), int(length), int(m), mode_of.get(sid, 0))
                 for sid, o, length, m in zip(
                     batch.sample_ids, arrays["sample_offsets"], arrays["sample_lengths"], arrays["sample_loss_tokens"]
                 )

@@ -29,6 +29,9 @@ hidden_scale, codes z = (P D) concat_k(h_k) of every token:
 
 Shard metadata (safetensors __metadata__, all strings): format_version, batch_id, cache_id (the
 CacheConfig.cache_id() of the cache it was written for), storage_dtype, num_tokens, samples, checksum.
+samples is a JSON list of [id, offset, length, loss tokens] per sequence, in cu_seqlens order; in a cache
+of data in several serving modes (cache.json "chat_modes") each carries a fifth element, the sample's
+index into that list. Caches of one mode (or none recorded) keep four elements: still version 3.
 
 Long samples (cache.json "pieces", PiecesRecord): a sample longer than T went through the target whole and
 is stored as pieces of T tokens, one per shard, each holding `context` tokens before its own part (the
@@ -256,6 +259,10 @@ class CacheConfig:
     # "template_kwargs": {...}}; dflash-train eval warns when it is run in another. None = unknown (token
     # rows without a record, caches written before it was recorded). A description: not in the identity.
     chat_mode: dict[str, Any] | None = None
+    # Data in more than one mode (rows stating their own, or files prepared in different modes): every mode
+    # present, in order of first appearance (None = rows of unknown mode), and chat_mode None. A shard
+    # header's sample rows then carry a fifth element, the sample's index into this list.
+    chat_modes: list[dict[str, Any] | None] | None = None
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -276,11 +283,18 @@ class CacheConfig:
             raise ValueError(f"max_seqs must be positive, got {self.max_seqs}")
         if self.target_topk < 0:
             raise ValueError(f"target_topk must be >= 0, got {self.target_topk}")
+        if self.chat_modes is not None and (len(self.chat_modes) < 2 or self.chat_mode is not None):
+            raise ValueError("chat_modes lists two or more modes, and then chat_mode is null")
         if not self.tap_layer_ids:
             raise ValueError("tap_layer_ids must name at least one target layer")
         bad = [i for i in self.tap_layer_ids if not 0 <= i < self.target.num_layers]
         if bad:
             raise ValueError(f"tap_layer_ids {bad} outside the target's {self.target.num_layers} layers")
+
+    @property
+    def modes(self) -> list[dict[str, Any] | None]:
+        """The modes a sample's mode index points into: chat_modes, else the one chat_mode (None = unknown)."""
+        return list(self.chat_modes) if self.chat_modes is not None else [self.chat_mode]
 
     @property
     def num_taps(self) -> int:
@@ -338,6 +352,7 @@ class CacheConfig:
         d = dataclasses.asdict(self)
         d.pop("provenance")
         d.pop("chat_mode")  # follows the dataset, whose fingerprint is in the identity already
+        d.pop("chat_modes")  # so do these (the fingerprint holds each sample's mode when there are several)
         if d["dataset"] is not None:
             for name in _DATASET_DESCRIPTION:  # how the tokens were made and what they hold, not which
                 d["dataset"].pop(name)

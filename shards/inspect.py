@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from shards.codec import decode_context
+from shards.common.chat_mode import describe_mode
 from shards.common.owned import Dir
 from shards.format import (
     MANIFEST_FILE,
@@ -85,7 +86,25 @@ def summarize_cache(cache_dir: str | Path) -> dict:
         "bytes_quarantined": sum(p.stat().st_size for p in held),
         "bytes_per_token": bytes_per_shard(cfg) / cfg.token_budget,
         "dataset": dataclasses.asdict(cfg.dataset) if cfg.dataset is not None else None,
+        "modes": _mode_counts(cfg, infos),
     }
+
+
+def _mode_counts(cfg, infos: list[ShardInfo]) -> list[dict]:
+    """Per serving mode of cache.json (CacheConfig.modes): its record, description, samples (a long
+    sample once), tokens and supervised tokens stored (as num_tokens counts them)."""
+    counts = [
+        {"mode": m, "described": describe_mode(m), "num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0}
+        for m in cfg.modes
+    ]
+    seen: set[str] = set()
+    for s in (s for i in infos for s in i.samples):
+        c = counts[s.mode]
+        c["num_samples"] += s.sample_id not in seen
+        c["num_tokens"] += s.length
+        c["num_loss_tokens"] += s.loss_tokens
+        seen.add(s.sample_id)
+    return counts
 
 
 @dataclass

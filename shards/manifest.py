@@ -1,4 +1,4 @@
-"""manifest.parquet: one row per sample (sample id, batch, offset, length, loss tokens); a long sample
+"""manifest.parquet: one row per sample (sample id, batch, offset, length, loss tokens, mode index); a long sample
 stored as pieces (cache.json "pieces") has one row per piece, in as many shards.
 
 Written at the end of an extraction and rebuildable at any time from the shard headers, so it is a
@@ -25,13 +25,15 @@ SCHEMA = pa.schema(
         ("offset", pa.int32()),
         ("length", pa.int32()),
         ("loss_tokens", pa.int32()),
+        ("mode", pa.int32()),  # index into cache.json's modes (CacheConfig.modes)
     ]
 )
+_OLDER_NAMES = SCHEMA.names[:-1]  # manifests written before the mode column: every sample in mode 0
 
 
 def manifest_table(infos: list[ShardInfo]) -> pa.Table:
     rows = [
-        (s.sample_id, i.batch_id, s.offset, s.length, s.loss_tokens)
+        (s.sample_id, i.batch_id, s.offset, s.length, s.loss_tokens, s.mode)
         for i in sorted(infos, key=lambda i: i.batch_id)
         for s in i.samples
     ]
@@ -55,6 +57,8 @@ def read_manifest(cache_dir: str | Path) -> pa.Table:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException) as e:
         raise CacheFormatError(f"{path}: unreadable ({e}); rebuild it with `dflash-shards index {cache_dir}`") from e
+    if table.schema.names == _OLDER_NAMES:
+        table = table.append_column(SCHEMA.field("mode"), pa.array([0] * table.num_rows, pa.int32()))
     if table.schema.names != SCHEMA.names:
         raise CacheFormatError(f"{path}: columns {table.schema.names}, expected {SCHEMA.names}")
     return table

@@ -176,7 +176,7 @@ class ShardReader:
         missing = [k for k in ("samples", "num_tokens", "checksum") if k not in meta]
         if missing or not meta["num_tokens"].isdigit():
             raise ShardError(path, f"bad metadata (missing {missing}, num_tokens {meta.get('num_tokens')!r})")
-        samples = _samples(path, meta["samples"])
+        samples = _samples(path, meta["samples"], len(self.config.modes))
         return ShardInfo(batch_id, path, samples, int(meta["num_tokens"]), meta["checksum"], path.stat().st_size)
 
     def read(
@@ -214,9 +214,12 @@ class ShardReader:
         return info
 
 
-def _samples(path: Path, text: str) -> list[SampleEntry]:
+def _samples(path: Path, text: str, num_modes: int) -> list[SampleEntry]:
     """The header's samples: [[id, offset, length, loss tokens], ...], each id within the bounds the
-    writer keeps (shards/sample_ids.py)."""
+    writer keeps (shards/sample_ids.py); in a cache of several modes (cache.json chat_modes) each row
+    carries a fifth element, the sample's mode index."""
+    width = 5 if num_modes > 1 else 4
+    shape = "[id, offset, length, loss tokens" + (", mode index]" if width == 5 else "]")
     try:
         rows = parse_json(text, f"{path}: header samples", max_bytes=MAX_HEADER_BYTES)
     except InputFileError as e:
@@ -227,11 +230,14 @@ def _samples(path: Path, text: str) -> list[SampleEntry]:
     for i, row in enumerate(rows):
         if not (
             isinstance(row, list)
-            and len(row) == 4
+            and len(row) == width
             and isinstance(row[0], str)
             and all(type(x) is int and x >= 0 for x in row[1:])
+            and (width == 4 or row[4] < num_modes)
         ):
-            raise ShardError(path, f"header samples[{i}] must be [id, offset, length, loss tokens], found {row!r:.200}")
+            raise ShardError(
+                path, f"header samples[{i}] must be {shape} (cache.json lists {num_modes} modes), found {row!r:.200}"
+            )
         problem = sample_id_problem(row[0])
         if problem is not None:
             raise ShardError(path, f"header samples[{i}]: id {problem}")

@@ -21,7 +21,8 @@ from shards.container import MAX_HEADER_BYTES
 
 MAX_SAMPLE_ID_BYTES = 512
 # A sample's entry in a shard header: its id is JSON inside the header's JSON, so escaped twice (a
-# quote or backslash becomes 4 bytes, any other byte of UTF-8 at most 3.5), plus three numbers.
+# quote or backslash becomes 4 bytes, any other byte of UTF-8 at most 3.5), plus four numbers (offset,
+# length, loss tokens and, in a cache of several serving modes, the mode index).
 MAX_SAMPLE_ENTRY_BYTES = 4 * MAX_SAMPLE_ID_BYTES + 80
 # The tensor entries and other metadata of a header take under 4 KB; 64 KB is left for them.
 MAX_SHARD_SAMPLES = (MAX_HEADER_BYTES - (64 << 10)) // MAX_SAMPLE_ENTRY_BYTES

@@ -35,6 +35,7 @@ class SampleEntry:
     offset: int  # first token of the sample in the shard
     length: int  # tokens of the sample in the shard (after any truncation)
     loss_tokens: int  # supervised tokens (loss_mask == 1) of the sample
+    mode: int = 0  # index into cache.json's modes (CacheConfig.modes): the serving mode it was rendered in
 
 
 def create_cache(cache_dir: str | Path, cfg: CacheConfig, target_head: Mapping[str, torch.Tensor]) -> CacheConfig:
@@ -99,6 +100,10 @@ def write_shard(
     if len(samples) > MAX_SHARD_SAMPLES:
         raise ValueError(f"batch {batch_id}: {len(samples)} samples, more than the {MAX_SHARD_SAMPLES} a shard holds")
     for s in samples:
+        if not 0 <= s.mode < len(cfg.modes):
+            raise ValueError(
+                f"batch {batch_id}: sample {s.sample_id!r} has mode {s.mode}, the cache lists {len(cfg.modes)}"
+            )
         problem = sample_id_problem(s.sample_id)
         if problem is not None:  # the scan refuses such ids first, naming file and row
             raise ValueError(f"batch {batch_id}: sample id {problem}")
@@ -109,10 +114,17 @@ def write_shard(
         "cache_id": cfg.cache_id(),
         "storage_dtype": cfg.storage_dtype,
         "num_tokens": str(sum(s.length for s in samples)),
-        "samples": json.dumps([[s.sample_id, s.offset, s.length, s.loss_tokens] for s in samples]),
+        "samples": json.dumps([_header_row(s, len(cfg.modes)) for s in samples]),
         "checksum": checksum(host),
     }
     path = shard_path(cache_dir, batch_id)
     with Dir.opened(cache_dir, SHARDS_DIR) as d:
         d.write_atomic(path.name, lambda f: write_container(f, host, metadata))
     return path
+
+
+def _header_row(s: SampleEntry, num_modes: int) -> list:
+    """A sample's row in the shard header: the mode index only in a cache of several modes, so caches of
+    one mode keep the header every reader before chat_modes reads."""
+    row = [s.sample_id, s.offset, s.length, s.loss_tokens]
+    return row + [s.mode] if num_modes > 1 else row

@@ -28,17 +28,15 @@ import pyarrow.parquet as pq
 
 from extract.chats.conversations import (
     PREPARE_SUMMARY_SUFFIX,
-    REGENERATE_META_SUFFIX,
-    conversation_files,
     holds_conversations,
     iter_conversations,
 )
-from extract.chats.template import ChatRenderer, load_tokenizer
+from extract.chats.template import ChatRenderer, ChatTemplateError, load_tokenizer
 from extract.dataset.files import data_would_read
 from extract.dataset.index import LONG_SEQ_POLICIES, LongSeqPolicy, Sample
 from extract.dataset.rows import DataError
 from extract.target.config import TargetConfig
-from shards.common.chat_mode import chat_mode, describe_mode, parse_template_kwargs
+from shards.common.chat_mode import MODE_COLUMN, chat_mode, describe_mode, mode_text, parse_template_kwargs, row_mode
 from shards.common.cli_options import cli_field, config_error
 from shards.common.diskfull import refusing_when_full
 from shards.common.durable import atomic_write_text, check_writable
@@ -105,6 +103,11 @@ class PrepareSummary:
     num_truncated: int = 0  # cut to max_length (still written)
     num_reasoning_dropped: int = 0  # assistant turns whose reasoning was removed (thinking off)
     skipped: list[dict] = dataclasses.field(default_factory=list)  # {"row": where, "reason": ...}
+    samples_per_mode: dict[str, int] = dataclasses.field(default_factory=dict)  # described mode -> samples written
+
+    def count_mode(self, text: str) -> None:
+        name = describe_mode(json.loads(text))
+        self.samples_per_mode[name] = self.samples_per_mode.get(name, 0) + 1
 
     @property
     def supervised_fraction(self) -> float:
@@ -120,31 +123,77 @@ class PrepareSummary:
                 if self.num_reasoning_dropped
                 else ""
             )
+            + (
+                " in modes " + "; ".join(f"{name}: {n}" for name, n in self.samples_per_mode.items())
+                if len(self.samples_per_mode) > 1
+                else ""
+            )
             + f" -> {self.out}"
         )
 
 
 _ROW_GROUP = 256  # rows per Parquet row group: dflash-extract decodes one whole group per sample it loads
-_SCHEMA = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8()))])
+_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+        (MODE_COLUMN, pa.string()),  # the mode each row was rendered in (shards/common/chat_mode.py)
+    ]
+)
+_OLDER_NAMES = _SCHEMA.names[:3]  # outputs of runs before each row recorded its mode
 
 
-def _table(samples: list[Sample]) -> pa.Table:
+def _table(samples: list[tuple[Sample, str]]) -> pa.Table:
     return pa.table(
         {
-            "id": pa.array([s.sample_id for s in samples], type=pa.string()),
-            "input_ids": pa.array([s.input_ids for s in samples], type=pa.list_(pa.int32())),
-            "loss_mask": pa.array([s.loss_mask for s in samples], type=pa.list_(pa.uint8())),
+            "id": pa.array([s.sample_id for s, _ in samples], type=pa.string()),
+            "input_ids": pa.array([s.input_ids for s, _ in samples], type=pa.list_(pa.int32())),
+            "loss_mask": pa.array([s.loss_mask for s, _ in samples], type=pa.list_(pa.uint8())),
+            MODE_COLUMN: pa.array([m for _, m in samples], type=pa.string()),
         },
         schema=_SCHEMA,
     )
 
 
+class _Renderers:
+    """One ChatRenderer per mode the rows are rendered in: the flags' mode, and any a row states."""
+
+    def __init__(self, cfg: PrepareConfig, vocab_size: int):
+        self.target, self.vocab_size = cfg.target, vocab_size
+        self.default = chat_mode(cfg.thinking, cfg.chat_template_kwargs)
+        self._made = {mode_text(self.default): self._make(self.default)}
+
+    def _make(self, mode: dict[str, Any]) -> ChatRenderer:
+        return ChatRenderer(
+            self.target,
+            thinking=mode["thinking"] == "on",
+            vocab_size=self.vocab_size,
+            template_kwargs=mode["template_kwargs"],
+        )
+
+    def for_row(self, conv) -> tuple[ChatRenderer, str]:
+        """The renderer of the conversation's mode and that mode's text; DataError naming the row."""
+        try:
+            mode = row_mode(conv.extra, self.default, conv.where)
+        except ValueError as e:
+            raise DataError(str(e)) from e
+        key = mode_text(mode)
+        if key not in self._made:
+            try:
+                self._made[key] = self._make(mode)
+            except ChatTemplateError as e:  # a keyword the template never reads, as with --template-kwarg
+                raise DataError(f"{conv.where}: chat_template_kwargs: {e}") from e
+        return self._made[key], key
+
+
 def _encoded(
-    cfg: PrepareConfig, renderer: ChatRenderer, summary: PrepareSummary, errors: list[str]
-) -> Iterator[Sample]:
-    """Every good conversation as a Sample; bad rows go to `errors`, counts to `summary`."""
+    cfg: PrepareConfig, renderers: _Renderers, summary: PrepareSummary, errors: list[str]
+) -> Iterator[tuple[Sample, str]]:
+    """Every good conversation as a Sample and its mode's text; bad rows go to `errors`, counts to `summary`."""
     for conv in iter_conversations(cfg.data, errors):
         try:
+            renderer, mode = renderers.for_row(conv)
             ids, mask, dropped = renderer.encode(conv)
         except DataError as e:
             errors.append(str(e))
@@ -165,7 +214,8 @@ def _encoded(
         summary.num_samples += 1
         summary.num_tokens += len(ids)
         summary.num_supervised += int(mask.sum())
-        yield Sample(conv.sample_id, ids, mask)
+        summary.count_mode(mode)
+        yield Sample(conv.sample_id, ids, mask), mode
 
 
 def _check_ids(ids: np.ndarray, renderer: ChatRenderer, where: str) -> None:
@@ -194,19 +244,15 @@ def prepare_dataset(cfg: PrepareConfig, skip_hint: str = SKIP_BAD_ROWS_HINT) -> 
     """Render, mask and write every conversation; DataError listing bad rows (see the module doc)."""
     out = Path(cfg.out)
     _check_out(cfg, out)
-    _warn_thinking_mismatch(cfg)
-    vocab_size = TargetConfig.from_dir(cfg.target).vocab_size
-    renderer = ChatRenderer(
-        cfg.target, thinking=cfg.thinking == "on", vocab_size=vocab_size, template_kwargs=cfg.chat_template_kwargs
-    )
+    renderers = _Renderers(cfg, TargetConfig.from_dir(cfg.target).vocab_size)
     summary = PrepareSummary(out=str(out))
     errors: list[str] = []
 
     def write_rows(f: BinaryIO) -> None:
         # Streamed, ROW_GROUP rows at a time: memory stays flat however large the dataset.
         with pq.ParquetWriter(f, _SCHEMA) as writer:
-            pending: list[Sample] = []
-            for sample in _encoded(cfg, renderer, summary, errors):
+            pending: list[tuple[Sample, str]] = []
+            for sample in _encoded(cfg, renderers, summary, errors):
                 pending.append(sample)
                 if len(pending) == _ROW_GROUP:
                     writer.write_table(_table(pending))
@@ -237,27 +283,6 @@ def prepare_dataset(cfg: PrepareConfig, skip_hint: str = SKIP_BAD_ROWS_HINT) -> 
     return summary  # the caller reports it: `dflash-data prepare` in one line, dflash-extract in its log
 
 
-def _warn_thinking_mismatch(cfg: PrepareConfig) -> None:
-    """Conversations that dflash-data regenerate wrote in another mode (thinking, template keywords) than
-    this render's."""
-    ours = chat_mode(cfg.thinking, cfg.chat_template_kwargs)
-    for file in conversation_files(cfg.data):
-        try:
-            record = read_json_object(Path(file + REGENERATE_META_SUFFIX))
-        except (OSError, ValueError, AttributeError):
-            continue  # not regenerated by us, or no readable record
-        kwargs = record.get("template_kwargs")
-        made = chat_mode(record.get("thinking"), kwargs if isinstance(kwargs, dict) else {})
-        if made["thinking"] in get_args(Thinking) and made != ours:
-            logger.warning(
-                "%s was regenerated with %s but is rendered with %s: the masks and the replies disagree on the "
-                "serving mode; pass the same --thinking and --template-kwarg unless that is what you want",
-                file,
-                describe_mode(made),
-                describe_mode(ours),
-            )
-
-
 def _summary_path(out: Path) -> Path:
     return Path(f"{out}{PREPARE_SUMMARY_SUFFIX}")
 
@@ -273,6 +298,13 @@ def serving_mode(data: str, prepared: dict | None) -> dict[str, Any] | None:
         return chat_mode(config["thinking"], parse_template_kwargs(config.get("template_kwargs") or []))
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
+
+
+def file_mode_text(file: str) -> str | None:
+    """The mode (as mode_text) of a token file's rows that state none: the one `dflash-data prepare`
+    recorded beside it, None = unknown. dflash-extract's scan takes it (scan_dataset's file_mode)."""
+    mode = serving_mode(file, None)
+    return mode_text(mode) if mode is not None else None
 
 
 def _read_summary(d: Dir, out: Path) -> dict | None:
@@ -291,7 +323,7 @@ def _written_by_prepare(d: Dir, out: Path) -> bool:
             names = pq.read_schema(f).names
     except Exception:  # not Parquet: pyarrow raises several types
         return False
-    return _read_summary(d, out) is not None and names == _SCHEMA.names
+    return _read_summary(d, out) is not None and names in (_SCHEMA.names, _OLDER_NAMES)
 
 
 def check_output_file(out: Path, sidecar: Path, data: str) -> None:

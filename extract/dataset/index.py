@@ -25,8 +25,8 @@ import json
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import numpy as np
@@ -129,6 +129,10 @@ class DatasetIndex:
     sample_crc32: np.ndarray  # [N] uint32, sample_crc32() of each sample as scanned
     content_sha256: str  # sha256 of all tokens (int32 LE) and masks (uint8), in index order
     report: ScanReport
+    # The serving modes the samples were rendered in, as mode_text (shards/common/chat_mode.py), in order
+    # of first appearance; None = unknown (a row and its file state none). mode_ids[i] indexes it.
+    modes: list[str | None] = field(default_factory=lambda: [None])
+    mode_ids: np.ndarray | None = None  # [N] int32; None = every sample in modes[0]
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -145,13 +149,15 @@ def scan_dataset(
     token_budget: int | None = None,
     long_seqs: str = "truncate",
     limit_flag: str = "--token-budget",
+    file_mode: Callable[[str], str | None] | None = None,
 ) -> DatasetIndex:
     """Read and validate every row of the dataset at `path`; return its index.
 
     Raises one DataError after the whole scan, naming every bad row (file, row and reason) and
     duplicate id (both places), the first MAX_REPORTED_PROBLEMS of them listed and all counted. With
     `token_budget`, samples longer than it are counted, and with long_seqs="error" they are refused
-    here, before any model loads, naming `limit_flag` (the flag that set the limit).
+    here, before any model loads, naming `limit_flag` (the flag that set the limit). `file_mode(file)`:
+    the mode (mode_text) of a file's rows that state none in their chat_mode column.
     """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
@@ -165,10 +171,16 @@ def scan_dataset(
     num_rows, empty, anchors, packed_anchors, longest_response = 0, [], 0, 0, 0
     problems = Problems()  # every bad row of every file, reported together at the end
     prefixes = derived_id_prefixes(files)
+    modes: dict[str | None, int] = {}
+    mode_ids: list[np.ndarray] = []
     for fi, file in enumerate(files):
         stem = prefixes[file]
+        default = file_mode(file) if file_mode is not None else None
         try:
             for chunk in iter_file(file, vocab_size, problems):
+                given = chunk.modes or [None] * len(chunk.rows)
+                kept = [m if m is not None else default for m, n in zip(given, chunk.lengths.tolist()) if n > 0]
+                mode_ids.append(np.array([modes.setdefault(m, len(modes)) for m in kept], dtype=np.int32))
                 num_rows += _index_chunk(
                     chunk,
                     fi,
@@ -222,6 +234,8 @@ def scan_dataset(
         sample_crc32=cat["crc"].astype(np.uint32),
         content_sha256=hashlib.sha256(token_hash.digest() + mask_hash.digest()).hexdigest(),
         report=report,
+        modes=list(modes) or [None],
+        mode_ids=np.concatenate(mode_ids) if len(modes) > 1 else None,
     )
 
 
@@ -348,6 +362,8 @@ def dataset_fingerprint(index: DatasetIndex) -> str:
         h.update(len(raw).to_bytes(4, "little") + raw)  # length-prefixed: ids may contain any byte
     h.update(index.lengths.astype("<i8").tobytes())
     h.update(bytes.fromhex(index.content_sha256))
+    if index.mode_ids is not None:  # only then: single-mode datasets keep the fingerprint they always had
+        h.update(json.dumps(index.modes).encode() + index.mode_ids.astype("<i4").tobytes())
     return h.hexdigest()
 
 

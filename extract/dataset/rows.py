@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from shards.common.chat_mode import MODE_COLUMN, mode_from_value, mode_text
 from shards.common.errors import UserError
 from shards.common.json_input import InputFileError, parse_json
 
@@ -85,6 +86,7 @@ class Chunk(NamedTuple):
     tokens: np.ndarray  # [sum(lengths)] int32, the rows' input_ids back to back
     mask: np.ndarray  # [sum(lengths)] uint8, the rows' loss masks back to back
     byte_offsets: np.ndarray | None  # [n] int64 start of each JSONL line; None for Parquet
+    modes: list[str | None] | None = None  # [n] each row's MODE_COLUMN as mode_text; None: the file has none
 
 
 def _check_values(
@@ -169,15 +171,34 @@ def parse_json_row(line: bytes, path: str, row: int, vocab_size: int) -> tuple[o
     return sample_id, tokens.astype(np.int32), mask.astype(np.uint8)
 
 
+def row_mode_text(value: object, where: str) -> str | None:
+    """A token row's MODE_COLUMN value as its canonical text (shards.common.chat_mode.mode_text), None when
+    the row states none; DataError naming the row when it is malformed."""
+    if value is None:
+        return None
+    try:
+        return mode_text(mode_from_value(value, where))
+    except ValueError as e:
+        raise DataError(str(e)) from e
+
+
+def _json_row_mode(line: bytes, where: str) -> str | None:
+    """The mode a JSON Lines token row states: parsed again only for rows that name the field (rare)."""
+    if MODE_COLUMN.encode() not in line:
+        return None
+    return row_mode_text(parse_json(line, where, max_bytes=MAX_ROW_BYTES).get(MODE_COLUMN), where)
+
+
 def _jsonl_chunk(
     path: str, items: list[tuple[int, int, bytes]], vocab_size: int, problems: Problems | None = None
 ) -> Chunk | None:
     """Parse (row, byte offset, line) items of one JSONL file into a chunk of its good rows (None: no good row)."""
-    ids, toks, masks, kept = [], [], [], []
+    ids, toks, masks, kept, modes = [], [], [], [], []
     for item in items:
         row, _, line = item
         try:
             sample_id, tokens, mask = parse_json_row(line, path, row, vocab_size)
+            modes.append(_json_row_mode(line, row_location(path, row)))
         except DataError as e:
             _report(problems, str(e))
             continue
@@ -190,7 +211,7 @@ def _jsonl_chunk(
     rows = np.array([r for r, _, _ in kept], dtype=np.int64)
     offsets = np.array([o for _, o, _ in kept], dtype=np.int64)
     lengths = np.array([t.shape[0] for t in toks], dtype=np.int64)
-    return Chunk(rows, ids, lengths, np.concatenate(toks), np.concatenate(masks), offsets)
+    return Chunk(rows, ids, lengths, np.concatenate(toks), np.concatenate(masks), offsets, modes)
 
 
 def _iter_jsonl(
@@ -232,7 +253,11 @@ def parquet_columns(schema: pa.Schema, path: str) -> list[str]:
         t = schema.field("id").type
         if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)):
             raise DataError(f"{path}: column id has type {t}, expected string or integer")
-    return [n for n in ("input_ids", "loss_mask", "id") if n in names]
+    if MODE_COLUMN in names:
+        t = schema.field(MODE_COLUMN).type
+        if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+            raise DataError(f"{path}: column {MODE_COLUMN} has type {t}, expected string (a mode's JSON)")
+    return [n for n in ("input_ids", "loss_mask", "id", MODE_COLUMN) if n in names]
 
 
 def _flat_list(
@@ -286,7 +311,16 @@ def parquet_chunk(
     _check_values(tokens, mask, lengths, vocab_size, path, first_row, problems)
     ids = table.column("id").to_pylist() if "id" in table.column_names else [None] * n
     rows = np.arange(first_row, first_row + n, dtype=np.int64)
-    return Chunk(rows, ids, lengths, tokens.astype(np.int32), mask.astype(np.uint8), None)
+    modes = None
+    if MODE_COLUMN in table.column_names:
+        modes = []
+        for row, value in enumerate(table.column(MODE_COLUMN).to_pylist()):
+            try:
+                modes.append(row_mode_text(value, row_location(path, first_row + row)))
+            except DataError as e:
+                _report(problems, str(e))
+                return None
+    return Chunk(rows, ids, lengths, tokens.astype(np.int32), mask.astype(np.uint8), None, modes)
 
 
 def open_parquet(path: str) -> pq.ParquetFile:

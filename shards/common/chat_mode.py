@@ -53,8 +53,86 @@ def chat_mode(thinking: str, template_kwargs: dict[str, Any]) -> dict[str, Any]:
     return {"thinking": thinking, "template_kwargs": dict(sorted(template_kwargs.items()))}
 
 
-def describe_mode(mode: dict[str, Any]) -> str:
-    """`thinking on, reasoning_effort=high` as the flags would say it."""
+def describe_mode(mode: dict[str, Any] | None) -> str:
+    """`thinking on, reasoning_effort=high` as the flags would say it; "unknown mode" for None."""
+    if mode is None:
+        return "unknown mode"
     kwargs = mode.get("template_kwargs")
     kwargs = kwargs if isinstance(kwargs, dict) else {}  # a record read from a file: described, never trusted
     return ", ".join([f"thinking {mode.get('thinking')}", *(f"{k}={json.dumps(v)}" for k, v in kwargs.items())])
+
+
+# A conversation row may state its own mode, as chat datasets and vLLM requests carry it:
+#   enable_thinking       true | false                       (HF apply_chat_template's keyword)
+#   chat_template_kwargs  {"reasoning_effort": "low", ...}   (vLLM's request field; may hold enable_thinking)
+# dflash-data prepare renders such a row in the flags' mode updated key by key by the row's, and writes the
+# result in the token row's MODE_COLUMN, which dflash-extract reads into cache.json "chat_modes".
+ROW_MODE_FIELDS = (THINKING_KEY, "chat_template_kwargs")
+MODE_COLUMN = "chat_mode"  # a token row's mode: the record's JSON text, {"thinking": ..., "template_kwargs": ...}
+
+
+def row_mode(row: dict[str, Any], default: dict[str, Any], where: str) -> dict[str, Any]:
+    """The mode a conversation row is rendered in: `default` (the flags') with the row's ROW_MODE_FIELDS
+    applied; ValueError naming the row (`where`) and the field when one is malformed."""
+    thinking, kwargs = default["thinking"], dict(default["template_kwargs"])
+    stated = row.get("chat_template_kwargs")
+    if stated is not None:
+        if not isinstance(stated, dict):
+            raise ValueError(
+                f"{where}: chat_template_kwargs must be an object of template keywords, found {stated!r:.80}"
+            )
+        stated = dict(stated)
+        if stated.get(THINKING_KEY) is not None:
+            thinking = _thinking(stated[THINKING_KEY], f"{where}: chat_template_kwargs.{THINKING_KEY}")
+        stated.pop(THINKING_KEY, None)
+        for key, value in stated.items():
+            if value is None:  # not stated: in a Parquet struct, a key only other rows have reads back null
+                continue
+            field_name = f"{where}: chat_template_kwargs.{key}"
+            if not isinstance(key, str) or not key.isidentifier() or key in _RESERVED:
+                raise ValueError(f"{field_name}: not a template keyword to set per row")
+            if not isinstance(value, (str, int, float, bool)):
+                raise ValueError(
+                    f"{field_name}: must be text, a number or true/false (null: not stated), found {value!r:.80}"
+                )
+            kwargs[key] = value
+    if row.get(THINKING_KEY) is not None:
+        own = _thinking(row[THINKING_KEY], f"{where}: {THINKING_KEY}")
+        if stated is not None and row["chat_template_kwargs"].get(THINKING_KEY) is not None and own != thinking:
+            raise ValueError(f"{where}: {THINKING_KEY} and chat_template_kwargs.{THINKING_KEY} disagree")
+        thinking = own
+    return chat_mode(thinking, kwargs)
+
+
+def _thinking(value: Any, field_name: str) -> str:
+    if not isinstance(value, bool):
+        raise ValueError(f"{field_name}: must be true or false, found {value!r:.80}")
+    return "on" if value else "off"
+
+
+def mode_text(mode: dict[str, Any]) -> str:
+    """A mode's canonical JSON: the token rows' MODE_COLUMN value and the key modes are told apart by."""
+    return json.dumps(chat_mode(mode["thinking"], mode["template_kwargs"]), sort_keys=True)
+
+
+def mode_from_value(value: Any, where: str) -> dict[str, Any]:
+    """A token row's MODE_COLUMN (the JSON text, or in JSON Lines the object itself) as a mode record;
+    ValueError naming `where` when it is not one."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError(f"{where}: {MODE_COLUMN} is not JSON: {value!r:.80}") from None
+    ok = (
+        isinstance(value, dict)
+        and set(value) == {"thinking", "template_kwargs"}
+        and value["thinking"] in ("on", "off")
+        and isinstance(value["template_kwargs"], dict)
+        and all(v is None or isinstance(v, (str, int, float, bool)) for v in value["template_kwargs"].values())
+    )
+    if not ok:
+        raise ValueError(
+            f'{where}: {MODE_COLUMN} must be {{"thinking": "on"|"off", "template_kwargs": {{KEY: scalar}}}}, '
+            f"found {value!r:.120}"
+        )
+    return chat_mode(value["thinking"], value["template_kwargs"])

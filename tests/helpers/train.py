@@ -3,6 +3,7 @@ trainer's first step computed by hand (no tests here)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from shards import (
     write_shard,
 )
 from shards.common.cli_options import from_options
+from shards.writer import write_cache_config
 from tools.fixtures.synthetic_cache import write_synthetic_cache
 from train.blocks import anchor_seed, sample_shard_blocks
 from train.config import TrainConfig
@@ -85,6 +87,20 @@ def hand_step_loss(model, drafter: DrafterConfig, cache: Path, cfg: TrainConfig,
     hidden_TKH = decode_context(t, reader.config).float()
     out = model(hidden_TKH, t["position_ids"], head.embed(blocks.block_ids_NB), blocks.block_pos_NB, layout)
     return block_loss(out, head, blocks, cfg.loss)
+
+
+def mix_modes(cache: Path, modes: list[dict]) -> Path:
+    """Put a cache's samples in several serving modes, as dflash-extract records mixed-mode data:
+    cache.json chat_modes, and sample i of shard b in mode (i + b) % len(modes) in the shard headers."""
+    reader = ShardReader(cache)
+    shards = {b: reader.read(b) for b in reader.batch_ids()}  # read before cache.json lists the modes
+    cfg = reader.config
+    cfg.chat_mode, cfg.chat_modes = None, modes
+    write_cache_config(cache, cfg)
+    for b, (tensors, info) in shards.items():
+        samples = [dataclasses.replace(s, mode=(i + b) % len(modes)) for i, s in enumerate(info.samples)]
+        write_shard(cache, cfg, b, tensors, samples)
+    return cache
 
 
 def rewrite_shard(cache: Path, batch_id: int, edit) -> None:

@@ -63,6 +63,7 @@ def info(cache: str, as_json: bool) -> None:
             + (f" ({s['num_long_samples']} long, stored as {s['num_pieces']} pieces)" if s["num_long_samples"] else ""),
             f"tokens           {s['num_tokens']} ({s['num_loss_tokens']} supervised)"
             + (", pieces' overlaps counted in each piece" if s["num_long_samples"] else ""),
+            *_modes(s),
             f"padding eff.     {100 * s['padding_efficiency']:.2f}%",
             f"on disk          {format_bytes(s['bytes_on_disk'])}"
             + (
@@ -74,6 +75,18 @@ def info(cache: str, as_json: bool) -> None:
         ]
     )
     _emit(s, as_json, text)
+
+
+def _modes(s: dict) -> list[str]:
+    """The serving modes the data were rendered in, with samples and tokens of each (several: a line each)."""
+    modes = s["modes"]
+    if len(modes) == 1:
+        return [f"mode             {modes[0]['described']}"]
+    return [
+        f"mode {i:<11} {m['described']}: {plural(m['num_samples'], 'sample')}, {m['num_tokens']} tokens "
+        f"({m['num_loss_tokens']} supervised)"
+        for i, m in enumerate(modes)
+    ]
 
 
 def _storage(s: dict) -> str:

@@ -34,7 +34,7 @@ from train.drafter.config import DrafterConfig
 
 TRAINING_KEY = "dflash_training"  # config.json: {"longest_response": N, "chat_mode": {...}}, what training saw
 # The trained_for entries an export carries under TRAINING_KEY (target_name is for the printed commands only).
-EXPORTED_TRAINING = ("longest_response", "chat_mode")
+EXPORTED_TRAINING = ("longest_response", "chat_mode", "chat_modes")
 
 
 def trained_for(cache: CacheConfig) -> dict[str, Any]:
@@ -43,6 +43,7 @@ def trained_for(cache: CacheConfig) -> dict[str, Any]:
         "target_name": cache.target.name,
         "longest_response": cache.dataset.longest_response if cache.dataset is not None else None,
         "chat_mode": cache.chat_mode,
+        "chat_modes": cache.chat_modes,  # data in several modes: each of them (chat_mode is then None)
     }
 
 

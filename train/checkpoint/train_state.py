@@ -61,6 +61,7 @@ class TrainState:
     target_name: str | None = None  # the target's name, for the serve commands export prints
     longest_response: int | None = None  # the longest supervised run in the cache (eval --target warns past it)
     chat_mode: dict[str, Any] | None = None  # the cache's serving mode (eval --target warns in another one)
+    chat_modes: list[dict[str, Any] | None] | None = None  # a cache of several modes: each (warned against)
 
     def __post_init__(self) -> None:
         for name in ("step", "epoch", "cursor", "tokens_seen", "skipped_shards"):

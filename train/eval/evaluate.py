@@ -54,10 +54,22 @@ log = logging.getLogger(__name__)
 
 def cache_mode(cache_cfg) -> str | None:
     """The serving mode a cache's chats were rendered in (cache.json chat_mode), as the flags say it
-    ("thinking off, reasoning_effort=\"high\""); None for token rows given as they are. One per cache:
-    evaluate one cache per mode to compare modes."""
+    ("thinking off, reasoning_effort=\"high\""); None for token rows given as they are. A cache of several
+    modes (chat_modes) names them all: the walk reports acceptance per mode then (mode_names)."""
+    if cache_cfg.chat_modes is not None:
+        return " | ".join(mode_names(cache_cfg))
     mode = cache_cfg.chat_mode
     return None if mode is None else describe_mode(mode)
+
+
+def mode_names(cache_cfg) -> tuple[str, ...]:
+    """The described modes a sample's mode index points into (CacheConfig.modes)."""
+    return tuple(describe_mode(m) for m in cache_cfg.modes)
+
+
+def mode_tag(name: str) -> str:
+    """A described mode as a metrics key's suffix: `thinking on, reasoning_effort="low"` -> `thinking_on,reasoning_effort=low`."""
+    return name.replace(", ", ",").replace(" ", "_").replace('"', "")
 
 
 @dataclass
@@ -119,6 +131,12 @@ class EvalResult:
                 for label, (value, steps) in self.walk.acceptance_by_context.items()
                 if steps
             },
+            # And each mode's, when the cache holds several.
+            **{
+                f"eval/acceptance_length_mode_{mode_tag(name)}": value
+                for name, (value, _, n) in self.walk.acceptance_by_mode.items()
+                if n
+            },
         }
         if self.data_is_target_greedy is not None:
             rec["eval/data_is_target_greedy"] = self.data_is_target_greedy
@@ -132,7 +150,13 @@ class EvalResult:
             f"held-out loss {format_figure(self.heldout_loss, '.4f')}, "
             f"random-anchor chain {format_figure(self.random_anchor_chain_length, '.3f')} (diagnostic)"
             + self._context_summary()
+            + self._mode_summary()
         )
+
+    def _mode_summary(self) -> str:
+        """ ", by mode thinking on 3.10, thinking off 2.75" when the cache holds several modes."""
+        seen = [(name, v) for name, (v, _, n) in self.walk.acceptance_by_mode.items() if n]
+        return ", by mode " + ", ".join(f"{name} {v:.3f}" for name, v in seen) if seen else ""
 
     def _context_summary(self) -> str:
         """ ", by context 0-2K 3.10, 2K-8K 2.75" when the walk's steps fall in more than one bucket."""
@@ -176,6 +200,9 @@ class EvalResult:
         hist = " ".join(str(c) for c in w.accepted_histogram)
         lines = [f"{'metric':<30}{'value':>12}", "-" * 42] + [f"{m:<30}{v:>12}" for m, v in rows]
         lines += ["acceptance by context length (the anchor's position):", *w.context_lines()] if w.steps else []
+        lines += (
+            ["acceptance by serving mode (mean over the mode's responses):", *w.mode_lines()] if w.mode_lines() else []
+        )
         lines += [
             f"accepted drafts per step, 0..{len(w.accepted_histogram) - 1}: {hist}",
             f"dtype {self.dtype}; shards {self.batch_ids}; mode {self.mode or 'token rows as given'}",
@@ -243,7 +270,8 @@ def evaluate_drafter(
     )
     rules: list[int | None] = [None, *budgets]
     edges = tuple(int(e) for e in context_edges)
-    width = len(WalkCounts(B, context_edges=edges).as_vector())
+    names = mode_names(cc)
+    width = len(WalkCounts(B, context_edges=edges, mode_names=names).as_vector())
     sums = Sums(
         {
             **{_walk_key(rule): width for rule in rules},
@@ -262,10 +290,11 @@ def evaluate_drafter(
     chunk_blocks = loss.chunk_blocks
     loss_cfg = LossConfig(gamma=loss.gamma, chunk_blocks=chunk_blocks)  # the CE alone: no KL or CAP term
     for batch_id in batch_ids[rank::world_size]:
-        tensors, _ = reader.read(batch_id, verify_checksum=True)
+        tensors, info = reader.read(batch_id, verify_checksum=True)
         hidden_TKH = decode_context(tensors, reader.config).to(device, dtype)
         ids_T, pos_T = tensors["input_ids"].to(device), tensors["position_ids"].to(device)
-        responses = response_spans(tensors["loss_mask"], tensors["cu_seqlens"], tensors.get("anchor_mask"))
+        modes = [s.mode for s in info.samples]  # sequence i of the shard is its header's sample i
+        responses = response_spans(tensors["loss_mask"], tensors["cu_seqlens"], tensors.get("anchor_mask"), modes)
         # The fused context and every layer's context K/V: once per shard, for every rule and the random anchors.
         context = model.context(hidden_TKH, pos_T, dtype)
         del hidden_TKH
@@ -281,6 +310,7 @@ def evaluate_drafter(
                 budget=rule,
                 chunk_blocks=chunk_blocks,
                 context_edges=edges,
+                mode_names=names,
             )
             sums.add(_walk_key(rule), torch.tensor(counts.as_vector(), dtype=torch.float64))
         gen = torch.Generator().manual_seed(anchor_seed(seed, batch_id=batch_id))
@@ -310,8 +340,8 @@ def evaluate_drafter(
     (target_greedy,) = host.mean("target_match")
     return EvalResult(
         dtype=str(dtype).removeprefix("torch."),
-        walk=WalkCounts.from_vector(B, host[_walk_key(None)], edges),
-        tree_walks={b: WalkCounts.from_vector(B, host[_walk_key(b)], edges) for b in budgets},
+        walk=WalkCounts.from_vector(B, host[_walk_key(None)], edges, names),
+        tree_walks={b: WalkCounts.from_vector(B, host[_walk_key(b)], edges, names) for b in budgets},
         heldout_loss=nan if ce is None else ce,
         random_anchor_chain_length=nan if chain is None else chain,
         random_anchor_slot_accuracy=[nan if a is None else a for a in slot_accuracy],

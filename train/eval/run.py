@@ -114,6 +114,7 @@ class LoadedDrafter:
     trained_on: tuple[str, list[int]] | None = None  # (cache id, batch ids) of a checkpoint's training
     longest_response: int | None = None  # the longest reply in its training cache; None = not recorded
     chat_mode: dict[str, Any] | None = None  # the serving mode its training data were rendered in; None = unknown
+    chat_modes: list[dict[str, Any]] | None = None  # training data in several modes: each known one
 
 
 def _trained_on(state: dict[str, Any]) -> tuple[str, list[int]] | None:
@@ -151,6 +152,7 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
             f"export {path}",
             longest_response=_count(training.get("longest_response")),
             chat_mode=_mode(training.get("chat_mode")),
+            chat_modes=_modes(training.get("chat_modes")),
         )
     # A named checkpoint is verified as export verifies it, the weights only: eval never reads the optimizer.
     ckpt = resolve_checkpoint(path, files=(MODEL_FILE,))
@@ -173,12 +175,19 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
         _trained_on(ckpt.state),
         longest_response=_count(ckpt.state.get("longest_response")),
         chat_mode=_mode(ckpt.state.get("chat_mode")),
+        chat_modes=_modes(ckpt.state.get("chat_modes")),
     )
 
 
 def _mode(value: Any) -> dict[str, Any] | None:
     """A recorded serving mode, or None where absent or not a mode record (older or edited files)."""
     return value if isinstance(value, dict) and "thinking" in value else None
+
+
+def _modes(value: Any) -> list[dict[str, Any]] | None:
+    """The recorded modes of training data in several, the unreadable ones left out; None where absent."""
+    modes = [m for m in map(_mode, value) if m is not None] if isinstance(value, list) else []
+    return modes or None
 
 
 def _count(value: Any) -> int | None:
@@ -271,12 +280,15 @@ def _evaluate(
             )
     loaded = load_drafter(cfg.drafter)
     cache_mode = recorded_mode(reader.config.chat_mode) if reader is not None else None
+    # A cache of several modes (chat_modes): the evaluated mode is compared with each one present.
+    cache_modes = [m for m in map(recorded_mode, reader.config.modes) if m] if reader is not None else []
     trained_mode = recorded_mode(loaded.chat_mode)
+    trained_modes = [m for m in map(recorded_mode, loaded.chat_modes or [trained_mode]) if m]
     mode = evaluated_mode(cfg, trained_mode or cache_mode)
     mode_warnings = []
     if reader is not None:
         check_fits(loaded.config, reader.config, cfg.drafter, cfg.cache)
-        mode_warnings.append(mode_mismatch(mode, cache_mode, f"cache {cfg.cache}"))
+        mode_warnings.append(mode_mismatch(mode, cache_modes or None, f"cache {cfg.cache}"))
         if loaded.trained_on is not None and loaded.trained_on[0] == reader.config.cache_id():
             trained_on = sorted(set(ids) & set(loaded.trained_on[1]))
     device = resolve_device(cfg.device, 0)
@@ -311,14 +323,19 @@ def _evaluate(
             context_edges=cfg.context_buckets,
         )
     if cfg.target is not None:
-        from train.eval.speculative import ChainProposer, build_verifier, decode_prompts, read_prompts
+        from train.eval.speculative import ChainProposer, PromptModes, build_verifier, decode_prompts, read_prompts
 
-        if reader is None or trained_mode != cache_mode:  # one warning per mode
-            mode_warnings.append(mode_mismatch(mode, trained_mode, f"the training data of {loaded.source}"))
+        if reader is None or trained_modes != cache_modes:  # one warning per set of modes
+            mode_warnings.append(mode_mismatch(mode, trained_modes or None, f"the training data of {loaded.source}"))
         kwargs = [f"{key}={json.dumps(value)}" for key, value in mode["template_kwargs"].items()]
         render = prompt_renderer(cfg.target, mode["thinking"], kwargs) if prompt_renderer else None
         # User input checked before the target loads.
-        prompts = read_prompts(cfg.prompts, loaded.config.vocab_size, cfg.max_prompts, render=render)
+        modes = (
+            PromptModes()
+        )  # each prompt's: a row may state its own (chat_mode, enable_thinking, chat_template_kwargs)
+        prompts = read_prompts(
+            cfg.prompts, loaded.config.vocab_size, cfg.max_prompts, render=render, modes=modes, evaluated=mode
+        )
         verifier = build_verifier(verifier_factory, cfg.target, loaded.config.tap_layer_ids, device, dtype)
         if verifier.lm_head_VH.shape != (loaded.config.vocab_size, loaded.config.hidden_size):
             raise ValueError(
@@ -343,6 +360,7 @@ def _evaluate(
             sampling=cfg.sampling,
             seed=cfg.seed,
             context_edges=tuple(cfg.context_buckets),
+            modes=modes,
         )
         decoding.longest_trained_response = loaded.longest_response  # the table warns when decoding ran past it
     mode_warning = "\n".join(w for w in mode_warnings if w) or None
@@ -365,15 +383,18 @@ def evaluated_mode(cfg: EvalConfig, recorded: dict | None) -> dict:
     return chat_mode(cfg.thinking or base["thinking"], {**base["template_kwargs"], **given})
 
 
-def mode_mismatch(ours: dict, recorded: dict | None, rendered: str) -> str | None:
+def mode_mismatch(ours: dict, recorded: dict | list[dict] | None, rendered: str) -> str | None:
     """A warning (logged, and returned for the table) when the serving mode evaluated differs from a
-    recorded one: that of the data `rendered` names (--cache, or a drafter's training data from its
-    checkpoint or export); None when they agree or none is recorded."""
-    if recorded is None or recorded == ours:
+    recorded one (or from every one of a list: a cache of several modes): that of the data `rendered`
+    names (--cache, or a drafter's training data from its checkpoint or export); None when they agree or
+    none is recorded."""
+    present = [recorded] if isinstance(recorded, dict) else list(recorded or [])
+    if not present or ours in present:
         return None
+    modes = " | ".join(map(describe_mode, present))
     warning = (
         f"WARNING: evaluating in serving mode {describe_mode(ours)}, but {rendered} was "
-        f"rendered in {describe_mode(recorded)}: acceptance collapses when a drafter is served in another mode "
+        f"rendered in {'one of ' if len(present) > 1 else ''}{modes}: acceptance collapses when a drafter is served in another mode "
         "than its data; pass that mode's --thinking and --template-kwarg, or evaluate on a cache made in this one"
     )
     log.warning("%s", warning)

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from shards.common.chat_mode import MODE_COLUMN, describe_mode, mode_from_value, mode_text, row_mode
 from shards.common.json_input import InputFileError, iter_json_lines
 from shards.common.progress import ProgressLog, format_duration, format_figure, plural
 from train.drafter.model import DFlashDrafter, TargetHead
@@ -318,6 +319,7 @@ class DecodeReport:
                 f"  accepted drafts per step, 0..{len(w.accepted_histogram) - 1}: "
                 + " ".join(map(str, w.accepted_histogram)),
                 *w.context_lines(),
+                *w.mode_lines(),
                 f"  output {lossless}",
                 f"  {self.speculative_tokens_per_s:.1f} tokens/s speculative vs {self.greedy_tokens_per_s:.1f} {plain} "
                 f"({self.speculative_tokens_per_s / self.greedy_tokens_per_s:.2f}x; both recompute the prefix per "
@@ -345,12 +347,14 @@ def decode_prompts(
     sampling: SamplingConfig = GREEDY,
     seed: int = 0,
     context_edges: tuple[int, ...] = CONTEXT_BUCKETS,
+    modes: PromptModes | None = None,
 ) -> DecodeReport:
     """Speculative and plain decoding of every prompt; acceptance figures as the walk's (per context_edges
-    bucket of the anchor's position too). Sampled runs draw from one generator seeded with `seed` on the
+    bucket of the anchor's position too, and per serving mode when `modes` (read_prompts') holds several). Sampled runs draw from one generator seeded with `seed` on the
     verifier's device (the same seed, the same outputs). Progress (prompts done, tokens/s of each, ETA) as a
     bar on a terminal, else a log line at most every 10 s."""
-    counts = WalkCounts(proposer.block_size, context_edges=context_edges)
+    names = modes.names if modes is not None else ("",)
+    counts = WalkCounts(proposer.block_size, context_edges=context_edges, mode_names=names)
     identical, mismatch, spec_s, plain_s = 0, [], 0.0, 0.0
     generator = torch.Generator(verifier.embed_tokens_VH.device).manual_seed(seed)
     progress = ProgressLog(log, None, len(prompts), desc="decoding", unit="prompt")
@@ -371,7 +375,7 @@ def decode_prompts(
             counts.add_step(a, labels)
             counts.add_context_step(position, tokens)
         if spec.step_tokens:
-            counts.add_response(sum(spec.step_tokens), len(spec.step_tokens))
+            counts.add_response(sum(spec.step_tokens), len(spec.step_tokens), modes.of[i] if modes is not None else 0)
     progress.close()
     total = len(prompts) * max_new_tokens
     return DecodeReport(
@@ -407,7 +411,7 @@ def _rows(path: Path):
         if "input_ids" not in table.column_names:
             raise ValueError(f"--prompts {path}: no input_ids column (columns: {table.column_names})")
         for n, row in enumerate(
-            table.select([c for c in ("input_ids", "loss_mask") if c in table.column_names]).to_pylist()
+            table.select([c for c in ("input_ids", "loss_mask", MODE_COLUMN) if c in table.column_names]).to_pylist()
         ):
             yield f"--prompts {path} row {n}", n, row
         return
@@ -420,17 +424,52 @@ def _rows(path: Path):
         ) from None
 
 
+@dataclass
+class PromptModes:
+    """The serving mode of each prompt (read_prompts): names[of[i]] describes prompt i's."""
+
+    names: tuple[str, ...] = ()
+    of: list[int] = field(default_factory=list)
+    _index: dict[str, int] = field(default_factory=dict)
+
+    def add(self, mode: dict[str, Any]) -> None:
+        key = mode_text(mode)
+        if key not in self._index:
+            self._index[key] = len(self.names)
+            self.names = (*self.names, describe_mode(mode))
+        self.of.append(self._index[key])
+
+
+def _prompt_mode(row: Any, evaluated: dict[str, Any], where: str) -> dict[str, Any]:
+    """A prompt's serving mode: a token row's chat_mode, a conversation's own mode fields over the mode
+    evaluated (as dflash-data prepare renders them), else the mode evaluated."""
+    if not isinstance(row, dict):
+        return evaluated
+    if "input_ids" in row:
+        return mode_from_value(row[MODE_COLUMN], where) if row.get(MODE_COLUMN) is not None else evaluated
+    return row_mode(row, evaluated, where)
+
+
 def read_prompts(
-    path: str | Path, vocab_size: int, max_prompts: int = 0, render: PromptRender | None = None
+    path: str | Path,
+    vocab_size: int,
+    max_prompts: int = 0,
+    render: PromptRender | None = None,
+    modes: PromptModes | None = None,
+    evaluated: dict[str, Any] | None = None,
 ) -> list[list[int]]:
     """The first `max_prompts` prompts (0 = all) of a JSON Lines file (each line a list of token ids, an
     object with "input_ids" and optionally "loss_mask": the prompt is then the tokens before the first
     supervised one, as in the dataset, or a conversation ("messages" or "conversations"), rendered by
-    `render` with the target's chat template up to its last reply) or of a Parquet dataset of token rows."""
+    `render` with the target's chat template up to its last reply) or of a Parquet dataset of token rows.
+    `modes` (given): filled with each prompt's serving mode: a token row's chat_mode, a conversation's own
+    enable_thinking / chat_template_kwargs over `evaluated`, else `evaluated` (the mode eval runs in)."""
     prompts = []
     for where, index, row in _rows(Path(path)):
         if max_prompts and len(prompts) == max_prompts:
             break
+        if modes is not None and evaluated is not None:
+            modes.add(_prompt_mode(row, evaluated, where))
         if isinstance(row, dict) and "input_ids" not in row and ("messages" in row or "conversations" in row):
             if render is None:
                 raise ValueError(

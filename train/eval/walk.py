@@ -24,6 +24,8 @@ Figures (WalkCounts):
   acceptance_by_context     per context-length bucket of the anchor's absolute position (default 0-2K,
                             2K-8K, 8K-32K, 32K+; dflash-train eval --context-buckets): tokens / steps of
                             the steps anchored there (a response crosses buckets, so pooled)
+  acceptance_by_mode        per serving mode when the cache holds several (cache.json chat_modes): the
+                            headline's mean over the responses of that mode's samples (and pooled)
 A long sample's pieces (shards/format.py) are walked over their own parts only (anchor_mask): each
 piece's responses start at its own part, as though the target had just emitted that token, and stop at
 its end; one token per piece boundary goes uncounted.
@@ -64,18 +66,23 @@ class Response(NamedTuple):
     seq_start: int
     first: int
     last: int
+    mode: int = 0  # its sample's serving mode, an index into cache.json's modes (CacheConfig.modes)
 
 
 def response_spans(
-    loss_mask_T: torch.Tensor, cu_seqlens_S1: torch.Tensor, anchor_mask_T: torch.Tensor | None = None
+    loss_mask_T: torch.Tensor,
+    cu_seqlens_S1: torch.Tensor,
+    anchor_mask_T: torch.Tensor | None = None,
+    modes: list[int] | None = None,
 ) -> list[Response]:
     """Contiguous supervised runs of every sequence with at least two tokens (one step or more), inside
-    anchor_mask when given (a piece's own part)."""
+    anchor_mask when given (a piece's own part); modes[i]: sequence i's mode (None: all mode 0)."""
     mask_T = loss_mask_T.bool() if anchor_mask_T is None else loss_mask_T.bool() & anchor_mask_T.bool()
     mask = mask_T.tolist()
     bounds = cu_seqlens_S1.tolist()
     spans = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        mode = modes[i] if modes is not None and i < len(modes) else 0
         t = start
         while t < end:
             if not mask[t]:
@@ -85,7 +92,7 @@ def response_spans(
             while t + 1 < end and mask[t + 1]:
                 t += 1
             if t > first:
-                spans.append(Response(start, first, t))
+                spans.append(Response(start, first, t, mode))
             t += 1
     return spans
 
@@ -107,6 +114,13 @@ class WalkCounts:
     context_edges: tuple[int, ...] = CONTEXT_BUCKETS
     context_steps: list[int] = field(default_factory=list)  # [C]: steps anchored in bucket c
     context_tokens: list[int] = field(default_factory=list)  # [C]: tokens those steps produced
+    # Serving modes (cache.json's modes, described): mode m's responses, their sum of tokens/steps, steps
+    # and tokens. A response stays in its sample's mode, so a mode's acceptance is the headline's mean.
+    mode_names: tuple[str, ...] = ("",)
+    mode_responses: list[int] = field(default_factory=list)  # [M]
+    mode_mean_sum: list[float] = field(default_factory=list)  # [M]
+    mode_steps: list[int] = field(default_factory=list)  # [M]
+    mode_tokens: list[int] = field(default_factory=list)  # [M]
 
     def __post_init__(self) -> None:
         B, C = self.block_size, len(self.context_edges)
@@ -116,6 +130,11 @@ class WalkCounts:
         self.context_edges = tuple(self.context_edges)
         self.context_steps = self.context_steps or [0] * C
         self.context_tokens = self.context_tokens or [0] * C
+        self.mode_names, M = tuple(self.mode_names), len(self.mode_names)
+        self.mode_responses = self.mode_responses or [0] * M
+        self.mode_mean_sum = self.mode_mean_sum or [0.0] * M
+        self.mode_steps = self.mode_steps or [0] * M
+        self.mode_tokens = self.mode_tokens or [0] * M
 
     def add_step(self, accepted: int, num_labels: int) -> None:
         """One step with `accepted` drafts out of `num_labels` slots that had a label."""
@@ -132,10 +151,14 @@ class WalkCounts:
             self.context_steps[bucket] += 1
             self.context_tokens[bucket] += tokens
 
-    def add_response(self, tokens: int, steps: int) -> None:
+    def add_response(self, tokens: int, steps: int, mode: int = 0) -> None:
         self.responses += 1
         self.tokens += tokens
         self.response_mean_sum += tokens / steps
+        self.mode_responses[mode] += 1
+        self.mode_mean_sum[mode] += tokens / steps
+        self.mode_steps[mode] += steps
+        self.mode_tokens[mode] += tokens
 
     def as_vector(self) -> list[float]:
         return [
@@ -148,15 +171,24 @@ class WalkCounts:
             *self.slot_accepted,
             *self.context_steps,
             *self.context_tokens,
+            *self.mode_responses,
+            *self.mode_mean_sum,
+            *self.mode_steps,
+            *self.mode_tokens,
         ]
 
     @classmethod
     def from_vector(
-        cls, block_size: int, v: list[float], context_edges: tuple[int, ...] = CONTEXT_BUCKETS
+        cls,
+        block_size: int,
+        v: list[float],
+        context_edges: tuple[int, ...] = CONTEXT_BUCKETS,
+        mode_names: tuple[str, ...] = ("",),
     ) -> WalkCounts:
-        B, S, C = block_size, block_size - 1, len(context_edges)
+        B, S, C, M = block_size, block_size - 1, len(context_edges), len(mode_names)
         ints = [round(x) for x in v]
         ctx = 4 + B + 2 * S
+        md = ctx + 2 * C
         return cls(
             block_size,
             ints[0],
@@ -168,7 +200,12 @@ class WalkCounts:
             ints[4 + B + S : ctx],
             tuple(context_edges),
             ints[ctx : ctx + C],
-            ints[ctx + C : ctx + 2 * C],
+            ints[ctx + C : md],
+            tuple(mode_names),
+            ints[md : md + M],
+            [float(x) for x in v[md + M : md + 2 * M]],
+            ints[md + 2 * M : md + 3 * M],
+            ints[md + 3 * M : md + 4 * M],
         )
 
     @property
@@ -192,9 +229,29 @@ class WalkCounts:
             for label, steps, tokens in zip(labels, self.context_steps, self.context_tokens)
         }
 
+    @property
+    def acceptance_by_mode(self) -> dict[str, tuple[float, float, int]]:
+        """Described mode -> (acceptance length: mean over its responses, pooled over its steps, responses);
+        empty when the data hold one mode."""
+        if len(self.mode_names) < 2:
+            return {}
+        nan = float("nan")
+        return {
+            name: (mean / n if n else nan, tokens / steps if steps else nan, n)
+            for name, n, mean, steps, tokens in zip(
+                self.mode_names, self.mode_responses, self.mode_mean_sum, self.mode_steps, self.mode_tokens
+            )
+        }
+
     def figures(self) -> dict[str, float | int | list | dict]:
-        """The walk's figures as every report writes them (eval.json, eval --out, the decode report)."""
-        by_context = self.acceptance_by_context
+        """The walk's figures as every report writes them (eval.json, eval --out, the decode report);
+        acceptance_by_mode only for data in several modes."""
+        by_context, by_mode = self.acceptance_by_context, self.acceptance_by_mode
+        per_mode = {
+            "acceptance_by_mode": {name: value for name, (value, _, _) in by_mode.items()},
+            "acceptance_by_mode_pooled": {name: pooled for name, (_, pooled, _) in by_mode.items()},
+            "responses_by_mode": {name: n for name, (_, _, n) in by_mode.items()},
+        }
         return {
             "acceptance_length": self.acceptance_length,
             "acceptance_length_pooled": self.acceptance_length_pooled,
@@ -203,7 +260,16 @@ class WalkCounts:
             "slot_acceptance": self.slot_acceptance,
             "acceptance_by_context": {label: value for label, (value, _) in by_context.items()},
             "steps_by_context": {label: steps for label, (_, steps) in by_context.items()},
+            **(per_mode if by_mode else {}),
         }
+
+    def mode_lines(self) -> list[str]:
+        """One line per mode with responses, for the printed tables (none for data in one mode)."""
+        return [
+            f"  {name}: acceptance {format_figure(value, '.3f')} ({n} responses, pooled {format_figure(pooled, '.3f')})"
+            for name, (value, pooled, n) in self.acceptance_by_mode.items()
+            if n
+        ]
 
     def context_lines(self) -> list[str]:
         """One line per context bucket with steps, for the printed tables."""
@@ -275,12 +341,14 @@ def walk_shard(
     budget: int | None = None,
     chunk_blocks: int = LossConfig.chunk_blocks,  # the loss's chunking: the same bound on logits memory
     context_edges: tuple[int, ...] = CONTEXT_BUCKETS,
+    mode_names: tuple[str, ...] = ("",),
 ) -> WalkCounts:
     """Walk every response of one packed batch (all tensors on the model's device; `layout` sized for
     T context tokens and NB lanes). context = model.context(hidden_TKH, position_ids_T, dtype): the
     shard's context K/V, computed once and shared by every round (and every rule). budget None =
     greedy chain, else DDTree at that node budget. context_edges: the context-length buckets of the
-    anchors' absolute positions (position_ids_T), counted besides.
+    anchors' absolute positions (position_ids_T), counted besides; mode_names: the serving modes the
+    responses' `mode` indexes, counted besides.
 
     flex (GPU): every round is the fixed-shape forward of all NB lanes (idle lanes included) through
     `layout`, as training runs it. sdpa (CPU, tests): no graph or compiled kernel needs a fixed shape,
@@ -289,17 +357,17 @@ def walk_shard(
     cfg = model.config
     B, S, NB = cfg.block_size, cfg.block_size - 1, layout.num_blocks
     device = input_ids_T.device
-    counts = WalkCounts(B, context_edges=context_edges)
+    counts = WalkCounts(B, context_edges=context_edges, mode_names=mode_names)
     position_of = position_ids_T.tolist()  # the anchors' absolute positions, for the buckets
     pending = list(reversed(responses))
-    lane: list[list[int] | None] = [None] * NB  # [seq_start, anchor, last, tokens, steps] per busy lane
+    lane: list[list[int] | None] = [None] * NB  # [seq_start, anchor, last, tokens, steps, mode] per busy lane
     k_B = torch.arange(B, device=device)
     compact = layout.backend == "sdpa"
     while True:
         for n in range(NB):
             if lane[n] is None and pending:
                 r = pending.pop()
-                lane[n] = [r.seq_start, r.first, r.last, 0, 0]
+                lane[n] = [r.seq_start, r.first, r.last, 0, 0, r.mode]
         busy = [n for n in range(NB) if lane[n] is not None]
         if not busy:
             return counts
@@ -348,12 +416,12 @@ def walk_shard(
             anchor_ids_N=block_ids_RB[:, 0],
         )
         for n, a in zip(busy, accepted, strict=True):
-            seq_start, anchor, last, tokens, steps = lane[n]
+            seq_start, anchor, last, tokens, steps, mode = lane[n]
             counts.add_step(a, min(S, last - anchor))
             counts.add_context_step(position_of[anchor], min(a + 1, last - anchor))
             tokens, steps, anchor = tokens + min(a + 1, last - anchor), steps + 1, anchor + a + 1
             if anchor >= last:
-                counts.add_response(tokens, steps)
+                counts.add_response(tokens, steps, mode)
                 lane[n] = None
             else:
-                lane[n] = [seq_start, anchor, last, tokens, steps]
+                lane[n] = [seq_start, anchor, last, tokens, steps, mode]

@@ -107,7 +107,9 @@ def test_prepare_parquet_input(target, tmp_path, caplog):
     said = result.output + caplog.text  # the result is said once: the `done:` line, not also a log line
     assert said.count("1 sample, ") == 1 and result.output.startswith("done: ") and "1 samples" not in said, said
     ids, mask, _ = ChatRenderer(target, thinking=False).encode(conversation_from_row({"messages": CHAIN}, "x", 0))
-    assert pq.read_table(out).to_pylist() == [{"id": "p0", "input_ids": ids.tolist(), "loss_mask": mask.tolist()}]
+    mode = '{"template_kwargs": {}, "thinking": "off"}'  # the mode the row was rendered in
+    want = {"id": "p0", "input_ids": ids.tolist(), "loss_mask": mask.tolist(), "chat_mode": mode}
+    assert pq.read_table(out).to_pylist() == [want]
 
 
 BAD_ROWS = {

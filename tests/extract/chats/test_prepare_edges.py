@@ -77,6 +77,9 @@ TOOL_ROWS = [
 ]
 
 
+OFF = '{"template_kwargs": {}, "thinking": "off"}'  # the mode column of a row rendered with --thinking off
+
+
 def test_parquet_rows_do_not_get_other_rows_keys(target, tmp_path):
     # pyarrow merges struct fields over rows: r1 read back as clock(tz, a=None, b=None), and prepare
     # rendered and supervised "<parameter=a> null"; the tools' schemas got null properties too.
@@ -89,7 +92,7 @@ def test_parquet_rows_do_not_get_other_rows_keys(target, tmp_path):
     renderer = ChatRenderer(target, thinking=False)
     for row, written in zip(TOOL_ROWS, pq.read_table(out).to_pylist()):  # as the same rows in JSON Lines give
         ids, mask, _ = renderer.encode(conversation_from_row(row, "x.jsonl", 0))
-        assert written == {"id": row["id"], "input_ids": ids.tolist(), "loss_mask": mask.tolist()}
+        assert written == {"id": row["id"], "input_ids": ids.tolist(), "loss_mask": mask.tolist(), "chat_mode": OFF}
     # A null in JSON is the row's own: kept (in a Parquet struct it cannot be told from a merged one).
     conv = conversation_from_row(
         {"messages": [{"role": "user", "content": "q"}, _call("f", {"x": None})]}, "c.jsonl", 0

@@ -168,8 +168,8 @@ def test_a_conversation_edited_in_the_data_is_regenerated_on_resume(chat_model, 
     assert again["c1"]["regenerated_from_sha256"] != first["c1"]["regenerated_from_sha256"]
 
 
-def test_prepare_reads_a_regenerate_folder_without_its_sidecar_and_names_a_thinking_mismatch(
-    target, chat_model, tmp_path, caplog
+def test_prepare_reads_a_regenerate_folder_without_its_sidecar_and_renders_each_row_in_its_own_mode(
+    target, chat_model, tmp_path
 ):
     data = write_conversations(tmp_path / "chats.jsonl", 2, multi_turn=False)
     out = tmp_path / "regen" / "out.jsonl"
@@ -177,11 +177,12 @@ def test_prepare_reads_a_regenerate_folder_without_its_sidecar_and_names_a_think
         assert _regenerate(url, data, out, thinking="off").exit_code == 0
     tokens = tmp_path / "tokens.parquet"
     args = ["prepare", "--target", str(target), "--data", str(out.parent), "--out", str(tokens), "--thinking", "on"]
-    with caplog.at_level("WARNING"):
-        result = CliRunner().invoke(data_cli, args)
+    result = CliRunner().invoke(data_cli, args)
     assert result.exit_code == 0, result.output  # the folder's out.jsonl.regenerate.json is no data
     assert pq.read_table(tokens).num_rows == 2
-    assert "regenerated with thinking off but is rendered with thinking on" in caplog.text
+    # Each regenerated row states the mode its reply was made in (chat_template_kwargs), which wins over --thinking.
+    modes = pq.read_table(tokens).column("chat_mode").to_pylist()
+    assert [json.loads(m)["thinking"] for m in modes] == ["off", "off"]
 
 
 def test_retries_after_5xx_and_timeouts(chat_model, tmp_path):

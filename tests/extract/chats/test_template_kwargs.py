@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 
 import pyarrow.parquet as pq
 import pytest
@@ -16,14 +15,14 @@ from click.testing import CliRunner
 from extract.chats.cli import main as data_cli
 from extract.chats.template import load_tokenizer
 from extract.cli import main as extract_cli
-from shards.common.chat_mode import parse_template_kwargs
+from shards.common.chat_mode import chat_mode, parse_template_kwargs
 from tests.helpers.chats import chat_target, read_rows, regenerate_args, running, write_conversations
 from tests.helpers.extract import cli_args
 from tools.cli.dflash_train import entry_point
 from tools.fixtures.tiny_server import TinyChatModel, make_server
 from train.eval.config import EvalConfig
 from train.eval.run import evaluated_mode, mode_mismatch
-from train.eval.speculative import read_prompts
+from train.eval.speculative import PromptModes, read_prompts
 
 # What Qwen3.8's template does with the keyword, in miniature: a system line naming the effort.
 EFFORT = "{%- if reasoning_effort is defined -%}{{- '<|im_start|>system\\nreasoning ' + reasoning_effort + '<|im_end|>\\n' -}}{%- endif -%}\n"
@@ -117,9 +116,10 @@ def test_extract_records_the_mode_in_cache_json(target, tmp_path):
     result = CliRunner().invoke(extract_cli, cli_args(target, prepared, two_step, token_budget=64, max_seqs=4))
     assert result.exit_code == 0, result.output
     assert json.loads((two_step / "cache.json").read_text())["chat_mode"] == want
-    # Token rows without a record: the mode is unknown, and --template-kwarg is refused with them.
+    # Token rows without a record (no summary, no chat_mode column): the mode is unknown, and
+    # --template-kwarg is refused with them.
     bare = tmp_path / "bare.parquet"
-    shutil.copy(prepared, bare)
+    pq.write_table(pq.read_table(prepared).drop_columns(["chat_mode"]), bare)
     result = CliRunner().invoke(extract_cli, cli_args(target, bare, tmp_path / "c3", token_budget=64, max_seqs=4))
     assert result.exit_code == 0 and json.loads((tmp_path / "c3/cache.json").read_text())["chat_mode"] is None
     result = CliRunner().invoke(
@@ -190,3 +190,29 @@ def test_eval_renders_conversation_prompts_in_the_mode_evaluated(target, tmp_pat
     assert read_prompts(path, 512, render=render) == [tokenizer(text, add_special_tokens=False)["input_ids"], [5, 6, 7]]
     with pytest.raises(ValueError, match="line 1: a conversation, which needs the target's chat template"):
         read_prompts(path, 512)
+
+
+def test_eval_renders_a_conversation_prompt_in_the_mode_it_states(target, tmp_path):
+    user, reply = {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"messages": [user, reply], "chat_template_kwargs": {"reasoning_effort": "low"}}, {"messages": [user]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    render = entry_point().prompt_renderer(str(target), "off", [])
+    modes = PromptModes()
+    prompts = read_prompts(path, 512, render=render, modes=modes, evaluated=chat_mode("off", {}))
+    tokenizer = load_tokenizer(target)
+    texts = [
+        tokenizer.apply_chat_template([user], add_generation_prompt=True, enable_thinking=False, tokenize=False, **kw)
+        for kw in ({"reasoning_effort": "low"}, {})
+    ]
+    assert prompts == [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert modes.names == ('thinking off, reasoning_effort="low"', "thinking off") and modes.of == [0, 1]
+
+
+def test_eval_warns_when_the_mode_is_none_of_a_mixed_caches(caplog):
+    on, off = chat_mode("on", {}), chat_mode("off", {})
+    assert mode_mismatch(off, [on, off], "cache C") is None
+    high = chat_mode("on", {"reasoning_effort": "high"})
+    with caplog.at_level(logging.WARNING):
+        warning = mode_mismatch(high, [on, off], "cache C")
+    assert warning is not None and "rendered in one of thinking on | thinking off" in warning

@@ -145,7 +145,15 @@ def test_held_out_eval_runs_every_epoch_by_default(tmp_path):
 def test_the_mode_a_cache_was_rendered_in_names_thinking_and_template_keywords():
     from train.eval.evaluate import cache_mode
 
-    assert cache_mode(SimpleNamespace(chat_mode=None)) is None
-    assert cache_mode(SimpleNamespace(chat_mode={"thinking": "off", "template_kwargs": {}})) == "thinking off"
+    def cfg(chat_mode, chat_modes=None):
+        modes = chat_modes if chat_modes is not None else [chat_mode]
+        return SimpleNamespace(chat_mode=chat_mode, chat_modes=chat_modes, modes=modes)
+
+    off = {"thinking": "off", "template_kwargs": {}}
+    assert cache_mode(cfg(None)) is None
+    assert cache_mode(cfg(off)) == "thinking off"
     both = {"thinking": "on", "template_kwargs": {"reasoning_effort": "high"}}
-    assert cache_mode(SimpleNamespace(chat_mode=both)) == 'thinking on, reasoning_effort="high"'
+    assert cache_mode(cfg(both)) == 'thinking on, reasoning_effort="high"'
+    assert (
+        cache_mode(cfg(None, [off, both, None])) == 'thinking off | thinking on, reasoning_effort="high" | unknown mode'
+    )

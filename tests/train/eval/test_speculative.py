@@ -29,6 +29,7 @@ from train.eval.evaluate import evaluate_drafter
 from train.eval.run import load_drafter
 from train.eval.speculative import (
     ChainProposer,
+    PromptModes,
     decode_prompts,
     plain_generate,
     read_prompts,
@@ -211,3 +212,44 @@ def test_eval_cli_samples_at_a_temperature_reproducibly(setup, tmp_path):
     assert 1.0 <= runs[0]["acceptance_length"] <= 4.0  # tokens per verify step, block size 4
     res = CliRunner().invoke(train_cli, [*base, "--top-p", "0.9"], obj=entry_point())
     assert res.exit_code == 2 and "--temperature 0 is greedy" in res.output, res.output
+
+
+def test_acceptance_per_prompt_mode_equals_decoding_each_modes_prompts_alone(setup):
+    root, target, samples = setup
+    model, cfg = _drafter(root)
+    verifier = TargetVerifier(target, cfg.tap_layer_ids, "cpu", torch.float32)
+    proposer = ChainProposer(model, TargetHead(verifier.embed_tokens_VH, verifier.lm_head_VH))
+    prompts = [s.input_ids[: int(s.loss_mask.argmax())].tolist() for s in samples[:8]]
+    on, off = {"thinking": "on", "template_kwargs": {}}, {"thinking": "off", "template_kwargs": {}}
+    modes = PromptModes()
+    for i in range(len(prompts)):
+        modes.add(off if i % 3 == 1 else on)
+    report = decode_prompts(proposer, verifier, prompts, NEW_TOKENS, modes=modes)
+    by_mode = report.walk.acceptance_by_mode
+    assert set(by_mode) == {"thinking on", "thinking off"}
+    for name, m in (("thinking on", 0), ("thinking off", 1)):
+        alone = decode_prompts(proposer, verifier, [p for p, k in zip(prompts, modes.of) if k == m], NEW_TOKENS)
+        value, pooled, responses = by_mode[name]
+        assert responses == alone.walk.responses > 0
+        assert value == pytest.approx(alone.walk.acceptance_length, abs=1e-12)
+        assert pooled == pytest.approx(alone.walk.acceptance_length_pooled, abs=1e-12)
+    assert report.to_dict()["acceptance_by_mode"] == {name: v for name, (v, _, _) in by_mode.items()}
+    assert "thinking off: acceptance" in report.table()
+
+
+def test_read_prompts_takes_each_token_rows_mode(tmp_path):
+    path = tmp_path / "p.jsonl"
+    low = {"thinking": "on", "template_kwargs": {"reasoning_effort": "low"}}
+    rows = [
+        {"input_ids": [1, 2]},
+        {"input_ids": [3], "chat_mode": low},
+        {"input_ids": [4], "chat_mode": json.dumps(low)},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    modes = PromptModes()
+    evaluated = {"thinking": "off", "template_kwargs": {}}
+    assert read_prompts(path, 8, modes=modes, evaluated=evaluated) == [[1, 2], [3], [4]]
+    assert modes.names == ("thinking off", 'thinking on, reasoning_effort="low"') and modes.of == [0, 1, 1]
+    path.write_text(json.dumps({"input_ids": [1], "chat_mode": {"thinking": "maybe"}}) + "\n")
+    with pytest.raises(ValueError, match="line 1: chat_mode must be"):
+        read_prompts(path, 8, modes=PromptModes(), evaluated=evaluated)

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from shards import ShardReader, decode_hidden, load_target_head
+from shards.common.chat_mode import describe_mode
 from tests.helpers.drafter import drafter_for_target
-from tests.helpers.train import rewrite_shard, tiny_cache
+from tests.helpers.train import mix_modes, rewrite_shard, tiny_cache
 from train.drafter.attention import BlockAttentionLayout
 from train.drafter.model import DFlashDrafter, TargetHead
 from train.eval.evaluate import evaluate_drafter
@@ -161,11 +162,58 @@ def test_walk_equals_brute_force_per_response_loop(tmp_path, budget, lanes, back
     assert sum(total.context_steps) == total.steps and sum(total.context_tokens) == total.tokens
     assert sum(total.accepted_histogram[1:]) > 0, "the test needs some accepted drafts to mean anything"
     assert total.tokens == sum(
-        last - first
-        for _, first, last in (
-            r for b in (0, 1) for r in response_spans(reader.read(b)[0]["loss_mask"], reader.read(b)[0]["cu_seqlens"])
-        )
+        r.last - r.first
+        for b in (0, 1)
+        for r in response_spans(reader.read(b)[0]["loss_mask"], reader.read(b)[0]["cu_seqlens"])
     )
+
+
+MODES = [{"thinking": "on", "template_kwargs": {}}, {"thinking": "off", "template_kwargs": {}}]
+MODES.append({"thinking": "on", "template_kwargs": {"reasoning_effort": "low"}})
+
+
+def test_acceptance_per_mode_equals_a_brute_force_walk_of_each_modes_samples(tmp_path):
+    cache = mix_modes(_multi_turn_cache(tmp_path), MODES)
+    model = _confident_drafter()
+    head_t = load_target_head(cache)
+    head = TargetHead(head_t["embed_tokens"].double(), head_t["lm_head"].double())
+    reader = ShardReader(cache)
+    result = evaluate_drafter(model, head, str(cache), [0, 1], budgets=(3,), context_edges=EDGES)
+    for walk, budget in ((result.walk, None), (result.tree_walks[3], 3)):
+        for m, mode in enumerate(MODES):
+            # The reference: the brute-force walk over the shards with every other mode's supervision removed
+            # (a sequence's context is its own prefix, so the others do not change it).
+            want = WalkCounts(B, context_edges=EDGES)
+            for b in (0, 1):
+                t, info = reader.read(b)
+                t = dict(t)
+                t["loss_mask"] = t["loss_mask"].clone()
+                cu = t["cu_seqlens"].tolist()
+                for i, s in enumerate(info.samples):
+                    if s.mode != m:
+                        t["loss_mask"][cu[i] : cu[i + 1]] = 0
+                ref = brute_force_walk(model, head, t, budget)
+                want = WalkCounts.from_vector(B, [x + y for x, y in zip(want.as_vector(), ref.as_vector())], EDGES)
+            value, pooled, responses = walk.acceptance_by_mode[describe_mode(mode)]
+            assert want.responses > 0 and responses == want.responses, (budget, m)
+            assert value == pytest.approx(want.acceptance_length, abs=1e-12), (budget, m)
+            assert pooled == pytest.approx(want.acceptance_length_pooled, abs=1e-12), (budget, m)
+    figures = result.to_dict()
+    assert set(figures["acceptance_by_mode"]) == {describe_mode(m) for m in MODES}
+    assert 'thinking on, reasoning_effort="low"' in result.table() and "by serving mode" in result.table()
+    record = result.to_record()
+    assert "eval/acceptance_length_mode_thinking_on,reasoning_effort=low" in record
+    assert "by mode thinking on" in result.summary_line()
+
+
+def test_a_cache_of_one_mode_reports_no_per_mode_split(tmp_path):
+    cache = _multi_turn_cache(tmp_path)
+    head_t = load_target_head(cache)
+    head = TargetHead(head_t["embed_tokens"].double(), head_t["lm_head"].double())
+    result = evaluate_drafter(_confident_drafter(), head, str(cache), [0, 1], budgets=(), context_edges=EDGES)
+    assert result.walk.acceptance_by_mode == {} and "acceptance_by_mode" not in result.to_dict()
+    assert "by serving mode" not in result.table() and "by mode" not in result.summary_line()
+    assert not any("_mode_" in key for key in result.to_record())
 
 
 class _Recomputing(DFlashDrafter):
@@ -251,10 +299,10 @@ def test_always_right_gives_block_size_and_always_wrong_gives_one(tmp_path, righ
         assert got.accepted_histogram[0] == got.steps
         return
     # Every step but a response's last yields B tokens; the last one what is left.
-    steps = [-(-(last - first) // B) for _, first, last in responses]
+    steps = [-(-(r.last - r.first) // B) for r in responses]
     assert got.steps == sum(steps)
     assert got.acceptance_length == pytest.approx(
-        sum((last - first) / n for (_, first, last), n in zip(responses, steps)) / len(responses)
+        sum((r.last - r.first) / n for r, n in zip(responses, steps)) / len(responses)
     )
     assert got.accepted_histogram[B - 1] >= got.steps - len(responses)
     assert got.slot_acceptance == [1.0] * (B - 1)

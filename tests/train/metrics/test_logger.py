@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 
 import pytest
 import torch
+from click.testing import CliRunner
 
-from tests.helpers.train import read_records, tiny_cache, tiny_config
+from tests.helpers.train import mix_modes, read_records, tiny_cache, tiny_config
+from train.cli import main as train_cli
 from train.loop import run_training
 from train.metrics.logger import MetricsLogger, StepTotals
 
@@ -141,6 +144,34 @@ def test_exact_key_sets_of_training_and_eval_records(tmp_path):
     assert [r["step"] for r in evals] == [0, 2]  # the untrained drafter, then the end of training
     for r in evals:
         assert set(r) == want_eval, sorted(set(r) ^ want_eval)
+
+
+def test_the_in_training_eval_logs_acceptance_per_mode_of_a_mixed_cache(tmp_path):
+    """Each mode with responses in the held-out shard gets its curve (eval/acceptance_length_mode_*)."""
+    modes = [
+        {"thinking": "on", "template_kwargs": {}},
+        {"thinking": "off", "template_kwargs": {"reasoning_effort": "low"}},
+    ]
+    cache = mix_modes(tiny_cache(tmp_path / "cache", num_batches=3), modes)
+    run_training(tiny_config(cache, tmp_path / "run", max_steps=2, metrics_every=2, eval_shards=1))
+    evals = [r for r in _all_records(tmp_path / "run") if r.get("event") == "eval"]
+    keys = {"eval/acceptance_length_mode_thinking_on", "eval/acceptance_length_mode_thinking_off,reasoning_effort=low"}
+    assert evals and all(keys <= set(r) for r in evals), sorted(evals[0])
+    for r in evals:  # the responses' mean over both modes lies between the modes' own means
+        low, high = sorted(r[k] for k in keys)
+        assert low - 1e-9 <= r["eval/acceptance_length"] <= high + 1e-9
+    # `dflash-train eval` on the same held-out shard: the same figures per mode, in its JSON and table.
+    out = tmp_path / "eval.json"
+    args = ["eval", "--drafter", str(tmp_path / "run"), "--cache", str(cache), "--eval-shards", "1"]
+    result = CliRunner().invoke(train_cli, [*args, "--budgets", "", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    by_mode = json.loads(out.read_text())["acceptance_by_mode"]
+    assert by_mode == {"thinking on": pytest.approx(evals[-1]["eval/acceptance_length_mode_thinking_on"])} | {
+        'thinking off, reasoning_effort="low"': pytest.approx(
+            evals[-1]["eval/acceptance_length_mode_thinking_off,reasoning_effort=low"]
+        )
+    }
+    assert "acceptance by serving mode" in result.output
 
 
 def test_named_sums_against_a_float64_loop():
