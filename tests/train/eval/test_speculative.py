@@ -31,8 +31,10 @@ from train.eval.speculative import (
     ChainProposer,
     decode_prompts,
     plain_generate,
+    plain_generate_many,
     read_prompts,
     speculative_generate,
+    speculative_generate_many,
 )
 from train.loop import run_training
 from train.optim import OptimConfig
@@ -211,3 +213,41 @@ def test_eval_cli_samples_at_a_temperature_reproducibly(setup, tmp_path):
     assert 1.0 <= runs[0]["acceptance_length"] <= 4.0  # tokens per verify step, block size 4
     res = CliRunner().invoke(train_cli, [*base, "--top-p", "0.9"], obj=entry_point())
     assert res.exit_code == 2 and "--temperature 0 is greedy" in res.output, res.output
+
+
+class _OneAtATime:
+    """The verifier without its packed calls: decoding falls back to one target forward per sequence."""
+
+    def __init__(self, verifier):
+        self.target = verifier
+        self.embed_tokens_VH, self.lm_head_VH = verifier.embed_tokens_VH, verifier.lm_head_VH
+
+    def __call__(self, input_ids_L):
+        return self.target(input_ids_L)
+
+    def next_token_logits(self, input_ids_L, num_last):
+        return self.target.next_token_logits(input_ids_L, num_last)
+
+
+def test_lockstep_decoding_equals_one_prompt_at_a_time(setup):
+    """Prompts of different lengths decoded together (one packed verify per step) give each prompt the
+    tokens and steps of its own decoding with one forward per sequence; the packed logits equal them too."""
+    root, target, samples = setup
+    model, cfg = _drafter(root)
+    packed = TargetVerifier(target, cfg.tap_layer_ids, "cpu", torch.float32)
+    single = _OneAtATime(packed)
+    proposer = ChainProposer(model, TargetHead(packed.embed_tokens_VH, packed.lm_head_VH))
+    prompts = [s.input_ids[: int(s.loss_mask.argmax())].tolist() for s in samples[:7]]
+    assert len({len(p) for p in prompts}) > 1, "the test needs prompts of different lengths"
+    together = speculative_generate_many(proposer, packed, prompts, NEW_TOKENS)
+    plain = plain_generate_many(packed, prompts, NEW_TOKENS)
+    for prompt, spec, greedy in zip(prompts, together, plain, strict=True):
+        alone = speculative_generate(proposer, single, prompt, NEW_TOKENS)
+        assert spec.tokens == alone.tokens == greedy.tokens == plain_generate(single, prompt, NEW_TOKENS).tokens
+        assert (spec.step_accepted, spec.step_positions) == (alone.step_accepted, alone.step_positions)
+    assert len({len(s.step_tokens) for s in together}) > 1, "prompts should finish after different step counts"
+    ids = [torch.tensor(p) for p in prompts]
+    for (logits, hidden), ids_L in zip(packed.next_token_logits_many(ids, 3), ids, strict=True):
+        want_logits, want_hidden = packed.next_token_logits(ids_L, 3)
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)

@@ -94,6 +94,15 @@ ROWS: tuple[Row, ...] = (
         for normalize in ("per-tap", "none")
         for n in PCA_FRACTIONS
     ),
+    # FP8 drafter training (issue 32): the proxy target's hidden size (256) and vocabulary (4096) are
+    # multiples of 16, so the head's GEMMs run FP8 too; a linear that is not stays bf16 (train/drafter/fp8.py).
+    Row(
+        name="fp8-train",
+        what="the drafter trained on FP8 matmuls: its linears and the frozen LM head's GEMMs in e4m3 (torchao "
+        "float8 training, tensorwise scales; dflash-train --fp8 linears+head), bf16 cache",
+        train_options={"--fp8": "linears+head"},
+        needs_cuda=True,
+    ),
     # DFlash 2 (issue 29) in the published layout, every layer sliding: sliding-all is DFlash 1 in that
     # layout, so dflash2 against it is the architecture alone; dflash2-swap against dflash2 the objective's
     # one open choice (gold token outside the top-K: slot dropped, or swapped into the candidates).
