@@ -35,6 +35,8 @@ class Row:
     """dflash-train train flags and their values, over the table's own; None: a flag that takes no value."""
     needs_cuda: bool = False
     """Runs only on CUDA; elsewhere the row is reported as skipped, never run on a stand-in path."""
+    versus: str | None = None
+    """The row this one is compared with, when not the baseline (the row that differs from it by this choice alone)."""
 
     def extract_settings(self, settings: Mapping[str, Any]) -> dict[str, str | None]:
         return _filled(self.extract_options, settings)
@@ -110,6 +112,18 @@ ROWS: tuple[Row, ...] = (
         name="sliding-all",
         what="all 5 drafter layers sliding-window ({sliding_window} tokens): the DFlash 2 rows' layout in DFlash 1",
         train_options={"--layer-types": ",".join(["sliding"] * 5), "--sliding-window": "{sliding_window}"},
+    ),
+    # Long context (issue 31): sliding-all's drafter, its training samples kept whole. The table's held-out
+    # caches are the same for every row (--heldout-token-budget keeps long held-out samples whole there too),
+    # so against sliding-all, which cuts training samples at --token-budget, this is long training data alone.
+    Row(
+        name="long-context",
+        what="sliding-all trained on long samples kept whole: training samples of up to {max_seq_len} tokens run "
+        "through the target as one sequence, stored as pieces (dflash-extract --max-seq-len {max_seq_len} "
+        "--piece-context {sliding_window}), instead of cut at {token_budget} tokens",
+        extract_options={"--max-seq-len": "{max_seq_len}", "--piece-context": "{sliding_window}"},
+        train_options={"--layer-types": ",".join(["sliding"] * 5), "--sliding-window": "{sliding_window}"},
+        versus="sliding-all",
     ),
     *(
         Row(
