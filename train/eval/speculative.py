@@ -91,6 +91,9 @@ class DraftProposer(Protocol):
         positions before it [L, K, H]."""
         ...
 
+    # Optional (ChainProposer has it): propose_many(contexts_LKH, anchors, sampling, generator) -> list[Proposal],
+    # __call__ of several sequences in one drafter forward. A proposer without it is called once per sequence.
+
 
 @dataclass
 class ChainProposer:
@@ -122,9 +125,43 @@ class ChainProposer:
         hidden_BH = self.model.forward_block(context_LKH.to(dtype), pos[:p], head.embed(block_B), pos[p:])
         if sampling.greedy:
             return Proposal(self.model.greedy_drafts(hidden_BH[1:], head, block_B[0]).tolist())
-        if cfg.is_dflash2:
-            return self._sampled_selector_walk(hidden_BH[1:], anchor, sampling.temperature, generator)
-        logits_SV = self.model.draft_logits(hidden_BH[1:], head).float()
+        return self._sampled(hidden_BH[1:], anchor, sampling, generator)
+
+    def propose_many(
+        self,
+        contexts_LKH: list[torch.Tensor],
+        anchors: list[int],
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> list[Proposal]:
+        """__call__ for several sequences, their blocks in one drafter forward (DFlashDrafter.forward_blocks);
+        sampled drafts are drawn block after block, in the order given."""
+        if len(contexts_LKH) == 1:
+            return [self(contexts_LKH[0], anchors[0], sampling, generator)]
+        model, head = self.model, self.head
+        device, dtype = head.embed_tokens_VH.device, head.embed_tokens_VH.dtype
+        if self.context_dtype is not None:
+            contexts_LKH = [c.to(self.context_dtype) for c in contexts_LKH]
+        N, B = len(contexts_LKH), self.block_size
+        block_NB = torch.full((N, B), model.config.mask_token_id, device=device, dtype=torch.long)
+        block_NB[:, 0] = torch.tensor(anchors, device=device)
+        lengths_N1 = torch.tensor([c.shape[0] for c in contexts_LKH], device=device)[:, None]
+        pos_NB = lengths_N1 + torch.arange(B, device=device)
+        hidden_NSH = model.forward_blocks([c.to(dtype) for c in contexts_LKH], head.embed(block_NB), pos_NB)[:, 1:]
+        if sampling.greedy:
+            if model.config.is_dflash2:
+                drafts_NS = model.selector_path(hidden_NSH, head, block_NB[:, 0])
+            else:
+                drafts_NS = model.draft_logits(hidden_NSH.flatten(0, 1), head).float().argmax(-1).view(N, B - 1)
+            return [Proposal(row) for row in drafts_NS.tolist()]
+        return [self._sampled(h_SH, a, sampling, generator) for h_SH, a in zip(hidden_NSH, anchors, strict=True)]
+
+    def _sampled(
+        self, hidden_SH: torch.Tensor, anchor: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> Proposal:
+        if self.model.config.is_dflash2:
+            return self._sampled_selector_walk(hidden_SH, anchor, sampling.temperature, generator)
+        logits_SV = self.model.draft_logits(hidden_SH, self.head).float()
         q = [DraftDistribution(probs_V) for probs_V in serving_probs(logits_SV, sampling)]
         return Proposal([slot.sample(generator) for slot in q], q)
 
@@ -204,10 +241,12 @@ def speculative_generate_many(
     sampling: SamplingConfig = GREEDY,
     generator: torch.Generator | None = None,
 ) -> list[Decoded]:
-    """speculative_generate of every prompt in lockstep: each step drafts for every unfinished prompt, then
-    verifies all of them in one target call (a packed forward with a verifier that has verify_many). Each
-    prompt's tokens and steps are exactly those of its own speculative_generate (greedy); at T > 0 the
-    prompts' draws interleave on the one generator. Each Decoded's seconds: an equal share of the call's."""
+    """speculative_generate of every prompt in lockstep: each step drafts for every unfinished prompt (in one
+    drafter forward with a proposer that has propose_many), then verifies all of them in one target call (a
+    packed forward with a verifier that has verify_many). Greedy, each prompt's tokens are the target's
+    greedy tokens as alone, and its steps those of its own speculative_generate up to the rounding of the
+    packed forwards (a near-tie between two drafts can go the other way); at T > 0 the prompts' draws
+    interleave on the one generator. Each Decoded's seconds: an equal share of the call's."""
     S = proposer.block_size - 1
     device = verifier.embed_tokens_VH.device
     t0 = time.perf_counter()
@@ -216,12 +255,18 @@ def speculative_generate_many(
     hidden = [hidden_LKH for _, hidden_LKH in first]
     active = [i for i, r in enumerate(results) if len(r.tokens) < max_new_tokens]
     while active:
-        steps = []
-        for i in active:
-            out = results[i].tokens
-            p = len(prompts[i]) + len(out) - 1  # the anchor's position
-            drafts = proposer(hidden[i][:p], out[-1], sampling, generator)
-            steps.append((i, p, drafts, min(S, max_new_tokens - len(out))))
+        positions = [len(prompts[i]) + len(results[i].tokens) - 1 for i in active]  # the anchors'
+        contexts = [hidden[i][:p] for i, p in zip(active, positions, strict=True)]
+        anchors = [results[i].tokens[-1] for i in active]
+        many = getattr(proposer, "propose_many", None)
+        if many is not None:
+            proposals = many(contexts, anchors, sampling, generator)
+        else:
+            proposals = [proposer(c, a, sampling, generator) for c, a in zip(contexts, anchors, strict=True)]
+        steps = [
+            (i, p, drafts, min(S, max_new_tokens - len(results[i].tokens)))
+            for i, p, drafts in zip(active, positions, proposals, strict=True)
+        ]
         ids = [torch.tensor(prompts[i] + results[i].tokens + d.tokens, device=device) for i, _, d, _ in steps]
         for (i, p, drafts, labels), (target, hidden_LKH) in zip(steps, _verify(verifier, ids, sampling, S + 1)):
             hidden[i] = hidden_LKH

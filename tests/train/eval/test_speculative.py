@@ -4,6 +4,7 @@ same figures (fp32). Also the whose-tokens check (data == target top-1 on such a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -24,7 +25,7 @@ from tools.cli.verifier import TargetVerifier
 from tools.fixtures.demo_data import greedy_continuations
 from tools.fixtures.tiny_target import write_random_checkpoint
 from train.cli import main as train_cli
-from train.drafter.model import TargetHead
+from train.drafter.model import DFlashDrafter, TargetHead
 from train.eval.evaluate import evaluate_drafter
 from train.eval.run import load_drafter
 from train.eval.speculative import (
@@ -251,3 +252,30 @@ def test_lockstep_decoding_equals_one_prompt_at_a_time(setup):
         want_logits, want_hidden = packed.next_token_logits(ids_L, 3)
         torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
+
+
+def test_blocks_of_several_sequences_in_one_forward_equal_one_forward_each(setup):
+    """forward_blocks (lockstep drafting) against forward_block per sequence, in float32: prefixes of other
+    lengths packed together, each block at its own positions, none seeing another sequence."""
+    root, target, samples = setup
+    trained, cfg = _drafter(root)
+    # Its layers, then the same weights in sliding layers of a window shorter than the prefixes.
+    layers = trained.config.num_layers
+    sliding = dataclasses.replace(trained.config, layer_types=["sliding_attention"] * layers, sliding_window=4)
+    for model in (trained, DFlashDrafter(sliding).eval()):
+        model.load_state_dict(trained.state_dict())
+        _blocks_together_and_alone(model, TargetVerifier(target, cfg.tap_layer_ids, "cpu", torch.float32), samples)
+
+
+def _blocks_together_and_alone(model, verifier, samples):
+    head = TargetHead(verifier.embed_tokens_VH, verifier.lm_head_VH)
+    hidden = [verifier(torch.as_tensor(s.input_ids))[1][: 5 + 3 * n] for n, s in enumerate(samples[:4])]
+    B = model.config.block_size
+    block_NB = torch.full((4, B), model.config.mask_token_id)
+    block_NB[:, 0] = torch.tensor([int(s.input_ids[5 + 3 * n]) for n, s in enumerate(samples[:4])])
+    pos_NB = torch.tensor([h.shape[0] for h in hidden])[:, None] + torch.arange(B)
+    with torch.no_grad():
+        together = model.forward_blocks(hidden, head.embed(block_NB), pos_NB)
+        for n, h in enumerate(hidden):
+            alone = model.forward_block(h, torch.arange(h.shape[0]), head.embed(block_NB[n]), pos_NB[n])
+            torch.testing.assert_close(together[n], alone, rtol=1e-4, atol=1e-5)
