@@ -92,7 +92,8 @@ class EvalConfig:
     decode_batch: int = DECODE_BATCH
     """--target decoding: prompts decoded together in lockstep, each step verifying all of them in one
     packed target forward (greedy outputs are each prompt's own; at --temperature the prompts' draws
-    interleave, so the draws depend on it); 1 = one prompt at a time."""
+    interleave, so the draws depend on it); 1 = one prompt at a time. The batch's whole prefixes are in
+    one forward: lower it when they do not fit the device's memory together."""
     context_buckets: list[int] = field(default_factory=lambda: list(CONTEXT_BUCKETS))
     """Acceptance is also reported per context-length bucket of the anchor's position: the buckets'
     lower edges in tokens, from 0, increasing (the last bucket is open)."""
