@@ -1,5 +1,6 @@
 """The table itself: per row, mean and spread over seeds of each figure, and which differences from the
-baseline row are within the spread; as JSON (table.json) and Markdown (table.md, for BENCHMARKS.md).
+baseline row (or the row's own reference, Row.versus) are within the spread; as JSON (table.json) and
+Markdown (table.md, for BENCHMARKS.md; per-bucket figures in a second table under the first).
 
 Spread of a row = max - min over its seeds (std is given too). A row's difference from the baseline is
 "within the spread" when |mean - baseline mean| is at most the larger of the two rows' spreads: a

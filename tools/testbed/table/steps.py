@@ -1,7 +1,9 @@
 """One row and seed of the table through the real CLIs: the row's caches, a drafter, its figures.
 
     dflash-extract  the training and the held-out prompts' data, with the table's options and the row's over
-                    them (WORK/caches/<digest>/train and heldout; rows with equal options share them)
+                    them (WORK/caches/<digest>/train and heldout; rows with equal options share them); the
+                    held-out cache never in pieces, in batches of --heldout-token-budget when given, so a
+                    long-context row is walked on the same whole samples as the others
     dflash-train train   --max-steps steps on the training cache, the seed, the table's and the row's options;
                     --resume, so a run cut by a time limit continues from its last checkpoint
     dflash-train eval    the decoding walk on the held-out cache (acceptance, held-out loss) and real greedy
@@ -10,7 +12,8 @@
                     seeded with the training seed: each seed's drafter meets its own draws)
 
 Figures of a result: walk_acceptance, real_acceptance (tokens per target forward, mean over responses),
-sampled_acceptance (the same at T; None when T = 0), heldout_loss (random-anchor blocks of the held-out
+sampled_acceptance (the same at T; None when T = 0), walk_acceptance@BUCKET and real_acceptance@BUCKET
+(per context bucket of the anchor's position, eval's --context-buckets; NaN or None where no step was), heldout_loss (random-anchor blocks of the held-out
 cache), bytes_per_token (the training cache's own figure, as `dflash-shards info` prints it) and
 real_lossless (greedy real decoding gave plain greedy's tokens).
 
