@@ -13,9 +13,9 @@
 
 Figures of a result: walk_acceptance, real_acceptance (tokens per target forward, mean over responses),
 sampled_acceptance (the same at T; None when T = 0), walk_acceptance@BUCKET and real_acceptance@BUCKET
-(per context bucket of the anchor's position, eval's --context-buckets; NaN or None where no step was), heldout_loss (random-anchor blocks of the held-out
-cache), bytes_per_token (the training cache's own figure, as `dflash-shards info` prints it) and
-real_lossless (greedy real decoding gave plain greedy's tokens).
+(per context bucket of the anchor's position, eval's --context-buckets; NaN or None where no step was),
+heldout_loss (random-anchor blocks of the held-out cache), bytes_per_token (the training cache's own
+figure, as `dflash-shards info` prints it) and real_lossless (greedy real decoding gave plain greedy's tokens).
 
 Each result carries the fingerprint of everything it depends on (`result_identity`): the data's content,
 the cache options, the training and evaluation options, the seed and the device; nothing else.
