@@ -380,10 +380,11 @@ class DFlashDrafter(nn.Module):
         forward under the training forward's block attention (no block sees another sequence); [N, B, H]."""
         N, B, H = block_embed_NBH.shape
         dtype, device = block_embed_NBH.dtype, block_embed_NBH.device
-        lengths = torch.tensor([h.shape[0] for h in hidden_LKH], device=device)
+        sizes = [h.shape[0] for h in hidden_LKH]  # host ints: no device sync per sequence
+        lengths = torch.tensor(sizes, device=device)
         ends_N = lengths.cumsum(0)
         ctx_TH = self.fuse_context(torch.cat([self.context_of_taps(h.to(dtype)) for h in hidden_LKH]))
-        position_ids_T = torch.cat([torch.arange(int(n), device=device) for n in lengths])
+        position_ids_T = torch.cat([torch.arange(n, device=device) for n in sizes])
         layout = BlockAttentionLayout.for_drafter(
             self.config, num_ctx=ctx_TH.shape[0], num_blocks=N, backend="sdpa", device=device
         ).update((ends_N - lengths).to(torch.int32), ends_N.to(torch.int32))  # block n's anchor follows its prefix
