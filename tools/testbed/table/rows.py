@@ -100,8 +100,9 @@ ROWS: tuple[Row, ...] = (
     # multiples of 16, so the head's GEMMs run FP8 too; a linear that is not stays bf16 (train/drafter/fp8.py).
     Row(
         name="fp8-train",
-        what="the drafter trained on FP8 matmuls: its linears and the frozen LM head's GEMMs in e4m3 (torchao "
-        "float8 training, tensorwise scales; dflash-train --fp8 linears+head), bf16 cache",
+        what="the drafter trained on FP8 matmuls: its linears and the frozen LM head's two GEMMs in the loss "
+        "(torchao float8 training: e4m3 forward, e5m2 gradients, tensorwise scales; dflash-train --fp8 "
+        "linears+head), bf16 cache",
         train_options={"--fp8": "linears+head"},
         needs_cuda=True,
     ),
