@@ -422,8 +422,24 @@ class TargetModel(nn.Module):
         device = self.embed_tokens.weight.device
         cu = torch.tensor([0, T], dtype=torch.int32, device=device)
         positions_T = torch.arange(T, device=device)
-        hidden_TKH, last_TH = self._run(input_ids_T, positions_T, cu, tap_layer_ids, to_end=True)
-        return hidden_TKH, self._head_logits(last_TH[T - num_last :])
+        rows = torch.arange(T - num_last, T, device=device)
+        return self.rows_logits(input_ids_T, positions_T, cu, tap_layer_ids, rows)
+
+    @torch.inference_mode()
+    def rows_logits(
+        self,
+        input_ids_T: torch.Tensor,
+        position_ids_T: torch.Tensor,
+        cu_seqlens_S1: torch.Tensor,
+        tap_layer_ids: list[int],
+        rows_X: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden_TKH, logits_XV fp32): taps of packed sequences as forward_packed, plus the full next-token
+        logits after the positions `rows_X` (several sequences' last positions in one forward)."""
+        if not self.with_head:
+            raise ValueError("rows_logits needs the LM head: build with from_pretrained(..., with_head=True)")
+        hidden_TKH, last_TH = self._run(input_ids_T, position_ids_T, cu_seqlens_S1, tap_layer_ids, to_end=True)
+        return hidden_TKH, self._head_logits(last_TH[rows_X])
 
     def _head_logits(self, last_XH: torch.Tensor) -> torch.Tensor:
         """Next-token logits [X, V] fp32 from the last layer's output: final norm + LM head."""

@@ -21,6 +21,7 @@ import torch
 from click.testing import CliRunner
 
 from extract.target.config import TargetConfig
+from shards.common.errors import UserError
 from tests.helpers.chats import chat_target
 from tools.fixtures.demo_data import demo_conversations
 from tools.fixtures.tiny_target import tiny_config_dict
@@ -31,6 +32,7 @@ from tools.testbed.table.rows import PCA_FRACTIONS, ROWS
 from tools.testbed.table.run import SKIPPED_NO_CUDA, run_table
 from tools.testbed.table.steps import RESULT_VERSION, Plan
 from tools.testbed.table.store import WorkDir, WorkDirError
+from train.loss.head_gemms import require_fp8_head
 
 BLOCK_SIZE = 8  # the table's --block-size in these runs (not dflash-train's default 16, so that it shows)
 NUM_TAPS = 5  # dflash-extract's default number of taps
@@ -323,3 +325,81 @@ def test_the_sampled_column_is_tabulated_beside_the_greedy_one_or_left_out_at_t0
     assert [f.key for f in greedy_only] == ["walk_acceptance", "real_acceptance", "heldout_loss"]
     text = markdown(build_table(rows({"base": [None] * 3}), "base", greedy_only), "caption", greedy_only)
     assert "T=" not in text and "| base (baseline) | 2.000 [2.000, 2.000] | 1.500 [1.500, 1.500] | 3.0000" in text
+
+
+def test_the_fp8_train_row_runs_the_heads_gemms_in_fp8_on_the_proxy_target():
+    """--fp8 linears+head, CUDA only; the proxy target's head fits FP8 GEMMs (dflash-train would refuse otherwise)."""
+    row = next(row for row in ROWS if row.name == "fp8-train")
+    assert row.needs_cuda and row.train_options == {"--fp8": "linears+head"} and not row.extract_options
+    proxy = TargetConfig.from_dir(Path(__file__).parents[2] / "tools" / "testbed" / "proxy_target")
+    require_fp8_head(proxy.vocab_size, proxy.hidden_size)  # raises for a head that is not a multiple of 16
+    with pytest.raises(UserError, match="use --fp8 linears"):
+        require_fp8_head(proxy.vocab_size, proxy.hidden_size + 8)
+
+
+def test_the_long_context_row_pieces_its_training_cache_and_shares_the_held_out_samples(target, tmp_path):
+    """Only the training cache keeps long samples whole (pieces); the held-out cache is sliding-all's, whole
+    in batches of --heldout-token-budget; the drafter is sliding-all's; the buckets reach dflash-train eval."""
+    dataset = SimpleNamespace(identity={"data": "one data set for every plan"})
+    cfg = _config(target, tmp_path, heldout_token_budget=4096, max_seq_len=2048, context_buckets=[0, 256, 1024])
+    plan = Plan(cfg, dataset, device_type="cpu")
+    long, short = (next(row for row in ROWS if row.name == name) for name in ("long-context", "sliding-all"))
+    assert long.versus == "sliding-all"
+    train = plan.extract_options(long)
+    assert (train["--max-seq-len"], train["--piece-context"], train["--token-budget"]) == ("2048", "8", "512")
+    assert plan.extract_options(short)["--token-budget"] == "512" and "--max-seq-len" not in plan.extract_options(short)
+    assert plan.heldout_extract_options(long) == plan.heldout_extract_options(short)
+    assert plan.heldout_extract_options(short)["--token-budget"] == "4096"
+    assert plan.train_options(long, 0) == plan.train_options(short, 0)
+    assert plan.eval_options()["--context-buckets"] == "0,256,1024"
+    assert plan.sampled_eval_options(0)["--context-buckets"] == "0,256,1024"
+    assert plan.cache_identity(long) != plan.cache_identity(short)
+    plain = Plan(_config(target, tmp_path), dataset, device_type="cpu")
+    assert "heldout_extract" not in plain.cache_identity(short) and "--context-buckets" not in plain.eval_options()
+    with pytest.raises(ValueError, match="--context-buckets"):
+        _config(target, tmp_path, context_buckets=[256, 1024])
+    with pytest.raises(ValueError, match="--max-seq-len"):
+        _config(target, tmp_path, max_seq_len=100)
+
+
+def test_bucket_columns_and_a_rows_own_reference_are_tabulated():
+    """Per-bucket figures get a table of their own (a bucket some seed never reached: "-"); a row with
+    `versus` is compared with that row, the others with the baseline."""
+
+    def record(seed: int, walk: float, buckets: tuple[float, float]) -> dict:
+        figures = dict(walk_acceptance=walk, real_acceptance=1.5, heldout_loss=3.0, bytes_per_token=100.0)
+        for key in ("walk_acceptance", "real_acceptance"):
+            figures |= {f"{key}@0-256": buckets[0], f"{key}@256+": buckets[1]}
+        return {"seed": seed, "figures": {**figures, "real_lossless": True}}
+
+    def row(name: str, walks: list[float], far: list[float], versus: str | None = None) -> dict:
+        results = [record(s, w, (1.0 + s, f)) for s, (w, f) in enumerate(zip(walks, far, strict=True))]
+        return {"name": name, "what": name, "status": "done", "results": results, "versus": versus}
+
+    figures = seeded_figures(0, ["0-256", "256+"])
+    assert [f.key for f in figures][3:] == [
+        "walk_acceptance@0-256",
+        "real_acceptance@0-256",
+        "walk_acceptance@256+",
+        "real_acceptance@256+",
+    ]
+    rows = [
+        row("base", [1.0, 1.0, 1.0], [2.0, 2.0, 2.0]),
+        row("long", [3.0, 3.1, 3.2], [4.0, 4.2, float("nan")], versus="short"),
+        row("short", [2.0, 2.0, 2.0], [2.5, 2.5, 2.5]),
+    ]
+    table = build_table(rows, "base", figures)
+    long = table["rows"][1]
+    assert long["versus"] == "short" and table["rows"][2]["versus"] == "base"
+    assert long["vs_baseline"]["walk_acceptance"] == pytest.approx(
+        {"delta": 1.1, "spread": 0.2, "within_spread": False}
+    )
+    assert long["stats"]["walk_acceptance@256+"] is None and "walk_acceptance@256+" not in long["vs_baseline"]
+    assert long["vs_baseline"]["walk_acceptance@0-256"] == pytest.approx(
+        {"delta": 0.0, "spread": 2.0, "within_spread": True}
+    )
+    text = markdown(table, "caption", figures)
+    assert "| row | walk 0-256 | greedy 0-256 | walk 256+ | greedy 256+ | seeds |" in text
+    assert "| long | 2.000 [1.000, 3.000] | 2.000 [1.000, 3.000] | - | - | 0,1,2 |" in text
+    assert "- long (against short): decoding-walk acceptance +1.100 (beyond the spread 0.200)" in text
+    assert "- short: decoding-walk acceptance +1.000" in text

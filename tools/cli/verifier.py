@@ -2,10 +2,13 @@
 target model: for a token sequence it returns the target's greedy next token after every position
 (or the full next-token logits after its last positions, for sampling) and the tapped hidden states, recomputing the whole prefix each call (no KV cache, no GatedDeltaNet
 state carried between calls: simple and exact, fine for measuring acceptance and relative speed).
+Several sequences go through one packed forward (verify_many, next_token_logits_many: cu_seqlens keep
+them apart), so decoding prompts in lockstep costs one forward per step for all of them.
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import torch
@@ -44,6 +47,34 @@ class TargetVerifier:
             input_ids_L.to(self.embed_tokens_VH.device), self.tap_layer_ids, num_last
         )
         return logits_nV, hidden_LKH
+
+    def verify_many(self, input_ids: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """__call__ of each sequence, all in one packed forward (one launch sequence for the batch)."""
+        ids_T, positions_T, cu, lengths = self._packed(input_ids)
+        hidden_TKH, top_ids_T1, _ = self.model.topk_next_tokens(ids_T, positions_T, cu, self.tap_layer_ids, k=1)
+        next_T = top_ids_T1[:, 0].long()
+        return list(zip(next_T.split(lengths), hidden_TKH.split(lengths), strict=True))
+
+    def next_token_logits_many(
+        self, input_ids: list[torch.Tensor], num_last: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """next_token_logits of each sequence, all in one packed forward."""
+        ids_T, positions_T, cu, lengths = self._packed(input_ids)
+        if not all(0 < num_last <= n for n in lengths):
+            raise ValueError(f"num_last={num_last} must be in 1..the shortest sequence's length ({min(lengths)})")
+        ends = cu[1:].long()
+        rows_X = (ends[:, None] - num_last + torch.arange(num_last, device=ends.device)).reshape(-1)
+        hidden_TKH, logits_XV = self.model.rows_logits(ids_T, positions_T, cu, self.tap_layer_ids, rows_X)
+        return list(zip(logits_XV.split(num_last), hidden_TKH.split(lengths), strict=True))
+
+    def _packed(self, input_ids: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """(ids [T], positions [T] restarting at 0 per sequence, cu_seqlens [S+1] int32, lengths)."""
+        device = self.embed_tokens_VH.device
+        lengths = [int(ids.shape[0]) for ids in input_ids]
+        ids_T = torch.cat([ids.to(device) for ids in input_ids])
+        positions_T = torch.cat([torch.arange(n, device=device) for n in lengths])
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+        return ids_T, positions_T, cu, lengths
 
 
 def target_verifier(

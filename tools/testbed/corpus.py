@@ -2,7 +2,7 @@
 
     python -m tools.testbed.corpus build --sdist Django-5.1.4.tar.gz --out CORPUS.jsonl.gz
     python -m tools.testbed.corpus check [CORPUS.jsonl.gz]
-    python -m tools.testbed.corpus prompts --out heldout.jsonl [--split heldout] [--limit N]
+    python -m tools.testbed.corpus prompts --out heldout.jsonl [--split heldout] [--limit N] [--join K]
 
 Source: the PyPI sdist of Django 5.1.4 (`pip download --no-deps --no-binary :all: django==5.1.4`),
 refused unless its sha256 is DJANGO_SDIST_SHA256. Read from the tarball in memory (nothing is
@@ -176,16 +176,23 @@ def load_corpus(path: str | Path = CORPUS_FILE, expected_sha256: str = CORPUS_SH
     return [Chat.from_row(json.loads(line)) for line in io.StringIO(payload.decode("ascii"))]
 
 
-def write_prompts(chats: list[Chat], out: str | Path, split: str, limit: int | None) -> int:
+def write_prompts(chats: list[Chat], out: str | Path, split: str, limit: int | None, join: int = 1) -> int:
     """Prompt-only chats (the user turn) of `split`, in corpus order, at most `limit`, as JSON Lines
-    for `dflash-data regenerate`; returns how many. Refuses an existing `out`."""
+    for `dflash-data regenerate`; returns how many. join > 1: each prompt is `join` consecutive ones
+    joined by blank lines (long-context samples; the last, shorter group is dropped). Refuses an existing `out`."""
     out = Path(out)
     if out.exists() or out.is_symlink():
         raise UserError(f"--out {out}: exists; choose a new file")
+    picked = [c for c in chats if c.split == split]
+    groups = [picked[i : i + join] for i in range(0, len(picked) - join + 1, join)]
     rows = [
-        {"id": c.id, "kind": c.kind, "source": c.source, "messages": [{"role": "user", "content": c.prompt}]}
-        for c in chats
-        if c.split == split
+        {
+            "id": group[0].id if join == 1 else f"{group[0].id}+{join}",
+            "kind": group[0].kind,
+            "source": group[0].source,
+            "messages": [{"role": "user", "content": "\n\n".join(c.prompt for c in group)}],
+        }
+        for group in groups
     ][:limit]
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
@@ -268,10 +275,17 @@ def corpus_option(help_text: str):
 )
 @click.option("--split", type=click.Choice(SPLITS), default="heldout", show_default=True, help="Which split's prompts.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many prompts (default: all).")
+@click.option(
+    "--join",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Join each N consecutive prompts into one (blank lines between): long prompts for the long-context row.",
+)
 @user_errors(ValueError, OSError)
-def prompts(corpus: Path, out: Path, split: str, limit: int | None) -> None:
+def prompts(corpus: Path, out: Path, split: str, limit: int | None, join: int) -> None:
     """Write one split's prompts as chats for `dflash-data regenerate`."""
-    count = write_prompts(load_corpus(corpus), out, split, limit)
+    count = write_prompts(load_corpus(corpus), out, split, limit, join)
     click.echo(f"wrote {count} {split} prompts to {out}")
 
 

@@ -372,6 +372,26 @@ class DFlashDrafter(nn.Module):
         attends = [sliding if s else full_attention for s in cfg.sliding_layers]
         return self._run_layers(ctx_LH, ctx_pos_L, self.block_input(block_embed_BH), block_pos_B, attends)
 
+    def forward_blocks(
+        self, hidden_LKH: list[torch.Tensor], block_embed_NBH: torch.Tensor, block_pos_NB: torch.Tensor
+    ) -> torch.Tensor:
+        """Inference forward of N blocks at once, block n over sequence n's prefix hidden_LKH[n] (all of it
+        visible, its full taps) and at positions block_pos_NB[n]: forward_block of each, in one packed
+        forward under the training forward's block attention (no block sees another sequence); [N, B, H]."""
+        N, B, H = block_embed_NBH.shape
+        dtype, device = block_embed_NBH.dtype, block_embed_NBH.device
+        sizes = [h.shape[0] for h in hidden_LKH]  # host ints: no device sync per sequence
+        lengths = torch.tensor(sizes, device=device)
+        ends_N = lengths.cumsum(0)
+        ctx_TH = self.fuse_context(torch.cat([self.context_of_taps(h.to(dtype)) for h in hidden_LKH]))
+        position_ids_T = torch.cat([torch.arange(n, device=device) for n in sizes])
+        layout = BlockAttentionLayout.for_drafter(
+            self.config, num_ctx=ctx_TH.shape[0], num_blocks=N, backend="sdpa", device=device
+        ).update((ends_N - lengths).to(torch.int32), ends_N.to(torch.int32))  # block n's anchor follows its prefix
+        x_QH = self.block_input(block_embed_NBH.reshape(N * B, H))
+        attends = self._block_attends(layout)
+        return self._run_layers(ctx_TH, position_ids_T, x_QH, block_pos_NB.reshape(N * B), attends).view(N, B, H)
+
 
 @torch.no_grad()
 def init_drafter_weights(model: DFlashDrafter, std: float = 0.02) -> None:

@@ -15,6 +15,7 @@ from shards.format import canonical_precision
 
 # Context-length buckets of acceptance, by the anchor's absolute position: 0-2K, 2K-8K, 8K-32K, 32K+.
 CONTEXT_BUCKETS = (0, 2048, 8192, 32768)
+DECODE_BATCH = 32  # prompts decoded in lockstep by eval --target: one target forward per step for all of them
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +89,11 @@ class EvalConfig:
     """Decode only the first N prompts of --prompts; 0 = all."""
     max_new_tokens: int = 64
     """Tokens generated per prompt by --target decoding (speculative and plain greedy)."""
+    decode_batch: int = DECODE_BATCH
+    """--target decoding: prompts decoded together in lockstep, each step verifying all of them in one
+    packed target forward (greedy outputs are each prompt's own; at --temperature the prompts' draws
+    interleave, so the draws depend on it); 1 = one prompt at a time. The batch's whole prefixes are in
+    one forward: lower it when they do not fit the device's memory together."""
     context_buckets: list[int] = field(default_factory=lambda: list(CONTEXT_BUCKETS))
     """Acceptance is also reported per context-length bucket of the anchor's position: the buckets'
     lower edges in tokens, from 0, increasing (the last bucket is open)."""
@@ -130,6 +136,8 @@ class EvalConfig:
             raise ValueError(f"--max-prompts {self.max_prompts}: must be >= 0 (0 = all)")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {self.max_new_tokens}: must be >= 1")
+        if self.decode_batch < 1:
+            raise ValueError(f"--decode-batch {self.decode_batch}: must be >= 1 (1 = one prompt at a time)")
         chosen = sum(x is not None for x in (self.shards, self.eval_shards, self.holdout_frac))
         if self.cache is not None and chosen != 1:
             raise ValueError(

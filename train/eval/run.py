@@ -361,6 +361,7 @@ def _evaluate(
             seed=cfg.seed,
             context_edges=tuple(cfg.context_buckets),
             modes=modes,
+            batch=cfg.decode_batch,
         )
         decoding.longest_trained_response = loaded.longest_response  # the table warns when decoding ran past it
     mode_warning = "\n".join(w for w in mode_warnings if w) or None

@@ -43,7 +43,7 @@ from shards.common.chat_mode import MODE_COLUMN, describe_mode, mode_from_value,
 from shards.common.json_input import InputFileError, iter_json_lines
 from shards.common.progress import ProgressLog, format_duration, format_figure, plural
 from train.drafter.model import DFlashDrafter, TargetHead
-from train.eval.config import CONTEXT_BUCKETS, SamplingConfig
+from train.eval.config import CONTEXT_BUCKETS, DECODE_BATCH, SamplingConfig
 from train.eval.sampling import DraftDistribution, sample_token, serving_probs, verify_drafts
 from train.eval.walk import WalkCounts
 
@@ -62,6 +62,12 @@ class Verifier(Protocol):
         """(the target's next-token logits after each of the last `num_last` positions [num_last, V] in
         float32 or wider, tapped hidden states [L, K, H]): what sampling at T > 0 needs."""
         ...
+
+    # Optional, for decoding several prompts in lockstep (tools/cli/verifier.py has both): the two calls above
+    # for a list of sequences in one target forward,
+    #   verify_many(input_ids: list[Tensor [L_i]]) -> list[(next [L_i], hidden [L_i, K, H])]
+    #   next_token_logits_many(input_ids, num_last) -> list[(logits [num_last, V], hidden [L_i, K, H])]
+    # A verifier without them is called once per sequence.
 
 
 class Proposal(NamedTuple):
@@ -85,6 +91,9 @@ class DraftProposer(Protocol):
         """Drafts after the token `anchor` at position L, the context being the target's taps of the
         positions before it [L, K, H]."""
         ...
+
+    # Optional (ChainProposer has it): propose_many(contexts_LKH, anchors, sampling, generator) -> list[Proposal],
+    # __call__ of several sequences in one drafter forward. A proposer without it is called once per sequence.
 
 
 @dataclass
@@ -117,9 +126,43 @@ class ChainProposer:
         hidden_BH = self.model.forward_block(context_LKH.to(dtype), pos[:p], head.embed(block_B), pos[p:])
         if sampling.greedy:
             return Proposal(self.model.greedy_drafts(hidden_BH[1:], head, block_B[0]).tolist())
-        if cfg.is_dflash2:
-            return self._sampled_selector_walk(hidden_BH[1:], anchor, sampling.temperature, generator)
-        logits_SV = self.model.draft_logits(hidden_BH[1:], head).float()
+        return self._sampled(hidden_BH[1:], anchor, sampling, generator)
+
+    def propose_many(
+        self,
+        contexts_LKH: list[torch.Tensor],
+        anchors: list[int],
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> list[Proposal]:
+        """__call__ for several sequences, their blocks in one drafter forward (DFlashDrafter.forward_blocks);
+        sampled drafts are drawn block after block, in the order given."""
+        if len(contexts_LKH) == 1:
+            return [self(contexts_LKH[0], anchors[0], sampling, generator)]
+        model, head = self.model, self.head
+        device, dtype = head.embed_tokens_VH.device, head.embed_tokens_VH.dtype
+        if self.context_dtype is not None:
+            contexts_LKH = [c.to(self.context_dtype) for c in contexts_LKH]
+        N, B = len(contexts_LKH), self.block_size
+        block_NB = torch.full((N, B), model.config.mask_token_id, device=device, dtype=torch.long)
+        block_NB[:, 0] = torch.tensor(anchors, device=device)
+        lengths_N1 = torch.tensor([c.shape[0] for c in contexts_LKH], device=device)[:, None]
+        pos_NB = lengths_N1 + torch.arange(B, device=device)
+        hidden_NSH = model.forward_blocks([c.to(dtype) for c in contexts_LKH], head.embed(block_NB), pos_NB)[:, 1:]
+        if sampling.greedy:
+            if model.config.is_dflash2:
+                drafts_NS = model.selector_path(hidden_NSH, head, block_NB[:, 0])
+            else:
+                drafts_NS = model.draft_logits(hidden_NSH.flatten(0, 1), head).float().argmax(-1).view(N, B - 1)
+            return [Proposal(row) for row in drafts_NS.tolist()]
+        return [self._sampled(h_SH, a, sampling, generator) for h_SH, a in zip(hidden_NSH, anchors, strict=True)]
+
+    def _sampled(
+        self, hidden_SH: torch.Tensor, anchor: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> Proposal:
+        if self.model.config.is_dflash2:
+            return self._sampled_selector_walk(hidden_SH, anchor, sampling.temperature, generator)
+        logits_SV = self.model.draft_logits(hidden_SH, self.head).float()
         q = [DraftDistribution(probs_V) for probs_V in serving_probs(logits_SV, sampling)]
         return Proposal([slot.sample(generator) for slot in q], q)
 
@@ -184,32 +227,83 @@ def speculative_generate(
 ) -> Decoded:
     """Speculative decoding of `max_new_tokens` tokens after `prompt`: greedy (exact, token for token the
     target's greedy output) or, at sampling.temperature > 0, rejection-sampled with `generator`'s draws."""
+    return speculative_generate_many(
+        proposer, verifier, [prompt], max_new_tokens, sampling=sampling, generator=generator
+    )[0]
+
+
+@torch.no_grad()
+def speculative_generate_many(
+    proposer: DraftProposer,
+    verifier: Verifier,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    sampling: SamplingConfig = GREEDY,
+    generator: torch.Generator | None = None,
+) -> list[Decoded]:
+    """speculative_generate of every prompt in lockstep: each step drafts for every unfinished prompt (in one
+    drafter forward with a proposer that has propose_many), then verifies all of them in one target call (a
+    packed forward with a verifier that has verify_many). Greedy, each prompt's tokens are the target's
+    greedy tokens as alone, and its steps those of its own speculative_generate up to the rounding of the
+    packed forwards (a near-tie between two drafts can go the other way); at T > 0 the prompts' draws
+    interleave on the one generator. Each Decoded's seconds: an equal share of the call's."""
     S = proposer.block_size - 1
     device = verifier.embed_tokens_VH.device
     t0 = time.perf_counter()
-    n0 = len(prompt)
-    first, hidden_LKH = _next_token(verifier, torch.tensor(prompt, device=device), sampling, generator)
-    out = [first]
-    result = Decoded(out)
-    while len(out) < max_new_tokens:
-        p, remaining = n0 + len(out) - 1, max_new_tokens - len(out)  # anchor position, tokens still to emit
-        drafts = proposer(hidden_LKH[:p], out[-1], sampling, generator)
-        labels = min(S, remaining)
-        ids_L = torch.tensor(prompt + out + drafts.tokens, device=device)
-        if sampling.greedy:
-            next_L, hidden_LKH = verifier(ids_L)
-            a, emitted = _accept_greedy(drafts.tokens, next_L[p : p + S + 1].tolist(), labels)
-        else:  # rows: the target's distribution after the anchor and after each draft
-            logits_XV, hidden_LKH = verifier.next_token_logits(ids_L, S + 1)
-            a, emitted = verify_drafts(serving_probs(logits_XV, sampling), drafts.tokens, drafts.q, labels, generator)
-        emitted = emitted[:remaining]
-        out += emitted
-        result.step_tokens.append(len(emitted))
-        result.step_accepted.append(a)
-        result.step_labels.append(labels)
-        result.step_positions.append(p)
-    result.seconds = time.perf_counter() - t0
-    return result
+    first = _next_tokens(verifier, [torch.tensor(p, device=device) for p in prompts], sampling, generator)
+    results = [Decoded([token]) for token, _ in first]
+    hidden = [hidden_LKH for _, hidden_LKH in first]
+    active = [i for i, r in enumerate(results) if len(r.tokens) < max_new_tokens]
+    while active:
+        positions = [len(prompts[i]) + len(results[i].tokens) - 1 for i in active]  # the anchors'
+        contexts = [hidden[i][:p] for i, p in zip(active, positions, strict=True)]
+        anchors = [results[i].tokens[-1] for i in active]
+        many = getattr(proposer, "propose_many", None)
+        if many is not None:
+            proposals = many(contexts, anchors, sampling, generator)
+        else:
+            proposals = [proposer(c, a, sampling, generator) for c, a in zip(contexts, anchors, strict=True)]
+        steps = [
+            (i, p, drafts, min(S, max_new_tokens - len(results[i].tokens)))
+            for i, p, drafts in zip(active, positions, proposals, strict=True)
+        ]
+        ids = [torch.tensor(prompts[i] + results[i].tokens + d.tokens, device=device) for i, _, d, _ in steps]
+        for (i, p, drafts, labels), (target, hidden_LKH) in zip(steps, _verify(verifier, ids, sampling, S + 1)):
+            hidden[i] = hidden_LKH
+            if sampling.greedy:  # target: the greedy next token after every position
+                a, emitted = _accept_greedy(drafts.tokens, target[p : p + S + 1].tolist(), labels)
+            else:  # target: the logits after the anchor and after each draft
+                a, emitted = verify_drafts(serving_probs(target, sampling), drafts.tokens, drafts.q, labels, generator)
+            r = results[i]
+            emitted = emitted[: max_new_tokens - len(r.tokens)]
+            r.tokens += emitted
+            r.step_tokens.append(len(emitted))
+            r.step_accepted.append(a)
+            r.step_labels.append(labels)
+            r.step_positions.append(p)
+        active = [i for i in active if len(results[i].tokens) < max_new_tokens]
+    _share_seconds(results, time.perf_counter() - t0)
+    return results
+
+
+def _verify(
+    verifier: Verifier, ids: list[torch.Tensor], sampling: SamplingConfig, num_last: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence (greedy: the target's next token after every position [L]; sampling: its logits after the
+    last num_last positions [num_last, V]; the taps [L, K, H]): one packed call when the verifier batches."""
+    if sampling.greedy:
+        many = getattr(verifier, "verify_many", None)
+        return many(ids) if many is not None else [verifier(ids_L) for ids_L in ids]
+    many = getattr(verifier, "next_token_logits_many", None)
+    if many is not None:
+        return many(ids, num_last)
+    return [verifier.next_token_logits(ids_L, num_last) for ids_L in ids]
+
+
+def _share_seconds(results: list[Decoded], seconds: float) -> None:
+    for r in results:
+        r.seconds = seconds / len(results)
 
 
 def _accept_greedy(drafts: list[int], greedy: list[int], num_labels: int) -> tuple[int, list[int]]:
@@ -232,23 +326,42 @@ def plain_generate(
 ) -> Decoded:
     """Plain decoding with the same verifier (one target forward per token): greedy, or sampled at
     sampling's temperature, top-k and top-p."""
+    return plain_generate_many(verifier, [prompt], max_new_tokens, sampling=sampling, generator=generator)[0]
+
+
+@torch.no_grad()
+def plain_generate_many(
+    verifier: Verifier,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    sampling: SamplingConfig = GREEDY,
+    generator: torch.Generator | None = None,
+) -> list[Decoded]:
+    """plain_generate of every prompt in lockstep: one target call per token for all of them."""
     device = verifier.embed_tokens_VH.device
     t0 = time.perf_counter()
-    out: list[int] = []
-    while len(out) < max_new_tokens:
-        out.append(_next_token(verifier, torch.tensor(prompt + out, device=device), sampling, generator)[0])
-    return Decoded(out, seconds=time.perf_counter() - t0)
+    outs: list[list[int]] = [[] for _ in prompts]
+    for _ in range(max_new_tokens):
+        ids = [torch.tensor(p + out, device=device) for p, out in zip(prompts, outs, strict=True)]
+        for out, (token, _) in zip(outs, _next_tokens(verifier, ids, sampling, generator), strict=True):
+            out.append(token)
+    results = [Decoded(out) for out in outs]
+    _share_seconds(results, time.perf_counter() - t0)
+    return results
 
 
-def _next_token(
-    verifier: Verifier, ids_L: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
-) -> tuple[int, torch.Tensor]:
-    """(the target's next token after ids_L, greedy or sampled; its tapped hidden states [L, K, H])."""
+def _next_tokens(
+    verifier: Verifier, ids: list[torch.Tensor], sampling: SamplingConfig, generator: torch.Generator | None
+) -> list[tuple[int, torch.Tensor]]:
+    """Per sequence (the target's next token after it, greedy or sampled; its tapped hidden states [L, K, H])."""
+    verified = _verify(verifier, ids, sampling, 1)
     if sampling.greedy:
-        next_L, hidden_LKH = verifier(ids_L)
-        return int(next_L[-1]), hidden_LKH
-    logits_1V, hidden_LKH = verifier.next_token_logits(ids_L, 1)
-    return sample_token(serving_probs(logits_1V, sampling)[0], generator), hidden_LKH
+        return [(int(next_L[-1]), hidden_LKH) for next_L, hidden_LKH in verified]
+    return [
+        (sample_token(serving_probs(logits_1V, sampling)[0], generator), hidden_LKH)
+        for logits_1V, hidden_LKH in verified
+    ]
 
 
 @dataclass
@@ -348,34 +461,34 @@ def decode_prompts(
     seed: int = 0,
     context_edges: tuple[int, ...] = CONTEXT_BUCKETS,
     modes: PromptModes | None = None,
+    batch: int = DECODE_BATCH,
 ) -> DecodeReport:
-    """Speculative and plain decoding of every prompt; acceptance figures as the walk's (per context_edges
-    bucket of the anchor's position too, and per serving mode when `modes` (read_prompts') holds several). Sampled runs draw from one generator seeded with `seed` on the
-    verifier's device (the same seed, the same outputs). Progress (prompts done, tokens/s of each, ETA) as a
+    """Speculative and plain decoding of every prompt, `batch` prompts at a time in lockstep (one target
+    forward per step for all of them); acceptance figures as the walk's (per context_edges bucket of the
+    anchor's position too, and per serving mode when `modes` (read_prompts') holds several). Sampled runs
+    draw from one generator seeded with `seed` on the verifier's device (the same seed and batch, the same
+    outputs). Progress (prompts done, tokens/s of each, ETA) as a
     bar on a terminal, else a log line at most every 10 s."""
     names = modes.names if modes is not None else ("",)
     counts = WalkCounts(proposer.block_size, context_edges=context_edges, mode_names=names)
     identical, mismatch, spec_s, plain_s = 0, [], 0.0, 0.0
     generator = torch.Generator(verifier.embed_tokens_VH.device).manual_seed(seed)
     progress = ProgressLog(log, None, len(prompts), desc="decoding", unit="prompt")
-    for i, prompt in enumerate(prompts):
-        spec = speculative_generate(proposer, verifier, prompt, max_new_tokens, sampling=sampling, generator=generator)
-        plain = plain_generate(verifier, prompt, max_new_tokens, sampling=sampling, generator=generator)
-        spec_s, plain_s = spec_s + spec.seconds, plain_s + plain.seconds
-        _report(
-            progress, i + 1, max_new_tokens, spec_s, plain_s, "plain greedy" if sampling.greedy else "plain sampling"
+    plain_name = "plain greedy" if sampling.greedy else "plain sampling"
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start : start + batch]
+        specs = speculative_generate_many(
+            proposer, verifier, chunk, max_new_tokens, sampling=sampling, generator=generator
         )
-        if spec.tokens == plain.tokens:
-            identical += 1
-        elif sampling.greedy:
-            mismatch.append((i, next(j for j, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b)))
-        for a, labels, tokens, position in zip(
-            spec.step_accepted, spec.step_labels, spec.step_tokens, spec.step_positions, strict=True
-        ):
-            counts.add_step(a, labels)
-            counts.add_context_step(position, tokens)
-        if spec.step_tokens:
-            counts.add_response(sum(spec.step_tokens), len(spec.step_tokens), modes.of[i] if modes is not None else 0)
+        plains = plain_generate_many(verifier, chunk, max_new_tokens, sampling=sampling, generator=generator)
+        for i, spec, plain in zip(range(start, start + len(chunk)), specs, plains, strict=True):
+            spec_s, plain_s = spec_s + spec.seconds, plain_s + plain.seconds
+            if spec.tokens == plain.tokens:
+                identical += 1
+            elif sampling.greedy:
+                mismatch.append((i, next(j for j, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b)))
+            _count(counts, spec, modes.of[i] if modes is not None else 0)
+            _report(progress, i + 1, max_new_tokens, spec_s, plain_s, plain_name)  # per prompt, as a batch ends
     progress.close()
     total = len(prompts) * max_new_tokens
     return DecodeReport(
@@ -388,6 +501,17 @@ def decode_prompts(
         max_new_tokens=max_new_tokens,
         sampling=sampling,
     )
+
+
+def _count(counts: WalkCounts, spec: Decoded, mode: int) -> None:
+    """One response's steps into the walk's figures, its serving mode's among them."""
+    for a, labels, tokens, position in zip(
+        spec.step_accepted, spec.step_labels, spec.step_tokens, spec.step_positions, strict=True
+    ):
+        counts.add_step(a, labels)
+        counts.add_context_step(position, tokens)
+    if spec.step_tokens:
+        counts.add_response(sum(spec.step_tokens), len(spec.step_tokens), mode)
 
 
 def _report(progress: ProgressLog, done: int, max_new_tokens: int, spec_s: float, plain_s: float, plain: str) -> None:

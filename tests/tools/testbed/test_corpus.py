@@ -200,3 +200,18 @@ def test_write_prompts_of_the_train_split(tmp_path, sdist):
     chats = _build(sdist)
     count = write_prompts(chats, tmp_path / "p.jsonl", "train", None)
     assert count == sum(c.split == "train" for c in chats)
+
+
+def test_joined_prompts_are_consecutive_prompts_of_the_split(tmp_path, corpus):
+    """--join K: each prompt is K consecutive prompts of the split, blank lines between, the short tail dropped."""
+    out = tmp_path / "long.jsonl"
+    result = CliRunner().invoke(main, ["prompts", "--out", str(out), "--join", "3", "--limit", "4"])
+    assert result.exit_code == 0, result.output
+    heldout = [c for c in corpus if c.split == "heldout"]
+    convs = list(iter_conversations(out))
+    assert [c.sample_id for c in convs] == [f"{heldout[3 * i].id}+3" for i in range(4)]
+    for i, conv in enumerate(convs):
+        joined = "\n\n".join(c.prompt for c in heldout[3 * i : 3 * i + 3])
+        assert conv.messages == [{"role": "user", "content": joined}]
+    count = write_prompts(corpus, tmp_path / "all.jsonl", "heldout", None, join=7)
+    assert count == len(heldout) // 7

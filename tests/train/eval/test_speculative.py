@@ -4,6 +4,7 @@ same figures (fp32). Also the whose-tokens check (data == target top-1 on such a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -24,7 +25,7 @@ from tools.cli.verifier import TargetVerifier
 from tools.fixtures.demo_data import greedy_continuations
 from tools.fixtures.tiny_target import write_random_checkpoint
 from train.cli import main as train_cli
-from train.drafter.model import TargetHead
+from train.drafter.model import DFlashDrafter, TargetHead
 from train.eval.evaluate import evaluate_drafter
 from train.eval.run import load_drafter
 from train.eval.speculative import (
@@ -32,8 +33,10 @@ from train.eval.speculative import (
     PromptModes,
     decode_prompts,
     plain_generate,
+    plain_generate_many,
     read_prompts,
     speculative_generate,
+    speculative_generate_many,
 )
 from train.loop import run_training
 from train.optim import OptimConfig
@@ -253,3 +256,68 @@ def test_read_prompts_takes_each_token_rows_mode(tmp_path):
     path.write_text(json.dumps({"input_ids": [1], "chat_mode": {"thinking": "maybe"}}) + "\n")
     with pytest.raises(ValueError, match="line 1: chat_mode must be"):
         read_prompts(path, 8, modes=PromptModes(), evaluated=evaluated)
+
+
+class _OneAtATime:
+    """The verifier without its packed calls: decoding falls back to one target forward per sequence."""
+
+    def __init__(self, verifier):
+        self.target = verifier
+        self.embed_tokens_VH, self.lm_head_VH = verifier.embed_tokens_VH, verifier.lm_head_VH
+
+    def __call__(self, input_ids_L):
+        return self.target(input_ids_L)
+
+    def next_token_logits(self, input_ids_L, num_last):
+        return self.target.next_token_logits(input_ids_L, num_last)
+
+
+def test_lockstep_decoding_equals_one_prompt_at_a_time(setup):
+    """Prompts of different lengths decoded together (one packed verify per step) give each prompt the
+    tokens and steps of its own decoding with one forward per sequence; the packed logits equal them too."""
+    root, target, samples = setup
+    model, cfg = _drafter(root)
+    packed = TargetVerifier(target, cfg.tap_layer_ids, "cpu", torch.float32)
+    single = _OneAtATime(packed)
+    proposer = ChainProposer(model, TargetHead(packed.embed_tokens_VH, packed.lm_head_VH))
+    prompts = [s.input_ids[: int(s.loss_mask.argmax())].tolist() for s in samples[:7]]
+    assert len({len(p) for p in prompts}) > 1, "the test needs prompts of different lengths"
+    together = speculative_generate_many(proposer, packed, prompts, NEW_TOKENS)
+    plain = plain_generate_many(packed, prompts, NEW_TOKENS)
+    for prompt, spec, greedy in zip(prompts, together, plain, strict=True):
+        alone = speculative_generate(proposer, single, prompt, NEW_TOKENS)
+        assert spec.tokens == alone.tokens == greedy.tokens == plain_generate(single, prompt, NEW_TOKENS).tokens
+        assert (spec.step_accepted, spec.step_positions) == (alone.step_accepted, alone.step_positions)
+    assert len({len(s.step_tokens) for s in together}) > 1, "prompts should finish after different step counts"
+    ids = [torch.tensor(p) for p in prompts]
+    for (logits, hidden), ids_L in zip(packed.next_token_logits_many(ids, 3), ids, strict=True):
+        want_logits, want_hidden = packed.next_token_logits(ids_L, 3)
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
+
+
+def test_blocks_of_several_sequences_in_one_forward_equal_one_forward_each(setup):
+    """forward_blocks (lockstep drafting) against forward_block per sequence, in float32: prefixes of other
+    lengths packed together, each block at its own positions, none seeing another sequence."""
+    root, target, samples = setup
+    trained, cfg = _drafter(root)
+    # Its layers, then the same weights in sliding layers of a window shorter than the prefixes.
+    layers = trained.config.num_layers
+    sliding = dataclasses.replace(trained.config, layer_types=["sliding_attention"] * layers, sliding_window=4)
+    for model in (trained, DFlashDrafter(sliding).eval()):
+        model.load_state_dict(trained.state_dict())
+        _blocks_together_and_alone(model, TargetVerifier(target, cfg.tap_layer_ids, "cpu", torch.float32), samples)
+
+
+def _blocks_together_and_alone(model, verifier, samples):
+    head = TargetHead(verifier.embed_tokens_VH, verifier.lm_head_VH)
+    hidden = [verifier(torch.as_tensor(s.input_ids))[1][: 5 + 3 * n] for n, s in enumerate(samples[:4])]
+    B = model.config.block_size
+    block_NB = torch.full((4, B), model.config.mask_token_id)
+    block_NB[:, 0] = torch.tensor([int(s.input_ids[5 + 3 * n]) for n, s in enumerate(samples[:4])])
+    pos_NB = torch.tensor([h.shape[0] for h in hidden])[:, None] + torch.arange(B)
+    with torch.no_grad():
+        together = model.forward_blocks(hidden, head.embed(block_NB), pos_NB)
+        for n, h in enumerate(hidden):
+            alone = model.forward_block(h, torch.arange(h.shape[0]), head.embed(block_NB[n]), pos_NB[n])
+            torch.testing.assert_close(together[n], alone, rtol=1e-4, atol=1e-5)

@@ -30,7 +30,7 @@ class TableConfig:
     command again continues where the last run stopped; results of changed settings are recomputed."""
     rows: list[str] = field(default_factory=list)
     """Rows to run, comma-separated (bf16-storage, fp8-storage, fp8-compute, sliding-layers, pca-8 / -16 / -32 and
-    their -raw twins, sliding-all, dflash2, dflash2-swap). Default: all."""
+    their -raw twins, sliding-all, dflash2, dflash2-swap, fp8-train, long-context). Default: all."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """Training seeds, the same for every row; at least 3 (each figure is a mean and a spread over them)."""
     num_prompts: int = 0
@@ -64,6 +64,17 @@ class TableConfig:
     block_size: int = DrafterConfig.block_size
     """Tokens per draft block of every row's drafters (dflash-train --block-size): rows are compared at one
     block size, so a DFlash 2 row meets DFlash 1 rows of its own (the published DFlash 2 drafter uses 8)."""
+    heldout_token_budget: int | None = None
+    """Tokens per packed batch of the held-out caches (dflash-extract --token-budget of the held-out split):
+    at least the longest held-out sample, so every row's drafters are walked over whole long samples (the
+    long-context comparison) rather than samples cut at --token-budget. Default: --token-budget."""
+    max_seq_len: int = 8192
+    """The long-context row's dflash-extract --max-seq-len: training samples up to this long run through the
+    target whole and are stored as pieces (the other rows cut them at --token-budget)."""
+    context_buckets: list[int] = field(default_factory=list)
+    """dflash-train eval --context-buckets of every drafter (lower edges in tokens, from 0); given, the table
+    also reports acceptance per bucket (decoding walk and greedy real decoding). Default: eval's buckets, no
+    bucket columns."""
     sliding_window: int = 64
     """Window of the sliding rows' sliding layers (sliding-layers, sliding-all, the DFlash 2 rows), in tokens:
     keep it below the data's lengths."""
@@ -100,5 +111,13 @@ class TableConfig:
             raise config_error(self, "lr", "must be > 0")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise config_error(self, "mask_token_id", "must be a token id >= 0")
+        self.context_buckets = [int(b) for b in self.context_buckets or ()]  # the CLI passes None for []
+        edges = self.context_buckets
+        if edges and (edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:]))):
+            raise config_error(self, "context_buckets", "must start at 0 and increase, e.g. 0,512,2048")
+        if self.heldout_token_budget is not None:
+            at_least(self, 1, "heldout_token_budget")
+        if self.max_seq_len < self.token_budget:
+            raise config_error(self, "max_seq_len", f"must be >= --token-budget {self.token_budget}")
         if self.thinking not in ("on", "off"):
             raise config_error(self, "thinking", "must be on or off")

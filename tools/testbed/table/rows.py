@@ -35,6 +35,8 @@ class Row:
     """dflash-train train flags and their values, over the table's own; None: a flag that takes no value."""
     needs_cuda: bool = False
     """Runs only on CUDA; elsewhere the row is reported as skipped, never run on a stand-in path."""
+    versus: str | None = None
+    """The row this one is compared with, when not the baseline (the row that differs from it by this choice alone)."""
 
     def extract_settings(self, settings: Mapping[str, Any]) -> dict[str, str | None]:
         return _filled(self.extract_options, settings)
@@ -94,6 +96,16 @@ ROWS: tuple[Row, ...] = (
         for normalize in ("per-tap", "none")
         for n in PCA_FRACTIONS
     ),
+    # FP8 drafter training (issue 32): the proxy target's hidden size (256) and vocabulary (4096) are
+    # multiples of 16, so the head's GEMMs run FP8 too; a linear that is not stays bf16 (train/drafter/fp8.py).
+    Row(
+        name="fp8-train",
+        what="the drafter trained on FP8 matmuls: its linears and the frozen LM head's two GEMMs in the loss "
+        "(torchao float8 training: e4m3 forward, e5m2 gradients, tensorwise scales; dflash-train --fp8 "
+        "linears+head), bf16 cache",
+        train_options={"--fp8": "linears+head"},
+        needs_cuda=True,
+    ),
     # DFlash 2 (issue 29) in the published layout, every layer sliding: sliding-all is DFlash 1 in that
     # layout, so dflash2 against it is the architecture alone; dflash2-swap against dflash2 the objective's
     # one open choice (gold token outside the top-K: slot dropped, or swapped into the candidates).
@@ -101,6 +113,18 @@ ROWS: tuple[Row, ...] = (
         name="sliding-all",
         what="all 5 drafter layers sliding-window ({sliding_window} tokens): the DFlash 2 rows' layout in DFlash 1",
         train_options={"--layer-types": ",".join(["sliding"] * 5), "--sliding-window": "{sliding_window}"},
+    ),
+    # Long context (issue 31): sliding-all's drafter, its training samples kept whole. The table's held-out
+    # caches are the same for every row (--heldout-token-budget keeps long held-out samples whole there too),
+    # so against sliding-all, which cuts training samples at --token-budget, this is long training data alone.
+    Row(
+        name="long-context",
+        what="sliding-all trained on long samples kept whole: training samples of up to {max_seq_len} tokens run "
+        "through the target as one sequence, stored as pieces (dflash-extract --max-seq-len {max_seq_len} "
+        "--piece-context {sliding_window}), instead of cut at {token_budget} tokens",
+        extract_options={"--max-seq-len": "{max_seq_len}", "--piece-context": "{sliding_window}"},
+        train_options={"--layer-types": ",".join(["sliding"] * 5), "--sliding-window": "{sliding_window}"},
+        versus="sliding-all",
     ),
     *(
         Row(

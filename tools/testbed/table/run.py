@@ -26,6 +26,7 @@ from tools.testbed.table.report import build_table, markdown, seeded_figures
 from tools.testbed.table.rows import BASELINE, ROWS, Row, select_rows
 from tools.testbed.table.steps import Plan, make_caches, train_and_evaluate
 from tools.testbed.table.store import WorkDir
+from train.eval.walk import context_bucket_labels
 
 log = logging.getLogger("tools.testbed.table")
 
@@ -139,10 +140,16 @@ class _Table:
                     "done" if len(results) == len(self.cfg.seeds) else f"{len(results)} of {len(self.cfg.seeds)} seeds"
                 )
             entries.append(
-                {"name": row.name, "what": row.describe(vars(self.cfg)), "status": status, "results": results}
+                {
+                    "name": row.name,
+                    "what": row.describe(vars(self.cfg)),
+                    "status": status,
+                    "results": results,
+                    "versus": row.versus,
+                }
             )
         baseline = BASELINE if any(r.name == BASELINE for r in self.rows) else self.rows[0].name
-        figures = seeded_figures(self.cfg.eval_temperature)
+        figures = seeded_figures(self.cfg.eval_temperature, context_bucket_labels(tuple(self.cfg.context_buckets)))
         table = build_table(entries, baseline, figures)
         table["run"] = _provenance(self.cfg, device, self.command)
         self.run.table, self.run.markdown = table, markdown(table, _caption(table["run"]), figures)

@@ -1,7 +1,9 @@
 """One row and seed of the table through the real CLIs: the row's caches, a drafter, its figures.
 
     dflash-extract  the training and the held-out prompts' data, with the table's options and the row's over
-                    them (WORK/caches/<digest>/train and heldout; rows with equal options share them)
+                    them (WORK/caches/<digest>/train and heldout; rows with equal options share them); the
+                    held-out cache never in pieces, in batches of --heldout-token-budget when given, so a
+                    long-context row is walked on the same whole samples as the others
     dflash-train train   --max-steps steps on the training cache, the seed, the table's and the row's options;
                     --resume, so a run cut by a time limit continues from its last checkpoint
     dflash-train eval    the decoding walk on the held-out cache (acceptance, held-out loss) and real greedy
@@ -10,9 +12,10 @@
                     seeded with the training seed: each seed's drafter meets its own draws)
 
 Figures of a result: walk_acceptance, real_acceptance (tokens per target forward, mean over responses),
-sampled_acceptance (the same at T; None when T = 0), heldout_loss (random-anchor blocks of the held-out
-cache), bytes_per_token (the training cache's own figure, as `dflash-shards info` prints it) and
-real_lossless (greedy real decoding gave plain greedy's tokens).
+sampled_acceptance (the same at T; None when T = 0), walk_acceptance@BUCKET and real_acceptance@BUCKET
+(per context bucket of the anchor's position, eval's --context-buckets; NaN or None where no step was),
+heldout_loss (random-anchor blocks of the held-out cache), bytes_per_token (the training cache's own
+figure, as `dflash-shards info` prints it) and real_lossless (greedy real decoding gave plain greedy's tokens).
 
 Each result carries the fingerprint of everything it depends on (`result_identity`): the data's content,
 the cache options, the training and evaluation options, the seed and the device; nothing else.
@@ -38,6 +41,7 @@ from tools.testbed.table.rows import PCA_FRACTIONS, Row, words
 from tools.testbed.table.store import WorkDir, digest
 from train.cli import main as train_cli
 
+PIECE_FLAGS = ("--max-seq-len", "--piece-context", "--piece-label-reach")  # dflash-extract's long-sample pieces
 EXTRACT_DTYPE = "bfloat16"  # the target runs in bf16, as for a real target (and as FP8 compute needs)
 # Bumped when a result's figures change meaning: older results are then recomputed. 2: sampled_acceptance and
 # the table's --block-size (results of 1 have no T > 0 figure).
@@ -74,6 +78,14 @@ class Plan:
         }
         return {**table, **row.extract_settings(self.settings)}
 
+    def heldout_extract_options(self, row: Row) -> dict[str, str | None]:
+        """The held-out cache's: the row's, its samples never pieced (whole in a batch of
+        --heldout-token-budget tokens when given), so a long-context row is walked on the others' samples."""
+        options = {k: v for k, v in self.extract_options(row).items() if k not in PIECE_FLAGS}
+        if self.cfg.heldout_token_budget is not None:
+            options["--token-budget"] = str(self.cfg.heldout_token_budget)
+        return options
+
     def train_options(self, row: Row, seed: int) -> dict[str, str | None]:
         """dflash-train train's options that decide the drafter: the table's, then the row's over them."""
         table = {
@@ -86,7 +98,12 @@ class Plan:
 
     def eval_options(self) -> dict[str, str | None]:
         """dflash-train eval's options of the walk and greedy real decoding (the anchors' seed: eval's default)."""
-        return {"--holdout-frac": "1", "--budgets": "", "--max-new-tokens": str(self.cfg.max_new_tokens)}
+        options = {"--holdout-frac": "1", "--budgets": "", "--max-new-tokens": str(self.cfg.max_new_tokens)}
+        return {**options, **self._buckets()}
+
+    def _buckets(self) -> dict[str, str | None]:
+        edges = self.cfg.context_buckets
+        return {"--context-buckets": ",".join(map(str, edges))} if edges else {}
 
     def sampled_eval_options(self, seed: int) -> dict[str, str | None] | None:
         """dflash-train eval's options of real decoding at --eval-temperature, drawn with the training seed;
@@ -97,10 +114,13 @@ class Plan:
             "--temperature": f"{self.cfg.eval_temperature:g}",
             "--seed": str(seed),
             "--max-new-tokens": str(self.cfg.max_new_tokens),
+            **self._buckets(),
         }
 
     def cache_identity(self, row: Row) -> dict:
-        return {"data": self.dataset.identity, "extract": self.extract_options(row), "device": self.device_type}
+        identity = {"data": self.dataset.identity, "extract": self.extract_options(row), "device": self.device_type}
+        heldout = self.heldout_extract_options(row)
+        return identity if heldout == identity["extract"] else {**identity, "heldout_extract": heldout}
 
     def result_identity(self, row: Row, seed: int) -> dict:
         return {
@@ -122,12 +142,13 @@ def make_caches(plan: Plan, work: WorkDir, row: Row) -> Caches:
     device += ["--allow-slow-kernels"] if plan.cfg.allow_slow_kernels else []
     for split, data in (("train", plan.dataset.train), ("heldout", plan.dataset.heldout)):
         args = ["--target", plan.cfg.target, "--data", str(data), "--out", str(folder / split)]
-        if split == "heldout" and "--pca-rank" in plan.extract_options(row):
+        options = plan.extract_options(row) if split == "train" else plan.heldout_extract_options(row)
+        if split == "heldout" and "--pca-rank" in options:
             args += ["--pca-from", str(folder / "train")]  # the codes the drafters trained on read
         run_cli(
             "dflash-extract",
             extract_cli,
-            [*args, *words(plan.extract_options(row)), *device],
+            [*args, *words(options), *device],
             work.log(f"extract-{folder.name}-{split}"),
         )
     return Caches(folder / "train", folder / "heldout")
@@ -185,7 +206,14 @@ def _evaluate(plan: Plan, work: WorkDir, folder: Path, inputs: list[str], option
 
 def _figures(greedy: dict, sampled: dict | None, train_cache: dict) -> dict:
     decoding = greedy["speculative_decoding"]
+    # Per context bucket of the anchor's position (NaN where no step was anchored): walk and greedy decoding.
+    buckets = {
+        f"{figure}@{label}": value
+        for figure, by_context in (("walk_acceptance", greedy), ("real_acceptance", decoding))
+        for label, value in by_context["acceptance_by_context"].items()
+    }
     return {
+        **buckets,
         "walk_acceptance": greedy["acceptance_length"],
         "real_acceptance": decoding["acceptance_length"],
         "sampled_acceptance": None if sampled is None else sampled["speculative_decoding"]["acceptance_length"],
