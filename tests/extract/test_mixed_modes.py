@@ -20,12 +20,11 @@ from extract.cli import main as extract_cli
 from shards.container import read_header
 from shards.manifest import SCHEMA, read_manifest
 from shards.reader import ShardReader
-from tests.helpers.chats import chat_target
+from tests.helpers.chats import effort_chat_target
 from tests.helpers.extract import VOCAB, cli_args
 from tools.cli.dflash_shards import main as shards_cli
 
 # What Qwen3.8's template does with the keyword, in miniature: a system line naming the effort.
-EFFORT = "{%- if reasoning_effort is defined -%}{{- '<|im_start|>system\\nreasoning ' + reasoning_effort + '<|im_end|>\\n' -}}{%- endif -%}\n"
 ROWS = [  # (the row's own mode fields, the mode it is rendered in under --thinking on)
     ({}, ("on", {})),
     ({"enable_thinking": False}, ("off", {})),
@@ -43,10 +42,7 @@ ROWS = [  # (the row's own mode fields, the mode it is rendered in under --think
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    path = chat_target(tmp_path_factory, mixer_scale=0.1)
-    template = path / "chat_template.jinja"
-    template.write_text(EFFORT + template.read_text())
-    return path
+    return effort_chat_target(tmp_path_factory)
 
 
 def _messages(i):

@@ -28,6 +28,18 @@ def chat_target(tmp_path_factory, mixer_scale: float = 1.0) -> Path:
     )
 
 
+# A template line that reads the reasoning_effort keyword (Qwen3.5's template ignores it).
+EFFORT = "{%- if reasoning_effort is defined -%}{{- '<|im_start|>system\\nreasoning ' + reasoning_effort + '<|im_end|>\\n' -}}{%- endif -%}\n"
+
+
+def effort_chat_target(tmp_path_factory) -> Path:
+    """chat_target (predictable text) whose template also reads reasoning_effort."""
+    path = chat_target(tmp_path_factory, mixer_scale=0.1)
+    template = path / "chat_template.jinja"
+    template.write_text(EFFORT + template.read_text())
+    return path
+
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}
 CLOCK = {"type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}
 # Agentic: tool-call chain, then a later user query, so every earlier turn loses its reasoning.

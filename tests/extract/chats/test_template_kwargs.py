@@ -16,7 +16,7 @@ from extract.chats.cli import main as data_cli
 from extract.chats.template import load_tokenizer
 from extract.cli import main as extract_cli
 from shards.common.chat_mode import chat_mode, parse_template_kwargs
-from tests.helpers.chats import chat_target, read_rows, regenerate_args, running, write_conversations
+from tests.helpers.chats import effort_chat_target, read_rows, regenerate_args, running, write_conversations
 from tests.helpers.extract import cli_args
 from tools.cli.dflash_train import entry_point
 from tools.fixtures.tiny_server import TinyChatModel, make_server
@@ -25,16 +25,12 @@ from train.eval.run import evaluated_mode, mode_mismatch
 from train.eval.speculative import PromptModes, read_prompts
 
 # What Qwen3.8's template does with the keyword, in miniature: a system line naming the effort.
-EFFORT = "{%- if reasoning_effort is defined -%}{{- '<|im_start|>system\\nreasoning ' + reasoning_effort + '<|im_end|>\\n' -}}{%- endif -%}\n"
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     """The tiny chat target with a template that reads reasoning_effort."""
-    path = chat_target(tmp_path_factory, mixer_scale=0.1)
-    template = path / "chat_template.jinja"
-    template.write_text(EFFORT + template.read_text())
-    return path
+    return effort_chat_target(tmp_path_factory)
 
 
 def test_values_parse_as_json_scalars_else_text():
