@@ -275,6 +275,16 @@ def test_the_compact_cache_rows_take_their_rank_from_the_targets_width(target, t
             assert options["--storage"] == "fp8"
 
 
+def test_real_decoding_spans_the_held_out_replies_unless_told_otherwise(target, tmp_path):
+    """The walk reads whole held-out replies (--max-tokens); real decoding generates as many tokens by default."""
+    dataset = SimpleNamespace(identity={"data": "one data set for every plan"})
+    spans = []
+    for given in (None, 4):
+        plan = Plan(_config(target, tmp_path, max_tokens=10, max_new_tokens=given), dataset, device_type="cpu")
+        spans.append((plan.eval_options()["--max-new-tokens"], plan.sampled_eval_options(0)["--max-new-tokens"]))
+    assert spans == [("10", "10"), ("4", "4")]
+
+
 def test_the_fingerprint_covers_the_block_size_and_the_sampled_evaluation(target, tmp_path):
     """Results made before the T > 0 column, or at another temperature, seed or block size, are never reused."""
     dataset = SimpleNamespace(identity={"data": "one data set for every plan"})  # only its identity is read

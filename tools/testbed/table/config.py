@@ -78,8 +78,11 @@ class TableConfig:
     sliding_window: int = 64
     """Window of the sliding rows' sliding layers (sliding-layers, sliding-all, the DFlash 2 rows), in tokens:
     keep it below the data's lengths."""
-    max_new_tokens: int = 64
-    """Tokens generated per held-out prompt by real speculative decoding (and by plain greedy decoding)."""
+    max_new_tokens: int | None = None
+    """Tokens generated per held-out prompt by real speculative decoding (and by plain greedy decoding).
+    Default: --max-tokens, the held-out replies' length, so both real-decoding columns and the decoding walk
+    measure the same span of each reply (a shorter span skips the replies' later tokens, which a
+    repetitive target makes the easiest to draft, and the walk then reads higher than decoding)."""
     eval_temperature: float = 0.7
     """Temperature of the second real-decoding column (dflash-train eval --target --temperature: rejection
     sampling, seeded with the drafter's training seed), beside the greedy one; 0 = no such column."""
@@ -95,6 +98,8 @@ class TableConfig:
         self.rows = [str(r) for r in self.rows or ()]  # the CLI passes None for an unset list
         at_least(self, 0, "num_prompts", "sample_seed")
         at_least(self, 1, "heldout_prompts", "max_tokens", "concurrency", "token_budget", "max_seqs")
+        if self.max_new_tokens is None:
+            self.max_new_tokens = self.max_tokens
         at_least(self, 1, "steps", "sliding_window", "max_new_tokens")
         at_least(self, 2, "block_size")  # an anchor plus at least one draft slot
         if not 0 <= self.eval_temperature < math.inf:
