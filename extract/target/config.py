@@ -177,6 +177,26 @@ def special_token_ids(path: str | Path) -> dict[str, Any]:
     return out
 
 
+def stop_token_ids(path: str | Path) -> frozenset[int]:
+    """The ids that end a reply as serving engines end it: every eos_token_id a checkpoint declares, in
+    config.json's text_config and top level (Qwen3.5 puts <|endoftext|> in one, <|im_end|> in the other)
+    and in generation_config.json when there is one. An eos_token_id there that is no id or list of ids is
+    refused naming the file: decoding would otherwise run past every reply's end unnoticed."""
+    top = read_config_json(path)
+    text = top.get("text_config") if isinstance(top.get("text_config"), dict) else {}
+    declared = [(path, text.get("eos_token_id")), (path, top.get("eos_token_id"))]
+    generation = Path(path) / "generation_config.json"
+    if generation.exists():
+        declared.append((generation, read_json_object(generation).get("eos_token_id")))
+    ids: set[int] = set()
+    for source, value in declared:
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise InputFileError(f"{source}: eos_token_id must be a token id or a list of them, got {value!r:.60}")
+        ids.update(values)
+    return frozenset(ids)
+
+
 def max_position_embeddings(path: str | Path) -> int | None:
     """The context length a checkpoint's config.json declares (text_config first, then the top level;
     None where undeclared or not a positive int). Not part of TargetConfig: RoPE is computed per position."""

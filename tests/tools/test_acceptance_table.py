@@ -305,7 +305,9 @@ def test_the_fingerprint_covers_the_block_size_and_the_sampled_evaluation(target
         plan(block_size=16).fingerprint(row, 0),
     ]
     assert len(set(fingerprints)) == len(fingerprints)
-    assert table.result_identity(row, 0)["version"] == RESULT_VERSION == 2  # version 1 results had no T > 0 figure
+    assert (
+        table.result_identity(row, 0)["version"] == RESULT_VERSION == 3
+    )  # 1: no T > 0 figure; 2: decoded past the stop tokens
 
 
 def test_the_sampled_column_is_tabulated_beside_the_greedy_one_or_left_out_at_t0():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from extract.target.config import stop_token_ids
 from extract.target.model import TargetModel
 
 
@@ -32,6 +33,7 @@ class TargetVerifier:
         self.tap_layer_ids = [int(t) for t in tap_layer_ids]
         self.embed_tokens_VH = self.model.embed_tokens.weight
         self.lm_head_VH = self.model.lm_head.weight
+        self.stop_ids = stop_token_ids(target_dir)  # a reply ends there, as in serving
 
     def __call__(self, input_ids_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         L = input_ids_L.shape[0]

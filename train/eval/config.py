@@ -88,7 +88,9 @@ class EvalConfig:
     max_prompts: int = 0
     """Decode only the first N prompts of --prompts; 0 = all."""
     max_new_tokens: int = 64
-    """Tokens generated per prompt by --target decoding (speculative and plain greedy)."""
+    """Tokens generated per prompt at most by --target decoding (speculative and plain); a reply ends
+    sooner at the target's stop tokens (every eos_token_id of its config.json and generation_config.json),
+    as serving ends it."""
     decode_batch: int = DECODE_BATCH
     """--target decoding: prompts decoded together in lockstep, each step verifying all of them in one
     packed target forward (greedy outputs are each prompt's own; at --temperature the prompts' draws

@@ -362,6 +362,7 @@ def _evaluate(
             context_edges=tuple(cfg.context_buckets),
             modes=modes,
             batch=cfg.decode_batch,
+            stop_ids=verifier.stop_ids,
         )
         decoding.longest_trained_response = loaded.longest_response  # the table warns when decoding ran past it
     mode_warning = "\n".join(w for w in mode_warnings if w) or None

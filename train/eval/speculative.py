@@ -53,6 +53,7 @@ class Verifier(Protocol):
 
     embed_tokens_VH: torch.Tensor  # the target's input embedding (the drafter embeds its block with it)
     lm_head_VH: torch.Tensor  # the target's LM head (the drafter's logits)
+    stop_ids: frozenset[int]  # the ids that end a reply (eos, end of turn), as serving stops decoding
 
     def __call__(self, input_ids_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(greedy next token after every position [L] int64, tapped hidden states [L, K, H])."""
@@ -204,7 +205,7 @@ def build_verifier(
 
 @dataclass
 class Decoded:
-    tokens: list[int]  # the max_new_tokens generated tokens
+    tokens: list[int]  # the generated tokens: max_new_tokens, or fewer ending with a stop token
     step_tokens: list[int] = field(default_factory=list)  # tokens emitted per verification step
     step_accepted: list[int] = field(default_factory=list)  # drafts accepted per step
     step_labels: list[int] = field(default_factory=list)  # drafts that could be accepted per step (the cut)
@@ -224,11 +225,13 @@ def speculative_generate(
     *,
     sampling: SamplingConfig = GREEDY,
     generator: torch.Generator | None = None,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> Decoded:
-    """Speculative decoding of `max_new_tokens` tokens after `prompt`: greedy (exact, token for token the
-    target's greedy output) or, at sampling.temperature > 0, rejection-sampled with `generator`'s draws."""
+    """Speculative decoding of up to `max_new_tokens` tokens after `prompt`, ending at the first of
+    `stop_ids` as serving ends a reply: greedy (exact, token for token the target's greedy output) or, at
+    sampling.temperature > 0, rejection-sampled with `generator`'s draws."""
     return speculative_generate_many(
-        proposer, verifier, [prompt], max_new_tokens, sampling=sampling, generator=generator
+        proposer, verifier, [prompt], max_new_tokens, sampling=sampling, generator=generator, stop_ids=stop_ids
     )[0]
 
 
@@ -241,6 +244,7 @@ def speculative_generate_many(
     *,
     sampling: SamplingConfig = GREEDY,
     generator: torch.Generator | None = None,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> list[Decoded]:
     """speculative_generate of every prompt in lockstep: each step drafts for every unfinished prompt (in one
     drafter forward with a proposer that has propose_many), then verifies all of them in one target call (a
@@ -254,7 +258,11 @@ def speculative_generate_many(
     first = _next_tokens(verifier, [torch.tensor(p, device=device) for p in prompts], sampling, generator)
     results = [Decoded([token]) for token, _ in first]
     hidden = [hidden_LKH for _, hidden_LKH in first]
-    active = [i for i, r in enumerate(results) if len(r.tokens) < max_new_tokens]
+
+    def unfinished(r: Decoded) -> bool:
+        return len(r.tokens) < max_new_tokens and r.tokens[-1] not in stop_ids
+
+    active = [i for i, r in enumerate(results) if unfinished(r)]
     while active:
         positions = [len(prompts[i]) + len(results[i].tokens) - 1 for i in active]  # the anchors'
         contexts = [hidden[i][:p] for i, p in zip(active, positions, strict=True)]
@@ -276,13 +284,15 @@ def speculative_generate_many(
             else:  # target: the logits after the anchor and after each draft
                 a, emitted = verify_drafts(serving_probs(target, sampling), drafts.tokens, drafts.q, labels, generator)
             r = results[i]
-            emitted = emitted[: max_new_tokens - len(r.tokens)]
+            emitted = _until_stop(emitted[: max_new_tokens - len(r.tokens)], stop_ids)
+            if emitted[-1] in stop_ids:  # the reply ends here: as at a walk's response end, slots past it
+                a, labels = min(a, len(emitted)), min(labels, len(emitted))  # have no label, none accepted
             r.tokens += emitted
             r.step_tokens.append(len(emitted))
             r.step_accepted.append(a)
             r.step_labels.append(labels)
             r.step_positions.append(p)
-        active = [i for i in active if len(results[i].tokens) < max_new_tokens]
+        active = [i for i in active if unfinished(results[i])]
     _share_seconds(results, time.perf_counter() - t0)
     return results
 
@@ -299,6 +309,14 @@ def _verify(
     if many is not None:
         return many(ids, num_last)
     return [verifier.next_token_logits(ids_L, num_last) for ids_L in ids]
+
+
+def _until_stop(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
+    """`tokens` up to and including the first stop token (all of them when none is there)."""
+    for k, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[: k + 1]
+    return tokens
 
 
 def _share_seconds(results: list[Decoded], seconds: float) -> None:
@@ -323,10 +341,13 @@ def plain_generate(
     *,
     sampling: SamplingConfig = GREEDY,
     generator: torch.Generator | None = None,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> Decoded:
-    """Plain decoding with the same verifier (one target forward per token): greedy, or sampled at
-    sampling's temperature, top-k and top-p."""
-    return plain_generate_many(verifier, [prompt], max_new_tokens, sampling=sampling, generator=generator)[0]
+    """Plain decoding with the same verifier (one target forward per token) up to `max_new_tokens` or the
+    first of `stop_ids`: greedy, or sampled at sampling's temperature, top-k and top-p."""
+    return plain_generate_many(
+        verifier, [prompt], max_new_tokens, sampling=sampling, generator=generator, stop_ids=stop_ids
+    )[0]
 
 
 @torch.no_grad()
@@ -337,15 +358,19 @@ def plain_generate_many(
     *,
     sampling: SamplingConfig = GREEDY,
     generator: torch.Generator | None = None,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> list[Decoded]:
-    """plain_generate of every prompt in lockstep: one target call per token for all of them."""
+    """plain_generate of every prompt in lockstep: one target call per token for all unfinished ones."""
     device = verifier.embed_tokens_VH.device
     t0 = time.perf_counter()
     outs: list[list[int]] = [[] for _ in prompts]
     for _ in range(max_new_tokens):
-        ids = [torch.tensor(p + out, device=device) for p, out in zip(prompts, outs, strict=True)]
-        for out, (token, _) in zip(outs, _next_tokens(verifier, ids, sampling, generator), strict=True):
-            out.append(token)
+        live = [i for i, out in enumerate(outs) if not (out and out[-1] in stop_ids)]
+        if not live:
+            break
+        ids = [torch.tensor(prompts[i] + outs[i], device=device) for i in live]
+        for i, (token, _) in zip(live, _next_tokens(verifier, ids, sampling, generator), strict=True):
+            outs[i].append(token)
     results = [Decoded(out) for out in outs]
     _share_seconds(results, time.perf_counter() - t0)
     return results
@@ -462,42 +487,51 @@ def decode_prompts(
     context_edges: tuple[int, ...] = CONTEXT_BUCKETS,
     modes: PromptModes | None = None,
     batch: int = DECODE_BATCH,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> DecodeReport:
     """Speculative and plain decoding of every prompt, `batch` prompts at a time in lockstep (one target
     forward per step for all of them); acceptance figures as the walk's (per context_edges bucket of the
     anchor's position too, and per serving mode when `modes` (read_prompts') holds several). Sampled runs
     draw from one generator seeded with `seed` on the verifier's device (the same seed and batch, the same
-    outputs). Progress (prompts done, tokens/s of each, ETA) as a
-    bar on a terminal, else a log line at most every 10 s."""
+    outputs). A reply ends at the first of `stop_ids` (the target's end-of-turn and eos ids, as serving stops)
+    or after max_new_tokens. Progress (prompts done, tokens/s of each, ETA) as a bar on a terminal, else a log
+    line at most every 10 s."""
     names = modes.names if modes is not None else ("",)
     counts = WalkCounts(proposer.block_size, context_edges=context_edges, mode_names=names)
-    identical, mismatch, spec_s, plain_s = 0, [], 0.0, 0.0
+    identical, mismatch, spec_s, plain_s, spec_n, plain_n = 0, [], 0.0, 0.0, 0, 0
     generator = torch.Generator(verifier.embed_tokens_VH.device).manual_seed(seed)
     progress = ProgressLog(log, None, len(prompts), desc="decoding", unit="prompt")
     plain_name = "plain greedy" if sampling.greedy else "plain sampling"
     for start in range(0, len(prompts), batch):
         chunk = prompts[start : start + batch]
-        specs = speculative_generate_many(
-            proposer, verifier, chunk, max_new_tokens, sampling=sampling, generator=generator
-        )
-        plains = plain_generate_many(verifier, chunk, max_new_tokens, sampling=sampling, generator=generator)
+        decode = dict(sampling=sampling, generator=generator, stop_ids=stop_ids)
+        specs = speculative_generate_many(proposer, verifier, chunk, max_new_tokens, **decode)
+        plains = plain_generate_many(verifier, chunk, max_new_tokens, **decode)
         for i, spec, plain in zip(range(start, start + len(chunk)), specs, plains, strict=True):
             spec_s, plain_s = spec_s + spec.seconds, plain_s + plain.seconds
+            spec_n, plain_n = spec_n + len(spec.tokens), plain_n + len(plain.tokens)
             if spec.tokens == plain.tokens:
                 identical += 1
             elif sampling.greedy:
-                mismatch.append((i, next(j for j, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b)))
+                pairs = zip(spec.tokens, plain.tokens)  # one may stop sooner: the first token past the other's end
+                mismatch.append(
+                    (
+                        i,
+                        next(
+                            (j for j, (a, b) in enumerate(pairs) if a != b), min(map(len, (spec.tokens, plain.tokens)))
+                        ),
+                    )
+                )
             _count(counts, spec, modes.of[i] if modes is not None else 0)
-            _report(progress, i + 1, max_new_tokens, spec_s, plain_s, plain_name)  # per prompt, as a batch ends
+            _report(progress, i + 1, spec_n / spec_s, plain_n / plain_s, plain_name)  # per prompt, as a batch ends
     progress.close()
-    total = len(prompts) * max_new_tokens
     return DecodeReport(
         counts,
         len(prompts),
         identical,
         mismatch,
-        total / spec_s,
-        total / plain_s,
+        spec_n / spec_s,
+        plain_n / plain_s,
         max_new_tokens=max_new_tokens,
         sampling=sampling,
     )
@@ -514,8 +548,8 @@ def _count(counts: WalkCounts, spec: Decoded, mode: int) -> None:
         counts.add_response(sum(spec.step_tokens), len(spec.step_tokens), mode)
 
 
-def _report(progress: ProgressLog, done: int, max_new_tokens: int, spec_s: float, plain_s: float, plain: str) -> None:
-    rates = f"{done * max_new_tokens / spec_s:.1f} tokens/s speculative, {done * max_new_tokens / plain_s:.1f} {plain}"
+def _report(progress: ProgressLog, done: int, spec_rate: float, plain_rate: float, plain: str) -> None:
+    rates = f"{spec_rate:.1f} tokens/s speculative, {plain_rate:.1f} {plain}"
     eta = f"ETA {format_duration(progress.eta(done))}"
     progress.report(
         {},

@@ -114,3 +114,22 @@ def test_missing_field_and_missing_file_are_named(tmp_path):
         TargetConfig.from_hf_dict(text)
     with pytest.raises(FileNotFoundError, match="config.json"):
         TargetConfig.from_dir(tmp_path)
+
+
+def test_stop_ids_are_every_eos_the_checkpoint_declares(tmp_path):
+    """Qwen3.5 declares <|endoftext|> in text_config, <|im_end|> at the top level; generation_config adds its own."""
+    from extract.target.config import stop_token_ids
+    from shards.common.json_input import InputFileError
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"text_config": {**QWEN36_27B_TEXT, "eos_token_id": 248044}, "eos_token_id": 248046})
+    )
+    assert stop_token_ids(tmp_path) == {248044, 248046}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [248046, 7], "top_p": 0.95}))
+    assert stop_token_ids(tmp_path) == {248044, 248046, 7}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "<|im_end|>"}))
+    with pytest.raises(InputFileError, match=r"generation_config\.json: eos_token_id must be a token id"):
+        stop_token_ids(tmp_path)
+    (tmp_path / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(InputFileError, match="expected a JSON object"):
+        stop_token_ids(tmp_path)

@@ -9,6 +9,7 @@ import json
 import logging
 import re
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -116,6 +117,41 @@ def test_walk_equals_real_speculative_decoding_on_target_greedy_data(setup):
     assert all(want.context_steps), f"both buckets need steps to mean anything ({want.context_steps})"
     assert got.acceptance_length == pytest.approx(want.acceptance_length, abs=1e-12)
     assert sum(want.accepted_histogram[1:]) >= 10, f"the test needs accepted drafts to mean anything ({want})"
+
+
+def test_decoding_ends_each_reply_at_its_first_stop_token(setup):
+    """With stop ids, a reply ends at its first stop token as in serving: the tokens, steps and accepted drafts
+    are those of decoding without stops up to the step that emitted it, that step cut after it."""
+    root, target, samples = setup
+    model, cfg = _drafter(root)
+    verifier = TargetVerifier(target, cfg.tap_layer_ids, "cpu", torch.float32)
+    proposer = ChainProposer(model, TargetHead(verifier.embed_tokens_VH, verifier.lm_head_VH))
+    prompts = [s.input_ids[: int(s.loss_mask.argmax())].tolist() for s in samples[:8]]
+    full = speculative_generate_many(proposer, verifier, prompts, NEW_TOKENS)
+    stop = Counter(t for d in full for t in d.tokens[1:]).most_common(1)[0][0]  # ends several replies early
+    stops = frozenset({stop})
+    cut = speculative_generate_many(proposer, verifier, prompts, NEW_TOKENS, stop_ids=stops)
+    plain = plain_generate_many(verifier, prompts, NEW_TOKENS, stop_ids=stops)
+    ended = 0
+    for f, c, p in zip(full, cut, plain, strict=True):
+        end = next((k + 1 for k, t in enumerate(f.tokens) if t == stop), len(f.tokens))
+        assert c.tokens == p.tokens == f.tokens[:end]
+        ended += end < len(f.tokens)
+        want_tokens, want_accepted, made = [], [], 1  # the prefill token is made before the first step
+        for tokens, a in zip(f.step_tokens, f.step_accepted, strict=True):
+            if made >= end:
+                break
+            n = min(tokens, end - made)
+            want_tokens.append(n)
+            want_accepted.append(min(a, n))  # drafts past the reply's end are not accepted
+            made += n
+        assert (c.step_tokens, c.step_accepted) == (want_tokens, want_accepted)
+        if c.step_tokens and c.tokens[-1] == stop:  # no slot has a label past the reply's last token
+            assert c.step_labels[-1] == min(f.step_labels[len(c.step_labels) - 1], c.step_tokens[-1])
+    assert ended >= 2, "the stop token should end some replies early"
+    report = decode_prompts(proposer, verifier, prompts, NEW_TOKENS, stop_ids=stops)
+    assert report.identical == len(prompts)
+    assert report.walk.tokens == sum(len(c.tokens) - 1 for c in cut)
 
 
 def test_eval_cli_with_target_and_prompts(setup, tmp_path, monkeypatch, capsys, caplog):

@@ -44,8 +44,9 @@ from train.cli import main as train_cli
 PIECE_FLAGS = ("--max-seq-len", "--piece-context", "--piece-label-reach")  # dflash-extract's long-sample pieces
 EXTRACT_DTYPE = "bfloat16"  # the target runs in bf16, as for a real target (and as FP8 compute needs)
 # Bumped when a result's figures change meaning: older results are then recomputed. 2: sampled_acceptance and
-# the table's --block-size (results of 1 have no T > 0 figure).
-RESULT_VERSION = 2
+# the table's --block-size (results of 1 have no T > 0 figure). 3: real decoding ends each reply at the
+# target's stop tokens, as serving does (results of 2 decoded past them to --max-new-tokens).
+RESULT_VERSION = 3
 
 
 @dataclass(frozen=True)
