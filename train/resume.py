@@ -29,7 +29,8 @@ from shards.common.identity import differences
 from train.checkpoint.store import STATE_FILE, Checkpoint, CheckpointError
 from train.checkpoint.train_state import TrainState, train_state
 from train.config import TrainConfig
-from train.drafter.config import DrafterConfig
+from train.drafter.config import DFLASH2, DrafterConfig
+from train.loss.config import LossConfig
 from train.resolve import ResolvedRun, resolved_identity
 
 
@@ -61,6 +62,13 @@ def _absent_as_default(recorded: dict, now: dict, cls: type) -> dict:
     return {**{k: defaults[k] for k in now.keys() - recorded.keys() if k in defaults}, **recorded}
 
 
+SELECTOR_SETTINGS = tuple(f.name for f in dataclasses.fields(LossConfig) if f.name.startswith("selector_"))
+
+
+def _without_selector(identity: dict) -> dict:
+    return {k: v for k, v in identity.items() if k not in SELECTOR_SETTINGS}
+
+
 def check_resume(ckpt: Checkpoint, cfg: TrainConfig, run: ResolvedRun, world_size: int) -> None:
     """Refuse (ValueError naming each flag) to resume `ckpt` under other resolved settings or another cache;
     first, a train_state.json with a field of another type, an unknown or a missing one (naming it)."""
@@ -71,6 +79,8 @@ def check_resume(ckpt: Checkpoint, cfg: TrainConfig, run: ResolvedRun, world_siz
         recorded, now = state.get("config_identity", {}), cfg.identity()
     elif _same_directory(recorded.get("init_from"), cfg.drafter.init_from):  # before --init-from was hashed
         now["init_from"] = recorded["init_from"]
+    if run.drafter.arch != DFLASH2:  # the selector's settings do nothing to a DFlash 1 drafter
+        recorded, now = _without_selector(recorded), _without_selector(now)
     settings = differences(_absent_as_default(recorded, now, TrainConfig), now)
     diffs = [d.describe("checkpoint", "now", _setting, shown) for d in settings]
     recorded_drafter = state.get("drafter")

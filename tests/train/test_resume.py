@@ -92,7 +92,7 @@ def test_a_checkpoint_from_before_a_setting_existed_resumes_as_its_default(tmp_p
     assert CliRunner().invoke(train_cli, args).exit_code == 0
     state_path = run / "step-00000001" / "train_state.json"
     state = json.loads(state_path.read_text())
-    for key in ("fp8", "fp8_recipe", "selector_gold"):
+    for key in ("fp8", "fp8_recipe", "selector_gold", "kl_lambda"):
         del state["resolved_identity"][key]
     del state["drafter"]["input_embedding_scale"], state["state_checksum"]
     state_path.write_text(json.dumps(state))
@@ -103,8 +103,20 @@ def test_a_checkpoint_from_before_a_setting_existed_resumes_as_its_default(tmp_p
     assert (run / "step-00000002").is_dir()
 
     shutil.rmtree(run / "step-00000002")
-    result = CliRunner().invoke(train_cli, [*args, "--resume", "--selector-gold", "swap"])
-    assert result.exit_code == 1 and "--selector-gold" in result.output, result.output
+    result = CliRunner().invoke(train_cli, [*args, "--resume", "--kl-lambda", "0.5"])
+    assert result.exit_code == 1 and "--kl-lambda" in result.output, result.output
+
+
+def test_a_dflash1_run_resumes_whatever_its_selector_settings(tmp_path):
+    """The DFlash 2 selector's settings change nothing in a DFlash 1 drafter: a resume ignores them (a DFlash 1
+    checkpoint from before a selector default changed goes on), while a DFlash 2 run is still held to them."""
+    cache, run = tiny_cache(tmp_path / "cache", num_batches=3), tmp_path / "run"
+    args = tiny_cli_args(cache, run, "--max-steps", "2", "--checkpoint-every", "1")
+    assert CliRunner().invoke(train_cli, [*args, "--selector-gold", "drop", "--selector-weight", "0.5"]).exit_code == 0
+    shutil.rmtree(run / "step-00000002")
+    result = CliRunner().invoke(train_cli, [*args, "--resume"])
+    assert result.exit_code == 0, result.output
+    assert (run / "step-00000002").is_dir()
 
 
 def test_a_checkpoint_trained_on_other_shards_is_refused(tmp_path):
