@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+_HERE = Path(__file__).resolve().parent
 _PACKAGES = ("dflash-pipeline", "torch", "triton", "fla-core", "causal-conv1d", "safetensors", "pyarrow", "numpy")
 
 
@@ -23,17 +24,23 @@ def provenance() -> dict:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "argv": list(sys.argv),
         "cwd": os.getcwd(),  # what relative paths in argv were relative to
-        "git_sha": _git_sha(),
+        "git_sha": git(["rev-parse", "HEAD"], _HERE) or None,
+        "git_dirty": git_dirty(_HERE),  # a copied tree may carry changes its HEAD does not name
         "python": sys.version.split()[0],
         "versions": versions,
     }
 
 
-def _git_sha() -> str | None:
+def git(args: list[str], directory: Path) -> str | None:
+    """git's stripped output in `directory`; None where git is missing, slow or fails (not a checkout)."""
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=5
-        )
+        out = subprocess.run(["git", *args], cwd=directory, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_dirty(directory: Path) -> bool | None:
+    """Whether tracked files differ from HEAD in the checkout holding `directory`; None: not known."""
+    status = git(["status", "--porcelain", "--untracked-files=no"], directory)
+    return None if status is None else bool(status)

@@ -181,7 +181,7 @@ def _caption(run: dict) -> str:
     return (
         f"Target {Path(run['target']).name}; {cfg['steps']} steps per drafter, block size {cfg['block_size']}, seeds "
         f"{','.join(str(s) for s in cfg['seeds'])}{sampled}; {run['machine']}, torch {made['versions']['torch']}, "
-        f"git {(made['git_sha'] or 'unknown')[:7]}, {run['date']}; command: `{run['command']}`"
+        f"git {(made['git_sha'] or 'unknown')[:7]}{' with uncommitted changes' if made.get('git_dirty') else ''}, {run['date']}; command: `{run['command']}`"
     )
 
 
