@@ -81,8 +81,7 @@ class TableConfig:
     max_new_tokens: int | None = None
     """Tokens generated per held-out prompt by real speculative decoding (and by plain greedy decoding).
     Default: --max-tokens, the held-out replies' length, so both real-decoding columns and the decoding walk
-    measure the same span of each reply (a shorter span skips the replies' later tokens, which a
-    repetitive target makes the easiest to draft, and the walk then reads higher than decoding)."""
+    cover the same span of each reply."""
     eval_temperature: float = 0.7
     """Temperature of the second real-decoding column (dflash-train eval --target --temperature: rejection
     sampling, seeded with the drafter's training seed), beside the greedy one; 0 = no such column."""
