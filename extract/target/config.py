@@ -184,7 +184,8 @@ def stop_token_ids(path: str | Path) -> frozenset[int]:
     refused naming the file: decoding would otherwise run past every reply's end unnoticed."""
     top = read_config_json(path)
     text = top.get("text_config") if isinstance(top.get("text_config"), dict) else {}
-    declared = [(path, text.get("eos_token_id")), (path, top.get("eos_token_id"))]
+    config = Path(path) / CONFIG_FILE
+    declared = [(config, text.get("eos_token_id")), (config, top.get("eos_token_id"))]
     generation = Path(path) / "generation_config.json"
     if generation.exists():
         declared.append((generation, read_json_object(generation).get("eos_token_id")))

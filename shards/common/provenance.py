@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import subprocess
@@ -24,17 +25,26 @@ def provenance() -> dict:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "argv": list(sys.argv),
         "cwd": os.getcwd(),  # what relative paths in argv were relative to
-        "git_sha": git(["rev-parse", "HEAD"], _HERE) or None,
-        "git_dirty": git_dirty(_HERE),  # a copied tree may carry changes its HEAD does not name
+        "git_sha": _code_git()[0],
+        "git_dirty": _code_git()[1],  # a copied tree may carry changes its HEAD does not name
         "python": sys.version.split()[0],
         "versions": versions,
     }
 
 
+@functools.cache
+def _code_git() -> tuple[str | None, bool | None]:
+    """This code's commit and whether its checkout differs from it: asked once per process (the code that
+    runs is what was imported, and a checkpoint save must not wait on git)."""
+    return git(["rev-parse", "HEAD"], _HERE) or None, git_dirty(_HERE)
+
+
 def git(args: list[str], directory: Path) -> str | None:
     """git's stripped output in `directory`; None where git is missing, slow or fails (not a checkout)."""
     try:
-        out = subprocess.run(["git", *args], cwd=directory, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(  # never takes the index lock a user's own git command may want
+            ["git", "--no-optional-locks", *args], cwd=directory, capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None

@@ -9,12 +9,15 @@ them apart), so decoding prompts in lockstep costs one forward per step for all 
 from __future__ import annotations
 
 import itertools
+import logging
 from pathlib import Path
 
 import torch
 
 from extract.target.config import stop_token_ids
 from extract.target.model import TargetModel
+
+log = logging.getLogger(__name__)
 
 
 class TargetVerifier:
@@ -25,6 +28,13 @@ class TargetVerifier:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.bfloat16,
     ):
+        self.stop_ids = stop_token_ids(target_dir)  # a reply ends there, as in serving (read before the load)
+        if not self.stop_ids:
+            log.warning(
+                "--target %s declares no eos_token_id (config.json, generation_config.json): every reply is "
+                "decoded to --max-new-tokens, as no serving engine would",
+                target_dir,
+            )
         self.model = TargetModel.from_pretrained(target_dir, device, dtype=dtype, with_head=True)
         n = self.model.config.num_hidden_layers
         bad = [t for t in tap_layer_ids if not 0 <= t < n]
@@ -33,7 +43,6 @@ class TargetVerifier:
         self.tap_layer_ids = [int(t) for t in tap_layer_ids]
         self.embed_tokens_VH = self.model.embed_tokens.weight
         self.lm_head_VH = self.model.lm_head.weight
-        self.stop_ids = stop_token_ids(target_dir)  # a reply ends there, as in serving
 
     def __call__(self, input_ids_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         L = input_ids_L.shape[0]

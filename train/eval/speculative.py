@@ -397,21 +397,25 @@ class DecodeReport:
     first_mismatch: list[tuple[int, int]]  # (prompt index, first differing token index)
     speculative_tokens_per_s: float
     greedy_tokens_per_s: float
-    max_new_tokens: int = 0  # tokens decoded per prompt
+    max_new_tokens: int = 0  # tokens decoded per prompt at most
     sampling: SamplingConfig = GREEDY  # T > 0: both decodings sample, so outputs are not compared
+    longest_reply: int = 0  # tokens of the longest speculative reply (the prefill token included)
+    stopped: int = 0  # replies that ended at a stop token (the rest ran to max_new_tokens)
     # The longest reply in the drafter's training cache (its export or checkpoint records it); None: unknown.
     longest_trained_response: int | None = None
 
     @property
     def past_training(self) -> bool:
-        """Whether decoding ran past the longest reply the drafter was trained on."""
-        return self.longest_trained_response is not None and self.max_new_tokens > self.longest_trained_response
+        """Whether a reply ran past the longest reply the drafter was trained on."""
+        return self.longest_trained_response is not None and self.longest_reply > self.longest_trained_response
 
     def to_dict(self) -> dict:
         w = self.walk
         return {
             **w.figures(),
             "max_new_tokens": self.max_new_tokens,
+            "longest_reply": self.longest_reply,
+            "replies_stopped": self.stopped,
             "longest_trained_response": self.longest_trained_response,
             "num_prompts": self.prompts,
             "temperature": self.sampling.temperature,
@@ -439,7 +443,7 @@ class DecodeReport:
         plain = "plain greedy" if self.sampling.greedy else "plain sampling"
         warning = (
             [
-                f"WARNING: decoded {self.max_new_tokens} tokens per prompt, past the longest reply the drafter "
+                f"WARNING: decoded replies of up to {self.longest_reply} tokens, past the longest reply the drafter "
                 f"was trained on ({self.longest_trained_response} tokens): the figures below include positions "
                 f"it never learned to draft; --max-new-tokens {self.longest_trained_response} measures what it "
                 "was trained for"
@@ -451,7 +455,8 @@ class DecodeReport:
             warning
             + [
                 f"real speculative decoding with the target at {self._mode()}, {plural(self.prompts, 'prompt')}, "
-                f"{plural(w.steps, 'step')}:",
+                f"{plural(w.steps, 'step')}; {self.stopped} of {self.prompts} replies ended at a stop token, the "
+                f"rest at --max-new-tokens {self.max_new_tokens}:",
                 f"  acceptance length {format_figure(w.acceptance_length, '.3f')} tokens per verify step (mean over prompts; pooled "
                 f"{format_figure(w.acceptance_length_pooled, '.3f')})",
                 f"  accepted drafts per step, 0..{len(w.accepted_histogram) - 1}: "
@@ -499,6 +504,7 @@ def decode_prompts(
     names = modes.names if modes is not None else ("",)
     counts = WalkCounts(proposer.block_size, context_edges=context_edges, mode_names=names)
     identical, mismatch, spec_s, plain_s, spec_n, plain_n = 0, [], 0.0, 0.0, 0, 0
+    longest, stopped = 0, 0
     generator = torch.Generator(verifier.embed_tokens_VH.device).manual_seed(seed)
     progress = ProgressLog(log, None, len(prompts), desc="decoding", unit="prompt")
     plain_name = "plain greedy" if sampling.greedy else "plain sampling"
@@ -510,6 +516,7 @@ def decode_prompts(
         for i, spec, plain in zip(range(start, start + len(chunk)), specs, plains, strict=True):
             spec_s, plain_s = spec_s + spec.seconds, plain_s + plain.seconds
             spec_n, plain_n = spec_n + len(spec.tokens), plain_n + len(plain.tokens)
+            longest, stopped = max(longest, len(spec.tokens)), stopped + (spec.tokens[-1] in stop_ids)
             if spec.tokens == plain.tokens:
                 identical += 1
             elif sampling.greedy:
@@ -534,6 +541,8 @@ def decode_prompts(
         plain_n / plain_s,
         max_new_tokens=max_new_tokens,
         sampling=sampling,
+        longest_reply=longest,
+        stopped=stopped,
     )
 
 

@@ -27,6 +27,7 @@ from tools.fixtures.demo_data import greedy_continuations
 from tools.fixtures.tiny_target import write_random_checkpoint
 from train.cli import main as train_cli
 from train.drafter.model import DFlashDrafter, TargetHead
+from train.eval.config import SamplingConfig
 from train.eval.evaluate import evaluate_drafter
 from train.eval.run import load_drafter
 from train.eval.speculative import (
@@ -152,6 +153,26 @@ def test_decoding_ends_each_reply_at_its_first_stop_token(setup):
     report = decode_prompts(proposer, verifier, prompts, NEW_TOKENS, stop_ids=stops)
     assert report.identical == len(prompts)
     assert report.walk.tokens == sum(len(c.tokens) - 1 for c in cut)
+    assert report.longest_reply == max(len(c.tokens) for c in cut)
+    assert report.stopped == sum(c.tokens[-1] == stop for c in cut) >= ended
+    # Sampled, the same rule: each reply ends at its first stop token or after NEW_TOKENS, its steps emit the rest.
+    sampling = SamplingConfig(temperature=1.0)
+
+    def draw(stop_ids=frozenset()):
+        generator = torch.Generator().manual_seed(0)
+        return speculative_generate_many(
+            proposer, verifier, prompts, NEW_TOKENS, sampling=sampling, generator=generator, stop_ids=stop_ids
+        )
+
+    common = frozenset(t for t, _ in Counter(t for d in draw() for t in d.tokens[1:]).most_common(5))
+    drawn = draw(common)
+    for d in drawn:
+        assert not common & set(d.tokens[:-1]) and (d.tokens[-1] in common or len(d.tokens) == NEW_TOKENS)
+        assert sum(d.step_tokens) == len(d.tokens) - 1
+        assert all(a <= labels for a, labels in zip(d.step_accepted, d.step_labels, strict=True))
+        if d.step_tokens and d.tokens[-1] in common:  # the last step: no label past the stop
+            assert d.step_labels[-1] <= d.step_tokens[-1]
+    assert any(d.tokens[-1] in common for d in drawn), "the seeded draws should end a reply at a stop"
 
 
 def test_eval_cli_with_target_and_prompts(setup, tmp_path, monkeypatch, capsys, caplog):
@@ -204,7 +225,7 @@ def test_eval_cli_with_target_and_prompts(setup, tmp_path, monkeypatch, capsys, 
     res = CliRunner().invoke(train_cli, longer, obj=entry_point())
     assert res.exit_code == 0, res.output
     warning = (
-        f"WARNING: decoded {NEW_TOKENS + 4} tokens per prompt, past the longest reply the drafter was trained on "
+        f"WARNING: decoded replies of up to {NEW_TOKENS + 4} tokens, past the longest reply the drafter was trained on "
         f"({NEW_TOKENS} tokens)"
     )
     assert res.output.startswith(warning) and res.output.count("past the longest reply") == 1, res.output
