@@ -21,12 +21,13 @@ def provenance() -> dict:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
+    sha, dirty = _code_git()
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "argv": list(sys.argv),
         "cwd": os.getcwd(),  # what relative paths in argv were relative to
-        "git_sha": _code_git()[0],
-        "git_dirty": _code_git()[1],  # a copied tree may carry changes its HEAD does not name
+        "git_sha": sha,
+        "git_dirty": dirty,  # a copied tree may carry changes its HEAD does not name
         "python": sys.version.split()[0],
         "versions": versions,
     }
