@@ -28,6 +28,7 @@ import torch
 from shards import ShardReader, load_target_head
 from shards.common.compile_cache import use_compile_cache
 from shards.common.durable import atomic_write_text, check_writable
+from shards.common.errors import UserError
 from shards.common.lock import DirectoryLock
 from shards.common.owned import Dir, describe
 from shards.common.progress import format_duration
@@ -46,6 +47,7 @@ from train.checkpoint.serving import trained_for
 from train.checkpoint.store import (
     MODEL_FILE,
     STATE_FILE,
+    Checkpoint,
     CheckpointError,
     checkpoint_folders,
     checkpoint_name,
@@ -61,7 +63,7 @@ from train.console import TrainSummary, announce_run
 from train.data import Batch, rank_batches
 from train.distributed import init_distributed
 from train.drafter.attention import choose_backend
-from train.drafter.fp8 import require_fp8
+from train.drafter.fp8 import AUTO, FP8_MODES, FP8_RECIPES, require_fp8, resolve_fp8
 from train.eval.evaluate import EvalResult, eval_copy, evaluate_drafter
 from train.loss.head_gemms import require_fp8_head
 from train.metrics.flops import drafter_step_flops, peak_flops
@@ -71,7 +73,7 @@ from train.outputs import write_eval_json
 from train.precision import torch_dtype
 from train.preempt import StopOnSigterm, stop_together
 from train.resolve import ResolvedRun, resolve_run, resolved_identity
-from train.resume import cache_identity, check_resume
+from train.resume import cache_identity, check_resume, recorded_setting
 from train.rundir import RUN_RECORD_FILE, check_run_dir, clean_stale_temporaries, truncate_metrics
 from train.step import StepRunner, build_step_state
 
@@ -93,10 +95,11 @@ def _train(cfg: TrainConfig) -> TrainSummary:
     check_run_dir(cfg.out_dir, cfg.cache)
     check_writable(cfg.out_dir, f"--out {cfg.out_dir}")
     device = resolve_device(cfg.device, 0)
-    if cfg.fp8 != "off":  # no torchao, a CPU, a GPU before FP8 tensor cores: refused before the run directory
-        require_fp8(device, emulate=False)
-        if cfg.fp8 == "linears+head":
-            require_fp8_head(run.cache_config.target.vocab_size, run.cache_config.target.hidden_size)
+    # --fp8: no torchao, a CPU, a GPU before FP8 tensor cores: refused before the run directory
+    if cfg.fp8 not in (AUTO, "off"):
+        _require_fp8(cfg.fp8, run, device)
+    if not cfg.resume:
+        cfg = _fp8_resolved(cfg, run, device, None)
     if device.type == "cuda" or cfg.compile_pointwise:  # where the step compiles
         use_compile_cache(cfg.compile)
     if cfg.attention == "flex" and device.type != "cuda":
@@ -113,6 +116,7 @@ def _train(cfg: TrainConfig) -> TrainSummary:
             clean_stale_temporaries(cfg.out_dir)
         newest = latest_checkpoint(cfg.out_dir)
         folders = checkpoint_folders(cfg.out_dir)
+        cfg = _fp8_resolved(cfg, run, device, newest)  # a resume's auto: its checkpoint's mode
         if not cfg.resume and folders:
             raise ValueError(
                 f"{cfg.out_dir} already holds checkpoints; pass --resume to continue that run or choose another --out"
@@ -144,6 +148,36 @@ def _train(cfg: TrainConfig) -> TrainSummary:
         return summary
     finally:
         lock.release()
+
+
+def _require_fp8(mode: str, run: ResolvedRun, device: torch.device) -> None:
+    require_fp8(device, emulate=False)
+    if mode == "linears+head":
+        require_fp8_head(run.cache_config.target.vocab_size, run.cache_config.target.hidden_size)
+
+
+def _fp8_resolved(cfg: TrainConfig, run: ResolvedRun, device: torch.device, resumed: Checkpoint | None) -> TrainConfig:
+    """cfg with --fp8 auto made concrete (train/drafter/fp8.py: resolve_fp8), before anything records the
+    run's identity; a resumed run keeps the mode its checkpoint trained with, wherever it resumes."""
+    if cfg.fp8 != AUTO:
+        return cfg
+    if resumed is None:
+        target = run.cache_config.target
+        head_shape = (target.vocab_size, target.hidden_size)
+        mode = resolve_fp8(AUTO, device, arch=run.drafter.arch, compute_dtype=cfg.compute_dtype, head_shape=head_shape)
+    else:
+        mode = recorded_setting(resumed, "fp8")
+        if mode not in FP8_MODES:
+            raise CheckpointError(f"{resumed.path}: records --fp8 {mode!r}, not one of {', '.join(FP8_MODES)}")
+        log.info("--fp8 auto: %s, as %s trained", mode, resumed.path.name)
+        if mode != "off":
+            _require_fp8(mode, run, device)
+    if mode == "off" and cfg.fp8_recipe != FP8_RECIPES[0]:
+        raise UserError(
+            f"--fp8-recipe {cfg.fp8_recipe}: --fp8 auto trains in bf16 here (on {device}, --compute-dtype "
+            f"{cfg.compute_dtype}); drop --fp8-recipe"
+        )
+    return dataclasses.replace(cfg, fp8=mode)
 
 
 class Trainer:

@@ -13,8 +13,8 @@ Compared, in this order (a refusal lists every difference, in this order):
              fingerprint, shard count, cache id; checked only when the checkpoint recorded it)
 
 A setting or drafter field added after a checkpoint was written is absent from its record: that run
-trained as the field's default does (every new option defaults to the behaviour before it), so an absent
-key counts as its default. Run now with another value, it differs and is named.
+trained as the behaviour before the field, which is the field's default (or, for a default changed since,
+BEFORE_FIELD's value), so an absent key counts as that. Run now with another value, it differs and is named.
 """
 
 from __future__ import annotations
@@ -45,6 +45,19 @@ def cache_identity(run: ResolvedRun) -> dict[str, Any]:
     }
 
 
+# Settings whose default changed: what a checkpoint written before the setting existed trained with.
+BEFORE_FIELD = {"fp8": "off"}  # --fp8 auto resolves to a concrete mode, recorded; no FP8 before the flag
+
+
+def recorded_setting(ckpt: Checkpoint, name: str) -> Any:
+    """The value of setting `name` that checkpoint `ckpt` trained with (absent: module docstring)."""
+    state = ckpt.state
+    recorded = state.get("resolved_identity")
+    if not isinstance(recorded, dict):
+        recorded = state.get("config_identity") if isinstance(state.get("config_identity"), dict) else {}
+    return recorded.get(name, BEFORE_FIELD.get(name, _field_defaults(TrainConfig).get(name)))
+
+
 def _field_defaults(cls: type) -> dict[str, Any]:
     """{key: default as train_state.json holds it} of every option of config class `cls` that has one."""
     defaults = {}
@@ -58,7 +71,7 @@ def _field_defaults(cls: type) -> dict[str, Any]:
 
 def _absent_as_default(recorded: dict, now: dict, cls: type) -> dict:
     """`recorded` with each key it lacks and `now` has set to that field's default (module docstring)."""
-    defaults = _field_defaults(cls)
+    defaults = {**_field_defaults(cls), **BEFORE_FIELD}
     return {**{k: defaults[k] for k in now.keys() - recorded.keys() if k in defaults}, **recorded}
 
 

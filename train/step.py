@@ -23,7 +23,7 @@ Legend: T token budget, K taps, H hidden, NB blocks, B block size.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -36,7 +36,7 @@ from train.checkpoint.export import load_drafter_weights_
 from train.config import TrainConfig
 from train.distributed import FlatGrads, broadcast_parameters
 from train.drafter.attention import BlockAttentionLayout, choose_backend
-from train.drafter.fp8 import float8_linears_, require_fp8
+from train.drafter.fp8 import AUTO, float8_linears_, require_fp8, resolve_fp8
 from train.drafter.model import DFlashDrafter, Linear, TargetHead
 from train.drafter.pointwise import compile_pointwise_
 from train.loss.chunked import block_loss
@@ -98,6 +98,10 @@ def build_step_state(
     pointwise regions, FP8 linears). fp8_emulate: --fp8 in torchao's emulation on any device (tests on
     CPU; not a user flag, train/drafter/fp8.py)."""
     compute_dtype = torch_dtype(cfg.compute_dtype)
+    if cfg.fp8 == AUTO:  # a library caller's config; dflash-train resolves it before recording the run
+        head_shape = tuple(head["lm_head"].shape)
+        fp8 = resolve_fp8(AUTO, device, arch=run.drafter.arch, compute_dtype=cfg.compute_dtype, head_shape=head_shape)
+        cfg = replace(cfg, fp8=fp8)
     if cfg.fp8 != "off":  # before any weight is built
         require_fp8(device, emulate=fp8_emulate)
     torch.manual_seed(cfg.seed)  # identical init on every rank; the broadcast makes sure

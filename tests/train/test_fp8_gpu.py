@@ -94,18 +94,23 @@ GPU_RUN = dict(device="cuda", attention="flex", compute_dtype="bfloat16", num_bl
 GPU_RUN["mask_token_id"] = GPU_CACHE["vocab_size"] - 1
 
 
-@pytest.mark.parametrize("fp8", ["linears", "linears+head"])
-def test_fp8_step_under_cuda_graphs_equals_the_eager_fp8_step(tmp_path, fp8):
+DFLASH2_RUN = dict(arch="dflash2", selector_gold="swap", selector_warmup_steps=4)
+
+
+@pytest.mark.parametrize("fp8,arch", [("linears", "dflash"), ("linears+head", "dflash"), ("linears+head", "dflash2")])
+def test_fp8_step_under_cuda_graphs_equals_the_eager_fp8_step(tmp_path, fp8, arch):
     """Capture and replay of the FP8 step (dynamic scales on the device, no host sync) give the eager FP8
-    step's losses; and they stay within FP8's rounding of the bf16 run's."""
+    step's losses; and they stay within FP8's rounding of the bf16 run's. DFlash 2 too: its selector reads
+    the FP8 head's logits."""
     cache = tiny_cache(tmp_path / "cache", num_batches=4, **GPU_CACHE)
+    drafter = DFLASH2_RUN if arch == "dflash2" else {}
     runs = {}
     for name, options in {
         "eager": dict(fp8=fp8, cuda_graphs=False),
         "graphs": dict(fp8=fp8, cuda_graphs=True),
-        "bf16": dict(cuda_graphs=True),
+        "bf16": dict(fp8="off", cuda_graphs=True),
     }.items():
-        run_training(tiny_config(cache, tmp_path / name, **GPU_RUN, **options))
+        run_training(tiny_config(cache, tmp_path / name, **GPU_RUN, **drafter, **options))
         runs[name] = {r["step"]: r["loss/total"] for r in read_records(tmp_path / name)}
     assert sorted(runs["eager"]) == sorted(runs["graphs"]) == list(range(1, 9))
     graphs = max(abs(runs["eager"][s] - runs["graphs"][s]) / abs(runs["eager"][s]) for s in runs["eager"])

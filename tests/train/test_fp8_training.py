@@ -12,6 +12,9 @@ the float32 path's is ~5e-7, and no converted layer's gradient equals the float3
 if --fp8 silently computes in high precision.
 """
 
+import json
+import logging
+import shutil
 import sys
 
 import pytest
@@ -26,7 +29,7 @@ from tests.helpers.train import run_steps, tiny_cache, tiny_cli_args
 from train.checkpoint.export import export_drafter, load_exported_drafter
 from train.checkpoint.store import MODEL_FILE
 from train.cli import main
-from train.drafter.fp8 import float8_linears_, require_fp8
+from train.drafter.fp8 import float8_linears_, require_fp8, resolve_fp8
 from train.drafter.linear import Linear
 from train.drafter.model import TargetHead
 from train.drafter.pointwise import compile_pointwise_
@@ -211,7 +214,7 @@ def test_dflash_train_refuses_fp8_on_cpu_before_the_run_directory(tmp_path):
 
 def test_dflash_train_help_teaches_fp8():
     text = " ".join(CliRunner().invoke(main, ["train", "--help"]).output.split())
-    for phrase in ("--fp8 [off|linears|linears+head]", "8.9+", "off until the acceptance testbed", "--fp8-recipe"):
+    for phrase in ("--fp8 [auto|off|linears|linears+head]", "8.9+", "as good as bf16 ones", "--fp8-recipe", "1.44x"):
         assert phrase in text, phrase
 
 
@@ -220,7 +223,8 @@ def test_fp8_recipe_without_fp8_is_refused_before_the_run_directory(tmp_path):
     # later resume without it refused.
     cache = tiny_cache(tmp_path / "cache", num_batches=2)
     res = CliRunner().invoke(main, tiny_cli_args(cache, tmp_path / "run", "--fp8-recipe", "rowwise"))
-    assert res.exit_code != 0 and "--fp8-recipe" in res.output and "--fp8 linears" in res.output, res.output
+    assert res.exit_code != 0 and "--fp8-recipe rowwise" in res.output, res.output
+    assert "--fp8 auto trains in bf16 here" in res.output, res.output
     assert not (tmp_path / "run").exists()
 
 
@@ -230,3 +234,68 @@ def test_fp8_head_refused_for_sizes_no_fp8_gemm_takes():
     require_fp8_head(248320, 5120)
     with pytest.raises(UserError, match=r"LM head is 250 x 64; .*use --fp8 linears"):
         require_fp8_head(250, 64)
+
+
+def resolved_on(
+    monkeypatch, capability, *, arch="dflash", compute_dtype="bfloat16", head_shape=(4096, 256), torchao=True
+):
+    """--fp8 auto resolved on a stand-in CUDA GPU of `capability` (no GPU needed: only its queries)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Stand-in GPU")
+    if not torchao:
+        monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import fails as when not installed
+    device = torch.device("cuda:0")
+    return resolve_fp8("auto", device, arch=arch, compute_dtype=compute_dtype, head_shape=head_shape)
+
+
+def test_fp8_auto_is_linears_and_head_where_fp8_training_runs(monkeypatch):
+    assert resolved_on(monkeypatch, (9, 0)) == "linears+head"
+    assert resolved_on(monkeypatch, (8, 9)) == "linears+head"
+    assert resolved_on(monkeypatch, (9, 0), head_shape=(250, 64)) == "linears"  # no FP8 GEMM takes the head
+
+
+def test_fp8_auto_is_off_where_fp8_training_cannot_run(monkeypatch, caplog):
+    cpu = torch.device("cpu")
+    assert resolve_fp8("auto", cpu, arch="dflash", compute_dtype="bfloat16", head_shape=(4096, 256)) == "off"
+    assert resolved_on(monkeypatch, (8, 0)) == "off"  # A100: no FP8 tensor cores
+    assert resolved_on(monkeypatch, (9, 0), arch="dflash2") == "off"  # not yet judged by the table
+    assert resolved_on(monkeypatch, (9, 0), compute_dtype="float32") == "off"
+    with caplog.at_level(logging.WARNING, logger="train.drafter.fp8"):
+        assert resolved_on(monkeypatch, (9, 0), torchao=False) == "off"
+    assert "pip install 'dflash-pipeline[fp8]'" in caplog.text and "1.44x" in caplog.text
+
+
+def test_fp8_explicit_modes_are_kept(monkeypatch):
+    for mode in ("off", "linears", "linears+head"):
+        cpu = torch.device("cpu")
+        assert resolve_fp8(mode, cpu, arch="dflash2", compute_dtype="float32", head_shape=(250, 64)) == mode
+
+
+def test_dflash_train_records_the_mode_auto_chose(tmp_path):
+    cache, run = tiny_cache(tmp_path / "cache", num_batches=3), tmp_path / "run"
+    args = tiny_cli_args(cache, run, "--max-steps", "1", "--checkpoint-every", "1")
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    assert json.loads((run / "run.json").read_text())["config"]["fp8"] == "off"  # a CPU: bf16
+    state = json.loads((run / "step-00000001" / "train_state.json").read_text())
+    assert state["resolved_identity"]["fp8"] == "off"
+
+
+def test_a_resume_under_auto_keeps_its_checkpoints_mode(tmp_path):
+    """Resumed with --fp8 auto, a run goes on in the mode its checkpoint trained with, not the one this
+    machine would pick: a checkpoint that trained FP8 is refused on a CPU, naming the need, where a fresh
+    run would train in bf16."""
+    cache, run = tiny_cache(tmp_path / "cache", num_batches=3), tmp_path / "run"
+    args = tiny_cli_args(cache, run, "--max-steps", "2", "--checkpoint-every", "1")
+    assert CliRunner().invoke(main, args).exit_code == 0
+    shutil.rmtree(run / "step-00000002")
+    state_path = run / "step-00000001" / "train_state.json"
+    state = json.loads(state_path.read_text())
+    state["resolved_identity"]["fp8"] = "linears+head"  # as an FP8 GPU's run records it
+    del state["state_checksum"]
+    state_path.write_text(json.dumps(state))
+    res = CliRunner().invoke(main, [*args, "--resume"])
+    assert res.exit_code == 1 and "--fp8 needs a CUDA GPU of compute capability 8.9+" in res.output, res.output
+    assert not (run / "step-00000002").exists()
+    res = CliRunner().invoke(main, [*args, "--resume", "--fp8", "off"])  # an explicit mode is compared, named
+    assert res.exit_code == 1 and "--fp8" in res.output and "linears+head" in res.output, res.output

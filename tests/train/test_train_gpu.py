@@ -3,6 +3,7 @@ under graphs continues the same loss sequence."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -14,7 +15,9 @@ from train.loop import run_training
 GPU_CACHE = dict(hidden_size=256, vocab_size=2048, token_budget=1024, max_seqs=4, tap_layer_ids=(1, 3, 5))
 
 
-ON_GPU = dict(device="cuda", attention="flex", compute_dtype="bfloat16")
+# bf16 (--fp8 off): these tests hold the captured step to the eager one at bf16's tolerances; the default
+# --fp8 auto has its own test below.
+ON_GPU = dict(device="cuda", attention="flex", compute_dtype="bfloat16", fp8="off")
 GPU_DRAFTER = dict(num_blocks=16, block_size=16, num_layers=2, mask_token_id=GPU_CACHE["vocab_size"] - 1)
 
 
@@ -94,3 +97,28 @@ def test_step_options_under_graphs_follow_the_default_loss_sequence(tmp_path, op
     assert sorted(default) == sorted(changed) == list(range(1, 9))
     diffs = {s: abs(default[s] - changed[s]) / abs(default[s]) for s in default}
     assert max(diffs.values()) <= 1e-2, f"{option} vs default relative loss diffs {diffs}"
+
+
+@pytest.mark.gpu
+def test_the_default_trains_fp8_on_an_fp8_gpu_and_resumes_in_it(tmp_path):
+    """--fp8 auto on a GPU with FP8 tensor cores (the H200) trains linears+head, records it, follows the
+    bf16 run's losses within FP8's error (tests/train/test_fp8_training.py: 1e-2 relative per loss, here
+    over 8 steps of training that each carry it: 5e-2), and a resume under auto goes on in FP8."""
+    pytest.importorskip("torchao.float8")
+    cache = tiny_cache(tmp_path / "cache", num_batches=4, **GPU_CACHE)
+    auto = {**ON_GPU, **GPU_DRAFTER}
+    del auto["fp8"]
+    run_training(tiny_config(cache, tmp_path / "bf16", **ON_GPU, **GPU_DRAFTER))
+    run_training(tiny_config(cache, tmp_path / "auto", checkpoint_every=4, **auto))
+    assert json.loads((tmp_path / "auto" / "run.json").read_text())["config"]["fp8"] == "linears+head"
+    bf16, fp8 = losses(tmp_path / "bf16"), losses(tmp_path / "auto")
+    assert sorted(bf16) == sorted(fp8) == list(range(1, 9))
+    diffs = {s: abs(bf16[s] - fp8[s]) / abs(bf16[s]) for s in bf16}
+    assert 0 < max(diffs.values()) <= 5e-2, f"fp8 vs bf16 relative loss diffs {diffs}"
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(tmp_path / "auto" / "step-00000004", resumed / "step-00000004")
+    run_training(tiny_config(cache, resumed, checkpoint_every=4, resume=True, **auto))
+    assert json.loads((resumed / "run.json").read_text())["config"]["fp8"] == "linears+head"
+    again = losses(resumed)
+    assert max(abs(again[s] - fp8[s]) / abs(fp8[s]) for s in range(5, 9)) <= 1e-2

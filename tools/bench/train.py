@@ -30,7 +30,9 @@ elementwise, copy/cast, reduction, optimizer, other); the table is printed and s
 under "profile". The step's own options (STEP_FIELDS: --checkpoint-layers, the compute dtype, the
 loss chunk, the elementwise cuts and DFlash 2's --selector-gold) are dflash-train's flags, generated from TrainConfig, so one
 run can compare a setting on and off; --num-blocks overrides the density (e.g. 4096 per 49152 tokens
-with --checkpoint-layers). Each result also reports ms per query token (step time / query tokens).
+with --checkpoint-layers). Each result also reports ms per query token (step time / query tokens). The
+step runs as dflash-train's defaults run it: --fp8 auto is linears+head on a GPU with FP8 tensor cores and
+torchao (the result's step_options name the mode that ran); --fp8 off measures the bf16 step.
 
 Usage: python -m tools.bench.train --out bench_train.json [--sizes 27b,4b] [--steps 5]
        python -m tools.bench.train --sizes 27b --modes graphs --seq-lens 4096,32768 \
@@ -75,7 +77,7 @@ from tools.bench.train_workload import (
 )
 from train.blocks import default_num_blocks, sample_blocks
 from train.config import TrainConfig
-from train.drafter.fp8 import FP8_MODES, FP8_RECIPES
+from train.drafter.fp8 import FP8_MODES, FP8_RECIPES, resolve_fp8
 from train.drafter.model import count_parameters
 from train.metrics.flops import peak_flops
 from train.metrics.sums import COUNT
@@ -155,6 +157,10 @@ def bench_one(size: Size, mode: str, num_blocks: int, options: RunOptions, devic
                 **options.step_options,
             ),
         )
+        # --fp8 auto as dflash-train resolves it here, so the result names the mode that ran
+        head_shape = (size.vocab, size.hidden)
+        fp8 = resolve_fp8(cfg.fp8, device, arch=dcfg.arch, compute_dtype=cfg.compute_dtype, head_shape=head_shape)
+        cfg = dataclasses.replace(cfg, fp8=fp8)
     run = ResolvedRun(
         cache_config=cc,
         drafter=dcfg,
@@ -236,7 +242,7 @@ def bench_one(size: Size, mode: str, num_blocks: int, options: RunOptions, devic
         "mean_loss": loss,
         "mean_selector_loss": selector_loss,
         "params": count_parameters(dcfg),
-        "step_options": dict(options.step_options),
+        "step_options": {**options.step_options, "fp8": cfg.fp8},
         "device": device.type,
     }
     if options.profile_steps:

@@ -21,7 +21,13 @@ cover the linears that stay in bf16. With compiled pointwise regions: each FP8 l
 compiled too (its amax, scale and cast fuse into a few kernels instead of a pass each), under the same
 raised recompile limit.
 
-FP8 GEMMs need compute capability 8.9 (Ada, Hopper) or newer; elsewhere `--fp8` is refused.
+FP8 GEMMs need compute capability 8.9 (Ada, Hopper) or newer; elsewhere an explicit `--fp8 linears` or
+`linears+head` is refused. The default, `auto`, is `linears+head` for a DFlash 1 drafter wherever those run
+(a CUDA GPU of 8.9+, torchao installed, bf16 compute) and off elsewhere (`resolve_fp8`): the acceptance
+testbed found FP8-trained DFlash 1 drafters within the seed spread of bf16 ones on every column
+(BENCHMARKS.md, "Acceptance by numerics choice"), and the step is 1.44x faster at 27B width. DFlash 2
+stays bf16 under auto until the table's `dflash2-fp8-train` row has judged it (the selector reads the
+FP8 head's logits too). A resumed run keeps the mode its checkpoint trained with.
 `emulate` (not a user flag: build_step_state(fp8_emulate=True), the CPU tests) runs the same casts and
 dequantised matmuls in high precision on any device.
 """
@@ -35,11 +41,14 @@ import torch
 import torch.nn as nn
 
 from shards.common.errors import UserError
+from train.drafter.config import DFLASH1
 from train.drafter.linear import Linear
 
 log = logging.getLogger(__name__)
 
-FP8_MODES = ("off", "linears", "linears+head")  # TrainConfig.fp8
+FP8_MODES = ("off", "linears", "linears+head")  # what a run trains with
+AUTO = "auto"  # TrainConfig.fp8's default: resolve_fp8 picks one of FP8_MODES
+AUTO_MODE = "linears+head"  # what auto picks where FP8 training runs: the testbed's fp8-train row
 FP8_RECIPES = ("tensorwise", "rowwise")  # TrainConfig.fp8_recipe: torchao's recipe names, the default first
 MIN_CAPABILITY = (8, 9)  # the first compute capability with FP8 tensor cores (Ada); Hopper is 9.0
 BF16_LINEARS = ("kernel_projection", "hidden_projection")  # DFlash 2's, see the module docstring
@@ -62,6 +71,43 @@ def require_fp8(device: torch.device, *, emulate: bool) -> None:
             f"--fp8 needs compute capability 8.9+ (Ada, Hopper: FP8 tensor cores); {torch.cuda.get_device_name(device)} "
             f"is {capability[0]}.{capability[1]}: drop --fp8"
         )
+
+
+def resolve_fp8(mode: str, device: torch.device, *, arch: str, compute_dtype: str, head_shape: tuple[int, int]) -> str:
+    """--fp8 as this run trains: `mode` itself unless it is auto, which is AUTO_MODE where FP8 training
+    runs (the module docstring), `linears` where the head's GEMMs cannot (head_shape = vocabulary x hidden,
+    not multiples of 16) and off elsewhere, each choice logged with its reason."""
+    if mode != AUTO:
+        return mode
+    why_not = _why_no_fp8(device, compute_dtype, arch)
+    if why_not is not None:
+        log.info("--fp8 auto: off (%s)", why_not)
+        return "off"
+    if head_shape[0] % 16 or head_shape[1] % 16:
+        log.info("--fp8 auto: linears (the LM head is %d x %d; FP8 GEMMs need multiples of 16)", *head_shape)
+        return "linears"
+    log.info(
+        "--fp8 auto: %s (FP8 GEMMs on %s; --fp8 off trains in bf16)", AUTO_MODE, torch.cuda.get_device_name(device)
+    )
+    return AUTO_MODE
+
+
+def _why_no_fp8(device: torch.device, compute_dtype: str, arch: str) -> str | None:
+    if arch != DFLASH1:
+        return f"--arch {arch}: not yet judged by the acceptance table; --fp8 linears+head opts in"
+    if device.type != "cuda":
+        return f"device {device}: FP8 GEMMs need a CUDA GPU"
+    if compute_dtype != "bfloat16":
+        return f"--compute-dtype {compute_dtype}: FP8 replaces bf16 matmuls only"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        return f"{torch.cuda.get_device_name(device)} is compute capability {capability[0]}.{capability[1]}, below 8.9"
+    try:
+        _torchao_float8()
+    except UserError as e:
+        log.warning("--fp8 auto: %s; training in bf16, about 1.44x slower at 27B width", e)
+        return "torchao is not installed"
+    return None
 
 
 def _torchao_float8():

@@ -24,7 +24,7 @@ def test_graph_step_equals_eager_step_at_27b_width(tmp_path):
     # token in its top 16 of 248K at a handful of slots, and graphs and eager draw different anchors
     # (the graph's RNG offsets), so the two means were of a few different slots (0.59 vs 1.12 on the H200).
     args = ["--sizes", "27b2", "--modes", "graphs,eager", "--steps", "3", "--num-blocks", "512"]
-    args += ["--selector-gold", "swap", "--out", str(out)]
+    args += ["--selector-gold", "swap", "--fp8", "off", "--out", str(out)]  # bf16: the tolerance below
     result = CliRunner().invoke(bench_train, args)
     assert result.exit_code == 0, result.output
     graphs, eager = json.loads(out.read_text())["results"]

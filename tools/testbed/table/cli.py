@@ -48,7 +48,8 @@ def main(**options) -> None:
     Data: the target answers --prompts through dflash-data regenerate (tiny server), dflash-data prepare,
     then dflash-extract per row. Rows: bf16-storage (baseline), fp8-storage, fp8-compute (CUDA only),
     sliding-layers, pca-8/16/32 (and -raw), sliding-all, dflash2, dflash2-swap, fp8-train (CUDA only),
-    long-context (against sliding-all). Each row is trained with
+    dflash2-fp8-train (CUDA only, against dflash2-swap), long-context (against sliding-all). Every row
+    but the fp8-train ones trains in bf16 (--fp8 off). Each row is trained with
     every seed; the table gives mean [min, max] and says which differences from the baseline are within
     the seeds' spread.
     """

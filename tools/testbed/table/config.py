@@ -30,7 +30,8 @@ class TableConfig:
     command again continues where the last run stopped; results of changed settings are recomputed."""
     rows: list[str] = field(default_factory=list)
     """Rows to run, comma-separated (bf16-storage, fp8-storage, fp8-compute, sliding-layers, pca-8 / -16 / -32 and
-    their -raw twins, sliding-all, dflash2, dflash2-swap, fp8-train, long-context). Default: all."""
+    their -raw twins, sliding-all, dflash2, dflash2-swap, fp8-train, dflash2-fp8-train, long-context). Default:
+    all."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """Training seeds, the same for every row; at least 3 (each figure is a mean and a spread over them)."""
     num_prompts: int = 0

@@ -136,6 +136,21 @@ ROWS: tuple[Row, ...] = (
         )
         for gold, meaning in SELECTOR_GOLD.items()
     ),
+    # FP8 training of a DFlash 2 drafter (dflash-train's --fp8 auto keeps DFlash 2 in bf16 until this row
+    # has judged it): against dflash2-swap, the same drafter trained in bf16.
+    Row(
+        name="dflash2-fp8-train",
+        what="dflash2-swap trained on FP8 matmuls: its linears and the frozen LM head's two GEMMs, whose logits "
+        "the selector also reads (dflash-train --fp8 linears+head)",
+        train_options={
+            "--arch": "dflash2",
+            "--sliding-window": "{sliding_window}",
+            "--selector-gold": "swap",
+            "--fp8": "linears+head",
+        },
+        needs_cuda=True,
+        versus="dflash2-swap",
+    ),
 )
 BASELINE = ROWS[0].name  # the row every other one is compared with
 

@@ -88,8 +88,11 @@ class Plan:
         return options
 
     def train_options(self, row: Row, seed: int) -> dict[str, str | None]:
-        """dflash-train train's options that decide the drafter: the table's, then the row's over them."""
+        """dflash-train train's options that decide the drafter: the table's, then the row's over them. The
+        table trains in bf16 (--fp8 off, not the default auto) so that every row but the fp8-train ones is
+        judged against the same bf16 baseline on any GPU."""
         table = {
+            "--fp8": "off",
             "--max-steps": str(self.cfg.steps),
             "--lr": f"{self.cfg.lr:g}",
             "--seed": str(seed),
