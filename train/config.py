@@ -92,8 +92,9 @@ class TrainConfig:
     = also the frozen LM head's logits GEMM and its input-gradient GEMM in the loss (e4m3 head, per-tensor
     scales), 1.44x bf16's speed at 27B width; off = bf16. auto = linears+head for a DFlash 1 drafter where
     it runs (a CUDA GPU of compute capability 8.9+, e.g. H100/H200, with torchao: pip install
-    'dflash-pipeline[fp8]'; bf16 compute), else off: the acceptance testbed finds FP8-trained drafters as
-    good as bf16 ones (DFlash 2 not yet judged: bf16 unless asked). A resumed run keeps its checkpoint's mode."""
+    'dflash-pipeline[fp8]'; bf16 compute; linears if the LM head's sizes are not multiples of 16), else
+    off: on the acceptance testbed's small target FP8-trained drafters are within the seed spread of bf16
+    ones (DFlash 2 not yet judged: bf16 unless asked). A resumed run keeps its checkpoint's mode."""
     fp8_recipe: Literal["tensorwise", "rowwise"] = FP8_RECIPES[0]
     """With --fp8: the linears' scaling (torchao's recipes): tensorwise = one scale per tensor (cuBLAS, the
     fastest); rowwise = one per row, e4m3 gradients too, power-of-two scales (CUTLASS, more accurate)."""

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shards.common.errors import UserError
 from shards.common.runtime import DistInfo, init_process_group, rank_info
 
 
@@ -38,6 +39,20 @@ def all_reduce_sum_(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def same_on_every_rank(value: str, what: str, device: torch.device) -> None:
+    """Refuse (UserError on every rank) a setting that each rank resolved on its own machine and that came
+    out differently: a job of mixed machines would otherwise train different steps on different ranks."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    if device.type == "cuda":  # NCCL gathers the pickled values through the rank's current device
+        torch.cuda.set_device(device)
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    if len(set(values)) > 1:
+        per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        raise UserError(f"{what} came out differently on the ranks ({per_rank})")
 
 
 def broadcast_parameters(model: nn.Module) -> None:

@@ -61,7 +61,7 @@ from train.checkpoint.weight_shapes import check_weight_shapes
 from train.config import TrainConfig
 from train.console import TrainSummary, announce_run
 from train.data import Batch, rank_batches
-from train.distributed import init_distributed
+from train.distributed import init_distributed, same_on_every_rank
 from train.drafter.attention import choose_backend
 from train.drafter.fp8 import AUTO, FP8_MODES, FP8_RECIPES, require_fp8, resolve_fp8
 from train.eval.evaluate import EvalResult, eval_copy, evaluate_drafter
@@ -135,6 +135,8 @@ def _train(cfg: TrainConfig) -> TrainSummary:
         dist_info = init_distributed(device.type)
         with process_group_scope():  # the group ends here on every rank, its threads with it
             device = resolve_device(cfg.device, dist_info.local_rank)
+            # --fp8 auto resolves on each rank's machine: a job of mixed machines must not mix modes
+            same_on_every_rank(cfg.fp8, "--fp8 (auto picks per machine: pass off, linears or linears+head)", device)
             trainer = Trainer(cfg, run, dist_info, device)
             try:
                 summary = trainer.train()
@@ -163,20 +165,29 @@ def _fp8_resolved(cfg: TrainConfig, run: ResolvedRun, device: torch.device, resu
         return cfg
     if resumed is None:
         target = run.cache_config.target
-        head_shape = (target.vocab_size, target.hidden_size)
-        mode = resolve_fp8(AUTO, device, arch=run.drafter.arch, compute_dtype=cfg.compute_dtype, head_shape=head_shape)
-    else:
-        mode = recorded_setting(resumed, "fp8")
-        if mode not in FP8_MODES:
-            raise CheckpointError(f"{resumed.path}: records --fp8 {mode!r}, not one of {', '.join(FP8_MODES)}")
-        log.info("--fp8 auto: %s, as %s trained", mode, resumed.path.name)
-        if mode != "off":
-            _require_fp8(mode, run, device)
-    if mode == "off" and cfg.fp8_recipe != FP8_RECIPES[0]:
-        raise UserError(
-            f"--fp8-recipe {cfg.fp8_recipe}: --fp8 auto trains in bf16 here (on {device}, --compute-dtype "
-            f"{cfg.compute_dtype}); drop --fp8-recipe"
+        mode = resolve_fp8(
+            AUTO,
+            device,
+            arch=run.drafter.arch,
+            compute_dtype=cfg.compute_dtype,
+            head_shape=(target.vocab_size, target.hidden_size),
+            recipe=cfg.fp8_recipe,
         )
+        return dataclasses.replace(cfg, fp8=mode)
+    mode = recorded_setting(resumed, "fp8")
+    if mode not in FP8_MODES:
+        raise CheckpointError(f"{resumed.path}: records --fp8 {mode!r}, not one of {', '.join(FP8_MODES)}")
+    log.info("--fp8 auto: %s, as %s trained", mode, resumed.path.name)
+    if mode == "off" and cfg.fp8_recipe != FP8_RECIPES[0]:
+        raise UserError(f"--fp8-recipe {cfg.fp8_recipe}: {resumed.path.name} trained in bf16 (--fp8 off); drop it")
+    if mode != "off" and resumed.step < run.total_steps:  # a finished run trains nothing more
+        try:
+            _require_fp8(mode, run, device)
+        except UserError as e:
+            raise UserError(
+                f"{resumed.path.name} trained with --fp8 {mode}, which a resumed run keeps, and that cannot run "
+                f"here ({e}): resume on a GPU of compute capability 8.9+ with torchao"
+            ) from e
     return dataclasses.replace(cfg, fp8=mode)
 
 

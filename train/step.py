@@ -100,7 +100,14 @@ def build_step_state(
     compute_dtype = torch_dtype(cfg.compute_dtype)
     if cfg.fp8 == AUTO:  # a library caller's config; dflash-train resolves it before recording the run
         head_shape = tuple(head["lm_head"].shape)
-        fp8 = resolve_fp8(AUTO, device, arch=run.drafter.arch, compute_dtype=cfg.compute_dtype, head_shape=head_shape)
+        fp8 = resolve_fp8(
+            AUTO,
+            device,
+            arch=run.drafter.arch,
+            compute_dtype=cfg.compute_dtype,
+            head_shape=head_shape,
+            recipe=cfg.fp8_recipe,
+        )
         cfg = replace(cfg, fp8=fp8)
     if cfg.fp8 != "off":  # before any weight is built
         require_fp8(device, emulate=fp8_emulate)

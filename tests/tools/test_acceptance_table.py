@@ -275,6 +275,15 @@ def test_the_compact_cache_rows_take_their_rank_from_the_targets_width(target, t
             assert options["--storage"] == "fp8"
 
 
+def test_every_row_trains_in_bf16_but_the_fp8_training_rows(target, tmp_path):
+    """dflash-train's default --fp8 auto trains FP8 on an FP8 GPU: the table pins bf16, so each row is judged
+    against the same bf16 baseline on any GPU, and the FP8 rows say so themselves."""
+    plan = Plan(_config(target, tmp_path), dataset=None, device_type="cpu")
+    modes = {row.name: plan.train_options(row, 0)["--fp8"] for row in ROWS}
+    assert {name for name, mode in modes.items() if mode != "off"} == {"fp8-train", "dflash2-fp8-train"}
+    assert modes["fp8-train"] == modes["dflash2-fp8-train"] == "linears+head"
+
+
 def test_real_decoding_spans_the_held_out_replies_unless_told_otherwise(target, tmp_path):
     """The walk reads whole held-out replies (--max-tokens); real decoding generates as many tokens by default."""
     dataset = SimpleNamespace(identity={"data": "one data set for every plan"})

@@ -54,3 +54,26 @@ def test_two_gloo_ranks_equal_one_process_averaging_both_batches(tmp_path):
     assert record["opt/grad_norm"] == pytest.approx(float(norm), rel=1e-5)
     worst = max((p.detach() - trained[name]).abs().max().item() for name, p in model.named_parameters())
     assert worst <= 1e-6, f"max abs parameter diff after one step: {worst}"
+
+
+@pytest.mark.slow
+def test_a_setting_resolved_differently_on_two_ranks_is_refused_on_both():
+    """--fp8 auto resolves on each rank's machine; ranks that disagree must stop, not train different steps."""
+    agreed = subprocess.run(
+        torchrun_command("tests.helpers.rank_values", "off", "off"),
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert agreed.returncode == 0 and agreed.stdout.count("agreed") == 2, agreed.stdout + agreed.stderr[-2000:]
+    mixed = subprocess.run(
+        torchrun_command("tests.helpers.rank_values", "linears+head", "off"),
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert mixed.returncode != 0, mixed.stdout
+    refusal = "refused: --fp8 came out differently on the ranks (rank 0: linears+head, rank 1: off)"
+    assert mixed.stdout.count(refusal) == 2, mixed.stdout + mixed.stderr[-2000:]

@@ -22,6 +22,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+import train.loop
 import train.step
 from shards.common.errors import UserError
 from tests.helpers.drafter import blocks_and_layout, forward_blocks, make_batch, tiny_config, tiny_model_and_head
@@ -214,7 +215,13 @@ def test_dflash_train_refuses_fp8_on_cpu_before_the_run_directory(tmp_path):
 
 def test_dflash_train_help_teaches_fp8():
     text = " ".join(CliRunner().invoke(main, ["train", "--help"]).output.split())
-    for phrase in ("--fp8 [auto|off|linears|linears+head]", "8.9+", "as good as bf16 ones", "--fp8-recipe", "1.44x"):
+    for phrase in (
+        "--fp8 [auto|off|linears|linears+head]",
+        "8.9+",
+        "within the seed spread of bf16",
+        "--fp8-recipe",
+        "1.44x",
+    ):
         assert phrase in text, phrase
 
 
@@ -262,7 +269,7 @@ def test_fp8_auto_is_off_where_fp8_training_cannot_run(monkeypatch, caplog):
     assert resolved_on(monkeypatch, (9, 0), compute_dtype="float32") == "off"
     with caplog.at_level(logging.WARNING, logger="train.drafter.fp8"):
         assert resolved_on(monkeypatch, (9, 0), torchao=False) == "off"
-    assert "pip install 'dflash-pipeline[fp8]'" in caplog.text and "1.44x" in caplog.text
+    assert "pip install 'dflash-pipeline[fp8]'" in caplog.text and "unusable" in caplog.text
 
 
 def test_fp8_explicit_modes_are_kept(monkeypatch):
@@ -295,7 +302,50 @@ def test_a_resume_under_auto_keeps_its_checkpoints_mode(tmp_path):
     del state["state_checksum"]
     state_path.write_text(json.dumps(state))
     res = CliRunner().invoke(main, [*args, "--resume"])
-    assert res.exit_code == 1 and "--fp8 needs a CUDA GPU of compute capability 8.9+" in res.output, res.output
+    assert res.exit_code == 1, res.output
+    assert "step-00000001 trained with --fp8 linears+head, which a resumed run keeps" in res.output, res.output
+    assert "--fp8 needs a CUDA GPU of compute capability 8.9+" in res.output, res.output
     assert not (run / "step-00000002").exists()
     res = CliRunner().invoke(main, [*args, "--resume", "--fp8", "off"])  # an explicit mode is compared, named
     assert res.exit_code == 1 and "--fp8" in res.output and "linears+head" in res.output, res.output
+
+
+def test_a_resume_under_auto_trains_as_its_checkpoint_did_not_as_this_machine_would(tmp_path, monkeypatch):
+    """A bf16 checkpoint resumed under auto on a machine where auto would pick FP8 goes on in bf16."""
+    cache, run = tiny_cache(tmp_path / "cache", num_batches=3), tmp_path / "run"
+    args = tiny_cli_args(cache, run, "--max-steps", "2", "--checkpoint-every", "1")
+    assert CliRunner().invoke(main, args).exit_code == 0
+    shutil.rmtree(run / "step-00000002")
+    monkeypatch.setattr(train.loop, "resolve_fp8", lambda *a, **k: "linears+head")  # an FP8 GPU's pick
+    res = CliRunner().invoke(main, [*args, "--resume"])
+    assert res.exit_code == 0, res.output
+    state = json.loads((run / "step-00000002" / "train_state.json").read_text())
+    assert state["resolved_identity"]["fp8"] == "off"
+
+
+def test_a_finished_fp8_run_reports_complete_where_fp8_cannot_run(tmp_path):
+    cache, run = tiny_cache(tmp_path / "cache", num_batches=3), tmp_path / "run"
+    args = tiny_cli_args(cache, run, "--max-steps", "1", "--checkpoint-every", "1")
+    assert CliRunner().invoke(main, args).exit_code == 0
+    state_path = run / "step-00000001" / "train_state.json"
+    state = json.loads(state_path.read_text())
+    state["resolved_identity"]["fp8"] = "linears+head"
+    del state["state_checksum"]
+    state_path.write_text(json.dumps(state))
+    res = CliRunner().invoke(main, [*args, "--resume"])
+    assert res.exit_code == 0 and "already complete" in res.output, res.output
+
+
+def test_a_checkpoint_recording_an_unknown_fp8_mode_is_refused_naming_it(tmp_path):
+    cache, run = tiny_cache(tmp_path / "cache", num_batches=3), tmp_path / "run"
+    args = tiny_cli_args(cache, run, "--max-steps", "2", "--checkpoint-every", "1")
+    assert CliRunner().invoke(main, args).exit_code == 0
+    shutil.rmtree(run / "step-00000002")
+    state_path = run / "step-00000001" / "train_state.json"
+    state = json.loads(state_path.read_text())
+    state["resolved_identity"]["fp8"] = "fp4"
+    del state["state_checksum"]
+    state_path.write_text(json.dumps(state))
+    res = CliRunner().invoke(main, [*args, "--resume"])
+    assert res.exit_code == 1 and "records --fp8 'fp4', not one of off, linears, linears+head" in res.output
+    assert "step-00000001" in res.output, res.output

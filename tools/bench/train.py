@@ -63,6 +63,7 @@ from shards import CacheConfig, TargetInfo
 from shards.common.cli_options import build_config, config_options, from_options, option_fields
 from shards.common.compile_cache import CompileCacheConfig, use_compile_cache
 from shards.common.startup import StartupClock
+from shards.format import canonical_precision
 from tools.bench.kernel_profile import format_profile, profile_kernels
 from tools.bench.train_workload import (
     SIZES,
@@ -124,6 +125,21 @@ class Peaks:
     matmul: float | None  # bf16 8192^3 matmul FLOP/s measured on this GPU
 
 
+def _fp8_mode(size: Size, options: RunOptions, device: torch.device) -> str:
+    """--fp8 as dflash-train resolves it here (auto: train/drafter/fp8.py), so a result names the mode that ran."""
+    opts, defaults = options.step_options, TrainConfig.__dataclass_fields__
+    return resolve_fp8(
+        opts.get("fp8", defaults["fp8"].default),
+        device,
+        arch=drafter_config(size, options.layer_types, options.sliding_window).arch,
+        compute_dtype=canonical_precision(
+            opts.get("compute_dtype", defaults["compute_dtype"].default), ("bfloat16", "float32")
+        ),
+        head_shape=(size.vocab, size.hidden),
+        recipe=opts.get("fp8_recipe", defaults["fp8_recipe"].default),
+    )
+
+
 def bench_one(size: Size, mode: str, num_blocks: int, options: RunOptions, device: torch.device, peaks: Peaks) -> dict:
     """One configuration: set-up, warm-up, `options.steps` timed steps, then the optional profile."""
     steps, cuda = options.steps, device.type == "cuda"
@@ -157,10 +173,7 @@ def bench_one(size: Size, mode: str, num_blocks: int, options: RunOptions, devic
                 **options.step_options,
             ),
         )
-        # --fp8 auto as dflash-train resolves it here, so the result names the mode that ran
-        head_shape = (size.vocab, size.hidden)
-        fp8 = resolve_fp8(cfg.fp8, device, arch=dcfg.arch, compute_dtype=cfg.compute_dtype, head_shape=head_shape)
-        cfg = dataclasses.replace(cfg, fp8=fp8)
+        cfg = dataclasses.replace(cfg, fp8=_fp8_mode(size, options, device))
     run = ResolvedRun(
         cache_config=cc,
         drafter=dcfg,
@@ -278,7 +291,7 @@ def bench_size(size: Size, modes: list[str], options: RunOptions, device: torch.
                         "size": size.name,
                         "mode": mode,
                         "num_blocks": num_blocks,
-                        "step_options": dict(options.step_options),
+                        "step_options": {**options.step_options, "fp8": _fp8_mode(size, options, device)},
                         "device": device.type,
                         "error": "out of memory",
                     }

@@ -33,7 +33,7 @@ for compute in dense fp8; do
     extract train "$compute"
     extract heldout "$compute"
     step dflash-train train --cache "$work/train-$compute" --out "$work/run-$compute" --epochs "${EPOCHS:-40}" \
-        --lr 3e-3 --log-every 50 --seed 0 --device "$device"
+        --lr 3e-3 --log-every 50 --seed 0 --device "$device" --fp8 off  # bf16 training: the caches differ, not it
     step dflash-train export "$work/run-$compute" "$work/drafter-$compute"
 done
 for drafter in dense fp8; do

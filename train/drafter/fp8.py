@@ -73,14 +73,25 @@ def require_fp8(device: torch.device, *, emulate: bool) -> None:
         )
 
 
-def resolve_fp8(mode: str, device: torch.device, *, arch: str, compute_dtype: str, head_shape: tuple[int, int]) -> str:
+def resolve_fp8(
+    mode: str,
+    device: torch.device,
+    *,
+    arch: str,
+    compute_dtype: str,
+    head_shape: tuple[int, int],
+    recipe: str = FP8_RECIPES[0],
+) -> str:
     """--fp8 as this run trains: `mode` itself unless it is auto, which is AUTO_MODE where FP8 training
     runs (the module docstring), `linears` where the head's GEMMs cannot (head_shape = vocabulary x hidden,
-    not multiples of 16) and off elsewhere, each choice logged with its reason."""
+    not multiples of 16) and off elsewhere, each choice logged with its reason. An auto that comes out off
+    refuses a --fp8-recipe other than the default, which would do nothing."""
     if mode != AUTO:
         return mode
     why_not = _why_no_fp8(device, compute_dtype, arch)
     if why_not is not None:
+        if recipe != FP8_RECIPES[0]:
+            raise UserError(f"--fp8-recipe {recipe}: --fp8 auto trains in bf16 here ({why_not}); drop --fp8-recipe")
         log.info("--fp8 auto: off (%s)", why_not)
         return "off"
     if head_shape[0] % 16 or head_shape[1] % 16:
@@ -93,20 +104,20 @@ def resolve_fp8(mode: str, device: torch.device, *, arch: str, compute_dtype: st
 
 
 def _why_no_fp8(device: torch.device, compute_dtype: str, arch: str) -> str | None:
-    if arch != DFLASH1:
-        return f"--arch {arch}: not yet judged by the acceptance table; --fp8 linears+head opts in"
     if device.type != "cuda":
         return f"device {device}: FP8 GEMMs need a CUDA GPU"
-    if compute_dtype != "bfloat16":
-        return f"--compute-dtype {compute_dtype}: FP8 replaces bf16 matmuls only"
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
         return f"{torch.cuda.get_device_name(device)} is compute capability {capability[0]}.{capability[1]}, below 8.9"
+    if compute_dtype != "bfloat16":
+        return f"--compute-dtype {compute_dtype}: FP8 replaces bf16 matmuls only"
+    if arch != DFLASH1:
+        return f"--arch {arch}: not yet judged by the acceptance table; --fp8 linears+head opts in"
     try:
         _torchao_float8()
-    except UserError as e:
-        log.warning("--fp8 auto: %s; training in bf16, about 1.44x slower at 27B width", e)
-        return "torchao is not installed"
+    except Exception as e:  # not installed, or an install that fails to import: the default must still run
+        log.warning("--fp8 auto: torchao's float8 training is unusable (%s); training in bf16: %s", e, INSTALL_HINT)
+        return "torchao's float8 training is unusable"
     return None
 
 
