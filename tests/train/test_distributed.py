@@ -59,21 +59,14 @@ def test_two_gloo_ranks_equal_one_process_averaging_both_batches(tmp_path):
 @pytest.mark.slow
 def test_a_setting_resolved_differently_on_two_ranks_is_refused_on_both():
     """--fp8 auto resolves on each rank's machine; ranks that disagree must stop, not train different steps."""
-    agreed = subprocess.run(
-        torchrun_command("tests.helpers.rank_values", "off", "off"),
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+
+    def ranks_offering(rank0: str, rank1: str) -> subprocess.CompletedProcess:
+        command = torchrun_command("tests.helpers.rank_values", rank0, rank1)
+        return subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=120)
+
+    agreed = ranks_offering("off", "off")
     assert agreed.returncode == 0 and agreed.stdout.count("agreed") == 2, agreed.stdout + agreed.stderr[-2000:]
-    mixed = subprocess.run(
-        torchrun_command("tests.helpers.rank_values", "linears+head", "off"),
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    mixed = ranks_offering("linears+head", "off")
     assert mixed.returncode != 0, mixed.stdout
     refusal = "refused: --fp8 came out differently on the ranks (rank 0: linears+head, rank 1: off)"
     assert mixed.stdout.count(refusal) == 2, mixed.stdout + mixed.stderr[-2000:]

@@ -16,6 +16,7 @@ import json
 import logging
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -288,6 +289,15 @@ def test_dflash_train_records_the_mode_auto_chose(tmp_path):
     assert state["resolved_identity"]["fp8"] == "off"
 
 
+def record_fp8(run: Path, mode: str) -> None:
+    """Make step 1's train_state.json say it trained with --fp8 `mode` (its checksum dropped, as before one was kept)."""
+    state_path = run / "step-00000001" / "train_state.json"
+    state = json.loads(state_path.read_text())
+    state["resolved_identity"]["fp8"] = mode
+    del state["state_checksum"]
+    state_path.write_text(json.dumps(state))
+
+
 def test_a_resume_under_auto_keeps_its_checkpoints_mode(tmp_path):
     """Resumed with --fp8 auto, a run goes on in the mode its checkpoint trained with, not the one this
     machine would pick: a checkpoint that trained FP8 is refused on a CPU, naming the need, where a fresh
@@ -296,11 +306,7 @@ def test_a_resume_under_auto_keeps_its_checkpoints_mode(tmp_path):
     args = tiny_cli_args(cache, run, "--max-steps", "2", "--checkpoint-every", "1")
     assert CliRunner().invoke(main, args).exit_code == 0
     shutil.rmtree(run / "step-00000002")
-    state_path = run / "step-00000001" / "train_state.json"
-    state = json.loads(state_path.read_text())
-    state["resolved_identity"]["fp8"] = "linears+head"  # as an FP8 GPU's run records it
-    del state["state_checksum"]
-    state_path.write_text(json.dumps(state))
+    record_fp8(run, "linears+head")  # as an FP8 GPU's run records it
     res = CliRunner().invoke(main, [*args, "--resume"])
     assert res.exit_code == 1, res.output
     assert "step-00000001 trained with --fp8 linears+head, which a resumed run keeps" in res.output, res.output
@@ -327,11 +333,7 @@ def test_a_finished_fp8_run_reports_complete_where_fp8_cannot_run(tmp_path):
     cache, run = tiny_cache(tmp_path / "cache", num_batches=3), tmp_path / "run"
     args = tiny_cli_args(cache, run, "--max-steps", "1", "--checkpoint-every", "1")
     assert CliRunner().invoke(main, args).exit_code == 0
-    state_path = run / "step-00000001" / "train_state.json"
-    state = json.loads(state_path.read_text())
-    state["resolved_identity"]["fp8"] = "linears+head"
-    del state["state_checksum"]
-    state_path.write_text(json.dumps(state))
+    record_fp8(run, "linears+head")
     res = CliRunner().invoke(main, [*args, "--resume"])
     assert res.exit_code == 0 and "already complete" in res.output, res.output
 
@@ -341,11 +343,7 @@ def test_a_checkpoint_recording_an_unknown_fp8_mode_is_refused_naming_it(tmp_pat
     args = tiny_cli_args(cache, run, "--max-steps", "2", "--checkpoint-every", "1")
     assert CliRunner().invoke(main, args).exit_code == 0
     shutil.rmtree(run / "step-00000002")
-    state_path = run / "step-00000001" / "train_state.json"
-    state = json.loads(state_path.read_text())
-    state["resolved_identity"]["fp8"] = "fp4"
-    del state["state_checksum"]
-    state_path.write_text(json.dumps(state))
+    record_fp8(run, "fp4")
     res = CliRunner().invoke(main, [*args, "--resume"])
     assert res.exit_code == 1 and "records --fp8 'fp4', not one of off, linears, linears+head" in res.output
     assert "step-00000001" in res.output, res.output
